@@ -1,0 +1,1297 @@
+/* aiote C core: see aiote_core.h for the contract. */
+#define _GNU_SOURCE
+#include "aiote_core.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <time.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <net/if.h>
+#include <unistd.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#define OPK_WRITE 1
+#define OPK_READ 2
+#define OPK_SEND 3
+#define OPK_RECV 4
+
+#define CQ_BATCH 64
+
+typedef struct aio_op {
+    struct fi_context2 ctx; /* first: FI_CONTEXT / FI_CONTEXT2 mode */
+    int32_t kind;
+    int32_t rail;
+    int64_t group;
+    aio_mr *mr;
+    uint32_t slot;
+    int32_t next_free;
+} aio_op;
+
+typedef struct aio_rail {
+    pthread_mutex_t mu;
+    int index;
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_ep *ep;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    int wait_fd;
+    uint64_t mr_mode;
+    uint64_t mode;
+    uint32_t cq_data_size;
+    uint8_t addr[AIO_MAX_ADDR];
+    size_t addr_len;
+    /* op pool (under mu) */
+    aio_op *ops;
+    int32_t free_head;
+    uint32_t nops;
+    /* receive and send slots */
+    uint32_t nslots;
+    uint64_t slot_size;
+    char *recv_buf;
+    struct fid_mr *recv_mr;
+    void *recv_desc;
+    aio_op *recv_ops;
+    char *send_buf;
+    struct fid_mr *send_mr;
+    void *send_desc;
+    uint32_t *send_free;
+    uint32_t send_nfree;
+} aio_rail;
+
+struct aio_mr {
+    void *buf;
+    uint64_t len;
+    uint32_t access;
+    int nrails;
+    struct fid_mr *mr[AIO_MAX_RAILS];
+    void *desc[AIO_MAX_RAILS];
+    uint64_t key[AIO_MAX_RAILS];
+    uint64_t base[AIO_MAX_RAILS];
+    _Atomic int64_t inflight;
+    aio_mr *prev, *next;
+};
+
+typedef struct aio_group {
+    uint64_t token;
+    _Atomic int64_t posted;
+    _Atomic int64_t done;
+    _Atomic int32_t status;
+    _Atomic int32_t prov_errno;
+    _Atomic int32_t sealed;
+    _Atomic int32_t finished;
+    int32_t next_free;
+    int32_t in_use;
+} aio_group;
+
+typedef struct cslot {
+    uint32_t imm;
+    uint32_t used;
+    uint64_t avail;
+    uint64_t total;
+    uint64_t want;
+} cslot;
+
+typedef struct overflow_node {
+    aio_record rec;
+    struct overflow_node *next;
+} overflow_node;
+
+struct aio_engine {
+    aio_engine_config cfg;
+    int nrails;
+    aio_rail *rails[AIO_MAX_RAILS];
+
+    /* ring: producers serialized by ring_mu, one consumer (the loop) */
+    pthread_mutex_t ring_mu;
+    aio_record *ring;
+    uint32_t ring_mask;
+    _Atomic uint64_t ring_head;
+    _Atomic uint64_t ring_tail;
+    overflow_node *ovf_head, *ovf_tail;
+    _Atomic uint64_t ovf_count;
+    _Atomic int armed;
+    int efd;
+
+    /* groups */
+    pthread_mutex_t groups_mu;
+    aio_group *groups;
+    int32_t groups_free;
+
+    /* counters */
+    pthread_mutex_t cnt_mu;
+    cslot *cslots;
+    uint32_t ccap;
+    uint32_t cused;
+
+    /* regions */
+    pthread_mutex_t mr_mu;
+    aio_mr *mrs;
+
+    /* poller */
+    pthread_t thread;
+    int started;
+    _Atomic int stop;
+    _Atomic int sleeping;
+    _Atomic uint64_t post_seq;
+    int kick_fd;
+    int epfd;
+    _Atomic int64_t ops_in_flight;
+
+    /* stats */
+    _Atomic uint64_t st_polls, st_sleeps, st_wakeups, st_completions, st_remote, st_errors;
+};
+
+/* ------------------------------------------------------------------ utils */
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || errlen == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+const char *aio_strerror(int code) {
+    if (code < 0) code = -code;
+    return fi_strerror(code);
+}
+
+uint32_t aio_fabric_version(void) { return fi_version(); }
+
+/* ------------------------------------------------------------------ ring */
+
+static void ring_push(aio_engine *e, const aio_record *r) {
+    pthread_mutex_lock(&e->ring_mu);
+    uint64_t tail = atomic_load_explicit(&e->ring_tail, memory_order_relaxed);
+    uint64_t head = atomic_load_explicit(&e->ring_head, memory_order_acquire);
+    if (atomic_load(&e->ovf_count) == 0 && tail - head <= e->ring_mask) {
+        e->ring[tail & e->ring_mask] = *r;
+        atomic_store_explicit(&e->ring_tail, tail + 1, memory_order_release);
+    } else {
+        /* keep order: once anything overflowed, everything goes behind it */
+        overflow_node *n = malloc(sizeof(*n));
+        if (n) {
+            n->rec = *r;
+            n->next = NULL;
+            if (e->ovf_tail) e->ovf_tail->next = n; else e->ovf_head = n;
+            e->ovf_tail = n;
+            atomic_fetch_add(&e->ovf_count, 1);
+        }
+    }
+    pthread_mutex_unlock(&e->ring_mu);
+    if (atomic_exchange(&e->armed, 0)) {
+        uint64_t one = 1;
+        ssize_t w = write(e->efd, &one, sizeof(one));
+        (void)w;
+        atomic_fetch_add_explicit(&e->st_wakeups, 1, memory_order_relaxed);
+    }
+}
+
+int aio_drain(aio_engine *e, aio_record *out, int max) {
+    int n = 0;
+    uint64_t head = atomic_load_explicit(&e->ring_head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&e->ring_tail, memory_order_acquire);
+    while (n < max && head != tail) {
+        out[n++] = e->ring[head & e->ring_mask];
+        head++;
+    }
+    atomic_store_explicit(&e->ring_head, head, memory_order_release);
+    if (n < max && atomic_load(&e->ovf_count) > 0) {
+        pthread_mutex_lock(&e->ring_mu);
+        /* ring first (records pushed before the overflow began are all there) */
+        tail = atomic_load_explicit(&e->ring_tail, memory_order_acquire);
+        while (n < max && head != tail) {
+            out[n++] = e->ring[head & e->ring_mask];
+            head++;
+        }
+        atomic_store_explicit(&e->ring_head, head, memory_order_release);
+        while (n < max && e->ovf_head && head == tail) {
+            overflow_node *x = e->ovf_head;
+            out[n++] = x->rec;
+            e->ovf_head = x->next;
+            if (!e->ovf_head) e->ovf_tail = NULL;
+            free(x);
+            atomic_fetch_sub(&e->ovf_count, 1);
+        }
+        pthread_mutex_unlock(&e->ring_mu);
+    }
+    return n;
+}
+
+int aio_arm(aio_engine *e) {
+    atomic_store(&e->armed, 1);
+    uint64_t head = atomic_load(&e->ring_head);
+    uint64_t tail = atomic_load(&e->ring_tail);
+    return (head != tail || atomic_load(&e->ovf_count) > 0) ? 1 : 0;
+}
+
+void aio_clear_eventfd(aio_engine *e) {
+    uint64_t v;
+    ssize_t r = read(e->efd, &v, sizeof(v));
+    (void)r;
+}
+
+int aio_engine_eventfd(aio_engine *e) { return e->efd; }
+
+/* ------------------------------------------------------------------ groups */
+
+int64_t aio_group_open(aio_engine *e, uint64_t token) {
+    pthread_mutex_lock(&e->groups_mu);
+    int32_t g = e->groups_free;
+    if (g >= 0) {
+        aio_group *gr = &e->groups[g];
+        e->groups_free = gr->next_free;
+        gr->in_use = 1;
+        gr->token = token;
+        atomic_store(&gr->posted, 0);
+        atomic_store(&gr->done, 0);
+        atomic_store(&gr->status, 0);
+        atomic_store(&gr->prov_errno, 0);
+        atomic_store(&gr->sealed, 0);
+        atomic_store(&gr->finished, 0);
+    }
+    pthread_mutex_unlock(&e->groups_mu);
+    return g >= 0 ? (int64_t)g : -FI_EAGAIN;
+}
+
+static void group_finish(aio_engine *e, int64_t g) {
+    aio_group *gr = &e->groups[g];
+    int expect = 0;
+    if (!atomic_compare_exchange_strong(&gr->finished, &expect, 1)) return;
+    aio_record r = {0};
+    r.kind = AIO_REC_GROUP;
+    r.token = gr->token;
+    r.status = atomic_load(&gr->status);
+    r.prov_errno = atomic_load(&gr->prov_errno);
+    r.a = (uint64_t)atomic_load(&gr->done);
+    r.rail = -1;
+    pthread_mutex_lock(&e->groups_mu);
+    gr->in_use = 0;
+    gr->next_free = e->groups_free;
+    e->groups_free = (int32_t)g;
+    pthread_mutex_unlock(&e->groups_mu);
+    ring_push(e, &r);
+}
+
+static void group_op_done(aio_engine *e, int64_t g, int status, int prov_errno) {
+    if (g < 0) return;
+    aio_group *gr = &e->groups[g];
+    if (status) {
+        int32_t z = 0;
+        if (atomic_compare_exchange_strong(&gr->status, &z, status))
+            atomic_store(&gr->prov_errno, prov_errno);
+    }
+    int64_t d = atomic_fetch_add(&gr->done, 1) + 1;
+    if (atomic_load(&gr->sealed) && d == atomic_load(&gr->posted)) group_finish(e, g);
+}
+
+int aio_group_seal(aio_engine *e, int64_t g) {
+    if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use) return -FI_EINVAL;
+    aio_group *gr = &e->groups[g];
+    atomic_store(&gr->sealed, 1);
+    if (atomic_load(&gr->done) == atomic_load(&gr->posted)) group_finish(e, g);
+    return 0;
+}
+
+int64_t aio_group_pending(aio_engine *e, int64_t g) {
+    if (g < 0 || (uint32_t)g >= e->cfg.max_groups) return -FI_EINVAL;
+    return atomic_load(&e->groups[g].posted) - atomic_load(&e->groups[g].done);
+}
+
+int64_t aio_ops_in_flight(aio_engine *e) { return atomic_load(&e->ops_in_flight); }
+
+/* ------------------------------------------------------------------ counters */
+
+static inline uint32_t hash32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    x ^= x >> 16;
+    return x;
+}
+
+static cslot *counter_find(aio_engine *e, uint32_t imm, int create) {
+    uint32_t mask = e->ccap - 1;
+    uint32_t i = hash32(imm) & mask;
+    for (;;) {
+        cslot *s = &e->cslots[i];
+        if (!s->used) break;
+        if (s->imm == imm) return s;
+        i = (i + 1) & mask;
+    }
+    if (!create) return NULL;
+    if ((e->cused + 1) * 2 > e->ccap) {
+        uint32_t ncap = e->ccap * 2;
+        cslot *ns = calloc(ncap, sizeof(cslot));
+        if (!ns) return NULL;
+        for (uint32_t k = 0; k < e->ccap; k++) {
+            if (!e->cslots[k].used) continue;
+            uint32_t j = hash32(e->cslots[k].imm) & (ncap - 1);
+            while (ns[j].used) j = (j + 1) & (ncap - 1);
+            ns[j] = e->cslots[k];
+        }
+        free(e->cslots);
+        e->cslots = ns;
+        e->ccap = ncap;
+        mask = ncap - 1;
+    }
+    uint32_t i2 = hash32(imm) & mask;
+    while (e->cslots[i2].used) i2 = (i2 + 1) & mask;
+    cslot *s = &e->cslots[i2];
+    memset(s, 0, sizeof(*s));
+    s->used = 1;
+    s->imm = imm;
+    e->cused++;
+    return s;
+}
+
+void aio_counter_add(aio_engine *e, uint32_t imm, uint64_t units) {
+    int fire = 0;
+    pthread_mutex_lock(&e->cnt_mu);
+    cslot *s = counter_find(e, imm, 1);
+    if (s) {
+        s->avail += units;
+        s->total += units;
+        if (s->want && s->avail >= s->want) {
+            s->want = 0;
+            fire = 1;
+        }
+    }
+    pthread_mutex_unlock(&e->cnt_mu);
+    if (fire) {
+        aio_record r = {0};
+        r.kind = AIO_REC_COUNTER;
+        r.token = imm;
+        r.rail = -1;
+        ring_push(e, &r);
+    }
+}
+
+int aio_counter_take(aio_engine *e, uint32_t imm, uint64_t units) {
+    int ok = 0;
+    pthread_mutex_lock(&e->cnt_mu);
+    cslot *s = counter_find(e, imm, 0);
+    if (units == 0) ok = 1;
+    else if (s && s->avail >= units) {
+        s->avail -= units;
+        ok = 1;
+    }
+    pthread_mutex_unlock(&e->cnt_mu);
+    return ok;
+}
+
+int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units) {
+    int ready = 0;
+    pthread_mutex_lock(&e->cnt_mu);
+    cslot *s = counter_find(e, imm, 1);
+    if (!s) ready = -FI_ENOMEM;
+    else if (s->avail >= units) {
+        s->want = 0;
+        ready = 1;
+    } else {
+        s->want = units;
+    }
+    pthread_mutex_unlock(&e->cnt_mu);
+    return ready;
+}
+
+void aio_counter_refund(aio_engine *e, uint32_t imm, uint64_t units) {
+    int fire = 0;
+    pthread_mutex_lock(&e->cnt_mu);
+    cslot *s = counter_find(e, imm, 1);
+    if (s) {
+        s->avail += units;
+        if (s->want && s->avail >= s->want) {
+            s->want = 0;
+            fire = 1;
+        }
+    }
+    pthread_mutex_unlock(&e->cnt_mu);
+    if (fire) {
+        aio_record r = {0};
+        r.kind = AIO_REC_COUNTER;
+        r.token = imm;
+        r.rail = -1;
+        ring_push(e, &r);
+    }
+}
+
+uint64_t aio_counter_available(aio_engine *e, uint32_t imm) {
+    pthread_mutex_lock(&e->cnt_mu);
+    cslot *s = counter_find(e, imm, 0);
+    uint64_t v = s ? s->avail : 0;
+    pthread_mutex_unlock(&e->cnt_mu);
+    return v;
+}
+
+uint64_t aio_counter_total(aio_engine *e, uint32_t imm) {
+    pthread_mutex_lock(&e->cnt_mu);
+    cslot *s = counter_find(e, imm, 0);
+    uint64_t v = s ? s->total : 0;
+    pthread_mutex_unlock(&e->cnt_mu);
+    return v;
+}
+
+/* ------------------------------------------------------------------ ops */
+
+static aio_op *op_get(aio_rail *r) {
+    if (r->free_head < 0) return NULL;
+    aio_op *op = &r->ops[r->free_head];
+    r->free_head = op->next_free;
+    return op;
+}
+
+static void op_put(aio_rail *r, aio_op *op) {
+    op->next_free = (int32_t)(op - r->ops);
+    int32_t idx = op->next_free;
+    op->next_free = r->free_head;
+    r->free_head = idx;
+}
+
+static int is_recv_op(aio_rail *r, void *ctx) {
+    if (!ctx || !r->recv_ops) return 0;
+    aio_op *op = ctx;
+    return op >= r->recv_ops && op < r->recv_ops + r->nslots;
+}
+
+/* caller holds r->mu */
+static int post_recv_locked(aio_rail *r, uint32_t slot) {
+    aio_op *op = &r->recv_ops[slot];
+    int ret = -FI_EAGAIN;
+    for (int attempt = 0; attempt < 1000 && ret == -FI_EAGAIN; attempt++)
+        ret = (int)fi_recv(r->ep, r->recv_buf + (uint64_t)slot * r->slot_size, r->slot_size,
+                           r->recv_desc, FI_ADDR_UNSPEC, &op->ctx);
+    return ret;
+}
+
+/* Completes our own op (write/read/send). Caller holds r->mu. */
+static void complete_op(aio_engine *e, aio_rail *r, aio_op *op, int status, int prov_errno) {
+    if (op->mr) atomic_fetch_sub(&op->mr->inflight, 1);
+    if (op->kind == OPK_SEND) r->send_free[r->send_nfree++] = op->slot;
+    int64_t g = op->group;
+    op_put(r, op);
+    atomic_fetch_sub(&e->ops_in_flight, 1);
+    group_op_done(e, g, status, prov_errno);
+}
+
+static void handle_remote_data(aio_engine *e, aio_rail *r, uint64_t data) {
+    uint32_t imm = (uint32_t)data;
+    uint64_t units = AIO_CREDIT_UNIT;
+    if (r->cq_data_size >= 8) {
+        uint64_t w = data >> 32;
+        if (w) units = w;
+    }
+    atomic_fetch_add_explicit(&e->st_remote, 1, memory_order_relaxed);
+    aio_counter_add(e, imm, units);
+}
+
+/* Reads and processes up to one batch of completions. Caller holds r->mu. */
+static int progress_locked(aio_engine *e, aio_rail *r) {
+    struct fi_cq_data_entry ent[CQ_BATCH];
+    ssize_t n = fi_cq_read(r->cq, ent, CQ_BATCH);
+    if (n > 0) {
+        atomic_fetch_add_explicit(&e->st_completions, (uint64_t)n, memory_order_relaxed);
+        for (ssize_t i = 0; i < n; i++) {
+            uint64_t fl = ent[i].flags;
+            void *ctx = ent[i].op_context;
+            if ((fl & FI_REMOTE_CQ_DATA) && !(fl & FI_MSG)) {
+                handle_remote_data(e, r, ent[i].data);
+                if (is_recv_op(r, ctx)) post_recv_locked(r, ((aio_op *)ctx)->slot);
+                continue;
+            }
+            if (fl & FI_REMOTE_WRITE || fl & FI_REMOTE_READ) continue;
+            if (is_recv_op(r, ctx)) {
+                aio_record rec = {0};
+                rec.kind = AIO_REC_RECV;
+                rec.rail = r->index;
+                rec.a = ((aio_op *)ctx)->slot;
+                rec.b = ent[i].len;
+                ring_push(e, &rec);
+                continue;
+            }
+            if (ctx) complete_op(e, r, (aio_op *)ctx, 0, 0);
+        }
+        return (int)n;
+    }
+    if (n == -FI_EAVAIL) {
+        struct fi_cq_err_entry err;
+        memset(&err, 0, sizeof(err));
+        ssize_t m = fi_cq_readerr(r->cq, &err, 0);
+        if (m > 0) {
+            atomic_fetch_add_explicit(&e->st_errors, 1, memory_order_relaxed);
+            int status = -(int)(err.err ? err.err : FI_EOTHER);
+            if (is_recv_op(r, err.op_context)) {
+                if (err.err != FI_ECANCELED) {
+                    aio_record rec = {0};
+                    rec.kind = AIO_REC_RECV;
+                    rec.rail = r->index;
+                    rec.a = ((aio_op *)err.op_context)->slot;
+                    rec.b = 0;
+                    rec.status = status;
+                    rec.prov_errno = err.prov_errno;
+                    ring_push(e, &rec);
+                }
+            } else if (err.op_context) {
+                complete_op(e, r, (aio_op *)err.op_context, status, err.prov_errno);
+            }
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ engine */
+
+static void kick(aio_engine *e) {
+    atomic_fetch_add(&e->post_seq, 1);
+    if (atomic_load(&e->sleeping)) {
+        uint64_t one = 1;
+        ssize_t w = write(e->kick_fd, &one, sizeof(one));
+        (void)w;
+    }
+}
+
+static void *poller_main(void *arg) {
+    aio_engine *e = arg;
+    int64_t last_active = now_ns();
+    uint64_t seen_seq = atomic_load(&e->post_seq);
+    int all_fd = 1;
+    for (int i = 0; i < e->nrails; i++)
+        if (e->rails[i]->wait_fd < 0) all_fd = 0;
+    while (!atomic_load(&e->stop)) {
+        int got = 0;
+        for (int i = 0; i < e->nrails; i++) {
+            aio_rail *r = e->rails[i];
+            pthread_mutex_lock(&r->mu);
+            got += progress_locked(e, r);
+            pthread_mutex_unlock(&r->mu);
+        }
+        atomic_fetch_add_explicit(&e->st_polls, 1, memory_order_relaxed);
+        uint64_t seq = atomic_load(&e->post_seq);
+        if (got || seq != seen_seq) {
+            seen_seq = seq;
+            last_active = now_ns();
+            continue;
+        }
+        /* spin a short budget after the last activity; longer while work of ours
+         * is in flight (manual-progress providers move data only when polled) */
+        int64_t inflight = atomic_load(&e->ops_in_flight);
+        int64_t spin = e->cfg.spin_ns;
+        if (inflight > 0 && spin < e->cfg.busy_spin_ns) spin = e->cfg.busy_spin_ns;
+        if (now_ns() - last_active < spin) {
+            cpu_relax();
+            continue;
+        }
+        /* go to sleep */
+        atomic_store(&e->sleeping, 1);
+        if (atomic_load(&e->post_seq) != seen_seq) {
+            atomic_store(&e->sleeping, 0);
+            continue;
+        }
+        int can_sleep = 1;
+        for (int i = 0; i < e->nrails && can_sleep; i++) {
+            aio_rail *r = e->rails[i];
+            if (r->wait_fd < 0) continue;
+            struct fid *f = &r->cq->fid;
+            pthread_mutex_lock(&r->mu);
+            int tw = fi_trywait(r->fabric, &f, 1);
+            pthread_mutex_unlock(&r->mu);
+            if (tw != FI_SUCCESS) can_sleep = 0;
+        }
+        if (can_sleep) {
+            struct epoll_event evs[AIO_MAX_RAILS + 1];
+            int timeout = e->cfg.sleep_ms;
+            /* a rail without a wait object, or work of ours in flight on a
+             * manual-progress provider: sleep in short steps */
+            if (!all_fd || inflight > 0) timeout = 1;
+            atomic_fetch_add_explicit(&e->st_sleeps, 1, memory_order_relaxed);
+            int ne = epoll_wait(e->epfd, evs, AIO_MAX_RAILS + 1, timeout);
+            for (int k = 0; k < ne; k++) {
+                if (evs[k].data.fd == e->kick_fd) {
+                    uint64_t v;
+                    ssize_t rr = read(e->kick_fd, &v, sizeof(v));
+                    (void)rr;
+                }
+            }
+        }
+        atomic_store(&e->sleeping, 0);
+    }
+    return NULL;
+}
+
+int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err, size_t errlen) {
+    aio_engine *e = calloc(1, sizeof(*e));
+    if (!e) return -FI_ENOMEM;
+    e->cfg = *cfg;
+    if (e->cfg.ring_capacity < 1024) e->cfg.ring_capacity = 1024;
+    uint32_t cap = 1;
+    while (cap < e->cfg.ring_capacity) cap <<= 1;
+    e->cfg.ring_capacity = cap;
+    if (e->cfg.max_ops == 0) e->cfg.max_ops = 16384;
+    if (e->cfg.max_groups == 0) e->cfg.max_groups = 16384;
+    if (e->cfg.sleep_ms <= 0) e->cfg.sleep_ms = 100;
+    if (e->cfg.busy_spin_ns <= 0) e->cfg.busy_spin_ns = 5000000;
+    e->ring = calloc(cap, sizeof(aio_record));
+    e->ring_mask = cap - 1;
+    e->groups = calloc(e->cfg.max_groups, sizeof(aio_group));
+    e->ccap = 1024;
+    e->cslots = calloc(e->ccap, sizeof(cslot));
+    if (!e->ring || !e->groups || !e->cslots) goto fail;
+    for (uint32_t i = 0; i < e->cfg.max_groups; i++)
+        e->groups[i].next_free = (i + 1 < e->cfg.max_groups) ? (int32_t)(i + 1) : -1;
+    e->groups_free = 0;
+    pthread_mutex_init(&e->ring_mu, NULL);
+    pthread_mutex_init(&e->groups_mu, NULL);
+    pthread_mutex_init(&e->cnt_mu, NULL);
+    pthread_mutex_init(&e->mr_mu, NULL);
+    e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (e->efd < 0 || e->kick_fd < 0 || e->epfd < 0) {
+        set_err(err, errlen, "eventfd/epoll: %s", strerror(errno));
+        goto fail;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->kick_fd};
+    epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->kick_fd, &ev);
+    *out = e;
+    return 0;
+fail:
+    if (e->efd > 0) close(e->efd);
+    if (e->kick_fd > 0) close(e->kick_fd);
+    if (e->epfd > 0) close(e->epfd);
+    free(e->ring);
+    free(e->groups);
+    free(e->cslots);
+    free(e);
+    return -FI_ENOMEM;
+}
+
+static const char *map_provider(const char *p) {
+    if (!strcmp(p, "tcp")) return "tcp;ofi_rxm";
+    if (!strcmp(p, "verbs")) return "verbs;ofi_rxm";
+    return p;
+}
+
+static struct fi_info *make_hints(const char *prov, const char *nic) {
+    struct fi_info *h = fi_allocinfo();
+    if (!h) return NULL;
+    h->caps = FI_RMA | FI_MSG | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND |
+              FI_RECV;
+    h->ep_attr->type = FI_EP_RDM;
+    h->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+    h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
+                              FI_MR_ENDPOINT | FI_MR_HMEM;
+    h->domain_attr->threading = FI_THREAD_DOMAIN;
+    h->domain_attr->data_progress = FI_PROGRESS_MANUAL;
+    h->tx_attr->msg_order = 0;
+    h->fabric_attr->prov_name = strdup(map_provider(prov));
+    if (nic && *nic) h->domain_attr->name = strdup(nic);
+    return h;
+}
+
+static void list_nics(const char *prov, char *buf, size_t len) {
+    struct fi_info *h = make_hints(prov, NULL), *info = NULL;
+    buf[0] = 0;
+    if (!h) return;
+    if (fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, h, &info) == 0) {
+        size_t used = 0;
+        for (struct fi_info *i = info; i; i = i->next) {
+            const char *nm = i->domain_attr->name;
+            if (strstr(buf, nm)) continue;
+            int w = snprintf(buf + used, len - used, "%s%s", used ? ", " : "", nm);
+            if (w < 0 || (size_t)w >= len - used) break;
+            used += (size_t)w;
+        }
+        fi_freeinfo(info);
+    }
+    fi_freeinfo(h);
+}
+
+/* The IPv4 (else IPv6) address of a network interface, for providers whose domains
+ * are interfaces (tcp): rxm does not filter on the domain-name hint, so the source
+ * address is what pins the endpoint to the NIC. */
+static int nic_address(const char *nic, char *out, size_t len) {
+    struct ifaddrs *ifa = NULL;
+    int found = 0;
+    if (!nic || !*nic || getifaddrs(&ifa) != 0) return 0;
+    for (int pass = 0; pass < 2 && !found; pass++) {
+        for (struct ifaddrs *i = ifa; i; i = i->ifa_next) {
+            if (!i->ifa_addr || strcmp(i->ifa_name, nic) != 0) continue;
+            int fam = i->ifa_addr->sa_family;
+            if (pass == 0 && fam == AF_INET) {
+                inet_ntop(AF_INET, &((struct sockaddr_in *)i->ifa_addr)->sin_addr, out, (socklen_t)len);
+                found = 1;
+                break;
+            }
+            if (pass == 1 && fam == AF_INET6) {
+                inet_ntop(AF_INET6, &((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr, out, (socklen_t)len);
+                found = 1;
+                break;
+            }
+        }
+    }
+    freeifaddrs(ifa);
+    return found;
+}
+
+static int reg_local(aio_rail *r, void *buf, size_t len, uint64_t access, struct fid_mr **mr,
+                     void **desc, uint64_t key) {
+    int ret = fi_mr_reg(r->domain, buf, len, access, 0, key, 0, mr, NULL);
+    if (ret) return ret;
+    if (r->mr_mode & FI_MR_ENDPOINT) {
+        ret = fi_mr_bind(*mr, &r->ep->fid, 0);
+        if (!ret) ret = fi_mr_enable(*mr);
+        if (ret) {
+            fi_close(&(*mr)->fid);
+            *mr = NULL;
+            return ret;
+        }
+    }
+    *desc = fi_mr_desc(*mr);
+    return 0;
+}
+
+static uint64_t random_key(aio_rail *r) {
+    uint64_t k = 0;
+    while (getrandom(&k, sizeof(k), 0) != sizeof(k)) {
+    }
+    size_t ks = r->info->domain_attr->mr_key_size;
+    if (ks > 0 && ks < 8) k &= (1ULL << (8 * ks)) - 1;
+    return k;
+}
+
+static void rail_free(aio_rail *r) {
+    if (!r) return;
+    if (r->ep) fi_close(&r->ep->fid);
+    if (r->recv_mr) fi_close(&r->recv_mr->fid);
+    if (r->send_mr) fi_close(&r->send_mr->fid);
+    if (r->av) fi_close(&r->av->fid);
+    if (r->cq) fi_close(&r->cq->fid);
+    if (r->domain) fi_close(&r->domain->fid);
+    if (r->fabric) fi_close(&r->fabric->fid);
+    if (r->info) fi_freeinfo(r->info);
+    free(r->ops);
+    free(r->recv_ops);
+    free(r->recv_buf);
+    free(r->send_buf);
+    free(r->send_free);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}
+
+int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, uint32_t recv_slots,
+                        uint64_t slot_size, char *err, size_t errlen) {
+    if (e->started) {
+        set_err(err, errlen, "rails must be added before the engine starts");
+        return -FI_EINVAL;
+    }
+    if (e->nrails >= AIO_MAX_RAILS) {
+        set_err(err, errlen, "at most %d NICs per engine", AIO_MAX_RAILS);
+        return -FI_EINVAL;
+    }
+    if (recv_slots == 0) recv_slots = 1;
+    if (slot_size < 64) slot_size = 64;
+    int ret;
+    aio_rail *r = calloc(1, sizeof(*r));
+    if (!r) return -FI_ENOMEM;
+    pthread_mutex_init(&r->mu, NULL);
+    r->index = e->nrails;
+    r->wait_fd = -1;
+    char node[INET6_ADDRSTRLEN + 1] = {0};
+    int by_addr = strncmp(map_provider(provider), "tcp", 3) == 0 && nic_address(nic, node, sizeof(node));
+    struct fi_info *hints = make_hints(provider, by_addr ? NULL : nic);
+    if (!hints) {
+        free(r);
+        return -FI_ENOMEM;
+    }
+    ret = fi_getinfo(FI_VERSION(1, 9), by_addr ? node : NULL, NULL, by_addr ? FI_SOURCE : 0, hints,
+                     &r->info);
+    fi_freeinfo(hints);
+    if (ret == 0 && r->info && nic && *nic && !by_addr) {
+        /* keep only the entry of the NIC asked for */
+        struct fi_info *keep = NULL, **pp = &r->info;
+        for (struct fi_info *i = r->info; i; i = i->next)
+            if (!keep && i->domain_attr->name && !strcmp(i->domain_attr->name, nic)) keep = i;
+        if (!keep) {
+            fi_freeinfo(r->info);
+            r->info = NULL;
+            ret = -FI_ENODATA;
+        } else if (keep != r->info) {
+            while (*pp != keep) pp = &(*pp)->next;
+            *pp = keep->next;
+            keep->next = r->info;
+            r->info = keep;
+        }
+    }
+    if (ret || !r->info) {
+        char nics[512];
+        list_nics(provider, nics, sizeof(nics));
+        if (nic && *nic && nics[0])
+            set_err(err, errlen, "provider '%s' has no NIC named '%s' (it offers: %s)", provider,
+                    nic, nics);
+        else if (nics[0] == 0)
+            set_err(err, errlen,
+                    "libfabric offers no provider '%s' with RDM endpoints, RMA and remote CQ data "
+                    "on this machine (%s)",
+                    provider, fi_strerror(-ret));
+        else
+            set_err(err, errlen, "provider '%s' could not open '%s': %s", provider,
+                    nic ? nic : "(any)", fi_strerror(-ret));
+        rail_free(r);
+        return ret ? ret : -FI_ENODATA;
+    }
+    struct fi_info *fi = r->info;
+    if (fi->next) {
+        fi_freeinfo(fi->next);
+        fi->next = NULL;
+    }
+    r->mr_mode = (uint64_t)fi->domain_attr->mr_mode;
+    r->mode = fi->mode;
+    r->cq_data_size = (uint32_t)fi->domain_attr->cq_data_size;
+    if (r->cq_data_size < 4) {
+        set_err(err, errlen, "provider '%s' carries no remote CQ data (immediates)", provider);
+        rail_free(r);
+        return -FI_ENOSYS;
+    }
+#define CHECK(call, what)                                                                    \
+    do {                                                                                     \
+        ret = (call);                                                                        \
+        if (ret) {                                                                           \
+            set_err(err, errlen, "%s on provider '%s': %s", what, provider, fi_strerror(-ret)); \
+            rail_free(r);                                                                    \
+            return ret;                                                                      \
+        }                                                                                    \
+    } while (0)
+    CHECK(fi_fabric(fi->fabric_attr, &r->fabric, NULL), "fi_fabric");
+    CHECK(fi_domain(r->fabric, fi, &r->domain, NULL), "fi_domain");
+    struct fi_cq_attr cqa;
+    memset(&cqa, 0, sizeof(cqa));
+    cqa.format = FI_CQ_FORMAT_DATA;
+    cqa.size = 0;
+    cqa.wait_obj = FI_WAIT_FD;
+    ret = fi_cq_open(r->domain, &cqa, &r->cq, NULL);
+    if (ret == 0) {
+        int fd = -1;
+        if (fi_control(&r->cq->fid, FI_GETWAIT, &fd) == 0 && fd >= 0) r->wait_fd = fd;
+    } else {
+        cqa.wait_obj = FI_WAIT_NONE;
+        CHECK(fi_cq_open(r->domain, &cqa, &r->cq, NULL), "fi_cq_open");
+    }
+    struct fi_av_attr ava;
+    memset(&ava, 0, sizeof(ava));
+    ava.type = FI_AV_TABLE;
+    CHECK(fi_av_open(r->domain, &ava, &r->av, NULL), "fi_av_open");
+    CHECK(fi_endpoint(r->domain, fi, &r->ep, NULL), "fi_endpoint");
+    CHECK(fi_ep_bind(r->ep, &r->av->fid, 0), "fi_ep_bind(av)");
+    CHECK(fi_ep_bind(r->ep, &r->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    CHECK(fi_enable(r->ep), "fi_enable");
+    r->addr_len = sizeof(r->addr);
+    CHECK(fi_getname(&r->ep->fid, r->addr, &r->addr_len), "fi_getname");
+
+    /* op pool */
+    r->nops = e->cfg.max_ops;
+    r->ops = calloc(r->nops, sizeof(aio_op));
+    r->nslots = recv_slots;
+    r->slot_size = slot_size;
+    r->recv_ops = calloc(recv_slots, sizeof(aio_op));
+    r->send_free = calloc(recv_slots, sizeof(uint32_t));
+    if (posix_memalign((void **)&r->recv_buf, 4096, (size_t)recv_slots * slot_size)) r->recv_buf = NULL;
+    if (posix_memalign((void **)&r->send_buf, 4096, (size_t)recv_slots * slot_size)) r->send_buf = NULL;
+    if (!r->ops || !r->recv_ops || !r->send_free || !r->recv_buf || !r->send_buf) {
+        set_err(err, errlen, "out of memory for %u message slots of %llu bytes", recv_slots,
+                (unsigned long long)slot_size);
+        rail_free(r);
+        return -FI_ENOMEM;
+    }
+    memset(r->recv_buf, 0, (size_t)recv_slots * slot_size);
+    memset(r->send_buf, 0, (size_t)recv_slots * slot_size);
+    for (uint32_t i = 0; i < r->nops; i++) r->ops[i].next_free = (i + 1 < r->nops) ? (int32_t)(i + 1) : -1;
+    r->free_head = 0;
+    for (uint32_t i = 0; i < recv_slots; i++) {
+        r->recv_ops[i].kind = OPK_RECV;
+        r->recv_ops[i].slot = i;
+        r->recv_ops[i].rail = r->index;
+        r->recv_ops[i].group = -1;
+        r->send_free[i] = i;
+    }
+    r->send_nfree = recv_slots;
+    uint64_t k1 = (r->mr_mode & FI_MR_PROV_KEY) ? 0 : random_key(r);
+    uint64_t k2 = (r->mr_mode & FI_MR_PROV_KEY) ? 0 : random_key(r);
+    CHECK(reg_local(r, r->recv_buf, (size_t)recv_slots * slot_size, FI_RECV, &r->recv_mr,
+                    &r->recv_desc, k1),
+          "registering receive slots");
+    CHECK(reg_local(r, r->send_buf, (size_t)recv_slots * slot_size, FI_SEND, &r->send_mr,
+                    &r->send_desc, k2),
+          "registering send slots");
+    for (uint32_t i = 0; i < recv_slots; i++) CHECK(post_recv_locked(r, i), "posting receives");
+#undef CHECK
+    if (r->wait_fd >= 0) {
+        struct epoll_event ev = {.events = EPOLLIN, .data.fd = r->wait_fd};
+        if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, r->wait_fd, &ev) != 0) r->wait_fd = -1;
+    }
+    e->rails[e->nrails] = r;
+    return e->nrails++;
+}
+
+int aio_engine_start(aio_engine *e) {
+    if (e->started) return 0;
+    if (e->nrails == 0) return -FI_EINVAL;
+    int ret = pthread_create(&e->thread, NULL, poller_main, e);
+    if (ret) return -ret;
+    e->started = 1;
+    return 0;
+}
+
+int aio_engine_num_rails(aio_engine *e) { return e->nrails; }
+
+void aio_engine_destroy(aio_engine *e) {
+    if (!e) return;
+    if (e->started) {
+        atomic_store(&e->stop, 1);
+        uint64_t one = 1;
+        ssize_t w = write(e->kick_fd, &one, sizeof(one));
+        (void)w;
+        pthread_join(e->thread, NULL);
+    }
+    /* endpoints first: nothing can touch memory after this */
+    for (int i = 0; i < e->nrails; i++) {
+        aio_rail *r = e->rails[i];
+        if (r->ep) {
+            fi_close(&r->ep->fid);
+            r->ep = NULL;
+        }
+    }
+    pthread_mutex_lock(&e->mr_mu);
+    aio_mr *m = e->mrs;
+    while (m) {
+        aio_mr *nx = m->next;
+        for (int i = 0; i < m->nrails; i++)
+            if (m->mr[i]) fi_close(&m->mr[i]->fid);
+        free(m);
+        m = nx;
+    }
+    e->mrs = NULL;
+    pthread_mutex_unlock(&e->mr_mu);
+    for (int i = 0; i < e->nrails; i++) rail_free(e->rails[i]);
+    while (e->ovf_head) {
+        overflow_node *x = e->ovf_head;
+        e->ovf_head = x->next;
+        free(x);
+    }
+    close(e->efd);
+    close(e->kick_fd);
+    close(e->epfd);
+    free(e->ring);
+    free(e->groups);
+    free(e->cslots);
+    pthread_mutex_destroy(&e->ring_mu);
+    pthread_mutex_destroy(&e->groups_mu);
+    pthread_mutex_destroy(&e->cnt_mu);
+    pthread_mutex_destroy(&e->mr_mu);
+    free(e);
+}
+
+int aio_rail_get_info(aio_engine *e, int rail, aio_rail_info *o) {
+    if (rail < 0 || rail >= e->nrails) return -FI_EINVAL;
+    aio_rail *r = e->rails[rail];
+    struct fi_info *fi = r->info;
+    memset(o, 0, sizeof(*o));
+    snprintf(o->provider, sizeof(o->provider), "%s", fi->fabric_attr->prov_name);
+    snprintf(o->domain, sizeof(o->domain), "%s", fi->domain_attr->name);
+    snprintf(o->fabric, sizeof(o->fabric), "%s", fi->fabric_attr->name);
+    o->mr_mode = r->mr_mode;
+    o->mode = r->mode;
+    o->max_msg_size = fi->ep_attr->max_msg_size;
+    o->inject_size = fi->tx_attr->inject_size;
+    o->mr_key_size = fi->domain_attr->mr_key_size;
+    o->cq_data_size = r->cq_data_size;
+    o->has_wait_fd = r->wait_fd >= 0;
+    o->tx_size = (uint32_t)fi->tx_attr->size;
+    o->rx_size = (uint32_t)fi->rx_attr->size;
+    o->recv_slots = r->nslots;
+    o->slot_size = r->slot_size;
+    o->caps = fi->caps;
+    o->addr_len = (uint32_t)r->addr_len;
+    memcpy(o->addr, r->addr, r->addr_len);
+    return 0;
+}
+
+int aio_av_insert(aio_engine *e, int rail, const void *addr, size_t len, uint64_t *fi_addr) {
+    if (rail < 0 || rail >= e->nrails || !addr || len == 0) return -FI_EINVAL;
+    aio_rail *r = e->rails[rail];
+    fi_addr_t fa = FI_ADDR_NOTAVAIL;
+    pthread_mutex_lock(&r->mu);
+    int ret = fi_av_insert(r->av, addr, 1, &fa, 0, NULL);
+    pthread_mutex_unlock(&r->mu);
+    if (ret != 1) return ret < 0 ? ret : -FI_EINVAL;
+    *fi_addr = fa;
+    return 0;
+}
+
+int aio_av_remove(aio_engine *e, int rail, uint64_t fi_addr) {
+    if (rail < 0 || rail >= e->nrails) return -FI_EINVAL;
+    aio_rail *r = e->rails[rail];
+    fi_addr_t fa = fi_addr;
+    pthread_mutex_lock(&r->mu);
+    int ret = fi_av_remove(r->av, &fa, 1, 0);
+    pthread_mutex_unlock(&r->mu);
+    return ret;
+}
+
+/* ------------------------------------------------------------------ memory */
+
+int aio_mr_register(aio_engine *e, void *buf, uint64_t len, uint32_t access, aio_mr **out,
+                    char *err, size_t errlen) {
+    if (!buf || len == 0) {
+        set_err(err, errlen, "cannot register an empty buffer");
+        return -FI_EINVAL;
+    }
+    aio_mr *m = calloc(1, sizeof(*m));
+    if (!m) return -FI_ENOMEM;
+    m->buf = buf;
+    m->len = len;
+    m->access = access;
+    uint64_t acc = FI_READ | FI_WRITE | FI_SEND | FI_RECV;
+    if (access & AIO_ACCESS_REMOTE_WRITE) acc |= FI_REMOTE_WRITE;
+    if (access & AIO_ACCESS_REMOTE_READ) acc |= FI_REMOTE_READ;
+    for (int i = 0; i < e->nrails; i++) {
+        aio_rail *r = e->rails[i];
+        int ret = -FI_ENOKEY;
+        pthread_mutex_lock(&r->mu);
+        for (int attempt = 0; attempt < 8 && ret == -FI_ENOKEY; attempt++) {
+            uint64_t key = (r->mr_mode & FI_MR_PROV_KEY) ? 0 : random_key(r);
+            ret = reg_local(r, buf, len, acc, &m->mr[i], &m->desc[i], key);
+        }
+        pthread_mutex_unlock(&r->mu);
+        if (ret) {
+            set_err(err, errlen, "registering %llu bytes on NIC %d (%s): %s",
+                    (unsigned long long)len, i, r->info->domain_attr->name, fi_strerror(-ret));
+            for (int j = 0; j < i; j++) {
+                pthread_mutex_lock(&e->rails[j]->mu);
+                fi_close(&m->mr[j]->fid);
+                pthread_mutex_unlock(&e->rails[j]->mu);
+            }
+            free(m);
+            return ret;
+        }
+        m->key[i] = fi_mr_key(m->mr[i]);
+        m->base[i] = (r->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)buf : 0;
+        m->nrails = i + 1;
+    }
+    pthread_mutex_lock(&e->mr_mu);
+    m->next = e->mrs;
+    if (e->mrs) e->mrs->prev = m;
+    e->mrs = m;
+    pthread_mutex_unlock(&e->mr_mu);
+    *out = m;
+    return 0;
+}
+
+uint64_t aio_mr_key(aio_mr *m, int rail) { return (rail >= 0 && rail < m->nrails) ? m->key[rail] : 0; }
+uint64_t aio_mr_remote_base(aio_mr *m, int rail) {
+    return (rail >= 0 && rail < m->nrails) ? m->base[rail] : 0;
+}
+int64_t aio_mr_inflight(aio_mr *m) { return atomic_load(&m->inflight); }
+
+int aio_mr_close(aio_engine *e, aio_mr *m) {
+    if (atomic_load(&m->inflight) > 0) return -FI_EBUSY;
+    pthread_mutex_lock(&e->mr_mu);
+    if (m->prev) m->prev->next = m->next; else e->mrs = m->next;
+    if (m->next) m->next->prev = m->prev;
+    pthread_mutex_unlock(&e->mr_mu);
+    for (int i = 0; i < m->nrails; i++) {
+        pthread_mutex_lock(&e->rails[i]->mu);
+        fi_close(&m->mr[i]->fid);
+        pthread_mutex_unlock(&e->rails[i]->mu);
+    }
+    free(m);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ posting */
+
+static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op) {
+    aio_mr *m = it->mr;
+    void *buf = (char *)m->buf + it->offset;
+    void *desc = m->desc[it->rail];
+    if (it->op == AIO_OP_READ)
+        return fi_read(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+    if (it->flags & AIO_F_DATA)
+        return fi_writedata(r->ep, buf, it->length, desc, it->data, it->peer, it->raddr, it->rkey,
+                            &op->ctx);
+    return fi_write(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+}
+
+int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, int64_t budget_ns) {
+    if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use ||
+        atomic_load(&e->groups[g].sealed))
+        return -FI_EINVAL;
+    aio_group *gr = &e->groups[g];
+    int64_t deadline = now_ns() + budget_ns;
+    int64_t i = 0;
+    int64_t result = 0;
+    for (; i < n; i++) {
+        const aio_op_desc *it = &items[i];
+        if (it->rail < 0 || it->rail >= e->nrails || !it->mr ||
+            (it->op != AIO_OP_WRITE && it->op != AIO_OP_READ)) {
+            result = -FI_EINVAL;
+            break;
+        }
+        aio_mr *m = it->mr;
+        if (it->offset > m->len || it->length > m->len - it->offset) {
+            result = -FI_EINVAL;
+            break;
+        }
+        aio_rail *r = e->rails[it->rail];
+        pthread_mutex_lock(&r->mu);
+        aio_op *op;
+        while (!(op = op_get(r))) {
+            progress_locked(e, r);
+            if (now_ns() >= deadline) break;
+        }
+        if (!op) {
+            pthread_mutex_unlock(&r->mu);
+            break;
+        }
+        op->kind = it->op == AIO_OP_READ ? OPK_READ : OPK_WRITE;
+        op->rail = it->rail;
+        op->group = g;
+        op->mr = m;
+        atomic_fetch_add(&m->inflight, 1);
+        atomic_fetch_add(&gr->posted, 1);
+        atomic_fetch_add(&e->ops_in_flight, 1);
+        ssize_t ret;
+        for (;;) {
+            ret = post_one(r, it, op);
+            if (ret != -FI_EAGAIN) break;
+            progress_locked(e, r);
+            if (now_ns() >= deadline) break;
+        }
+        if (ret) {
+            atomic_fetch_sub(&m->inflight, 1);
+            atomic_fetch_sub(&gr->posted, 1);
+            atomic_fetch_sub(&e->ops_in_flight, 1);
+            op_put(r, op);
+            pthread_mutex_unlock(&r->mu);
+            if (ret != -FI_EAGAIN) result = ret;
+            break;
+        }
+        pthread_mutex_unlock(&r->mu);
+    }
+    if (i > 0) kick(e);
+    if (i == 0 && result < 0) return result;
+    return i;
+}
+
+int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *buf, uint64_t len,
+                  int64_t budget_ns) {
+    if (rail < 0 || rail >= e->nrails) return -FI_EINVAL;
+    if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use ||
+        atomic_load(&e->groups[g].sealed))
+        return -FI_EINVAL;
+    aio_rail *r = e->rails[rail];
+    if (len > r->slot_size) return -FI_EMSGSIZE;
+    int64_t deadline = now_ns() + budget_ns;
+    pthread_mutex_lock(&r->mu);
+    aio_op *op = NULL;
+    for (;;) {
+        if (r->send_nfree > 0 && (op = op_get(r))) break;
+        progress_locked(e, r);
+        if (now_ns() >= deadline) break;
+    }
+    if (!op) {
+        pthread_mutex_unlock(&r->mu);
+        kick(e);
+        return 0;
+    }
+    uint32_t slot = r->send_free[--r->send_nfree];
+    char *sbuf = r->send_buf + (uint64_t)slot * r->slot_size;
+    if (len) memcpy(sbuf, buf, len);
+    op->kind = OPK_SEND;
+    op->rail = rail;
+    op->group = g;
+    op->mr = NULL;
+    op->slot = slot;
+    atomic_fetch_add(&e->groups[g].posted, 1);
+    atomic_fetch_add(&e->ops_in_flight, 1);
+    ssize_t ret;
+    for (;;) {
+        ret = fi_send(r->ep, sbuf, len, r->send_desc, peer, &op->ctx);
+        if (ret != -FI_EAGAIN) break;
+        progress_locked(e, r);
+        if (now_ns() >= deadline) break;
+    }
+    if (ret) {
+        atomic_fetch_sub(&e->groups[g].posted, 1);
+        atomic_fetch_sub(&e->ops_in_flight, 1);
+        r->send_free[r->send_nfree++] = slot;
+        op_put(r, op);
+        pthread_mutex_unlock(&r->mu);
+        kick(e);
+        return ret == -FI_EAGAIN ? 0 : (int)ret;
+    }
+    pthread_mutex_unlock(&r->mu);
+    kick(e);
+    return 1;
+}
+
+void *aio_recv_slot(aio_engine *e, int rail, uint32_t slot) {
+    if (rail < 0 || rail >= e->nrails) return NULL;
+    aio_rail *r = e->rails[rail];
+    if (slot >= r->nslots) return NULL;
+    return r->recv_buf + (uint64_t)slot * r->slot_size;
+}
+
+int aio_recv_repost(aio_engine *e, int rail, uint32_t slot) {
+    if (rail < 0 || rail >= e->nrails) return -FI_EINVAL;
+    aio_rail *r = e->rails[rail];
+    if (slot >= r->nslots) return -FI_EINVAL;
+    pthread_mutex_lock(&r->mu);
+    int ret = post_recv_locked(r, slot);
+    pthread_mutex_unlock(&r->mu);
+    kick(e);
+    return ret;
+}
+
+void aio_get_stats(aio_engine *e, aio_stats *o) {
+    o->polls = atomic_load(&e->st_polls);
+    o->sleeps = atomic_load(&e->st_sleeps);
+    o->wakeups_sent = atomic_load(&e->st_wakeups);
+    o->completions = atomic_load(&e->st_completions);
+    o->remote_data = atomic_load(&e->st_remote);
+    o->errors = atomic_load(&e->st_errors);
+}

@@ -1,0 +1,203 @@
+/*
+ * aiote C core: libfabric rails, a native completion poller, a completion ring
+ * bridged to an event loop through an eventfd, and immediate counters.
+ *
+ * Threading model
+ *   - One poller thread per engine drains every rail's completion queue. It spins
+ *     for `spin_ns` after the last activity, then sleeps on the providers' wait
+ *     objects (epoll over the CQ wait fds and a kick eventfd) with a timed fallback.
+ *   - Every libfabric call on a rail is made under that rail's mutex
+ *     (FI_THREAD_DOMAIN: we serialize), so posting threads and the poller never
+ *     race inside the provider.
+ *   - Completion records go into a ring that the event-loop side drains with
+ *     aio_drain(). The poller signals the engine's eventfd only when the loop side
+ *     declared itself idle with aio_arm() (one wake-up per drain cycle).
+ *   - Nothing here takes the Python GIL; every function is safe to call with the
+ *     GIL released.
+ *
+ * Return convention: 0 / positive on success, a negative libfabric or errno code
+ * on failure (use aio_strerror). Functions that can fail for a reason worth
+ * showing a user also fill `err` (NUL-terminated, truncated to errlen).
+ */
+#ifndef AIOTE_CORE_H
+#define AIOTE_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define AIO_MAX_RAILS 16
+#define AIO_MAX_ADDR 128
+
+/* Credit unit of an immediate counter. A work request whose remote CQ data has a
+ * zero weight field counts as one whole unit; a shard of a striped transfer carries
+ * its share of AIO_CREDIT_UNIT in the upper 32 bits of the 64-bit CQ data, so that
+ * the shards of one logical write add up to exactly one unit at the receiver. */
+#define AIO_CREDIT_UNIT 65536ULL
+
+/* record kinds */
+#define AIO_REC_GROUP 1   /* a sealed group finished: token = group token, status */
+#define AIO_REC_RECV 2    /* a message arrived: rail, a = slot, b = length, status */
+#define AIO_REC_COUNTER 3 /* a counter watch is satisfied: token = imm */
+
+typedef struct aio_record {
+    uint64_t token;
+    uint64_t a;
+    uint64_t b;
+    int32_t kind;
+    int32_t status; /* 0, or a negative libfabric error code */
+    int32_t rail;
+    int32_t prov_errno;
+} aio_record;
+
+/* operation kinds for aio_post */
+#define AIO_OP_WRITE 1
+#define AIO_OP_READ 2
+
+/* aio_op_desc.flags */
+#define AIO_F_DATA 1 /* carry remote CQ data (write only) */
+
+typedef struct aio_op_desc {
+    void *mr;          /* local aio_mr (opaque) */
+    uint64_t offset;   /* offset into the local region */
+    uint64_t length;   /* bytes; 0 allowed for a data-carrying write */
+    uint64_t peer;     /* fi_addr_t on the rail, from aio_av_insert */
+    uint64_t raddr;    /* remote address as the remote provider expects it */
+    uint64_t rkey;     /* remote key */
+    uint64_t data;     /* remote CQ data (imm | weight << 32) */
+    int32_t rail;
+    int32_t op;        /* AIO_OP_WRITE / AIO_OP_READ */
+    int32_t flags;
+    int32_t pad;
+} aio_op_desc;
+
+typedef struct aio_rail_info {
+    char provider[64];
+    char domain[64];
+    char fabric[64];
+    uint64_t mr_mode;
+    uint64_t mode;
+    uint64_t max_msg_size;
+    uint64_t inject_size;
+    uint64_t mr_key_size;
+    uint32_t cq_data_size;
+    int32_t has_wait_fd;
+    uint32_t tx_size;
+    uint32_t rx_size;
+    uint32_t recv_slots;
+    uint32_t pad;
+    uint64_t slot_size;
+    uint64_t caps;
+    uint32_t addr_len;
+    uint8_t addr[128]; /* AIO_MAX_ADDR */
+} aio_rail_info;
+
+typedef struct aio_engine aio_engine;
+typedef struct aio_mr aio_mr;
+
+typedef struct aio_engine_config {
+    uint32_t ring_capacity;  /* completion records (power of two, >= 1024) */
+    uint32_t max_ops;        /* work requests in flight, engine-wide */
+    uint32_t max_groups;     /* groups (batches) in flight */
+    uint32_t pad;
+    int64_t spin_ns;         /* busy-poll after the last activity before sleeping */
+    int32_t sleep_ms;        /* timed fallback of the sleeping poller */
+    int32_t pad2;
+    int64_t busy_spin_ns;    /* busy-poll budget while our work is in flight */
+} aio_engine_config;
+
+const char *aio_strerror(int code);
+uint32_t aio_fabric_version(void);
+
+int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err, size_t errlen);
+/* Adds a rail (one libfabric domain + RDM endpoint). provider: "tcp", "shm",
+ * "verbs", "efa" or a full libfabric provider string. nic: domain name or NULL.
+ * Returns the rail index. Must be called before aio_engine_start. */
+int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic,
+                        uint32_t recv_slots, uint64_t slot_size, char *err, size_t errlen);
+int aio_engine_start(aio_engine *e);
+/* Stops the poller, cancels nothing in flight (the caller waits first), closes
+ * every fabric object and frees the engine. Regions still registered are closed. */
+void aio_engine_destroy(aio_engine *e);
+int aio_engine_eventfd(aio_engine *e);
+int aio_engine_num_rails(aio_engine *e);
+int aio_rail_get_info(aio_engine *e, int rail, aio_rail_info *out);
+/* Inserts a peer address into the rail's address vector. */
+int aio_av_insert(aio_engine *e, int rail, const void *addr, size_t len, uint64_t *fi_addr);
+int aio_av_remove(aio_engine *e, int rail, uint64_t fi_addr);
+
+/* Memory: a region registered on every rail of the engine.
+ * access: bit 0 remote write, bit 1 remote read. */
+#define AIO_ACCESS_REMOTE_WRITE 1
+#define AIO_ACCESS_REMOTE_READ 2
+int aio_mr_register(aio_engine *e, void *buf, uint64_t len, uint32_t access, aio_mr **out,
+                    char *err, size_t errlen);
+uint64_t aio_mr_key(aio_mr *mr, int rail);
+/* remote address base a peer must use for offset 0 (0 for offset-based providers) */
+uint64_t aio_mr_remote_base(aio_mr *mr, int rail);
+int64_t aio_mr_inflight(aio_mr *mr);
+/* -EBUSY while work requests that touch the region are in flight. */
+int aio_mr_close(aio_engine *e, aio_mr *mr);
+
+/* Groups: a set of work requests finished as one. Open a group, post into it
+ * (possibly over several calls), seal it: one AIO_REC_GROUP record is pushed when
+ * it is sealed and every posted request completed (status: the first error). */
+int64_t aio_group_open(aio_engine *e, uint64_t token);
+/* Posts up to n requests. Returns how many were posted (possibly fewer: the
+ * transmit queue or the op table is full and `budget_ns` of self-driven progress
+ * did not free it), or a negative error for items[returned] when nothing of it
+ * was posted. Partial progress is never undone. */
+int64_t aio_post(aio_engine *e, int64_t group, const aio_op_desc *items, int64_t n,
+                 int64_t budget_ns);
+/* Sends a message (copied into a registered send slot) to a peer on a rail. Returns
+ * 1 if posted, 0 if no send slot or queue space is free now, negative on error. */
+int aio_post_send(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *buf,
+                  uint64_t len, int64_t budget_ns);
+int aio_group_seal(aio_engine *e, int64_t group);
+/* number of posted, unfinished requests in a group (for diagnostics) */
+int64_t aio_group_pending(aio_engine *e, int64_t group);
+int64_t aio_ops_in_flight(aio_engine *e);
+
+/* Receive slots */
+void *aio_recv_slot(aio_engine *e, int rail, uint32_t slot);
+int aio_recv_repost(aio_engine *e, int rail, uint32_t slot);
+
+/* Immediate counters (values in credit sub-units, see AIO_CREDIT_UNIT). */
+/* Takes `units` if available: 1 taken, 0 not enough. */
+int aio_counter_take(aio_engine *e, uint32_t imm, uint64_t units);
+/* Arms a watch: an AIO_REC_COUNTER record is pushed once `available >= units`.
+ * Returns 1 (and arms nothing) if that already holds. */
+int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units);
+void aio_counter_refund(aio_engine *e, uint32_t imm, uint64_t units);
+uint64_t aio_counter_available(aio_engine *e, uint32_t imm);
+uint64_t aio_counter_total(aio_engine *e, uint32_t imm);
+/* Adds units locally (loopback of the engine's own imm, used by tests and by
+ * rails that complete outside libfabric). */
+void aio_counter_add(aio_engine *e, uint32_t imm, uint64_t units);
+
+/* Event-loop side of the ring. */
+int aio_drain(aio_engine *e, aio_record *out, int max);
+/* Declares the loop side idle: returns 1 if records are waiting (the caller must
+ * drain again instead of sleeping), 0 if the next record will signal the eventfd. */
+int aio_arm(aio_engine *e);
+/* Clears the eventfd (non-blocking). */
+void aio_clear_eventfd(aio_engine *e);
+
+/* statistics */
+typedef struct aio_stats {
+    uint64_t polls;
+    uint64_t sleeps;
+    uint64_t wakeups_sent;
+    uint64_t completions;
+    uint64_t remote_data;
+    uint64_t errors;
+} aio_stats;
+void aio_get_stats(aio_engine *e, aio_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
