@@ -1,0 +1,52 @@
+"""aiote: awaitable point-to-point transfers for LLM systems (RDMA-style one-sided writes,
+immediates, counters and messages over libfabric), under asyncio and trio.
+
+    async with aiote.open_engine(provider="tcp", nics=["lo"]) as engine:
+        mr = await engine.register(array)
+        await engine.write(mr, remote_descriptor, imm=7)
+        await engine.imm_counter(7).wait(1)
+"""
+
+from ._counter import CREDIT_UNIT, ImmCounter
+from ._descriptor import EngineAddress, MemoryDescriptor, RailAddress
+from ._engine import Engine, RailInfo, TransferBatch, open_engine
+from ._errors import (
+    AioteError,
+    DescriptorError,
+    EngineClosed,
+    InvalidArgument,
+    PeerUnreachable,
+    ProviderError,
+    RegionBusy,
+    RegistrationError,
+    RemoteAccessError,
+    TransferError,
+    TransferTimeout,
+)
+from ._memory import MemoryRegion
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CREDIT_UNIT",
+    "AioteError",
+    "DescriptorError",
+    "Engine",
+    "EngineAddress",
+    "EngineClosed",
+    "ImmCounter",
+    "InvalidArgument",
+    "MemoryDescriptor",
+    "MemoryRegion",
+    "PeerUnreachable",
+    "ProviderError",
+    "RailAddress",
+    "RailInfo",
+    "RegionBusy",
+    "RegistrationError",
+    "RemoteAccessError",
+    "TransferBatch",
+    "TransferError",
+    "TransferTimeout",
+    "open_engine",
+]

@@ -1,0 +1,83 @@
+"""Wakes the event loop when the C poller has pushed completion records.
+
+asyncio (and uvloop): a persistent ``add_reader`` on the engine's eventfd, so a burst of
+completions costs one callback. trio: one system task blocked in
+``trio.lowlevel.wait_readable``. Either way ``on_ready`` runs in the loop thread and must
+not raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import sniffio
+
+from ._log import get_logger
+
+_log = get_logger(component="bridge")
+
+
+class LoopBridge:
+    """Calls ``on_ready`` in the event-loop thread whenever ``fd`` becomes readable."""
+
+    def __init__(self, fd: int, on_ready: Callable[[], None]) -> None:
+        self._fd = fd
+        self._on_ready = on_ready
+        self._backend = sniffio.current_async_library()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scope: Any = None
+        self._stopped: Any = None
+
+    @property
+    def backend(self) -> str:
+        """``"asyncio"`` or ``"trio"``."""
+        return self._backend
+
+    def _safe(self) -> None:
+        try:
+            self._on_ready()
+        except Exception:  # pragma: no cover - a bug; never let it kill the loop
+            _log.exception("completion dispatch failed")
+
+    def start(self) -> None:
+        """Starts watching; costs one reader registration (asyncio) or one task (trio)."""
+        if self._backend == "asyncio":
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self._fd, self._safe)
+        elif self._backend == "trio":
+            import trio
+
+            self._scope = trio.CancelScope()
+            self._stopped = trio.Event()
+            trio.lowlevel.spawn_system_task(self._trio_watch, name="aiote-completions")
+        else:  # pragma: no cover
+            raise RuntimeError(f"aiote runs under asyncio or trio, not {self._backend}")
+        self._safe()
+
+    async def _trio_watch(self) -> None:
+        import trio
+
+        try:
+            with self._scope:
+                while True:
+                    await trio.lowlevel.wait_readable(self._fd)
+                    self._safe()
+        finally:
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """Stops watching; after it returns the fd may be closed."""
+        if self._backend == "asyncio":
+            if self._loop is not None:
+                self._loop.remove_reader(self._fd)
+                self._loop = None
+        elif self._scope is not None:
+            import trio
+
+            self._scope.cancel()
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
+            trio.lowlevel.notify_closing(self._fd)
+            self._scope = None

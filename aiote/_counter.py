@@ -1,0 +1,114 @@
+"""ImmCounter: per-immediate credit counters fed by the C poller."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._errors import EngineClosed, InvalidArgument
+from ._native import lib
+from ._util import deadline
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["CREDIT_UNIT", "ImmCounter"]
+
+CREDIT_UNIT: int = int(lib.AIO_CREDIT_UNIT)
+
+
+class _Waiter:
+    __slots__ = ("event", "granted", "units")
+
+    def __init__(self, units: int) -> None:
+        self.units = units
+        self.event = anyio.Event()
+        self.granted = False
+
+
+class ImmCounter:
+    """Credits received for one immediate value (``engine.imm_counter(imm)``).
+
+    Every write that carries ``imm`` adds one credit when it has landed, from the first
+    immediate on: a waiter that arrives late still sees them (there is nothing to arm before
+    peers write). The transport's ordering is not assumed. :meth:`wait` consumes credits;
+    waiters are served first come, first served.
+    """
+
+    def __init__(self, engine: Engine, imm: int) -> None:
+        self._engine = engine
+        self.imm = imm
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def available(self) -> int:
+        """Whole credits received and not yet consumed by :meth:`wait`. O(1), no I/O."""
+        return int(lib.aio_counter_available(self._engine._handle(), self.imm)) // CREDIT_UNIT
+
+    @property
+    def total(self) -> int:
+        """Whole credits received since the engine opened (consumed or not)."""
+        return int(lib.aio_counter_total(self._engine._handle(), self.imm)) // CREDIT_UNIT
+
+    async def wait(self, n: int = 1, *, timeout: float | None = None) -> None:
+        """Waits until ``n`` credits are available and consumes them.
+
+        Cancellable: a cancelled or timed-out wait consumes nothing (credits already granted
+        to it are returned), so credits are never lost nor counted twice. Never spins: the
+        C poller wakes the loop when the counter reaches the first waiter's demand.
+
+        Raises :class:`~aiote.TransferTimeout` after ``timeout`` seconds,
+        :class:`~aiote.EngineClosed` if the engine closes, :class:`~aiote.InvalidArgument`
+        for ``n < 0``.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidArgument(f"credits to wait for must be an int >= 0, not {n!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or math.isnan(timeout)):
+            raise InvalidArgument(f"timeout must be a number of seconds or None, not {timeout!r}")
+        h = self._engine._handle()
+        units = n * CREDIT_UNIT
+        if not self._waiters and lib.aio_counter_take(h, self.imm, units):
+            await anyio.lowlevel.checkpoint()
+            return
+        w = _Waiter(units)
+        self._waiters.append(w)
+        if self._waiters[0] is w:
+            self._serve()
+        try:
+            with deadline(timeout, f"waiting for {n} credits of imm {self.imm}"):
+                await w.event.wait()
+        except BaseException:
+            if w.granted:
+                lib.aio_counter_refund(h, self.imm, w.units)
+            else:
+                try:
+                    self._waiters.remove(w)
+                except ValueError:
+                    pass
+            self._serve()
+            raise
+        if not w.granted:
+            raise EngineClosed("the engine closed while waiting for credits")
+
+    def _serve(self) -> None:
+        """Grants credits to waiters in order; arms the C watch for the first unserved one."""
+        if self._engine._closed:
+            return
+        h = self._engine._handle()
+        while self._waiters:
+            head = self._waiters[0]
+            if lib.aio_counter_take(h, self.imm, head.units):
+                self._waiters.popleft()
+                head.granted = True
+                head.event.set()
+                continue
+            if lib.aio_counter_watch(h, self.imm, head.units) == 1:
+                continue
+            break
+
+    def _fail_all(self) -> None:
+        while self._waiters:
+            self._waiters.popleft().event.set()

@@ -1,0 +1,217 @@
+"""Wire formats: engine addresses and memory descriptors, both plain bytes.
+
+Both are versioned, length-checked and end in a CRC-32, so corrupt or truncated bytes are
+rejected with :class:`~aiote.DescriptorError` before they can reach the transport.
+
+Engine address (``engine.address``)::
+
+    b"AIOA" | u8 version | u8 nrails | 16 B host id | per rail: str provider, bytes addr | u32 crc
+
+Memory descriptor (``bytes(mr.descriptor)``)::
+
+    b"AIOD" | u8 version | u8 access | u8 device kind | u8 nrails | i32 device id | u64 length
+    | 16 B host id | per rail: str provider, bytes addr, u64 base, u64 key | u32 crc
+
+A descriptor carries one (address, base, key) entry per NIC of its owner. ``base`` is what the
+owner's provider expects as the remote address of offset 0 (the virtual address for providers
+with ``FI_MR_VIRT_ADDR``, 0 for offset-based ones); no other local pointer is carried.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from ._errors import DescriptorError
+
+__all__ = ["ACCESS_REMOTE_READ", "ACCESS_REMOTE_WRITE", "EngineAddress", "MemoryDescriptor", "RailAddress"]
+
+ACCESS_REMOTE_WRITE = 1
+ACCESS_REMOTE_READ = 2
+
+DEVICE_HOST = 0
+DEVICE_CUDA = 1
+
+_ADDR_MAGIC = b"AIOA"
+_DESC_MAGIC = b"AIOD"
+_VERSION = 1
+_MAX_RAILS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class RailAddress:
+    """One NIC (rail) of an engine: its provider name and its libfabric endpoint address."""
+
+    provider: str
+    address: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _RemoteKey:
+    provider: str
+    address: bytes
+    base: int
+    key: int
+
+
+class _Reader:
+    def __init__(self, data: bytes, what: str) -> None:
+        self.data = data
+        self.pos = 0
+        self.what = what
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            raise DescriptorError(f"{self.what} is truncated ({len(self.data)} bytes)")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, fmt: str) -> tuple[int, ...]:
+        size = struct.calcsize(fmt)
+        return struct.unpack(fmt, self.take(size))
+
+    def string(self) -> str:
+        (n,) = self.unpack("<B")
+        raw = self.take(n)
+        try:
+            return raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise DescriptorError(f"{self.what} holds a non-ASCII provider name") from None
+
+    def blob(self) -> bytes:
+        (n,) = self.unpack("<B")
+        if n == 0:
+            raise DescriptorError(f"{self.what} holds an empty endpoint address")
+        return self.take(n)
+
+
+def _checked_body(data: bytes, magic: bytes, what: str) -> _Reader:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DescriptorError(f"{what} must be bytes, not {type(data).__name__}")
+    data = bytes(data)
+    if len(data) < len(magic) + 1 + 4:
+        raise DescriptorError(f"{what} is truncated ({len(data)} bytes)")
+    if data[: len(magic)] != magic:
+        raise DescriptorError(f"these bytes are not an aiote {what} (bad magic)")
+    body, crc = data[:-4], struct.unpack("<I", data[-4:])[0]
+    if zlib.crc32(body) != crc:
+        raise DescriptorError(f"{what} is corrupt or truncated (checksum mismatch)")
+    r = _Reader(body, what)
+    r.take(len(magic))
+    (version,) = r.unpack("<B")
+    if version != _VERSION:
+        raise DescriptorError(f"{what} has version {version}; this aiote reads version {_VERSION}")
+    return r
+
+
+def _seal(body: bytes) -> bytes:
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def _str(s: str) -> bytes:
+    raw = s.encode("ascii")
+    return struct.pack("<B", len(raw)) + raw
+
+
+def _blob(b: bytes) -> bytes:
+    return struct.pack("<B", len(b)) + b
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAddress:
+    """The address of an engine: what a peer needs to send to it. ``bytes(addr)`` to ship it."""
+
+    rails: tuple[RailAddress, ...]
+    host_id: bytes
+
+    def __bytes__(self) -> bytes:
+        body = _ADDR_MAGIC + struct.pack("<BB", _VERSION, len(self.rails)) + self.host_id
+        for r in self.rails:
+            body += _str(r.provider) + _blob(r.address)
+        return _seal(body)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> EngineAddress:
+        """Parses engine address bytes; raises :class:`DescriptorError` when they are invalid."""
+        r = _checked_body(data, _ADDR_MAGIC, "engine address")
+        (n,) = r.unpack("<B")
+        if not 1 <= n <= _MAX_RAILS:
+            raise DescriptorError(f"engine address claims {n} NICs (1..{_MAX_RAILS} allowed)")
+        host = r.take(16)
+        rails = tuple(RailAddress(r.string(), r.blob()) for _ in range(n))
+        if r.pos != len(r.data):
+            raise DescriptorError("engine address has trailing bytes")
+        return cls(rails, host)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryDescriptor:
+    """What a peer needs to access a registered region: plain bytes, safe to ship.
+
+    ``bytes(desc)`` serializes; :meth:`from_bytes` parses and validates (raises
+    :class:`DescriptorError` on corrupt, truncated or unknown-version bytes). Costs O(NICs).
+    """
+
+    length: int
+    access: int
+    device_kind: int
+    device_id: int
+    host_id: bytes
+    keys: tuple[_RemoteKey, ...]
+
+    @property
+    def remote_write(self) -> bool:
+        """Whether peers may write into the region."""
+        return bool(self.access & ACCESS_REMOTE_WRITE)
+
+    @property
+    def remote_read(self) -> bool:
+        """Whether peers may read from the region."""
+        return bool(self.access & ACCESS_REMOTE_READ)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the region is GPU memory."""
+        return self.device_kind == DEVICE_CUDA
+
+    @property
+    def address(self) -> EngineAddress:
+        """The owning engine's address (one rail per NIC of the owner)."""
+        return EngineAddress(tuple(RailAddress(k.provider, k.address) for k in self.keys), self.host_id)
+
+    def __bytes__(self) -> bytes:
+        body = _DESC_MAGIC + struct.pack(
+            "<BBBBiQ", _VERSION, self.access, self.device_kind, len(self.keys), self.device_id, self.length
+        )
+        body += self.host_id
+        for k in self.keys:
+            body += _str(k.provider) + _blob(k.address) + struct.pack("<QQ", k.base, k.key)
+        return _seal(body)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> MemoryDescriptor:
+        """Parses descriptor bytes; raises :class:`DescriptorError` when they are invalid."""
+        r = _checked_body(data, _DESC_MAGIC, "memory descriptor")
+        access, kind, n, dev, length = r.unpack("<BBBiQ")
+        if access & ~(ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ):
+            raise DescriptorError(f"memory descriptor has unknown access bits {access:#x}")
+        if kind not in (DEVICE_HOST, DEVICE_CUDA):
+            raise DescriptorError(f"memory descriptor has unknown device kind {kind}")
+        if not 1 <= n <= _MAX_RAILS:
+            raise DescriptorError(f"memory descriptor claims {n} NICs (1..{_MAX_RAILS} allowed)")
+        if length == 0:
+            raise DescriptorError("memory descriptor describes an empty region")
+        host = r.take(16)
+        keys = []
+        for _ in range(n):
+            prov = r.string()
+            addr = r.blob()
+            base, key = r.unpack("<QQ")
+            if base + length > 2**64:
+                raise DescriptorError("memory descriptor region wraps the address space")
+            keys.append(_RemoteKey(prov, addr, base, key))
+        if r.pos != len(r.data):
+            raise DescriptorError("memory descriptor has trailing bytes")
+        return cls(length, access, kind, dev, host, tuple(keys))

@@ -1,0 +1,93 @@
+"""Registered memory regions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._descriptor import DEVICE_HOST, MemoryDescriptor
+from ._errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["MemoryRegion"]
+
+
+def host_buffer(obj: Any, *, writable: bool) -> tuple[Any, int]:
+    """(exporting object, nbytes) of a C-contiguous host buffer; InvalidArgument otherwise.
+
+    NumPy arrays and anything with the buffer protocol are accepted. ``writable`` demands a
+    writable buffer (needed when peers may write into it, or when it is a READ target).
+    """
+    if hasattr(obj, "__cuda_array_interface__"):
+        raise InvalidArgument(
+            "GPU buffers are not supported by this build of aiote yet; register host memory"
+        )
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise InvalidArgument(
+            f"cannot register a {type(obj).__name__}: pass a NumPy array or a buffer-protocol object"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgument(
+            "the buffer is not C-contiguous; register a contiguous array (numpy.ascontiguousarray)"
+        )
+    if writable and view.readonly:
+        raise InvalidArgument(
+            "the buffer is read-only but was registered for remote write; "
+            "pass remote_write=False or register a writable array"
+        )
+    if view.nbytes == 0:
+        raise InvalidArgument("cannot register an empty buffer")
+    return obj, view.nbytes
+
+
+class MemoryRegion:
+    """A buffer registered with every NIC of an engine (``await engine.register(array)``).
+
+    Holds a reference to the buffer so it outlives every transfer that uses it. ``descriptor``
+    is what peers need to access it. Valid until ``await engine.unregister(mr)`` or until the
+    engine closes.
+    """
+
+    __slots__ = ("_cbuf", "_engine", "_handle", "_obj", "descriptor", "nbytes", "remote_read", "remote_write")
+
+    def __init__(
+        self,
+        engine: Engine,
+        obj: Any,
+        cbuf: Any,
+        handle: Any,
+        nbytes: int,
+        descriptor: MemoryDescriptor,
+        remote_write: bool,
+        remote_read: bool,
+    ) -> None:
+        self._engine = engine
+        self._obj = obj
+        self._cbuf = cbuf
+        self._handle = handle
+        self.nbytes = nbytes
+        self.descriptor = descriptor
+        self.remote_write = remote_write
+        self.remote_read = remote_read
+
+    @property
+    def buffer(self) -> Any:
+        """The registered object (the NumPy array passed to ``register``)."""
+        return self._obj
+
+    @property
+    def registered(self) -> bool:
+        """False once unregistered or once its engine closed."""
+        return self._handle is not None and not self._engine._closed
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the region is GPU memory."""
+        return self.descriptor.device_kind != DEVICE_HOST
+
+    def __repr__(self) -> str:
+        state = "registered" if self.registered else "unregistered"
+        return f"<aiote.MemoryRegion {self.nbytes} B {state}>"
