@@ -66,8 +66,9 @@ if os.environ.get("AIOTE_SANITIZE"):
 ffibuilder.set_source(
     "aiote._native._core",
     '#include "aiote_core.h"',
-    sources=[str(CDEPS / "aiote_core.c")],
-    include_dirs=[str(CDEPS), *_inc],
+    # setuptools wants paths relative to setup.py
+    sources=[os.path.relpath(CDEPS / "aiote_core.c", Path.cwd())],
+    include_dirs=[os.path.relpath(CDEPS, Path.cwd()), *_inc],
     library_dirs=_libdirs,
     libraries=["fabric", "pthread"],
     extra_compile_args=_extra,

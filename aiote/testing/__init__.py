@@ -1,0 +1,192 @@
+"""Test helpers aiote ships for its users: an engine pair in one process and a real peer
+engine in another process, driven over aiote's own send/recv.
+
+    async with aiote.testing.engine_pair() as (a, b):
+        ...
+    async with aiote.testing.spawn_peer() as peer:          # another process
+        desc = await peer.register("buf", 1 << 20)
+        await engine.write(mr, desc, imm=1)
+        await peer.wait(imm=1, n=1)
+        assert await peer.digest("buf") == aiote.testing.digest(expected)
+
+The pytest plugin (installed with the package, see :mod:`aiote.testing._plugin`) exposes
+these as fixtures: ``aiote_engine_pair`` and ``aiote_peer``; they work under anyio's pytest
+plugin (asyncio and trio) and under pytest-trio.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from .._descriptor import MemoryDescriptor
+from .._engine import Engine, open_engine
+
+__all__ = ["PeerProcess", "PeerError", "digest", "engine_pair", "pattern", "spawn_peer"]
+
+
+def pattern(nbytes: int, seed: int = 0) -> np.ndarray:
+    """``nbytes`` of deterministic pseudo-random bytes (the same in every process)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def digest(data: Any) -> str:
+    """Hex BLAKE2b digest of a buffer, as the peer process computes it."""
+    return hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest()
+
+
+class PeerError(AssertionError):
+    """The peer process reported that a command failed."""
+
+
+@asynccontextmanager
+async def engine_pair(provider: str = "tcp", nics: Sequence[str] | None = None, **kw: Any) -> AsyncIterator[
+    tuple[Engine, Engine]
+]:
+    """Two engines in this process on the same provider (loopback by default)."""
+    async with open_engine(provider, nics, **kw) as a, open_engine(provider, nics, **kw) as b:
+        yield a, b
+
+
+class PeerProcess:
+    """A peer engine in a child process, serving JSON commands that arrive as aiote
+    messages. Its replies come back the same way, so every call crosses the transport."""
+
+    def __init__(self, engine: Engine, proc: anyio.abc.Process, address: bytes) -> None:
+        self.engine = engine
+        self.process = proc
+        self.address = address
+
+    @property
+    def pid(self) -> int:
+        """The peer's process id."""
+        return int(self.process.pid)
+
+    async def call(self, timeout: float = 60.0, **cmd: Any) -> dict[str, Any]:
+        """Sends one command and returns its reply; raises :class:`PeerError` if it failed."""
+        await self.engine.send(self.address, json.dumps(cmd).encode(), timeout=timeout)
+        with anyio.fail_after(timeout):
+            while True:
+                sender, payload = await self.engine.recv()
+                if sender == self.address:
+                    break
+        reply: dict[str, Any] = json.loads(payload)
+        if "error" in reply:
+            raise PeerError(f"peer failed {cmd.get('op')}: {reply['error']}")
+        return reply
+
+    async def register(
+        self,
+        name: str,
+        nbytes: int,
+        *,
+        fill: str = "zeros",
+        seed: int = 0,
+        remote_write: bool = True,
+        remote_read: bool = True,
+    ) -> MemoryDescriptor:
+        """Registers a buffer in the peer (``fill``: "zeros" or "pattern"); its descriptor."""
+        r = await self.call(
+            op="register", name=name, size=nbytes, fill=fill, seed=seed,
+            remote_write=remote_write, remote_read=remote_read,
+        )
+        return MemoryDescriptor.from_bytes(bytes.fromhex(r["desc"]))
+
+    async def wait(self, imm: int, n: int = 1, timeout: float = 30.0) -> None:
+        """Makes the peer wait for ``n`` credits of ``imm`` on its engine."""
+        await self.call(timeout + 10, op="wait", imm=imm, n=n, wait_timeout=timeout)
+
+    async def digest(self, name: str, offset: int = 0, length: int | None = None) -> str:
+        """BLAKE2b digest of a slice of a peer buffer (compare with :func:`digest`)."""
+        r = await self.call(op="digest", name=name, offset=offset, length=length)
+        return str(r["digest"])
+
+    async def write(
+        self, name: str, remote: MemoryDescriptor, *, length: int | None = None, src_offset: int = 0,
+        dst_offset: int = 0, imm: int | None = None, count: int = 1,
+    ) -> None:
+        """Makes the peer write ``count`` times from its buffer into ``remote``."""
+        await self.call(
+            op="write", name=name, remote=bytes(remote).hex(), length=length, src_offset=src_offset,
+            dst_offset=dst_offset, imm=imm, count=count,
+        )
+
+    async def write_imm(self, remote: MemoryDescriptor, imm: int, count: int = 1) -> None:
+        """Makes the peer send ``count`` zero-byte writes carrying ``imm`` to ``remote``'s owner."""
+        await self.call(op="imm", remote=bytes(remote).hex(), imm=imm, count=count)
+
+    async def counter(self, imm: int) -> int:
+        """The peer's available credits for ``imm``."""
+        r = await self.call(op="counter", imm=imm)
+        return int(r["available"])
+
+
+@asynccontextmanager
+async def spawn_peer(
+    provider: str = "tcp", nics: Sequence[str] | None = None, *, engine: Engine | None = None,
+    startup_timeout: float = 30.0, **engine_kw: Any,
+) -> AsyncIterator[PeerProcess]:
+    """Starts a peer engine in a new Python process (``python -m aiote.testing._peer``).
+
+    Talks to it through ``engine`` (or a fresh local engine on the same provider). The peer
+    exits when the block ends; if it is still alive after 10 s it is killed.
+    """
+    args = [sys.executable, "-m", "aiote.testing._peer", "--provider", provider]
+    for nic in nics or []:
+        args += ["--nic", nic]
+    env = dict(os.environ)
+    proc = await anyio.open_process(args, stdin=None, stdout=-1, stderr=None, env=env)
+    try:
+        assert proc.stdout is not None
+        buf = b""
+        with anyio.fail_after(startup_timeout):
+            while b"\n" not in buf:
+                chunk = await proc.stdout.receive()
+                if not chunk:
+                    raise RuntimeError("the peer process exited before it was ready")
+                buf += chunk
+        line = buf.split(b"\n", 1)[0].decode()
+        if not line.startswith("AIOTE_PEER "):
+            raise RuntimeError(f"unexpected output from the peer process: {line!r}")
+        address = bytes.fromhex(line.split()[1])
+        if engine is None:
+            async with open_engine(provider, nics, **engine_kw) as local:
+                peer = PeerProcess(local, proc, address)
+                try:
+                    yield peer
+                finally:
+                    await _stop(peer)
+        else:
+            peer = PeerProcess(engine, proc, address)
+            try:
+                yield peer
+            finally:
+                await _stop(peer)
+    finally:
+        with anyio.CancelScope(shield=True):
+            if proc.returncode is None:
+                with anyio.move_on_after(10):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            await proc.aclose()
+
+
+async def _stop(peer: PeerProcess) -> None:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+        if peer.process.returncode is None and not peer.engine.closed:
+            try:
+                await peer.engine.send(peer.address, json.dumps({"op": "exit"}).encode(), timeout=2)
+            except Exception:
+                peer.process.kill()

@@ -1,0 +1,95 @@
+"""The peer process of :func:`aiote.testing.spawn_peer`: an engine serving JSON commands
+received as aiote messages (``python -m aiote.testing._peer --provider tcp``)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .._descriptor import MemoryDescriptor
+from .._engine import Engine, open_engine
+from .._memory import MemoryRegion
+
+
+async def _serve(engine: Engine) -> None:
+    regions: dict[str, MemoryRegion] = {}
+    arrays: dict[str, np.ndarray] = {}
+    while True:
+        sender, payload = await engine.recv()
+        cmd: dict[str, Any] = json.loads(payload)
+        op = cmd.get("op")
+        reply: dict[str, Any] = {"ok": True}
+        try:
+            if op == "exit":
+                return
+            if op == "register":
+                name = cmd["name"]
+                if name in regions:
+                    await engine.unregister(regions.pop(name))
+                if cmd.get("fill") == "pattern":
+                    arr = np.random.default_rng(cmd.get("seed", 0)).integers(
+                        0, 256, size=cmd["size"], dtype=np.uint8
+                    )
+                else:
+                    arr = np.zeros(cmd["size"], np.uint8)
+                arrays[name] = arr
+                regions[name] = await engine.register(
+                    arr, remote_write=cmd.get("remote_write", True), remote_read=cmd.get("remote_read", True)
+                )
+                reply["desc"] = bytes(regions[name].descriptor).hex()
+            elif op == "wait":
+                await engine.imm_counter(cmd["imm"]).wait(cmd["n"], timeout=cmd.get("wait_timeout"))
+            elif op == "counter":
+                reply["available"] = engine.imm_counter(cmd["imm"]).available
+            elif op == "digest":
+                arr = arrays[cmd["name"]]
+                off = cmd.get("offset") or 0
+                length = cmd.get("length")
+                view = arr[off:] if length is None else arr[off : off + length]
+                reply["digest"] = hashlib.blake2b(view.tobytes(), digest_size=16).hexdigest()
+            elif op == "write":
+                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
+                for _ in range(cmd.get("count", 1)):
+                    await engine.write(
+                        regions[cmd["name"]], remote, length=cmd.get("length"),
+                        src_offset=cmd.get("src_offset", 0), dst_offset=cmd.get("dst_offset", 0),
+                        imm=cmd.get("imm"),
+                    )
+            elif op == "imm":
+                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
+                for _ in range(cmd.get("count", 1)):
+                    await engine.write_imm(remote, cmd["imm"])
+            elif op == "echo":
+                reply["payload"] = cmd.get("payload")
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except Exception as exc:  # reported to the caller, who fails its test
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        await engine.send(sender, json.dumps(reply).encode())
+
+
+async def _main(provider: str, nics: list[str] | None) -> None:
+    async with open_engine(provider, nics or None) as engine:
+        sys.stdout.write(f"AIOTE_PEER {engine.address.hex()}\n")
+        sys.stdout.flush()
+        await _serve(engine)
+
+
+def main() -> None:
+    """Entry point of the peer process."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--provider", default="tcp")
+    ap.add_argument("--nic", action="append")
+    ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    a = ap.parse_args()
+    anyio.run(_main, a.provider, a.nic, backend=a.backend)
+
+
+if __name__ == "__main__":
+    main()

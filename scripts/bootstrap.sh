@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what aiote needs on a Debian/Ubuntu machine that has only Python:
+# libfabric's development files and a C compiler (apt, when missing), a virtualenv in
+# .venv, and the package with its test extras. Idempotent; prints what it does.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+need_apt=()
+[ -e /usr/include/rdma/fabric.h ] || need_apt+=(libfabric-dev)
+command -v fi_info >/dev/null 2>&1 || need_apt+=(libfabric-bin)
+command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+[ -e "$inc/Python.h" ] || need_apt+=(python3-dev)
+"$PY" -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
+
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "bootstrap: installing Debian packages: ${need_apt[*]}"
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null 2>&1 || { echo "bootstrap: need root (or sudo) to apt-get install ${need_apt[*]}" >&2; exit 1; }
+    SUDO=sudo
+  fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv"
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+echo "bootstrap: installing aiote[test] into .venv (builds the C core)"
+.venv/bin/python -m pip install -q -e ".[test]"
