@@ -765,7 +765,7 @@ class TransferBatch:
         self._rows: list[np.ndarray] = []
         self._table = np.zeros(16, _OP_DTYPE)
         self._n = 0
-        self._refs: list[Any] = []
+        self._refs: set[MemoryRegion] = set()
 
     def __len__(self) -> int:
         return self._n
@@ -788,7 +788,7 @@ class TransferBatch:
         """Adds a write (same arguments as :meth:`Engine.write`); returns the batch."""
         self._engine._fill(self._row(), mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
         self._n += 1
-        self._refs.append(mr)
+        self._refs.add(mr)
         return self
 
     def read(
@@ -803,15 +803,21 @@ class TransferBatch:
         """Adds a READ (same arguments as :meth:`Engine.read`); returns the batch."""
         self._engine._fill(self._row(), mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)
         self._n += 1
-        self._refs.append(mr)
+        self._refs.add(mr)
         return self
 
     async def submit(self, *, timeout: float | None = None) -> None:
         """Posts every request and waits until all completed. Raises the first error
-        (after every posted request finished); see :meth:`Engine.write` for cancellation."""
+        (after every posted request finished); see :meth:`Engine.write` for cancellation.
+
+        A batch may be submitted again (a static schedule built once); each submission
+        re-checks that its regions are still registered (:class:`InvalidArgument` if not)."""
         if self._n == 0:
             await anyio.lowlevel.checkpoint()
             return
+        for mr in self._refs:
+            if mr._handle is None:
+                raise InvalidArgument("a region of this batch was unregistered since it was added")
         table = self._table[: self._n].copy()
         await self._engine._run(table, self._refs, timeout, f"batch of {self._n}")
 
