@@ -818,7 +818,7 @@ class TransferBatch:
         for mr in self._refs:
             if mr._handle is None:
                 raise InvalidArgument("a region of this batch was unregistered since it was added")
-        table = self._table[: self._n].copy()
+        table = self._table[: self._n]  # rows are never rewritten; growth reallocates
         await self._engine._run(table, self._refs, timeout, f"batch of {self._n}")
 
 
