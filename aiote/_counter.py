@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from typing import TYPE_CHECKING
@@ -84,10 +85,8 @@ class ImmCounter:
             if w.granted:
                 lib.aio_counter_refund(h, self.imm, w.units)
             else:
-                try:
+                with contextlib.suppress(ValueError):
                     self._waiters.remove(w)
-                except ValueError:
-                    pass
             self._serve()
             raise
         if not w.granted:

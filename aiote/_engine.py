@@ -10,7 +10,7 @@ import os
 import struct
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 
 from ._bridge import LoopBridge
-from ._counter import CREDIT_UNIT, ImmCounter
+from ._counter import ImmCounter
 from ._descriptor import (
     ACCESS_REMOTE_READ,
     ACCESS_REMOTE_WRITE,
@@ -31,7 +31,6 @@ from ._descriptor import (
 )
 from ._errors import (
     AioteError,
-    DescriptorError,
     EngineClosed,
     InvalidArgument,
     PeerUnreachable,
@@ -82,7 +81,8 @@ PROVIDERS = ("tcp", "shm", "verbs", "efa")
 
 
 def _strerror(code: int) -> str:
-    return ffi.string(lib.aio_strerror(code)).decode(errors="replace")
+    text: bytes = ffi.string(lib.aio_strerror(code))
+    return text.decode(errors="replace")
 
 
 def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
@@ -328,7 +328,9 @@ class Engine:
             raise RegistrationError(ffi.string(err).decode(errors="replace") or _strerror(-rc))
         mrh = out[0]
         keys = tuple(
-            _RemoteKey(r.provider, r.address, int(lib.aio_mr_remote_base(mrh, i)), int(lib.aio_mr_key(mrh, i)))
+            _RemoteKey(
+                r.provider, r.address, int(lib.aio_mr_remote_base(mrh, i)), int(lib.aio_mr_key(mrh, i))
+            )
             for i, r in enumerate(self._rails)
         )
         desc = MemoryDescriptor(nbytes, access, DEVICE_HOST, 0, self._address.host_id, keys)
@@ -398,7 +400,9 @@ class Engine:
 
     def _region(self, mr: Any, name: str = "mr") -> MemoryRegion:
         if not isinstance(mr, MemoryRegion):
-            raise InvalidArgument(f"{name} must be a MemoryRegion from engine.register, not {type(mr).__name__}")
+            raise InvalidArgument(
+                f"{name} must be a MemoryRegion from engine.register, not {type(mr).__name__}"
+            )
         if mr._engine is not self:
             raise InvalidArgument(f"{name} is registered with another engine")
         if mr._handle is None:
@@ -562,7 +566,9 @@ class Engine:
         self._fill(table[0], mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
         await self._run(table, mr, timeout, "write")
 
-    async def write_imm(self, remote: MemoryDescriptor | bytes, imm: int, *, timeout: float | None = None) -> None:
+    async def write_imm(
+        self, remote: MemoryDescriptor | bytes, imm: int, *, timeout: float | None = None
+    ) -> None:
         """Zero-byte write carrying ``imm`` to the owner of ``remote``: its
         ``imm_counter(imm)`` gains one credit. Raises as :meth:`write`."""
         if imm is None:
@@ -684,10 +690,8 @@ class Engine:
             if w.item is not None:
                 self._inbox.appendleft(w.item)
             else:
-                try:
+                with suppress(ValueError):
                     self._recv_waiters.remove(w)
-                except ValueError:
-                    pass
             raise
         if w.item is None:
             raise EngineClosed("the engine closed while receiving")
@@ -961,4 +965,3 @@ async def open_engine(
         yield engine
     finally:
         await engine.aclose()
-

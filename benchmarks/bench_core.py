@@ -259,7 +259,7 @@ def main() -> int:
                         "ratio_batched": med(pb) / med(c), "ratio_single": med(ps) / med(c),
                         "c_all": c, "py_batched_all": pb, "py_single_all": ps}
         rows.append((f"write {size // 1024} KiB x{WINDOW} (GB/s)", med(c), med(pb), med(pb) / med(c)))
-        rows.append((f"  one await per write (GB/s)", med(c), med(ps), med(ps) / med(c)))
+        rows.append(("  one await per write (GB/s)", med(c), med(ps), med(ps) / med(c)))
     for label, spin in (("default spin 50us", 50.0), ("low-latency spin 1000us", 1000.0)):
         c50, c99, p50, p99 = [], [], [], []
         for _ in range(repeats):
