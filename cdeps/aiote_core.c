@@ -637,7 +637,9 @@ static void *poller_main(void *arg) {
             int timeout = e->cfg.sleep_ms;
             /* a rail without a wait object, or work of ours in flight on a
              * manual-progress provider: sleep in short steps */
-            if (!all_fd || inflight > 0) timeout = 1;
+            if (inflight > 0) timeout = 1;
+            else if (!all_fd) /* no wait object: short steps, longer once idle a while */
+                timeout = (now_ns() - last_active > 200000000LL) ? 5 : 1;
             atomic_fetch_add_explicit(&e->st_sleeps, 1, memory_order_relaxed);
             int ne = epoll_wait(e->epfd, evs, AIO_MAX_RAILS + 1, timeout);
             for (int k = 0; k < ne; k++) {
