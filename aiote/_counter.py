@@ -82,7 +82,7 @@ class ImmCounter:
             with deadline(timeout, f"waiting for {n} credits of imm {self.imm}"):
                 await w.event.wait()
         except BaseException:
-            if w.granted:
+            if w.granted and not self._engine._closed:
                 lib.aio_counter_refund(h, self.imm, w.units)
             else:
                 with contextlib.suppress(ValueError):

@@ -68,14 +68,15 @@ _PEER_ERRORS = {
     103: "connection aborted",  # ECONNABORTED
     107: "not connected",  # ENOTCONN
     110: "timed out",  # ETIMEDOUT
-    5: "I/O error",  # EIO
     32: "broken pipe",  # EPIPE
     112: "host down",  # EHOSTDOWN
     101: "network unreachable",  # ENETUNREACH
     100: "network down",  # ENETDOWN
-    265: "no route",  # FI_EADDRNOTAVAIL? (provider specific)
 }
-_ACCESS_ERRORS = {13, 1, 14, 258, 260, 261}  # EACCES, EPERM, EFAULT, FI_EOTHER? FI_EKEYREJECTED..
+# EPERM, EACCES, EFAULT, EREMOTEIO, EKEYREJECTED, FI_ENOKEY: the peer refused the access
+_ACCESS_ERRORS = {1, 13, 14, 121, 129, 266}
+_FI_ETRUNC = 265
+_CLOSED_STATUS = -(1 << 30)  # an operation failed because the engine closed under it
 
 PROVIDERS = ("tcp", "shm", "verbs", "efa")
 
@@ -90,8 +91,10 @@ def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
     msg = f"{what} failed: {_strerror(code)} (libfabric error {code}, provider error {prov_errno})"
     if code in _PEER_ERRORS:
         return PeerUnreachable(msg + "; the peer is gone or not listening", code, prov_errno)
-    if code in _ACCESS_ERRORS or code == 265:
+    if code in _ACCESS_ERRORS:
         return RemoteAccessError(msg + "; check the descriptor's key and bounds", code, prov_errno)
+    if code == _FI_ETRUNC:
+        return TransferError(msg + "; the receiver's buffer was too small", code, prov_errno)
     return TransferError(msg, code, prov_errno)
 
 
@@ -243,6 +246,16 @@ class Engine:
             raise EngineClosed("the engine is closed")
         return self._h
 
+    async def _pause(self, seconds: float) -> Any:
+        """Sleeps between retries; returns the native handle, or raises EngineClosed if the
+        engine started closing meanwhile (nothing may be posted on a freed handle)."""
+        await anyio.sleep(seconds)
+        return self._check_open()
+
+    def _seal(self, g: int) -> None:
+        if not self._closed:
+            lib.aio_group_seal(self._h, g)
+
     def _check_open(self) -> Any:
         if self._closed or self._closing:
             raise EngineClosed("the engine is closed or closing; nothing more can be posted")
@@ -335,6 +348,7 @@ class Engine:
         )
         desc = MemoryDescriptor(nbytes, access, DEVICE_HOST, 0, self._address.host_id, keys)
         mr = MemoryRegion(self, obj, cbuf, mrh, nbytes, desc, remote_write, remote_read)
+        mr.writable = not memoryview(obj).readonly
         self._regions.add(mr)
         await anyio.lowlevel.checkpoint()
         return mr
@@ -359,6 +373,9 @@ class Engine:
                 )
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.02)
+            h = self._handle()
+            if mr._handle is None:
+                raise InvalidArgument("the region was unregistered meanwhile")
         handle, mr._handle = mr._handle, None
         rc = lib.aio_mr_close(h, handle)
         if rc != 0:  # pragma: no cover - raced with a new post from another task
@@ -429,6 +446,7 @@ class Engine:
         op: int,
     ) -> None:
         """Validates one transfer and fills one aio_op_desc row (numpy record)."""
+        self._check_open()
         rdesc = self._remote(remote)
         mr = self._region(mr)
         src_offset = as_index(src_offset, "src_offset")
@@ -454,8 +472,8 @@ class Engine:
         if op == lib.AIO_OP_READ:
             if not rdesc.remote_read:
                 raise InvalidArgument("the remote region was registered without remote_read")
-            if not mr.remote_write and isinstance(mr.buffer, memoryview) and mr.buffer.readonly:
-                raise InvalidArgument("a READ needs a writable local region")
+            if not mr.writable:
+                raise InvalidArgument("a READ needs a writable local region; this buffer is read-only")
         flags = 0
         data = 0
         if imm is not None:
@@ -464,6 +482,8 @@ class Engine:
             data = as_index(imm, "imm", hi=_U32)
             flags = lib.AIO_F_DATA
         elif length == 0:
+            if op == lib.AIO_OP_READ:
+                raise InvalidArgument("a READ must move at least one byte")
             raise InvalidArgument("a zero-length write must carry an immediate (imm=...)")
         rail, fa, base, key = self._route(rdesc.keys)
         row["mr"] = int(ffi.cast("uintptr_t", mr._handle))
@@ -492,11 +512,11 @@ class Engine:
             with deadline(timeout, what):
                 while g < 0:  # every group slot in flight: backpressure
                     attempt += 1
-                    await anyio.sleep(min(0.0001 * attempt, 0.005))
+                    h = await self._pause(min(0.0001 * attempt, 0.005))
                     g = lib.aio_group_open(h, token)
         except BaseException:
             if g >= 0:
-                lib.aio_group_seal(h, g)
+                self._seal(g)
             raise
         self._pending[token] = op
         posted = 0
@@ -514,20 +534,20 @@ class Engine:
                     if posted < n:
                         # queue full or peer still connecting: back off, the poller progresses
                         attempt = attempt + 1 if k == 0 else 0
-                        await anyio.sleep(min(0.00005 * (1 << min(attempt, 8)), 0.01))
-                lib.aio_group_seal(h, g)
+                        h = await self._pause(min(0.00005 * (1 << min(attempt, 8)), 0.01))
+                self._seal(g)
                 sealed = True
                 if not op.event.is_set():
                     await op.event.wait()
         except TransferTimeout:
             if not sealed:
-                lib.aio_group_seal(h, g)
+                self._seal(g)
             if posted == 0:
                 raise TransferTimeout(f"{what}: nothing could be posted before the deadline") from None
             raise
         except BaseException:
             if not sealed:
-                lib.aio_group_seal(h, g)
+                self._seal(g)
             if posted and not op.event.is_set():
                 # a posted request cannot be taken back: keep its buffers until the NIC is done
                 with anyio.move_on_after(self._cancel_grace, shield=True):
@@ -535,6 +555,8 @@ class Engine:
             raise
         if error:
             raise _post_error(error, what, posted)
+        if op.status == _CLOSED_STATUS:
+            raise EngineClosed(f"{what}: the engine closed before the operation completed")
         if op.status:
             raise _completion_error(op.status, op.prov_errno, what)
 
@@ -645,9 +667,10 @@ class Engine:
         op = _Op(None)
         token = next(self._tokens)
         g = lib.aio_group_open(h, token)
-        while g < 0:
-            await anyio.sleep(0.0005)
-            g = lib.aio_group_open(h, token)
+        with deadline(timeout, "send"):
+            while g < 0:  # every group slot in flight: backpressure
+                h = await self._pause(0.0005)
+                g = lib.aio_group_open(h, token)
         self._pending[token] = op
         sealed = False
         try:
@@ -656,20 +679,22 @@ class Engine:
                 while True:
                     rc = lib.aio_post_send(h, g, rail, fa, msg, len(msg), self._budget_ns)
                     if rc < 0:
-                        lib.aio_group_seal(h, g)
+                        self._seal(g)
                         sealed = True
                         raise _post_error(int(rc), "send", 0)
                     if rc == 1:
                         break
                     attempt += 1
-                    await anyio.sleep(min(0.00005 * (1 << min(attempt, 8)), 0.01))
-                lib.aio_group_seal(h, g)
+                    h = await self._pause(min(0.00005 * (1 << min(attempt, 8)), 0.01))
+                self._seal(g)
                 sealed = True
                 if not op.event.is_set():
                     await op.event.wait()
         finally:
             if not sealed:
-                lib.aio_group_seal(h, g)
+                self._seal(g)
+        if op.status == _CLOSED_STATUS:
+            raise EngineClosed("send: the engine closed before the message was sent")
         if op.status:
             raise _completion_error(op.status, op.prov_errno, "send")
 
@@ -724,7 +749,7 @@ class Engine:
             self._closed = True
             await anyio.to_thread.run_sync(lib.aio_engine_destroy, h)
         for op in self._pending.values():
-            op.status = -_FI_ECANCELED
+            op.status = _CLOSED_STATUS
             op.event.set()
         self._pending.clear()
         for c in self._counters.values():
@@ -734,9 +759,6 @@ class Engine:
         for mr in self._regions:
             mr._handle = None
         self._regions.clear()
-
-
-_FI_ECANCELED = 125
 
 
 def _as_bytes(v: Any, name: str) -> bytes:
@@ -816,6 +838,7 @@ class TransferBatch:
 
         A batch may be submitted again (a static schedule built once); each submission
         re-checks that its regions are still registered (:class:`InvalidArgument` if not)."""
+        self._engine._check_open()
         if self._n == 0:
             await anyio.lowlevel.checkpoint()
             return

@@ -51,7 +51,17 @@ class MemoryRegion:
     engine closes.
     """
 
-    __slots__ = ("_cbuf", "_engine", "_handle", "_obj", "descriptor", "nbytes", "remote_read", "remote_write")
+    __slots__ = (
+        "_cbuf",
+        "_engine",
+        "_handle",
+        "_obj",
+        "descriptor",
+        "nbytes",
+        "remote_read",
+        "remote_write",
+        "writable",
+    )
 
     def __init__(
         self,
@@ -72,6 +82,7 @@ class MemoryRegion:
         self.descriptor = descriptor
         self.remote_write = remote_write
         self.remote_read = remote_read
+        self.writable = remote_write  # whether the buffer may be written locally (READ target)
 
     @property
     def buffer(self) -> Any:
