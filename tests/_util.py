@@ -1,0 +1,55 @@
+"""Helpers for the aiote tests (no mocks: they only observe real engines)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+import aiote
+from aiote.testing import digest, pattern
+
+__all__ = ["digest", "eventually", "landed", "nothing_posted", "pattern", "snapshot", "zeros"]
+
+
+def zeros(n: int) -> np.ndarray:
+    return np.zeros(n, np.uint8)
+
+
+async def eventually(pred: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Polls ``pred`` (on real engine state) until it holds; fails the test after ``timeout``."""
+    with anyio.move_on_after(timeout):
+        while not pred():  # noqa: ASYNC110 (polls native state)
+            await anyio.sleep(0.002)
+        return
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def landed(engine: aiote.Engine, expected: dict[int, int], timeout: float = 20.0) -> None:
+    """Waits, without consuming anything, until every imm in ``expected`` has received
+    exactly that many credits (``counter.total``, fed by the native poller)."""
+    counters = {imm: engine.imm_counter(imm) for imm in expected}
+    await eventually(
+        lambda: all(counters[i].total >= n for i, n in expected.items()), f"credits {expected}", timeout
+    )
+    got = {i: counters[i].total for i in expected}
+    assert got == expected
+
+
+def snapshot(engine: aiote.Engine) -> dict[str, int]:
+    return engine.stats()
+
+
+def nothing_posted(engine: aiote.Engine, before: dict[str, int]) -> None:
+    """Asserts that nothing was posted since ``before`` (a stats() snapshot)."""
+    after = engine.stats()
+    assert after["ops_in_flight"] == 0, after
+    assert after["pending"] == 0, after
+    assert after["completions"] == before["completions"], (before, after)
+    assert after["errors"] == before["errors"], (before, after)
+
+
+def as_u8(a: Any) -> np.ndarray:
+    return np.frombuffer(memoryview(a).cast("B"), np.uint8)
