@@ -71,8 +71,9 @@ class ImmCounter:
             raise InvalidArgument(f"timeout must be a number of seconds or None, not {timeout!r}")
         h = self._engine._handle()
         units = n * CREDIT_UNIT
+        await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller takes nothing
         if not self._waiters and lib.aio_counter_take(h, self.imm, units):
-            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.cancel_shielded_checkpoint()
             return
         w = _Waiter(units)
         self._waiters.append(w)

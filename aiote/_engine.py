@@ -44,7 +44,7 @@ from ._errors import (
 from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
 from ._native import ffi, lib
-from ._util import as_index, deadline
+from ._util import as_index, check_timeout, deadline
 
 __all__ = ["Engine", "RailInfo", "TransferBatch", "open_engine"]
 
@@ -501,6 +501,7 @@ class Engine:
 
     async def _run(self, table: np.ndarray, refs: Any, timeout: float | None, what: str) -> None:
         """Posts the rows of ``table`` as one group and waits for all of them."""
+        check_timeout(timeout)
         h = self._check_open()
         n = len(table)
         ptr = ffi.cast("aio_op_desc*", ffi.from_buffer(table))
@@ -641,6 +642,7 @@ class Engine:
 
         Raises :class:`InvalidArgument` (bad address, payload too large),
         :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`."""
+        check_timeout(timeout)
         h = self._check_open()
         addr = peer if isinstance(peer, EngineAddress) else EngineAddress.from_bytes(_as_bytes(peer, "peer"))
         try:
@@ -702,10 +704,13 @@ class Engine:
         """Receives the next message: ``(sender_address, payload)``. Messages are queued from
         the engine's start, so nothing is lost while nobody waits. Cancel-safe: a cancelled
         receive takes no message. Raises :class:`TransferTimeout`, :class:`EngineClosed`."""
+        check_timeout(timeout)
         self._handle()
+        await anyio.lowlevel.checkpoint_if_cancelled()
         if self._inbox:
-            await anyio.lowlevel.checkpoint()
-            return self._inbox.popleft()
+            item = self._inbox.popleft()  # taken before yielding: no other receiver can race for it
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+            return item
         w = _RecvWaiter()
         self._recv_waiters.append(w)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,14 +13,23 @@ import anyio
 from ._errors import InvalidArgument, TransferTimeout
 
 
+def check_timeout(timeout: float | None) -> None:
+    """InvalidArgument unless ``timeout`` is None or a number of seconds >= 0."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout):
+        raise InvalidArgument(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if timeout < 0:
+        raise InvalidArgument(f"timeout must be >= 0 seconds, not {timeout!r}")
+
+
 @contextmanager
 def deadline(timeout: float | None, what: str) -> Iterator[None]:
     """Like ``anyio.fail_after`` but raises :class:`TransferTimeout` naming the operation."""
     if timeout is None:
         yield
         return
-    if timeout < 0:
-        raise InvalidArgument(f"timeout must be >= 0 seconds, not {timeout!r}")
+    check_timeout(timeout)
     scope = anyio.fail_after(timeout)
     try:
         with scope:

@@ -219,11 +219,6 @@ async def test_cancelled_head_waiter_lets_the_next_one_through(aiote_engine_pair
     assert c.total == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ImmCounter.wait fast path takes credits before its "
-    "checkpoint; a wait cancelled at that checkpoint loses them",
-)
 async def test_cancelled_wait_with_credits_available_consumes_nothing(aiote_engine_pair) -> None:
     a, b = aiote_engine_pair
     md = await b.register(zeros(16))

@@ -309,12 +309,6 @@ async def test_bad_open_engine_arguments(kw) -> None:
             pytest.fail(f"opened an engine with {kw}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: write/read/send/recv pass timeout straight to "
-    "_util.deadline, which does not validate it (TypeError for a str, anyio's "
-    "ValueError for NaN) unlike ImmCounter.wait",
-)
 @pytest.mark.parametrize("timeout", ["1", float("nan")])
 async def test_bad_timeouts_are_invalid_arguments(s: Setup, timeout) -> None:
     await _refused(s, aiote.InvalidArgument, lambda: s.a.write(s.ms, s.md.descriptor, imm=1, timeout=timeout))

@@ -125,11 +125,6 @@ async def test_recv_cancelled_while_a_message_arrives_loses_and_duplicates_nothi
         await b.recv(timeout=0.05)  # and no duplicate is left over
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Engine.recv fast path pops the inbox after a checkpoint "
-    "without re-checking it; two receivers racing for one queued message -> IndexError",
-)
 async def test_two_receivers_racing_for_one_queued_message(aiote_engine_pair) -> None:
     a, b = aiote_engine_pair
     await a.send(b.address, b"one", timeout=30)
