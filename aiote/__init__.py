@@ -7,10 +7,10 @@ immediates, counters and messages over libfabric), under asyncio and trio.
         await engine.imm_counter(7).wait(1)
 """
 
-from ._counter import CREDIT_UNIT, ImmCounter
-from ._descriptor import EngineAddress, MemoryDescriptor, RailAddress
-from ._engine import Engine, RailInfo, TransferBatch, open_engine
-from ._errors import (
+from ._core._counter import CREDIT_UNIT, ImmCounter
+from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
+from ._core._engine import Engine, RailInfo, TransferBatch, open_engine
+from ._core._errors import (
     AioteError,
     DescriptorError,
     EngineClosed,
@@ -23,7 +23,7 @@ from ._errors import (
     TransferError,
     TransferTimeout,
 )
-from ._memory import MemoryRegion
+from ._core._memory import MemoryRegion
 
 __version__ = "0.1.0"
 

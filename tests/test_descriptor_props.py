@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import aiote
-from aiote._descriptor import _RemoteKey  # the per-NIC entry of a descriptor (no public constructor)
+from aiote._core._descriptor import _RemoteKey  # the per-NIC entry of a descriptor (no public constructor)
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -28,8 +28,8 @@ import anyio
 import anyio.abc
 import numpy as np
 
-from .._descriptor import MemoryDescriptor
-from .._engine import Engine, open_engine
+from .._core._descriptor import MemoryDescriptor
+from .._core._engine import Engine, open_engine
 
 __all__ = ["PeerProcess", "PeerError", "digest", "engine_pair", "pattern", "spawn_peer"]
 

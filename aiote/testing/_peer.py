@@ -12,9 +12,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .._descriptor import MemoryDescriptor
-from .._engine import Engine, open_engine
-from .._memory import MemoryRegion
+from .._core._descriptor import MemoryDescriptor
+from .._core._engine import Engine, open_engine
+from .._core._memory import MemoryRegion
 
 
 async def _serve(engine: Engine) -> None:

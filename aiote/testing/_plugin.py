@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from .._engine import Engine
+from .._core._engine import Engine
 from . import PeerProcess, engine_pair, spawn_peer
 
 

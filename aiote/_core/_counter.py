@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from .._native import lib
 from ._errors import EngineClosed, InvalidArgument
-from ._native import lib
 from ._util import deadline
 
 if TYPE_CHECKING:

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from .._native import ffi, lib
 from ._bridge import LoopBridge
 from ._counter import ImmCounter
 from ._descriptor import (
@@ -43,7 +44,6 @@ from ._errors import (
 )
 from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
-from ._native import ffi, lib
 from ._util import as_index, check_timeout, deadline
 
 __all__ = ["Engine", "RailInfo", "TransferBatch", "open_engine"]

@@ -1,0 +1,534 @@
+/* aiote_cbench: the C baseline of the aiote core, without Python.
+ *
+ * Forks a peer process; the two exchange their rail addresses and region
+ * descriptors over pipes, then:
+ *
+ *   write SIZE WINDOW TOTAL_BYTES
+ *       one-sided writes with immediate data from the parent to the child, WINDOW in
+ *       flight, each write its own group. The child counts credits (one counter watch
+ *       for all of them). Reports GB/s (1e9 B/s) at the writer, from the first post
+ *       to the last completion, and the time until the receiver saw every credit
+ *       (both processes read CLOCK_MONOTONIC, which is system-wide).
+ *   pingpong ITERS
+ *       8-byte write-with-imm ping-pong; each side waits for its counter. One-way
+ *       latency = RTT / 2, p50 / p99 in microseconds.
+ *   paged PAGE_SIZE NPAGES
+ *       reserved (prints "not implemented", exits 2).
+ *
+ * Options: --provider tcp|shm (tcp), --nic NAME (lo for tcp, none for shm),
+ *          --spin-ns N (poller spin after activity, 50000), --busy-spin-ns N (poller
+ *          spin while our work is in flight, 0 = core default), --busy (spin on
+ *          aio_drain / aio_counter_take instead of aio_arm + poll on the eventfd),
+ *          --slots N (buffer slots the writes cycle through; WINDOW by default,
+ *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000).
+ *
+ * Output: one JSON object per line on stdout; diagnostics on stderr. */
+#define _GNU_SOURCE
+#include "../aiote_core.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <rdma/fi_errno.h>
+
+#define U AIO_CREDIT_UNIT
+#define IMM_WARM 0xA0
+#define IMM_MAIN 0xB0
+#define IMM_PING 0xC0
+#define IMM_PONG 0xC1
+#define NREC 256
+
+typedef struct opts {
+    const char *mode;
+    const char *provider;
+    const char *nic;
+    int64_t spin_ns;
+    int64_t busy_spin_ns;
+    int busy;
+    uint64_t size, window, total, slots;
+    uint64_t iters, warmup;
+} opts_t;
+
+typedef struct peer_info {
+    uint32_t addr_len;
+    uint8_t addr[AIO_MAX_ADDR];
+    uint64_t base, key, len;
+} peer_info;
+
+typedef struct side {
+    aio_engine *e;
+    int rail;
+    int efd;
+    uint64_t peer;
+    uint8_t *buf;
+    uint64_t len;
+    aio_mr *mr;
+    peer_info remote;
+    int rfd, wfd;
+    int busy;
+    uint64_t groups_done;
+    uint64_t wakeups; /* eventfd polls that returned readable */
+    uint64_t polls;   /* eventfd polls */
+    int64_t post_ns, post_max_ns; /* time spent inside aio_post */
+    uint64_t post_calls;
+} side_t;
+
+static const char *g_role = "writer";
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "aiote_cbench (%s): ", g_role);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    exit(1);
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static double cpu_s(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+}
+
+static void write_full(int fd, const void *p, size_t n) {
+    const char *c = p;
+    while (n) {
+        ssize_t w = write(fd, c, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) die("pipe write: %s", strerror(errno));
+        c += w;
+        n -= (size_t)w;
+    }
+}
+
+static void read_full(int fd, void *p, size_t n) {
+    char *c = p;
+    while (n) {
+        ssize_t r = read(fd, c, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) die("pipe read: %s", r == 0 ? "peer closed the pipe" : strerror(errno));
+        c += r;
+        n -= (size_t)r;
+    }
+}
+
+/* ------------------------------------------------------------------ engine side */
+
+static void side_init(side_t *s, const opts_t *o, uint64_t region) {
+    char err[512] = "";
+    aio_engine_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.ring_capacity = 8192;
+    cfg.spin_ns = o->spin_ns;
+    cfg.busy_spin_ns = o->busy_spin_ns;
+    cfg.sleep_ms = 100;
+    int ret = aio_engine_create(&cfg, &s->e, err, sizeof(err));
+    if (ret) die("aio_engine_create: %s %s", aio_strerror(ret), err);
+    ret = aio_engine_add_rail(s->e, o->provider, o->nic, 16, 4096, err, sizeof(err));
+    if (ret < 0) die("aio_engine_add_rail: %s %s", aio_strerror(ret), err);
+    s->rail = ret;
+    if ((ret = aio_engine_start(s->e))) die("aio_engine_start: %s", aio_strerror(ret));
+    s->efd = aio_engine_eventfd(s->e);
+    s->busy = o->busy;
+    void *b = NULL;
+    if (posix_memalign(&b, 4096, region)) die("out of memory for %llu bytes", (unsigned long long)region);
+    s->buf = b;
+    s->len = region;
+    for (uint64_t i = 0; i < region; i += 64) s->buf[i] = (uint8_t)(i >> 6); /* touch it */
+    ret = aio_mr_register(s->e, s->buf, region, AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ,
+                          &s->mr, err, sizeof(err));
+    if (ret) die("aio_mr_register: %s %s", aio_strerror(ret), err);
+}
+
+/* both sides write first, then read: a pipe holds far more than one peer_info */
+static void side_exchange(side_t *s) {
+    aio_rail_info ri;
+    aio_rail_get_info(s->e, s->rail, &ri);
+    peer_info mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.addr_len = ri.addr_len;
+    memcpy(mine.addr, ri.addr, ri.addr_len);
+    mine.base = aio_mr_remote_base(s->mr, s->rail);
+    mine.key = aio_mr_key(s->mr, s->rail);
+    mine.len = s->len;
+    write_full(s->wfd, &mine, sizeof(mine));
+    read_full(s->rfd, &s->remote, sizeof(s->remote));
+    int ret = aio_av_insert(s->e, s->rail, s->remote.addr, s->remote.addr_len, &s->peer);
+    if (ret) die("aio_av_insert: %s", aio_strerror(ret));
+}
+
+static void side_free(side_t *s) {
+    int ret;
+    int64_t t0 = now_ns();
+    while ((ret = aio_mr_close(s->e, s->mr)) == -FI_EBUSY) {
+        if (now_ns() - t0 > 10000000000LL) break;
+        usleep(100);
+    }
+    aio_engine_destroy(s->e);
+    free(s->buf);
+}
+
+/* Handles the records of one drain; returns how many there were. A counter record
+ * for `imm` sets *hit. */
+static int side_drain(side_t *s, uint32_t imm, int *hit) {
+    aio_record rec[NREC];
+    int n = aio_drain(s->e, rec, NREC);
+    for (int i = 0; i < n; i++) {
+        if (rec[i].kind == AIO_REC_GROUP) {
+            if (rec[i].status)
+                die("a group failed: %s (prov_errno %d)", aio_strerror(rec[i].status),
+                    rec[i].prov_errno);
+            s->groups_done++;
+        } else if (rec[i].kind == AIO_REC_COUNTER) {
+            if (hit && rec[i].token == imm) *hit = 1;
+        }
+    }
+    return n;
+}
+
+/* Nothing was ready: sleep on the eventfd (the event-loop protocol) or spin. */
+static void side_idle(side_t *s) {
+    if (s->busy) return;
+    if (aio_arm(s->e)) return; /* records arrived meanwhile: drain again */
+    struct pollfd p = {.fd = s->efd, .events = POLLIN};
+    s->polls++;
+    int r = poll(&p, 1, 1000);
+    if (r > 0) {
+        s->wakeups++;
+        aio_clear_eventfd(s->e);
+    }
+}
+
+/* Waits until `units` of counter `imm` can be taken, and takes them. */
+static void side_wait_credit(side_t *s, uint32_t imm, uint64_t units) {
+    if (aio_counter_take(s->e, imm, units)) return;
+    if (s->busy) {
+        while (!aio_counter_take(s->e, imm, units)) side_drain(s, 0, NULL);
+        return;
+    }
+    int r = aio_counter_watch(s->e, imm, units);
+    if (r < 0) die("aio_counter_watch: %s", aio_strerror(r));
+    int hit = r == 1;
+    while (!hit)
+        if (side_drain(s, imm, &hit) == 0 && !hit) side_idle(s);
+    if (!aio_counter_take(s->e, imm, units)) die("counter watch fired but take failed");
+}
+
+static aio_op_desc side_write(side_t *s, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm) {
+    aio_op_desc d;
+    memset(&d, 0, sizeof(d));
+    d.mr = s->mr;
+    d.offset = loff;
+    d.length = len;
+    d.peer = s->peer;
+    d.raddr = s->remote.base + roff;
+    d.rkey = s->remote.key;
+    d.data = imm;
+    d.rail = s->rail;
+    d.op = AIO_OP_WRITE;
+    d.flags = AIO_F_DATA;
+    return d;
+}
+
+/* One write in a group of its own. Returns 1 posted, 0 not now (queue full,
+ * connecting): the group stays open in *g for the retry. */
+static int side_post_one(side_t *s, int64_t *g, uint64_t token, const aio_op_desc *d,
+                         int64_t budget_ns) {
+    if (*g < 0) {
+        *g = aio_group_open(s->e, token);
+        if (*g < 0) return 0; /* all groups in flight */
+    }
+    int64_t t0 = now_ns();
+    int64_t r = aio_post(s->e, *g, d, 1, budget_ns);
+    int64_t dt = now_ns() - t0;
+    s->post_ns += dt;
+    s->post_calls++;
+    if (dt > s->post_max_ns) s->post_max_ns = dt;
+    if (r < 0) die("aio_post: %s", aio_strerror((int)r));
+    if (r == 0) return 0;
+    int ret = aio_group_seal(s->e, *g);
+    if (ret) die("aio_group_seal: %s", aio_strerror(ret));
+    *g = -1;
+    return 1;
+}
+
+/* Posts one write, retrying (connection setup) until it is in. */
+static void side_post_blocking(side_t *s, uint64_t token, const aio_op_desc *d) {
+    int64_t g = -1, t0 = now_ns();
+    while (!side_post_one(s, &g, token, d, 1000000)) {
+        side_drain(s, 0, NULL);
+        if (now_ns() - t0 > 30000000000LL) die("a write could not be posted for 30 s");
+        usleep(20);
+    }
+}
+
+/* ------------------------------------------------------------------ modes */
+
+static const char *wait_name(const opts_t *o) { return o->busy ? "busy" : "eventfd"; }
+
+static void run_write(side_t *s, const opts_t *o, int rank) {
+    uint64_t n = o->total / o->size;
+    if (n == 0) n = 1;
+    uint64_t slots = o->slots;
+    uint64_t warm = n < o->window ? n : o->window;
+    if (rank == 1) {
+        /* receiver: one watch for every credit of the run */
+        double c0 = cpu_s();
+        side_wait_credit(s, IMM_MAIN, n * U);
+        int64_t t_recv = now_ns();
+        double cpu = cpu_s() - c0;
+        write_full(s->wfd, &t_recv, sizeof(t_recv));
+        write_full(s->wfd, &cpu, sizeof(cpu));
+        uint64_t warm_total = aio_counter_total(s->e, IMM_WARM);
+        write_full(s->wfd, &warm_total, sizeof(warm_total));
+        char bye;
+        read_full(s->rfd, &bye, 1);
+        return;
+    }
+    /* warm-up: connection set-up and first-touch, not timed */
+    for (uint64_t i = 0; i < warm; i++) {
+        aio_op_desc d = side_write(s, (i % slots) * o->size, (i % slots) * o->size, o->size, IMM_WARM);
+        side_post_blocking(s, 1ULL << 40 | i, &d);
+    }
+    while (s->groups_done < warm)
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    s->groups_done = 0;
+    s->polls = s->wakeups = 0;
+    s->post_ns = s->post_max_ns = 0;
+    s->post_calls = 0;
+    aio_stats st0, st1;
+    aio_get_stats(s->e, &st0);
+
+    double c0 = cpu_s();
+    int64_t t0 = now_ns();
+    uint64_t posted = 0;
+    int64_t g = -1;
+    while (s->groups_done < n) {
+        int progressed = 0;
+        while (posted < n && posted - s->groups_done < o->window) {
+            uint64_t k = posted % slots;
+            aio_op_desc d = side_write(s, k * o->size, k * o->size, o->size, IMM_MAIN);
+            if (!side_post_one(s, &g, posted, &d, 0)) break;
+            posted++;
+            progressed = 1;
+        }
+        if (side_drain(s, 0, NULL) == 0 && !progressed) side_idle(s);
+    }
+    int64_t t1 = now_ns();
+    double cpu = cpu_s() - c0;
+    aio_get_stats(s->e, &st1);
+    int64_t t_recv;
+    double rcpu;
+    uint64_t warm_total;
+    read_full(s->rfd, &t_recv, sizeof(t_recv));
+    read_full(s->rfd, &rcpu, sizeof(rcpu));
+    read_full(s->rfd, &warm_total, sizeof(warm_total));
+    char bye = 'x';
+    write_full(s->wfd, &bye, 1);
+    double secs = (double)(t1 - t0) * 1e-9, rsecs = (double)(t_recv - t0) * 1e-9;
+    double bytes = (double)n * (double)o->size;
+    printf("{\"mode\":\"write\",\"provider\":\"%s\",\"nic\":\"%s\",\"size\":%llu,\"window\":%llu,"
+           "\"slots\":%llu,\"writes\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"seconds\":%.6f,"
+           "\"recv_gbps\":%.3f,\"recv_seconds\":%.6f,\"wait\":\"%s\",\"spin_ns\":%lld,"
+           "\"writer_cpu_s\":%.3f,\"receiver_cpu_s\":%.3f,\"eventfd_polls\":%llu,"
+           "\"eventfd_wakeups\":%llu,\"poller_sleeps\":%llu,\"poller_polls\":%llu,"
+           "\"post_calls\":%llu,\"post_us_mean\":%.2f,\"post_us_max\":%.1f}\n",
+           o->provider, o->nic ? o->nic : "", (unsigned long long)o->size,
+           (unsigned long long)o->window, (unsigned long long)slots, (unsigned long long)n, bytes,
+           bytes / secs / 1e9, secs, bytes / rsecs / 1e9, rsecs, wait_name(o), (long long)o->spin_ns,
+           cpu, rcpu, (unsigned long long)s->polls, (unsigned long long)s->wakeups,
+           (unsigned long long)(st1.sleeps - st0.sleeps), (unsigned long long)(st1.polls - st0.polls),
+           (unsigned long long)s->post_calls,
+           s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0,
+           (double)s->post_max_ns / 1e3);
+    if (warm_total != warm * U) fprintf(stderr, "warning: warm-up credits %llu, want %llu\n",
+                                        (unsigned long long)(warm_total / U), (unsigned long long)warm);
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void run_pingpong(side_t *s, const opts_t *o, int rank) {
+    uint64_t total = o->warmup + o->iters;
+    if (rank == 1) {
+        for (uint64_t i = 0; i < total; i++) {
+            side_wait_credit(s, IMM_PING, U);
+            aio_op_desc d = side_write(s, 8, 8, 8, IMM_PONG);
+            side_post_blocking(s, i, &d);
+        }
+        while (s->groups_done < total)
+            if (side_drain(s, 0, NULL) == 0) side_idle(s);
+        char bye;
+        read_full(s->rfd, &bye, 1);
+        return;
+    }
+    int64_t *rtt = calloc(o->iters ? o->iters : 1, sizeof(int64_t));
+    if (!rtt) die("out of memory");
+    double c0 = 0;
+    for (uint64_t i = 0; i < total; i++) {
+        if (i == o->warmup) c0 = cpu_s();
+        *(uint64_t *)s->buf = i;
+        aio_op_desc d = side_write(s, 0, 0, 8, IMM_PING);
+        int64_t t = now_ns();
+        side_post_blocking(s, i, &d);
+        side_wait_credit(s, IMM_PONG, U);
+        int64_t dt = now_ns() - t;
+        if (i >= o->warmup) rtt[i - o->warmup] = dt;
+    }
+    double cpu = cpu_s() - c0;
+    while (s->groups_done < total)
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    char bye = 'x';
+    write_full(s->wfd, &bye, 1);
+    uint64_t m = o->iters;
+    qsort(rtt, m, sizeof(int64_t), cmp_i64);
+    double sum = 0;
+    for (uint64_t i = 0; i < m; i++) sum += (double)rtt[i];
+    /* one-way = RTT / 2, in microseconds */
+#define OW(ns) ((double)(ns) / 2e3)
+    uint64_t i50 = m / 2, i99 = (m * 99) / 100;
+    if (i99 >= m) i99 = m - 1;
+    printf("{\"mode\":\"pingpong\",\"provider\":\"%s\",\"nic\":\"%s\",\"iters\":%llu,\"p50_us\":%.2f,"
+           "\"p99_us\":%.2f,\"mean_us\":%.2f,\"min_us\":%.2f,\"max_us\":%.2f,\"rtt_p50_us\":%.2f,"
+           "\"wait\":\"%s\",\"spin_ns\":%lld,\"pinger_cpu_s\":%.3f,\"seconds\":%.3f}\n",
+           o->provider, o->nic ? o->nic : "", (unsigned long long)m, OW(rtt[i50]), OW(rtt[i99]),
+           sum / (double)m / 2e3, OW(rtt[0]), OW(rtt[m - 1]), (double)rtt[i50] / 1e3, wait_name(o),
+           (long long)o->spin_ns, cpu, sum * 1e-9);
+    free(rtt);
+}
+
+/* ------------------------------------------------------------------ main */
+
+static void usage(void) {
+    fprintf(stderr,
+            "usage: aiote_cbench write SIZE WINDOW TOTAL_BYTES [options]\n"
+            "       aiote_cbench pingpong ITERS [options]\n"
+            "       aiote_cbench paged PAGE_SIZE NPAGES [options]   (not implemented)\n"
+            "options: --provider tcp|shm  --nic NAME  --spin-ns N  --busy-spin-ns N  --busy\n"
+            "         --slots N  --warmup N\n"
+            "sizes accept K/M/G suffixes (powers of 1024)\n");
+    exit(2);
+}
+
+static uint64_t parse_size(const char *s) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s) usage();
+    switch (*end) {
+    case 'k': case 'K': v <<= 10; end++; break;
+    case 'm': case 'M': v <<= 20; end++; break;
+    case 'g': case 'G': v <<= 30; end++; break;
+    default: break;
+    }
+    if (*end == 'i' || *end == 'I') end++;
+    if (*end == 'b' || *end == 'B') end++;
+    if (*end) usage();
+    return v;
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (!getenv("FI_PROVIDER")) setenv("FI_PROVIDER", "tcp,ofi_rxm,shm", 1);
+    opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.provider = "tcp";
+    o.nic = NULL;
+    o.spin_ns = 50000;
+    o.warmup = 1000;
+    int nic_given = 0;
+    const char *pos[4];
+    int npos = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--provider") && i + 1 < argc) o.provider = argv[++i];
+        else if (!strcmp(a, "--nic") && i + 1 < argc) { o.nic = argv[++i]; nic_given = 1; }
+        else if (!strcmp(a, "--spin-ns") && i + 1 < argc) o.spin_ns = strtoll(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--busy-spin-ns") && i + 1 < argc) o.busy_spin_ns = strtoll(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--busy")) o.busy = 1;
+        else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
+        else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
+        else if (a[0] == '-' && a[1] == '-') usage();
+        else if (npos < 4) pos[npos++] = a;
+        else usage();
+    }
+    if (npos < 1) usage();
+    o.mode = pos[0];
+    if (!nic_given && !strcmp(o.provider, "tcp")) o.nic = "lo";
+    if (o.nic && !*o.nic) o.nic = NULL;
+    uint64_t region;
+    if (!strcmp(o.mode, "write")) {
+        if (npos != 4) usage();
+        o.size = parse_size(pos[1]);
+        o.window = parse_size(pos[2]);
+        o.total = parse_size(pos[3]);
+        if (o.size == 0 || o.window == 0) usage();
+        if (o.slots == 0) o.slots = o.window;
+        region = o.size * o.slots;
+    } else if (!strcmp(o.mode, "pingpong")) {
+        if (npos != 2) usage();
+        o.iters = parse_size(pos[1]);
+        if (o.iters == 0) usage();
+        region = 4096;
+    } else if (!strcmp(o.mode, "paged")) {
+        printf("{\"mode\":\"paged\",\"error\":\"not implemented\"}\n");
+        fprintf(stderr, "aiote_cbench: paged mode is not implemented yet\n");
+        return 2;
+    } else {
+        usage();
+    }
+
+    int p2c[2], c2p[2];
+    if (pipe(p2c) || pipe(c2p)) die("pipe: %s", strerror(errno));
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork(); /* before any libfabric call in either process */
+    if (pid < 0) die("fork: %s", strerror(errno));
+    side_t s;
+    memset(&s, 0, sizeof(s));
+    int rank = pid == 0 ? 1 : 0;
+    if (rank == 1) {
+        g_role = "peer";
+        close(p2c[1]);
+        close(c2p[0]);
+        s.rfd = p2c[0];
+        s.wfd = c2p[1];
+    } else {
+        close(p2c[0]);
+        close(c2p[1]);
+        s.rfd = c2p[0];
+        s.wfd = p2c[1];
+    }
+    side_init(&s, &o, region);
+    side_exchange(&s);
+    if (!strcmp(o.mode, "write")) run_write(&s, &o, rank);
+    else run_pingpong(&s, &o, rank);
+    side_free(&s);
+    if (rank == 1) _exit(0);
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "aiote_cbench: the peer process failed (status 0x%x)\n", status);
+        return 1;
+    }
+    return 0;
+}
