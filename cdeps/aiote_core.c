@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,6 +94,9 @@ typedef struct aio_group {
     uint64_t token;
     _Atomic int64_t posted;
     _Atomic int64_t done;
+    /* posted - done, plus 1 until sealed: whoever brings it to 0 finishes the group
+     * (one atomic decides, so no stale read of a slot already reused can finish it) */
+    _Atomic int64_t outstanding;
     _Atomic int32_t status;
     _Atomic int32_t prov_errno;
     _Atomic int32_t sealed;
@@ -278,6 +282,7 @@ int64_t aio_group_open(aio_engine *e, uint64_t token) {
         gr->token = token;
         atomic_store(&gr->posted, 0);
         atomic_store(&gr->done, 0);
+        atomic_store(&gr->outstanding, 1);
         atomic_store(&gr->status, 0);
         atomic_store(&gr->prov_errno, 0);
         atomic_store(&gr->sealed, 0);
@@ -314,15 +319,16 @@ static void group_op_done(aio_engine *e, int64_t g, int status, int prov_errno) 
         if (atomic_compare_exchange_strong(&gr->status, &z, status))
             atomic_store(&gr->prov_errno, prov_errno);
     }
-    int64_t d = atomic_fetch_add(&gr->done, 1) + 1;
-    if (atomic_load(&gr->sealed) && d == atomic_load(&gr->posted)) group_finish(e, g);
+    atomic_fetch_add(&gr->done, 1);
+    if (atomic_fetch_sub(&gr->outstanding, 1) == 1) group_finish(e, g);
 }
 
 int aio_group_seal(aio_engine *e, int64_t g) {
     if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use) return -FI_EINVAL;
     aio_group *gr = &e->groups[g];
-    atomic_store(&gr->sealed, 1);
-    if (atomic_load(&gr->done) == atomic_load(&gr->posted)) group_finish(e, g);
+    int32_t unsealed = 0;
+    if (!atomic_compare_exchange_strong(&gr->sealed, &unsealed, 1)) return -FI_EINVAL;
+    if (atomic_fetch_sub(&gr->outstanding, 1) == 1) group_finish(e, g);
     return 0;
 }
 
@@ -613,7 +619,10 @@ static void *poller_main(void *arg) {
         int64_t spin = e->cfg.spin_ns;
         if (inflight > 0 && spin < e->cfg.busy_spin_ns) spin = e->cfg.busy_spin_ns;
         if (now_ns() - last_active < spin) {
-            cpu_relax();
+            /* yield rather than only pause: with few cores, the thread this spin
+             * waits for (the loop that posts the next request, a peer process) may
+             * need this very core */
+            sched_yield();
             continue;
         }
         /* go to sleep */
@@ -1195,6 +1204,7 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
         op->mr = m;
         atomic_fetch_add(&m->inflight, 1);
         atomic_fetch_add(&gr->posted, 1);
+        atomic_fetch_add(&gr->outstanding, 1);
         atomic_fetch_add(&e->ops_in_flight, 1);
         ssize_t ret;
         for (;;) {
@@ -1206,6 +1216,7 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
         if (ret) {
             atomic_fetch_sub(&m->inflight, 1);
             atomic_fetch_sub(&gr->posted, 1);
+            atomic_fetch_sub(&gr->outstanding, 1);
             atomic_fetch_sub(&e->ops_in_flight, 1);
             op_put(r, op);
             pthread_mutex_unlock(&r->mu);
@@ -1249,6 +1260,7 @@ int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void 
     op->mr = NULL;
     op->slot = slot;
     atomic_fetch_add(&e->groups[g].posted, 1);
+    atomic_fetch_add(&e->groups[g].outstanding, 1);
     atomic_fetch_add(&e->ops_in_flight, 1);
     ssize_t ret;
     for (;;) {
@@ -1259,6 +1271,7 @@ int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void 
     }
     if (ret) {
         atomic_fetch_sub(&e->groups[g].posted, 1);
+        atomic_fetch_sub(&e->groups[g].outstanding, 1);
         atomic_fetch_sub(&e->ops_in_flight, 1);
         r->send_free[r->send_nfree++] = slot;
         op_put(r, op);
