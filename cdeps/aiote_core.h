@@ -106,7 +106,7 @@ typedef struct aio_engine_config {
     int64_t spin_ns;         /* busy-poll after the last activity before sleeping */
     int32_t sleep_ms;        /* timed fallback of the sleeping poller */
     int32_t pad2;
-    int64_t busy_spin_ns;    /* busy-poll budget while our work is in flight */
+    int64_t busy_spin_ns;    /* busy-poll budget while our work is in flight (0: 200 us) */
 } aio_engine_config;
 
 const char *aio_strerror(int code);

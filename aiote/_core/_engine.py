@@ -349,6 +349,7 @@ class Engine:
         desc = MemoryDescriptor(nbytes, access, DEVICE_HOST, 0, self._address.host_id, keys)
         mr = MemoryRegion(self, obj, cbuf, mrh, nbytes, desc, remote_write, remote_read)
         mr.writable = not memoryview(obj).readonly
+        mr._ptr = int(ffi.cast("uintptr_t", mrh))
         self._regions.add(mr)
         await anyio.lowlevel.checkpoint()
         return mr
@@ -436,7 +437,8 @@ class Engine:
 
     def _fill(
         self,
-        row: Any,
+        table: np.ndarray,
+        index: int,
         mr: MemoryRegion,
         remote: Any,
         length: int | None,
@@ -486,16 +488,8 @@ class Engine:
                 raise InvalidArgument("a READ must move at least one byte")
             raise InvalidArgument("a zero-length write must carry an immediate (imm=...)")
         rail, fa, base, key = self._route(rdesc.keys)
-        row["mr"] = int(ffi.cast("uintptr_t", mr._handle))
-        row["offset"] = loc_off
-        row["length"] = length
-        row["peer"] = fa
-        row["raddr"] = base + rem_off
-        row["rkey"] = key
-        row["data"] = data
-        row["rail"] = rail
-        row["op"] = op
-        row["flags"] = flags
+        # one assignment of the whole record (field-by-field costs ~10x more)
+        table[index] = (mr._ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)
 
     # ------------------------------------------------------------------ posting
 
@@ -586,7 +580,7 @@ class Engine:
         go of the buffer (bounded by ``cancel_grace``). Cost: one work request, no copy.
         """
         table = np.zeros(1, _OP_DTYPE)
-        self._fill(table[0], mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
+        self._fill(table, 0, mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
         await self._run(table, mr, timeout, "write")
 
     async def write_imm(
@@ -598,7 +592,7 @@ class Engine:
             raise InvalidArgument("write_imm needs an immediate")
         assert self._scratch is not None
         table = np.zeros(1, _OP_DTYPE)
-        self._fill(table[0], self._scratch, remote, 0, 0, 0, imm, lib.AIO_OP_WRITE)
+        self._fill(table, 0, self._scratch, remote, 0, 0, 0, imm, lib.AIO_OP_WRITE)
         await self._run(table, None, timeout, "write_imm")
 
     async def read(
@@ -615,7 +609,7 @@ class Engine:
         ``mr[dst_offset:]``. Returns when the bytes are in ``mr``. The peer's region must have
         been registered with ``remote_read``. Raises as :meth:`write`."""
         table = np.zeros(1, _OP_DTYPE)
-        self._fill(table[0], mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)
+        self._fill(table, 0, mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)
         await self._run(table, mr, timeout, "read")
 
     def batch(self) -> TransferBatch:
@@ -801,10 +795,10 @@ class TransferBatch:
     def __len__(self) -> int:
         return self._n
 
-    def _row(self) -> Any:
+    def _grow(self) -> np.ndarray:
         if self._n == len(self._table):
             self._table = np.resize(self._table, 2 * len(self._table))
-        return self._table[self._n]
+        return self._table
 
     def write(
         self,
@@ -817,7 +811,9 @@ class TransferBatch:
         imm: int | None = None,
     ) -> TransferBatch:
         """Adds a write (same arguments as :meth:`Engine.write`); returns the batch."""
-        self._engine._fill(self._row(), mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
+        self._engine._fill(
+            self._grow(), self._n, mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE
+        )
         self._n += 1
         self._refs.add(mr)
         return self
@@ -832,7 +828,9 @@ class TransferBatch:
         dst_offset: int = 0,
     ) -> TransferBatch:
         """Adds a READ (same arguments as :meth:`Engine.read`); returns the batch."""
-        self._engine._fill(self._row(), mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)
+        self._engine._fill(
+            self._grow(), self._n, mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ
+        )
         self._n += 1
         self._refs.add(mr)
         return self

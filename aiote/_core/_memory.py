@@ -56,6 +56,7 @@ class MemoryRegion:
         "_engine",
         "_handle",
         "_obj",
+        "_ptr",
         "descriptor",
         "nbytes",
         "remote_read",
@@ -78,6 +79,7 @@ class MemoryRegion:
         self._obj = obj
         self._cbuf = cbuf
         self._handle = handle
+        self._ptr = 0  # the native region's address, as posted in work-request descriptors
         self.nbytes = nbytes
         self.descriptor = descriptor
         self.remote_write = remote_write
