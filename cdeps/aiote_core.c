@@ -385,13 +385,15 @@ static cslot *counter_find(aio_engine *e, uint32_t imm, int create) {
     return s;
 }
 
-void aio_counter_add(aio_engine *e, uint32_t imm, uint64_t units) {
+/* Adds credits (a refund does not count towards the total received) and fires the
+ * armed watch once it is satisfied. */
+static void counter_credit(aio_engine *e, uint32_t imm, uint64_t units, int received) {
     int fire = 0;
     pthread_mutex_lock(&e->cnt_mu);
     cslot *s = counter_find(e, imm, 1);
     if (s) {
         s->avail += units;
-        s->total += units;
+        if (received) s->total += units;
         if (s->want && s->avail >= s->want) {
             s->want = 0;
             fire = 1;
@@ -406,6 +408,8 @@ void aio_counter_add(aio_engine *e, uint32_t imm, uint64_t units) {
         ring_push(e, &r);
     }
 }
+
+void aio_counter_add(aio_engine *e, uint32_t imm, uint64_t units) { counter_credit(e, imm, units, 1); }
 
 int aio_counter_take(aio_engine *e, uint32_t imm, uint64_t units) {
     int ok = 0;
@@ -436,24 +440,7 @@ int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units) {
 }
 
 void aio_counter_refund(aio_engine *e, uint32_t imm, uint64_t units) {
-    int fire = 0;
-    pthread_mutex_lock(&e->cnt_mu);
-    cslot *s = counter_find(e, imm, 1);
-    if (s) {
-        s->avail += units;
-        if (s->want && s->avail >= s->want) {
-            s->want = 0;
-            fire = 1;
-        }
-    }
-    pthread_mutex_unlock(&e->cnt_mu);
-    if (fire) {
-        aio_record r = {0};
-        r.kind = AIO_REC_COUNTER;
-        r.token = imm;
-        r.rail = -1;
-        ring_push(e, &r);
-    }
+    counter_credit(e, imm, units, 0);
 }
 
 uint64_t aio_counter_available(aio_engine *e, uint32_t imm) {
