@@ -47,8 +47,10 @@ def _nics(provider: str) -> list[str] | None:
 # ------------------------------------------------------------------ the peer process
 
 
-async def _peer(provider: str, region: int, spin_us: float) -> None:
-    async with aiote.open_engine(provider, _nics(provider), spin_us=spin_us) as engine:
+async def _peer(provider: str, region: int, spin_us: float, loop_spin_us: float) -> None:
+    async with aiote.open_engine(
+        provider, _nics(provider), spin_us=spin_us, loop_spin_us=loop_spin_us
+    ) as engine:
         buf = np.empty(region, np.uint8)
         buf.fill(0)
         mr = await engine.register(buf)
@@ -74,10 +76,22 @@ async def _peer(provider: str, region: int, spin_us: float) -> None:
 
 
 class Peer:
-    def __init__(self, provider: str, region: int, spin_us: float) -> None:
+    def __init__(self, provider: str, region: int, spin_us: float, loop_spin_us: float = 0.0) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--role", "peer", "--provider", provider, "--region", str(region),
-             "--spin-us", str(spin_us)],
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "peer",
+                "--provider",
+                provider,
+                "--region",
+                str(region),
+                "--spin-us",
+                str(spin_us),
+                "--loop-spin-us",
+                str(loop_spin_us),
+            ],
             stdout=subprocess.PIPE,
         )
         assert self.proc.stdout is not None
@@ -131,8 +145,9 @@ async def py_write(provider: str, size: int, total: int, batched: bool) -> float
             async def run_single(slot: int) -> None:
                 off = slot * size
                 for _ in range(rounds):
-                    await engine.write(mr, remote, length=size, src_offset=off, dst_offset=off,
-                                       imm=IMM_DATA, timeout=120)
+                    await engine.write(
+                        mr, remote, length=size, src_offset=off, dst_offset=off, imm=IMM_DATA, timeout=120
+                    )
 
             t0 = time.perf_counter()
             async with anyio.create_task_group() as tg:
@@ -152,11 +167,13 @@ async def py_write(provider: str, size: int, total: int, batched: bool) -> float
         peer.close()
 
 
-async def py_pingpong(provider: str, iters: int, spin_us: float) -> tuple[float, float]:
+async def py_pingpong(provider: str, iters: int, spin_us: float, loop_spin_us: float) -> tuple[float, float]:
     """(p50, p99) one-way latency in microseconds of an 8 B WriteImm ping-pong."""
-    peer = Peer(provider, 4096, spin_us)
+    peer = Peer(provider, 4096, spin_us, loop_spin_us)
     try:
-        async with aiote.open_engine(provider, _nics(provider), spin_us=spin_us) as engine:
+        async with aiote.open_engine(
+            provider, _nics(provider), spin_us=spin_us, loop_spin_us=loop_spin_us
+        ) as engine:
             buf = np.zeros(4096, np.uint8)
             mr = await engine.register(buf)
             await engine.send(peer.address, json.dumps({"op": "desc"}).encode(), timeout=30)
@@ -214,6 +231,7 @@ def c_pingpong(provider: str, iters: int, spin_us: float) -> tuple[float, float]
 
 def _cpu_busy_other() -> float:
     """Fraction of the machine's CPU used over 0.5 s (to warn about a noisy machine)."""
+
     def snap() -> tuple[int, int]:
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
@@ -231,12 +249,13 @@ def main() -> int:
     ap.add_argument("--provider", default="tcp")
     ap.add_argument("--region", type=int, default=0)
     ap.add_argument("--spin-us", type=float, default=50.0)
+    ap.add_argument("--loop-spin-us", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small totals, one repeat (a smoke run)")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args()
     if a.role == "peer":
-        anyio.run(_peer, a.provider, a.region, a.spin_us)
+        anyio.run(_peer, a.provider, a.region, a.spin_us, a.loop_spin_us)
         return 0
     build_cbench()
     repeats = 1 if a.quick else a.repeats
@@ -255,32 +274,54 @@ def main() -> int:
             pb.append(anyio.run(py_write, a.provider, size, total[size], True))
             ps.append(anyio.run(py_write, a.provider, size, total[size] // 4, False))
         key = f"write_{size // 1024}KiB"
-        results[key] = {"c_gbps": med(c), "py_batched_gbps": med(pb), "py_single_gbps": med(ps),
-                        "ratio_batched": med(pb) / med(c), "ratio_single": med(ps) / med(c),
-                        "c_all": c, "py_batched_all": pb, "py_single_all": ps}
+        results[key] = {
+            "c_gbps": med(c),
+            "py_batched_gbps": med(pb),
+            "py_single_gbps": med(ps),
+            "ratio_batched": med(pb) / med(c),
+            "ratio_single": med(ps) / med(c),
+            "c_all": c,
+            "py_batched_all": pb,
+            "py_single_all": ps,
+        }
         rows.append((f"write {size // 1024} KiB x{WINDOW} (GB/s)", med(c), med(pb), med(pb) / med(c)))
         rows.append(("  one await per write (GB/s)", med(c), med(ps), med(ps) / med(c)))
-    for label, spin in (("default spin 50us", 50.0), ("low-latency spin 1000us", 1000.0)):
+    for label, spin, loop_spin in (
+        ("default (spin 50us)", 50.0, 0.0),
+        ("low-latency (spin 1000us, loop_spin 500us)", 1000.0, 500.0),
+    ):
         c50, c99, p50, p99 = [], [], [], []
         for _ in range(repeats):
             x = c_pingpong(a.provider, iters, spin)
-            y = anyio.run(py_pingpong, a.provider, iters, spin)
-            c50.append(x[0]); c99.append(x[1]); p50.append(y[0]); p99.append(y[1])  # noqa: E702
+            y = anyio.run(py_pingpong, a.provider, iters, spin, loop_spin)
+            c50.append(x[0])
+            c99.append(x[1])
+            p50.append(y[0])
+            p99.append(y[1])
         key = "latency_" + ("default" if spin == 50.0 else "lowlat")
-        results[key] = {"spin_us": spin, "c_p50_us": med(c50), "c_p99_us": med(c99), "py_p50_us": med(p50),
-                        "py_p99_us": med(p99), "p50_gap_us": med(p50) - med(c50)}
+        results[key] = {
+            "spin_us": spin,
+            "loop_spin_us": loop_spin,
+            "c_p50_us": med(c50),
+            "c_p99_us": med(c99),
+            "py_p50_us": med(p50),
+            "py_p99_us": med(p99),
+            "p50_gap_us": med(p50) - med(c50),
+        }
         rows.append((f"one-way p50, {label} (us)", med(c50), med(p50), med(p50) - med(c50)))
         rows.append((f"one-way p99, {label} (us)", med(c99), med(p99), med(p99) - med(c99)))
     after = _cpu_busy_other()
     results["cpu_busy_before"] = busy
     results["cpu_busy_after"] = after
-    print(f"\naiote core benchmark — provider {a.provider}, loopback, {os.cpu_count()} cores, "
-          f"median of {repeats}")
-    print(f"{'case':44} {'C core':>10} {'aiote':>10} {'ratio/gap':>10}")
+    print(
+        f"\naiote core benchmark — provider {a.provider}, loopback, {os.cpu_count()} cores, "
+        f"median of {repeats}"
+    )
+    print(f"{'case':52} {'C core':>10} {'aiote':>10} {'ratio/gap':>10}")
     for name, c_v, p_v, r in rows:
         kind = "gap" if "us" in name else "ratio"
         rs = f"{r:+.1f}us" if kind == "gap" else f"{r:.2f}"
-        print(f"{name:44} {c_v:10.2f} {p_v:10.2f} {rs:>10}")
+        print(f"{name:52} {c_v:10.2f} {p_v:10.2f} {rs:>10}")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results))

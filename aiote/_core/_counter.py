@@ -79,6 +79,8 @@ class ImmCounter:
         self._waiters.append(w)
         if self._waiters[0] is w:
             self._serve()
+        if self._engine._loop_spin_ns and not w.event.is_set():
+            self._engine._spin_until(w.event.is_set)
         try:
             with deadline(timeout, f"waiting for {n} credits of imm {self.imm}"):
                 await w.event.wait()
