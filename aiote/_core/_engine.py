@@ -806,7 +806,6 @@ class TransferBatch:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._rows: list[np.ndarray] = []
         self._table = np.zeros(16, _OP_DTYPE)
         self._n = 0
         self._refs: set[MemoryRegion] = set()
