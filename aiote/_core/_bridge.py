@@ -31,6 +31,16 @@ class LoopBridge:
         self._stopped: Any = None
 
     @property
+    def event_class(self) -> Any:
+        """The event loop's own Event class (``asyncio.Event`` or ``trio.Event``): created on
+        every operation, so the backend lookup of ``anyio.Event()`` is paid once per engine."""
+        if self._backend == "trio":
+            import trio
+
+            return trio.Event
+        return asyncio.Event
+
+    @property
     def backend(self) -> str:
         """``"asyncio"`` or ``"trio"``."""
         return self._backend

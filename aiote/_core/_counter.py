@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -24,9 +24,9 @@ CREDIT_UNIT: int = int(lib.AIO_CREDIT_UNIT)
 class _Waiter:
     __slots__ = ("event", "granted", "units")
 
-    def __init__(self, units: int) -> None:
+    def __init__(self, units: int, event: Any) -> None:
         self.units = units
-        self.event = anyio.Event()
+        self.event = event
         self.granted = False
 
 
@@ -75,7 +75,7 @@ class ImmCounter:
         if not self._waiters and lib.aio_counter_take(h, self.imm, units):
             await anyio.lowlevel.cancel_shielded_checkpoint()
             return
-        w = _Waiter(units)
+        w = _Waiter(units, self._engine._event())
         self._waiters.append(w)
         if self._waiters[0] is w:
             self._serve()

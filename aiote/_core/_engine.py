@@ -132,8 +132,8 @@ class RailInfo:
 class _Op:
     __slots__ = ("event", "prov_errno", "refs", "status")
 
-    def __init__(self, refs: Any) -> None:
-        self.event = anyio.Event()
+    def __init__(self, refs: Any, event: Any) -> None:
+        self.event = event
         self.status = 0
         self.prov_errno = 0
         self.refs = refs
@@ -142,8 +142,8 @@ class _Op:
 class _RecvWaiter:
     __slots__ = ("event", "item")
 
-    def __init__(self) -> None:
-        self.event = anyio.Event()
+    def __init__(self, event: Any) -> None:
+        self.event = event
         self.item: tuple[bytes, bytes] | None = None
 
 
@@ -202,6 +202,7 @@ class Engine:
         self._address = EngineAddress(tuple(RailAddress(r.provider, r.address) for r in rails), _host_id())
         self._address_bytes = bytes(self._address)
         self._bridge: LoopBridge | None = None
+        self._event: Any = anyio.Event  # replaced by the loop's own Event class in _start
         self._scratch: MemoryRegion | None = None
         self._log = _log.bind(engine=self._address_bytes[-4:].hex())
 
@@ -516,7 +517,7 @@ class Engine:
         h = self._check_open()
         n = len(table)
         ptr = ffi.cast("aio_op_desc*", ffi.from_buffer(table))
-        op = _Op((refs, table))
+        op = _Op((refs, table), self._event())
         token = next(self._tokens)
         g = lib.aio_group_open(h, token)
         attempt = 0
@@ -679,7 +680,7 @@ class Engine:
             raise InvalidArgument("no common provider with the peer")
         me = self._address_bytes
         msg = b"".join((_MSG_HEADER.pack(len(me)), me, data))
-        op = _Op(None)
+        op = _Op(None, self._event())
         token = next(self._tokens)
         g = lib.aio_group_open(h, token)
         with deadline(timeout, "send"):
@@ -724,7 +725,7 @@ class Engine:
             item = self._inbox.popleft()  # taken before yielding: no other receiver can race for it
             await anyio.lowlevel.cancel_shielded_checkpoint()
             return item
-        w = _RecvWaiter()
+        w = _RecvWaiter(self._event())
         self._recv_waiters.append(w)
         try:
             with deadline(timeout, "recv"):
@@ -745,6 +746,7 @@ class Engine:
     async def _start(self) -> None:
         self._bridge = LoopBridge(int(lib.aio_engine_eventfd(self._h)), self._on_ready)
         self._bridge.start()
+        self._event = self._bridge.event_class
         self._scratch = await self.register(bytearray(64), remote_write=False, remote_read=False)
 
     async def aclose(self, *, timeout: float = 10.0) -> None:

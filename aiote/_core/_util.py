@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import anyio
@@ -23,13 +23,20 @@ def check_timeout(timeout: float | None) -> None:
         raise InvalidArgument(f"timeout must be >= 0 seconds, not {timeout!r}")
 
 
-@contextmanager
-def deadline(timeout: float | None, what: str) -> Iterator[None]:
-    """Like ``anyio.fail_after`` but raises :class:`TransferTimeout` naming the operation."""
+_NO_DEADLINE: AbstractContextManager[None] = nullcontext()
+
+
+def deadline(timeout: float | None, what: str) -> AbstractContextManager[None]:
+    """Like ``anyio.fail_after`` but raises :class:`TransferTimeout` naming the operation.
+    Free when ``timeout`` is None (a shared null context: this is on every operation's path)."""
     if timeout is None:
-        yield
-        return
+        return _NO_DEADLINE
     check_timeout(timeout)
+    return _deadline(timeout, what)
+
+
+@contextmanager
+def _deadline(timeout: float, what: str) -> Iterator[None]:
     scope = anyio.fail_after(timeout)
     try:
         with scope:
