@@ -10,7 +10,7 @@ import os
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
@@ -59,7 +59,6 @@ _U32 = 1 << 32
 _MSG_HEADER = struct.Struct("<H")
 
 # libfabric error numbers (rdma/fi_errno.h)
-_FI_EAGAIN = 11
 _FI_EINVAL = 22
 _FI_EMSGSIZE = 90
 _PEER_ERRORS = {
@@ -78,8 +77,6 @@ _PEER_ERRORS = {
 _ACCESS_ERRORS = {1, 13, 14, 121, 129, 266}
 _FI_ETRUNC = 265
 _CLOSED_STATUS = -(1 << 30)  # an operation failed because the engine closed under it
-
-PROVIDERS = ("tcp", "shm", "verbs", "efa")
 
 
 def _strerror(code: int) -> str:
@@ -513,11 +510,29 @@ class Engine:
 
     async def _run(self, table: np.ndarray, refs: Any, timeout: float | None, what: str) -> None:
         """Posts the rows of ``table`` as one group and waits for all of them."""
+        ptr = ffi.cast("aio_op_desc*", ffi.from_buffer(table))
+        n = len(table)
+        budget = self._budget_ns
+
+        def post(h: Any, g: int, posted: int) -> int:
+            return int(lib.aio_post(h, g, ptr + posted, n - posted, budget))
+
+        await self._run_group(post, n, (refs, table), timeout, what)
+
+    async def _run_group(
+        self, post: Callable[[Any, int, int], int], n: int, refs: Any, timeout: float | None, what: str
+    ) -> None:
+        """The life of one group of ``n`` work requests: open it (waiting while every group
+        slot is in flight), post through ``post(handle, group, posted_so_far)`` (returns how
+        many it posted, or a negative error) with back-off while the transport pushes back,
+        seal, wait for the completion record, and map its status to an exception.
+
+        On cancellation what was posted cannot be taken back: ``refs`` (buffers, tables) stay
+        owned until the completion, with a bounded shielded wait before the cancellation
+        propagates. On timeout it raises at once and the completion releases ``refs`` later."""
         check_timeout(timeout)
         h = self._check_open()
-        n = len(table)
-        ptr = ffi.cast("aio_op_desc*", ffi.from_buffer(table))
-        op = _Op((refs, table), self._event())
+        op = _Op(refs, self._event())
         token = next(self._tokens)
         g = lib.aio_group_open(h, token)
         attempt = 0
@@ -539,13 +554,13 @@ class Engine:
             with deadline(timeout, what):
                 attempt = 0
                 while posted < n:
-                    k = lib.aio_post(h, g, ptr + posted, n - posted, self._budget_ns)
+                    k = post(h, g, posted)
                     if k < 0:
-                        error = int(k)
+                        error = k
                         break
                     posted += k
                     if posted < n:
-                        # queue full or peer still connecting: back off, the poller progresses
+                        # queue or slots full, or peer still connecting: back off, the poller progresses
                         attempt = attempt + 1 if k == 0 else 0
                         h = await self._pause(min(0.00005 * (1 << min(attempt, 8)), 0.01))
                 self._seal(g)
@@ -657,7 +672,7 @@ class Engine:
         Raises :class:`InvalidArgument` (bad address, payload too large),
         :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`."""
         check_timeout(timeout)
-        h = self._check_open()
+        self._check_open()
         addr = peer if isinstance(peer, EngineAddress) else EngineAddress.from_bytes(_as_bytes(peer, "peer"))
         try:
             data = memoryview(payload).cast("B")
@@ -680,39 +695,12 @@ class Engine:
             raise InvalidArgument("no common provider with the peer")
         me = self._address_bytes
         msg = b"".join((_MSG_HEADER.pack(len(me)), me, data))
-        op = _Op(None, self._event())
-        token = next(self._tokens)
-        g = lib.aio_group_open(h, token)
-        with deadline(timeout, "send"):
-            while g < 0:  # every group slot in flight: backpressure
-                h = await self._pause(0.0005)
-                g = lib.aio_group_open(h, token)
-        self._pending[token] = op
-        sealed = False
-        try:
-            with deadline(timeout, "send"):
-                attempt = 0
-                while True:
-                    rc = lib.aio_post_send(h, g, rail, fa, msg, len(msg), self._budget_ns)
-                    if rc < 0:
-                        self._seal(g)
-                        sealed = True
-                        raise _post_error(int(rc), "send", 0)
-                    if rc == 1:
-                        break
-                    attempt += 1
-                    h = await self._pause(min(0.00005 * (1 << min(attempt, 8)), 0.01))
-                self._seal(g)
-                sealed = True
-                if not op.event.is_set():
-                    await op.event.wait()
-        finally:
-            if not sealed:
-                self._seal(g)
-        if op.status == _CLOSED_STATUS:
-            raise EngineClosed("send: the engine closed before the message was sent")
-        if op.status:
-            raise _completion_error(op.status, op.prov_errno, "send")
+        budget = self._budget_ns
+
+        def post(h: Any, g: int, posted: int) -> int:
+            return int(lib.aio_post_send(h, g, rail, fa, msg, len(msg), budget))
+
+        await self._run_group(post, 1, None, timeout, "send")
 
     async def recv(self, *, timeout: float | None = None) -> tuple[bytes, bytes]:
         """Receives the next message: ``(sender_address, payload)``. Messages are queued from
