@@ -9,7 +9,7 @@ immediates, counters and messages over libfabric), under asyncio and trio.
 
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
-from ._core._engine import Engine, RailInfo, TransferBatch, open_engine
+from ._core._engine import Engine, RailInfo, ScatterTarget, TransferBatch, open_engine
 from ._core._errors import (
     AioteError,
     DescriptorError,
@@ -24,6 +24,7 @@ from ._core._errors import (
     TransferTimeout,
 )
 from ._core._memory import MemoryRegion
+from ._core._routing import Route
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,8 @@ __all__ = [
     "RegionBusy",
     "RegistrationError",
     "RemoteAccessError",
+    "Route",
+    "ScatterTarget",
     "TransferBatch",
     "TransferError",
     "TransferTimeout",

@@ -18,6 +18,12 @@
 #include <netinet/in.h>
 #include <arpa/inet.h>
 #include <net/if.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
+#include <sys/socket.h>
+#ifndef IFF_LOWER_UP /* <linux/if.h>, which clashes with <net/if.h> */
+#define IFF_LOWER_UP 0x10000
+#endif
 #include <unistd.h>
 
 #include <rdma/fabric.h>
@@ -75,6 +81,9 @@ typedef struct aio_rail {
     void *send_desc;
     uint32_t *send_free;
     uint32_t send_nfree;
+    /* link state of the interface behind a tcp rail (ifindex 0: not watched) */
+    int ifindex;
+    _Atomic int link_up;
 } aio_rail;
 
 struct aio_mr {
@@ -157,6 +166,8 @@ struct aio_engine {
     _Atomic uint64_t post_seq;
     int kick_fd;
     int epfd;
+    int nl_fd;           /* netlink socket for link changes, or -1 */
+    int64_t nl_checked;  /* last time the poller drained it while spinning */
     _Atomic int64_t ops_in_flight;
 
     /* stats */
@@ -166,6 +177,7 @@ struct aio_engine {
 /* ------------------------------------------------------------------ utils */
 
 static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int iface_up(int ifindex);
 static void set_err(char *err, size_t errlen, const char *fmt, ...) {
     if (!err || errlen == 0) return;
     va_list ap;
@@ -578,6 +590,84 @@ static void kick(aio_engine *e) {
     }
 }
 
+/* ------------------------------------------------------------------ link monitor */
+
+static int iface_up(int ifindex) {
+    char name[IF_NAMESIZE];
+    if (!if_indextoname((unsigned)ifindex, name)) return 0;
+    char path[96];
+    snprintf(path, sizeof(path), "/sys/class/net/%s/carrier", name);
+    FILE *f = fopen(path, "r");
+    if (!f) return 1; /* no carrier file (unusual): assume up */
+    int c = fgetc(f);
+    fclose(f);
+    return c == '1';
+}
+
+static void link_changed(aio_engine *e, int ifindex, int up) {
+    for (int i = 0; i < e->nrails; i++) {
+        aio_rail *r = e->rails[i];
+        if (r->ifindex != ifindex) continue;
+        if (atomic_exchange(&r->link_up, up) == up) continue;
+        aio_record rec = {.kind = AIO_REC_LINK, .rail = i, .a = (uint64_t)up};
+        ring_push(e, &rec);
+    }
+}
+
+/* Reads every pending netlink message (non-blocking) and reports link changes. */
+static void drain_netlink(aio_engine *e) {
+    char buf[8192] __attribute__((aligned(__alignof__(struct nlmsghdr))));
+    for (;;) {
+        ssize_t n = recv(e->nl_fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (n <= 0) {
+            if (n < 0 && errno == ENOBUFS) { /* lost messages: re-read every watched link */
+                for (int i = 0; i < e->nrails; i++)
+                    if (e->rails[i]->ifindex)
+                        link_changed(e, e->rails[i]->ifindex, iface_up(e->rails[i]->ifindex));
+                continue;
+            }
+            return;
+        }
+        for (struct nlmsghdr *h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)n);
+             h = NLMSG_NEXT(h, n)) {
+            if (h->nlmsg_type != RTM_NEWLINK && h->nlmsg_type != RTM_DELLINK) continue;
+            struct ifinfomsg *ifi = NLMSG_DATA(h);
+            int up = h->nlmsg_type == RTM_NEWLINK && (ifi->ifi_flags & IFF_UP) &&
+                     (ifi->ifi_flags & IFF_LOWER_UP);
+            link_changed(e, ifi->ifi_index, up);
+        }
+    }
+}
+
+static void open_netlink(aio_engine *e) {
+    e->nl_fd = -1;
+    int any = 0;
+    for (int i = 0; i < e->nrails; i++)
+        if (e->rails[i]->ifindex) any = 1;
+    if (!any) return;
+    int fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, NETLINK_ROUTE);
+    if (fd < 0) return;
+    struct sockaddr_nl sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.nl_family = AF_NETLINK;
+    sa.nl_groups = RTMGRP_LINK;
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+        close(fd);
+        return;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd};
+    if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        close(fd);
+        return;
+    }
+    e->nl_fd = fd;
+}
+
+int aio_rail_link_up(aio_engine *e, int rail) {
+    if (rail < 0 || rail >= e->nrails) return -FI_EINVAL;
+    return atomic_load(&e->rails[rail]->link_up);
+}
+
 static void *poller_main(void *arg) {
     aio_engine *e = arg;
     int64_t last_active = now_ns();
@@ -594,6 +684,13 @@ static void *poller_main(void *arg) {
             pthread_mutex_unlock(&r->mu);
         }
         atomic_fetch_add_explicit(&e->st_polls, 1, memory_order_relaxed);
+        if (e->nl_fd >= 0) {
+            int64_t t = now_ns();
+            if (t - e->nl_checked > 1000000) {
+                e->nl_checked = t;
+                drain_netlink(e);
+            }
+        }
         uint64_t seq = atomic_load(&e->post_seq);
         if (got || seq != seen_seq) {
             seen_seq = seq;
@@ -643,6 +740,8 @@ static void *poller_main(void *arg) {
                     uint64_t v;
                     ssize_t rr = read(e->kick_fd, &v, sizeof(v));
                     (void)rr;
+                } else if (evs[k].data.fd == e->nl_fd) {
+                    drain_netlink(e);
                 }
             }
         }
@@ -677,6 +776,7 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     pthread_mutex_init(&e->cnt_mu, NULL);
     pthread_mutex_init(&e->mr_mu, NULL);
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->nl_fd = -1;
     e->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (e->efd < 0 || e->kick_fd < 0 || e->epfd < 0) {
@@ -716,6 +816,11 @@ static struct fi_info *make_hints(const char *prov, const char *nic) {
     h->domain_attr->threading = FI_THREAD_DOMAIN;
     h->domain_attr->data_progress = FI_PROGRESS_MANUAL;
     h->tx_attr->msg_order = 0;
+    /* tcp completes a write once its bytes are in the local socket otherwise: a wrong key
+     * or a link that fails afterwards would lose it silently. Delivery completion makes a
+     * completion mean "placed at the target" (shm in libfabric 1.17 mishandles the flag, and
+     * its copies are done by the time they complete anyway). */
+    if (!strcmp(prov, "tcp") || !strncmp(prov, "tcp;", 4)) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
     h->fabric_attr->prov_name = strdup(map_provider(prov));
     if (nic && *nic) h->domain_attr->name = strdup(nic);
     return h;
@@ -831,6 +936,12 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     r->wait_fd = -1;
     char node[INET6_ADDRSTRLEN + 1] = {0};
     int by_addr = strncmp(map_provider(provider), "tcp", 3) == 0 && nic_address(nic, node, sizeof(node));
+    if (by_addr) { /* an interface: watch its link */
+        r->ifindex = (int)if_nametoindex(nic);
+        atomic_store(&r->link_up, r->ifindex ? iface_up(r->ifindex) : 1);
+    } else {
+        atomic_store(&r->link_up, 1);
+    }
     struct fi_info *hints = make_hints(provider, by_addr ? NULL : nic);
     if (!hints) {
         free(r);
@@ -968,6 +1079,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
 int aio_engine_start(aio_engine *e) {
     if (e->started) return 0;
     if (e->nrails == 0) return -FI_EINVAL;
+    open_netlink(e);
     int ret = pthread_create(&e->thread, NULL, poller_main, e);
     if (ret) return -ret;
     e->started = 1;
@@ -1013,6 +1125,7 @@ void aio_engine_destroy(aio_engine *e) {
     close(e->efd);
     close(e->kick_fd);
     close(e->epfd);
+    if (e->nl_fd >= 0) close(e->nl_fd);
     free(e->ring);
     free(e->groups);
     free(e->cslots);
@@ -1154,75 +1267,119 @@ static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op) {
     return fi_write(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
 }
 
-int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, int64_t budget_ns) {
-    if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use ||
-        atomic_load(&e->groups[g].sealed))
+/* Posts one request into group g: 1 posted, 0 no room before the deadline (nothing
+ * posted), negative: an error for this request (nothing posted). */
+static int post_item(aio_engine *e, int64_t g, const aio_op_desc *it, int64_t deadline) {
+    if (it->rail < 0 || it->rail >= e->nrails || !it->mr ||
+        (it->op != AIO_OP_WRITE && it->op != AIO_OP_READ))
         return -FI_EINVAL;
+    aio_mr *m = it->mr;
+    if (it->offset > m->len || it->length > m->len - it->offset) return -FI_EINVAL;
     aio_group *gr = &e->groups[g];
+    aio_rail *r = e->rails[it->rail];
+    pthread_mutex_lock(&r->mu);
+    aio_op *op;
+    while (!(op = op_get(r))) {
+        progress_locked(e, r);
+        if (now_ns() >= deadline) break;
+    }
+    if (!op) {
+        pthread_mutex_unlock(&r->mu);
+        return 0;
+    }
+    op->kind = it->op == AIO_OP_READ ? OPK_READ : OPK_WRITE;
+    op->rail = it->rail;
+    op->group = g;
+    op->mr = m;
+    atomic_fetch_add(&m->inflight, 1);
+    atomic_fetch_add(&gr->posted, 1);
+    atomic_fetch_add(&gr->outstanding, 1);
+    atomic_fetch_add(&e->ops_in_flight, 1);
+    ssize_t ret;
+    for (;;) {
+        ret = post_one(r, it, op);
+        if (ret != -FI_EAGAIN) break;
+        progress_locked(e, r);
+        if (now_ns() >= deadline) break;
+    }
+    if (ret) {
+        atomic_fetch_sub(&m->inflight, 1);
+        atomic_fetch_sub(&gr->posted, 1);
+        atomic_fetch_sub(&gr->outstanding, 1);
+        atomic_fetch_sub(&e->ops_in_flight, 1);
+        op_put(r, op);
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (ret == -FI_EAGAIN) return 0;
+    return ret ? (int)ret : 1;
+}
+
+static int group_postable(aio_engine *e, int64_t g) {
+    return g >= 0 && (uint32_t)g < e->cfg.max_groups && e->groups[g].in_use &&
+           !atomic_load(&e->groups[g].sealed);
+}
+
+int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, int64_t budget_ns) {
+    if (!group_postable(e, g)) return -FI_EINVAL;
     int64_t deadline = now_ns() + budget_ns;
     int64_t i = 0;
-    int64_t result = 0;
+    int rc = 0;
     for (; i < n; i++) {
-        const aio_op_desc *it = &items[i];
-        if (it->rail < 0 || it->rail >= e->nrails || !it->mr ||
-            (it->op != AIO_OP_WRITE && it->op != AIO_OP_READ)) {
-            result = -FI_EINVAL;
-            break;
-        }
-        aio_mr *m = it->mr;
-        if (it->offset > m->len || it->length > m->len - it->offset) {
-            result = -FI_EINVAL;
-            break;
-        }
-        aio_rail *r = e->rails[it->rail];
-        pthread_mutex_lock(&r->mu);
-        aio_op *op;
-        while (!(op = op_get(r))) {
-            progress_locked(e, r);
-            if (now_ns() >= deadline) break;
-        }
-        if (!op) {
-            pthread_mutex_unlock(&r->mu);
-            break;
-        }
-        op->kind = it->op == AIO_OP_READ ? OPK_READ : OPK_WRITE;
-        op->rail = it->rail;
-        op->group = g;
-        op->mr = m;
-        atomic_fetch_add(&m->inflight, 1);
-        atomic_fetch_add(&gr->posted, 1);
-        atomic_fetch_add(&gr->outstanding, 1);
-        atomic_fetch_add(&e->ops_in_flight, 1);
-        ssize_t ret;
-        for (;;) {
-            ret = post_one(r, it, op);
-            if (ret != -FI_EAGAIN) break;
-            progress_locked(e, r);
-            if (now_ns() >= deadline) break;
-        }
-        if (ret) {
-            atomic_fetch_sub(&m->inflight, 1);
-            atomic_fetch_sub(&gr->posted, 1);
-            atomic_fetch_sub(&gr->outstanding, 1);
-            atomic_fetch_sub(&e->ops_in_flight, 1);
-            op_put(r, op);
-            pthread_mutex_unlock(&r->mu);
-            if (ret != -FI_EAGAIN) result = ret;
-            break;
-        }
-        pthread_mutex_unlock(&r->mu);
+        rc = post_item(e, g, &items[i], deadline);
+        if (rc <= 0) break;
     }
     if (i > 0) kick(e);
-    if (i == 0 && result < 0) return result;
+    if (i == 0 && rc < 0) return rc;
     return i;
+}
+
+/* a*b+c <= limit without overflow */
+static int fits(uint64_t a, uint64_t b, uint64_t c, uint64_t limit) {
+    if (b && a > (UINT64_MAX - c) / b) return 0;
+    return a * b + c <= limit;
+}
+
+int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_t start, int64_t n,
+                       int64_t budget_ns) {
+    if (!group_postable(e, g) || !d || !d->mr || d->nroutes < 1 || d->nroutes > AIO_MAX_RAILS ||
+        d->first_route < 0 || start < 0 || n < start || d->page_size == 0)
+        return -FI_EINVAL;
+    aio_mr *m = d->mr;
+    int64_t deadline = now_ns() + budget_ns;
+    aio_op_desc it;
+    memset(&it, 0, sizeof(it));
+    it.mr = m;
+    it.length = d->page_size;
+    it.data = d->data;
+    it.op = AIO_OP_WRITE;
+    it.flags = d->flags & AIO_F_DATA;
+    int64_t k = start;
+    int rc = 0;
+    for (; k < n; k++) {
+        int64_t si = d->src_pages[k], di = d->dst_pages[k];
+        if (si < 0 || di < 0 ||
+            !fits((uint64_t)si, d->src_stride, d->src_offset + d->page_size, m->len) ||
+            !fits((uint64_t)di, d->dst_stride, d->dst_offset + d->page_size, d->remote_len)) {
+            rc = -FI_EINVAL;
+            break;
+        }
+        const aio_route *rt = &d->routes[(uint64_t)(d->first_route + k) % (uint64_t)d->nroutes];
+        it.offset = d->src_offset + (uint64_t)si * d->src_stride;
+        it.rail = rt->rail;
+        it.peer = rt->peer;
+        it.rkey = rt->rkey;
+        it.raddr = rt->rbase + d->dst_offset + (uint64_t)di * d->dst_stride;
+        rc = post_item(e, g, &it, deadline);
+        if (rc <= 0) break;
+    }
+    if (k > start) kick(e);
+    if (k == start && rc < 0) return rc;
+    return k - start;
 }
 
 int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *buf, uint64_t len,
                   int64_t budget_ns) {
-    if (rail < 0 || rail >= e->nrails) return -FI_EINVAL;
-    if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use ||
-        atomic_load(&e->groups[g].sealed))
-        return -FI_EINVAL;
+    if (rail < 0 || rail >= e->nrails || !group_postable(e, g)) return -FI_EINVAL;
     aio_rail *r = e->rails[rail];
     if (len > r->slot_size) return -FI_EMSGSIZE;
     int64_t deadline = now_ns() + budget_ns;

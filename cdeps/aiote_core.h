@@ -42,6 +42,7 @@ extern "C" {
 #define AIO_REC_GROUP 1   /* a sealed group finished: token = group token, status */
 #define AIO_REC_RECV 2    /* a message arrived: rail, a = slot, b = length, status */
 #define AIO_REC_COUNTER 3 /* a counter watch is satisfied: token = imm */
+#define AIO_REC_LINK 4    /* the link of a rail's interface changed: rail, a = 1 up / 0 down */
 
 typedef struct aio_record {
     uint64_t token;
@@ -125,6 +126,9 @@ void aio_engine_destroy(aio_engine *e);
 int aio_engine_eventfd(aio_engine *e);
 int aio_engine_num_rails(aio_engine *e);
 int aio_rail_get_info(aio_engine *e, int rail, aio_rail_info *out);
+/* 1 if the rail's interface has its link up (rails not bound to an interface: always 1).
+ * Changes are reported as AIO_REC_LINK records (netlink, watched by the poller). */
+int aio_rail_link_up(aio_engine *e, int rail);
 /* Inserts a peer address into the rail's address vector. */
 int aio_av_insert(aio_engine *e, int rail, const void *addr, size_t len, uint64_t *fi_addr);
 int aio_av_remove(aio_engine *e, int rail, uint64_t fi_addr);
@@ -156,6 +160,41 @@ int64_t aio_post(aio_engine *e, int64_t group, const aio_op_desc *items, int64_t
  * 1 if posted, 0 if no send slot or queue space is free now, negative on error. */
 int aio_post_send(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *buf,
                   uint64_t len, int64_t budget_ns);
+/* Paged writes: page k (start <= k < n) copies page_size bytes from the local region at
+ * src_offset + src_stride*src_pages[k] to the remote region at
+ * dst_offset + dst_stride*dst_pages[k], over routes[(first_route + k) % nroutes]. Each page
+ * carries `data` as remote CQ data when flags has AIO_F_DATA. Pages are checked against
+ * both regions (remote_len) as they are posted: -FI_EINVAL for page `start + returned`.
+ * Returns the number of pages posted from `start` (fewer when the queue stays full for
+ * budget_ns), or a negative error when none was. */
+typedef struct aio_route {
+    int32_t rail;     /* local rail */
+    int32_t pad;
+    uint64_t peer;    /* fi_addr_t of the remote NIC on that rail */
+    uint64_t rbase;   /* remote address of offset 0 on that NIC */
+    uint64_t rkey;    /* remote key on that NIC */
+} aio_route;
+
+typedef struct aio_paged_desc {
+    void *mr;
+    const int64_t *src_pages;
+    const int64_t *dst_pages;
+    uint64_t page_size;
+    uint64_t src_stride;
+    uint64_t dst_stride;
+    uint64_t src_offset;
+    uint64_t dst_offset;
+    uint64_t remote_len;
+    uint64_t data;
+    int32_t flags;
+    int32_t nroutes;
+    int32_t first_route;
+    int32_t pad;
+    aio_route routes[16]; /* AIO_MAX_RAILS */
+} aio_paged_desc;
+
+int64_t aio_post_paged(aio_engine *e, int64_t group, const aio_paged_desc *d, int64_t start,
+                       int64_t n, int64_t budget_ns);
 int aio_group_seal(aio_engine *e, int64_t group);
 /* number of posted, unfinished requests in a group (for diagnostics) */
 int64_t aio_group_pending(aio_engine *e, int64_t group);

@@ -222,7 +222,8 @@ async def test_unregister_waits_for_a_write_in_flight() -> None:
 
 
 async def test_write_timeout_and_cancel_while_the_peer_is_frozen() -> None:
-    async with spawn_peer(cancel_grace=120) as peer:
+    # over tcp (same_host=None): a frozen peer cannot complete even a small write there
+    async with spawn_peer(cancel_grace=120, same_host=None) as peer:
         e = peer.engine
         desc = await peer.register("buf", FROZEN)
         small = await peer.register("small", 4096)

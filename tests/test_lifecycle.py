@@ -125,7 +125,9 @@ async def test_aclose_inside_the_block() -> None:
 
 async def test_engine_properties(aiote_engine_pair) -> None:
     a, b = aiote_engine_pair
-    assert len(a.rails) == 1
+    # the main provider's NIC first, then the same-host provider (shm) where available
+    assert 1 <= len(a.rails) <= 2
+    assert a.rails[-1].provider == "shm" or len(a.rails) == 1
     rail = a.rails[0]
     assert "tcp" in rail.provider
     assert rail.domain == "lo"
@@ -136,7 +138,7 @@ async def test_engine_properties(aiote_engine_pair) -> None:
     assert st["ops_in_flight"] == 0 and st["pending"] == 0
     assert st["regions"] == 1  # the engine's internal scratch region
     addr = aiote.EngineAddress.from_bytes(a.address)
-    assert addr.rails[0].address == rail.address
+    assert [r.address for r in addr.rails] == [r.address for r in a.rails]
     assert addr.host_id == aiote.EngineAddress.from_bytes(b.address).host_id  # same host
 
 

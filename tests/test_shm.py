@@ -56,7 +56,7 @@ async def test_shm_write_imm_read_and_messages(shm_pair) -> None:
 
 async def test_shm_engine_cannot_reach_a_tcp_region(shm_pair) -> None:
     a, _ = shm_pair
-    async with aiote.open_engine() as t:  # tcp
+    async with aiote.open_engine(same_host=None) as t:  # tcp only
         mt = await t.register(zeros(64))
         ms = await a.register(pattern(64))
         before = a.stats()

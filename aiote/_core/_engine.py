@@ -45,9 +45,10 @@ from ._errors import (
 )
 from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
+from ._routing import Route, Router, addr_ends
 from ._util import as_index, check_timeout, deadline
 
-__all__ = ["Engine", "RailInfo", "TransferBatch", "open_engine"]
+__all__ = ["Engine", "RailInfo", "ScatterTarget", "TransferBatch", "open_engine"]
 
 # libfabric probes every provider it knows at start-up (0.2-0.5 s of CPU); restrict it to the
 # ones aiote can use unless the user chose otherwise.
@@ -56,6 +57,7 @@ os.environ.setdefault("FI_PROVIDER", "tcp,ofi_rxm,shm,verbs,efa")
 _log = get_logger(component="engine")
 
 _U32 = 1 << 32
+_CREDIT = int(lib.AIO_CREDIT_UNIT)
 _MSG_HEADER = struct.Struct("<H")
 
 # libfabric error numbers (rdma/fi_errno.h)
@@ -126,14 +128,28 @@ class RailInfo:
     max_message_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class ScatterTarget:
+    """One destination of :meth:`Engine.scatter`: ``length`` bytes from the source region at
+    ``src_offset`` to ``desc``'s region at ``dst_offset``."""
+
+    desc: MemoryDescriptor | bytes
+    length: int
+    src_offset: int = 0
+    dst_offset: int = 0
+
+
 class _Op:
-    __slots__ = ("event", "prov_errno", "refs", "status")
+    __slots__ = ("done", "event", "failover", "prov_errno", "rails", "refs", "status")
 
     def __init__(self, refs: Any, event: Any) -> None:
         self.event = event
         self.status = 0
         self.prov_errno = 0
         self.refs = refs
+        self.done = False  # the group's completion record arrived
+        self.rails: set[int] | None = None
+        self.failover = False  # woken because a rail of it lost its link
 
 
 class _RecvWaiter:
@@ -178,26 +194,36 @@ class Engine:
         post_budget_ns: int,
         max_message_size: int,
         loop_spin_ns: int = 0,
+        same_host: str | None = None,
+        stripe_min: int = 1 << 20,
     ) -> None:
         self._h = handle
+        self._stripe_min = stripe_min
         self._loop_spin_ns = loop_spin_ns
         self._rails = rails
         self._closed = False
         self._closing = False
         self._cancel_grace = cancel_grace
         self._budget_ns = post_budget_ns
+        self._failovers = 0
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
         self._pending: dict[int, _Op] = {}
         self._counters: dict[int, ImmCounter] = {}
         self._regions: set[MemoryRegion] = set()
         self._peers: dict[tuple[int, bytes], int] = {}
-        self._routes: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
         self._inbox: deque[tuple[bytes, bytes]] = deque()
         self._recv_waiters: deque[_RecvWaiter] = deque()
         self._recs = ffi.new("aio_record[256]")
         self._address = EngineAddress(tuple(RailAddress(r.provider, r.address) for r in rails), _host_id())
         self._address_bytes = bytes(self._address)
+        self._router = Router(
+            [r.provider for r in rails],
+            [r.domain for r in rails],
+            self._address.host_id,
+            same_host,
+            self._peer,
+        )
         self._bridge: LoopBridge | None = None
         self._event: Any = anyio.Event  # replaced by the loop's own Event class in _start
         self._scratch: MemoryRegion | None = None
@@ -226,8 +252,10 @@ class Engine:
         return self._max_message
 
     def stats(self) -> dict[str, int]:
-        """Counters of the native poller (polls, sleeps, wake-ups, completions, errors) and
-        the operations and regions in flight. O(1)."""
+        """Counters of the native poller (polls, sleeps, wake-ups, completions, errors), the
+        operations and regions in flight, and ``peers``: peer NIC addresses resolved (each is
+        resolved once and cached), ``failovers``: requests re-posted on another NIC after a link
+        failure. O(1)."""
         st = ffi.new("aio_stats*")
         lib.aio_get_stats(self._handle(), st)
         return {
@@ -240,6 +268,8 @@ class Engine:
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._pending),
             "regions": len(self._regions),
+            "peers": len(self._peers),
+            "failovers": self._failovers,
         }
 
     def _handle(self) -> Any:
@@ -292,6 +322,7 @@ class Engine:
                 if kind == lib.AIO_REC_GROUP:
                     op = self._pending.pop(r.token, None)
                     if op is not None:
+                        op.done = True
                         op.status = r.status
                         op.prov_errno = r.prov_errno
                         op.refs = None
@@ -302,11 +333,30 @@ class Engine:
                         c._serve()
                 elif kind == lib.AIO_REC_RECV:
                     self._on_message(r.rail, r.a, r.b, r.status)
+                elif kind == lib.AIO_REC_LINK:
+                    self._on_link(r.rail, bool(r.a))
             if n == 256:
                 continue
             if lib.aio_arm(h):
                 continue
             break
+
+    def _on_link(self, rail: int, up: bool) -> None:
+        """A rail's link changed: take it out of rotation (and wake the groups posted on it,
+        which re-post their work on the other NICs) or put it back."""
+        name = self._rails[rail].domain
+        if up:
+            self._router.down.discard(rail)
+            self._log.info("link up: NIC back in rotation", nic=name)
+            return
+        self._router.down.add(rail)
+        woken = 0
+        for op in self._pending.values():
+            if op.rails is not None and rail in op.rails and not op.event.is_set():
+                op.failover = True
+                op.event.set()
+                woken += 1
+        self._log.warning("link down: NIC out of rotation", nic=name, operations_moved=woken)
 
     def _on_message(self, rail: int, slot: int, length: int, status: int) -> None:
         if status == 0:
@@ -416,20 +466,27 @@ class Engine:
             self._peers[key] = fa
         return fa
 
-    def _route(self, keys: tuple[_RemoteKey, ...]) -> tuple[int, int, int, int]:
-        """(local rail, fi_addr, remote base, remote key) for a descriptor's key set."""
-        r = self._routes.get(keys)
-        if r is not None:
-            return r
-        for li, lr in enumerate(self._rails):
-            for k in keys:
-                if k.provider == lr.provider:
-                    r = (li, self._peer(li, k.address), k.base, k.key)
-                    self._routes[keys] = r
-                    return r
-        mine = sorted({x.provider for x in self._rails})
-        theirs = sorted({k.provider for k in keys})
-        raise InvalidArgument(f"no common provider: this engine has {mine}, the peer has {theirs}")
+    def _path(self, rdesc: MemoryDescriptor) -> tuple[tuple[int, int, int, int], ...]:
+        """Every route to the owner of ``rdesc``, up or down (cached per descriptor key set);
+        :meth:`Router.live` filters the ones in rotation."""
+        return self._router.path(rdesc.keys, rdesc.host_id)
+
+    def route(self, peer: bytes | EngineAddress | MemoryDescriptor) -> Route:
+        """How this engine reaches ``peer`` (an engine address, or a descriptor of one of its
+        regions): the provider (``shm`` for a same-host peer when both engines carry it, else
+        the main provider), and the (local NIC, remote NIC) pairs transfers are striped over.
+        Force a provider by opening the engine with ``same_host=None`` (never shm) or with
+        ``provider="shm"``. Raises :class:`InvalidArgument` when no provider is common."""
+        if isinstance(peer, MemoryDescriptor):
+            return self._router.describe(peer.keys, peer.host_id)
+        addr = self._engine_address(peer)
+        return self._router.describe(addr_ends(addr), addr.host_id)
+
+    @staticmethod
+    def _engine_address(peer: Any) -> EngineAddress:
+        if isinstance(peer, EngineAddress):
+            return peer
+        return EngineAddress.from_bytes(_as_bytes(peer, "peer"))
 
     def _region(self, mr: Any, name: str = "mr") -> MemoryRegion:
         if not isinstance(mr, MemoryRegion):
@@ -450,10 +507,8 @@ class Engine:
             return MemoryDescriptor.from_bytes(bytes(desc))
         raise InvalidArgument(f"remote must be a MemoryDescriptor or its bytes, not {type(desc).__name__}")
 
-    def _fill(
+    def _rows(
         self,
-        table: np.ndarray,
-        index: int,
         mr: MemoryRegion,
         remote: Any,
         length: int | None,
@@ -461,8 +516,18 @@ class Engine:
         dst_offset: int,
         imm: int | None,
         op: int,
-    ) -> None:
-        """Validates one transfer and fills one aio_op_desc row (numpy record)."""
+        credits: dict[tuple[Any, int], int] | None = None,
+    ) -> tuple[list[tuple[int, ...]], Any]:
+        """Validates one transfer and returns its aio_op_desc rows and the full route set to
+        the peer. Rows: one, or one shard per
+        route when it is at least ``stripe_min`` bytes and the peer is reached over several
+        NICs.
+
+        Counting rule: over a single route the immediate travels with the data. Over several
+        routes (NICs) the data rows carry none; the credit is added to ``credits[(path, imm)]``
+        and sent by :meth:`_send_credits` once every row has landed, so a row retried on
+        another NIC after a link failure is never counted twice. Zero-byte writes are their
+        own credit."""
         self._check_open()
         rdesc = self._remote(remote)
         mr = self._region(mr)
@@ -502,14 +567,111 @@ class Engine:
             if op == lib.AIO_OP_READ:
                 raise InvalidArgument("a READ must move at least one byte")
             raise InvalidArgument("a zero-length write must carry an immediate (imm=...)")
-        rail, fa, base, key = self._route(rdesc.keys)
-        # one assignment of the whole record (field-by-field costs ~10x more)
-        table[index] = (mr._ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)
+        full = self._path(rdesc)
+        path = self._router.live(full)
+        n = len(path)
+        start = self._router.start(full)
+        ptr = mr._ptr
+        if len(full) > 1 and flags and length:
+            if credits is None:
+                raise AssertionError("a multi-NIC write with an immediate needs a credit list")
+            credits[(full, data)] = credits.get((full, data), 0) + 1
+            data = flags = 0
+        if n == 1 or length < self._stripe_min:
+            rail, fa, base, key = path[start % n]
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], full
+        # striped: n shards, 4 KiB aligned
+        chunk = -(-length // n)
+        chunk = -(-chunk // 4096) * 4096
+        rows: list[tuple[int, ...]] = []
+        for i, o in enumerate(range(0, length, chunk)):
+            rail, fa, base, key = path[(start + i) % n]
+            ln = min(chunk, length - o)
+            rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, 0))
+        return rows, full
+
+    async def _send_credits(self, credits: dict[tuple[Any, int], int], end: float | None, what: str) -> None:
+        """Sends deferred credits (see :meth:`_rows`): one zero-byte write per (peer, imm)
+        carrying the number of units as its weight (several when more than 65535, or one per
+        unit on providers whose remote CQ data has no room for a weight)."""
+        assert self._scratch is not None
+        for (full, imm), units in credits.items():
+            path = self._router.live(full)
+            rail, fa, base, key = path[self._router.start(full) % len(path)]
+            rows: list[tuple[int, ...]] = []
+            if self._weights_ok(path):
+                while units:
+                    k = min(units, 65535)
+                    units -= k
+                    rows.append(
+                        (
+                            self._scratch._ptr,
+                            0,
+                            0,
+                            fa,
+                            base,
+                            key,
+                            imm | ((k * _CREDIT) << 32),
+                            rail,
+                            lib.AIO_OP_WRITE,
+                            lib.AIO_F_DATA,
+                            0,
+                        )
+                    )
+            else:
+                rows = [
+                    (self._scratch._ptr, 0, 0, fa, base, key, imm, rail, lib.AIO_OP_WRITE, lib.AIO_F_DATA, 0)
+                ] * units
+            await self._run(self._table(rows), None, _left(end), f"{what} (credit)", full)
+
+    def _weights_ok(self, path: tuple[tuple[int, int, int, int], ...]) -> bool:
+        """Whether credit weights travel on these rails (64-bit remote CQ data)."""
+        return all(self._rails[h[0]].cq_data_size >= 8 for h in path)
+
+    @staticmethod
+    def _table(rows: list[tuple[int, ...]]) -> np.ndarray:
+        table = np.zeros(len(rows), _OP_DTYPE)
+        for i, r in enumerate(rows):
+            table[i] = r  # one assignment of the whole record (field-by-field costs ~10x more)
+        return table
 
     # ------------------------------------------------------------------ posting
 
-    async def _run(self, table: np.ndarray, refs: Any, timeout: float | None, what: str) -> None:
-        """Posts the rows of ``table`` as one group and waits for all of them."""
+    async def _run(
+        self, table: np.ndarray, refs: Any, timeout: float | None, what: str, path: Any = None
+    ) -> None:
+        """Posts the rows of ``table`` and waits for all of them.
+
+        ``path``: the full route set of the one peer region every row addresses (single-peer
+        operations). With it, rows on several NICs go as one group per NIC, and when a NIC's
+        link goes down the rows of its group are posted again over the remaining NICs (the
+        original requests stay owned until the transport lets go of them). Without it (scatter,
+        batches), one group; a failed link leaves its rows to the operation's deadline."""
+        rails = table["rail"]
+        end = _end(timeout)
+        if path is None or len(table) == 1 or bool((rails == rails[0]).all()):
+            watch = None if path is None or len(path) == 1 else {int(rails[0])}
+            if await self._run_table(table, refs, timeout, what, watch):
+                await self._run(self._reroute(table, path), refs, _left(end), what, path)
+            return
+        errors: list[BaseException] = []
+
+        async def one(sub: np.ndarray, rail: int) -> None:
+            try:
+                if await self._run_table(sub, refs, _left(end), what, {rail}):
+                    await self._run(self._reroute(sub, path), refs, _left(end), what, path)
+            except Exception as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for rail in np.unique(rails).tolist():
+                tg.start_soon(one, table[rails == rail], int(rail))
+        if errors:
+            raise errors[0]
+
+    async def _run_table(
+        self, table: np.ndarray, refs: Any, timeout: float | None, what: str, rails: set[int] | None = None
+    ) -> bool:
         ptr = ffi.cast("aio_op_desc*", ffi.from_buffer(table))
         n = len(table)
         budget = self._budget_ns
@@ -517,11 +679,34 @@ class Engine:
         def post(h: Any, g: int, posted: int) -> int:
             return int(lib.aio_post(h, g, ptr + posted, n - posted, budget))
 
-        await self._run_group(post, n, (refs, table), timeout, what)
+        return await self._run_group(post, n, (refs, table), timeout, what, rails)
+
+    def _reroute(self, table: np.ndarray, full: Any) -> np.ndarray:
+        """The rows of ``table`` moved to the live routes of ``full`` (same remote region:
+        the remote offset is kept, the address base and key are the new NIC's)."""
+        live = self._router.live(full)
+        out = table.copy()
+        by_hop = {(h[0], h[1]): h for h in full}
+        start = self._router.start(full)
+        for i in range(len(out)):
+            r = out[i]
+            old = by_hop[(int(r["rail"]), int(r["peer"]))]
+            rail, fa, base, key = live[(start + i) % len(live)]
+            r["raddr"] = base + (int(r["raddr"]) - old[2])
+            r["rail"], r["peer"], r["rkey"] = rail, fa, key
+        self._log.warning("rows moved to other NICs after a link failure", rows=len(out))
+        self._failovers += len(out)
+        return out
 
     async def _run_group(
-        self, post: Callable[[Any, int, int], int], n: int, refs: Any, timeout: float | None, what: str
-    ) -> None:
+        self,
+        post: Callable[[Any, int, int], int],
+        n: int,
+        refs: Any,
+        timeout: float | None,
+        what: str,
+        rails: set[int] | None = None,
+    ) -> bool:
         """The life of one group of ``n`` work requests: open it (waiting while every group
         slot is in flight), post through ``post(handle, group, posted_so_far)`` (returns how
         many it posted, or a negative error) with back-off while the transport pushes back,
@@ -529,10 +714,15 @@ class Engine:
 
         On cancellation what was posted cannot be taken back: ``refs`` (buffers, tables) stay
         owned until the completion, with a bounded shielded wait before the cancellation
-        propagates. On timeout it raises at once and the completion releases ``refs`` later."""
+        propagates. On timeout it raises at once and the completion releases ``refs`` later.
+
+        ``rails``: the local rails the group posts on. Returns True when one of them lost its
+        link before the group finished: the caller re-posts the work elsewhere, and the group
+        keeps ``refs`` until the transport lets go of its requests."""
         check_timeout(timeout)
         h = self._check_open()
         op = _Op(refs, self._event())
+        op.rails = rails
         token = next(self._tokens)
         g = lib.aio_group_open(h, token)
         attempt = 0
@@ -585,10 +775,13 @@ class Engine:
             raise
         if error:
             raise _post_error(error, what, posted)
+        if op.failover and op.done is False:
+            return True
         if op.status == _CLOSED_STATUS:
             raise EngineClosed(f"{what}: the engine closed before the operation completed")
         if op.status:
             raise _completion_error(op.status, op.prov_errno, what)
+        return False
 
     async def write(
         self,
@@ -614,9 +807,15 @@ class Engine:
         write may or may not have landed; the cancellation propagates once the transport let
         go of the buffer (bounded by ``cancel_grace``). Cost: one work request, no copy.
         """
-        table = np.zeros(1, _OP_DTYPE)
-        self._fill(table, 0, mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
-        await self._run(table, mr, timeout, "write")
+        credits: dict[tuple[Any, int], int] = {}
+        rows, full = self._rows(mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits)
+        if len(full) == 1:  # one NIC each side: the common, fast case
+            await self._run_table(self._table(rows), mr, timeout, "write")
+            return
+        end = _end(timeout)
+        await self._run(self._table(rows), mr, timeout, "write", full)
+        if credits:
+            await self._send_credits(credits, end, "write")
 
     async def write_imm(
         self, remote: MemoryDescriptor | bytes, imm: int, *, timeout: float | None = None
@@ -626,9 +825,8 @@ class Engine:
         if imm is None:
             raise InvalidArgument("write_imm needs an immediate")
         assert self._scratch is not None
-        table = np.zeros(1, _OP_DTYPE)
-        self._fill(table, 0, self._scratch, remote, 0, 0, 0, imm, lib.AIO_OP_WRITE)
-        await self._run(table, None, timeout, "write_imm")
+        rows, full = self._rows(self._scratch, remote, 0, 0, 0, imm, lib.AIO_OP_WRITE)
+        await self._run(self._table(rows), None, timeout, "write_imm", full)
 
     async def read(
         self,
@@ -643,9 +841,171 @@ class Engine:
         """One-sided READ of ``length`` bytes from the peer's region at ``src_offset`` into
         ``mr[dst_offset:]``. Returns when the bytes are in ``mr``. The peer's region must have
         been registered with ``remote_read``. Raises as :meth:`write`."""
-        table = np.zeros(1, _OP_DTYPE)
-        self._fill(table, 0, mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)
-        await self._run(table, mr, timeout, "read")
+        rows, full = self._rows(mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)
+        await self._run(self._table(rows), mr, timeout, "read", full)
+
+    async def write_paged(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor | bytes,
+        *,
+        page_size: int,
+        src_pages: Any,
+        dst_pages: Any,
+        src_stride: int | None = None,
+        dst_stride: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Paged write: page ``k`` copies ``page_size`` bytes from
+        ``mr[src_offset + src_stride*src_pages[k]]`` to the peer's region at
+        ``dst_offset + dst_stride*dst_pages[k]`` (strides default to ``page_size``).
+
+        ``src_pages``/``dst_pages``: integer sequences or arrays of the same length (indices
+        may repeat and come in any order). Every page is checked against both regions before
+        anything is posted; the loop that posts the pages runs in C, so the Python cost of a
+        call does not grow with the number of pages (numpy checks the index arrays). Pages are
+        spread over the NICs that reach the peer, round robin. With ``imm``, the peer's
+        ``imm_counter(imm)`` gains one credit per page, however many NICs carried them.
+
+        Returns when every page's source bytes may be reused. Raises :class:`InvalidArgument`
+        (lists of different lengths, negative or non-integer indices, a page past either
+        region, ``page_size`` < 1), and as :meth:`write` otherwise (a failure reports the first
+        error once every posted page finished)."""
+        self._check_open()
+        rdesc = self._remote(remote)
+        mr = self._region(mr)
+        page_size = as_index(page_size, "page_size", lo=1)
+        src_stride = page_size if src_stride is None else as_index(src_stride, "src_stride")
+        dst_stride = page_size if dst_stride is None else as_index(dst_stride, "dst_stride")
+        src_offset = as_index(src_offset, "src_offset")
+        dst_offset = as_index(dst_offset, "dst_offset")
+        sp = _page_indices(src_pages, "src_pages")
+        dp = _page_indices(dst_pages, "dst_pages")
+        if len(sp) != len(dp):
+            raise InvalidArgument(f"src_pages has {len(sp)} entries and dst_pages {len(dp)}; they must match")
+        data = 0
+        flags = 0
+        if imm is not None:
+            data = as_index(imm, "imm", hi=_U32)
+            flags = lib.AIO_F_DATA
+        if not rdesc.remote_write:
+            raise InvalidArgument("the remote region was registered without remote_write")
+        n = len(sp)
+        if n == 0:
+            await anyio.lowlevel.checkpoint()
+            return
+        for idx, stride, off, size, name in (
+            (sp, src_stride, src_offset, mr.nbytes, "source"),
+            (dp, dst_stride, dst_offset, rdesc.length, "destination"),
+        ):
+            top = int(idx.max())
+            if off + stride * top + page_size > size:
+                k = int(np.argmax(idx))
+                raise InvalidArgument(
+                    f"page {k} ({name} index {top}) ends at {off + stride * top + page_size} B, past the "
+                    f"{name} region ({size} B)"
+                )
+        full = self._path(rdesc)
+        path = self._router.live(full)
+        credits: dict[tuple[Any, int], int] = {}
+        if flags and len(full) > 1:  # counting rule: the credit follows the data (see _rows)
+            credits[(full, data)] = n
+            data = flags = 0
+        d = ffi.new("aio_paged_desc*")
+        d.mr = mr._handle
+        d.src_pages = ffi.cast("int64_t*", ffi.from_buffer(sp))
+        d.dst_pages = ffi.cast("int64_t*", ffi.from_buffer(dp))
+        d.page_size = page_size
+        d.src_stride = src_stride
+        d.dst_stride = dst_stride
+        d.src_offset = src_offset
+        d.dst_offset = dst_offset
+        d.remote_len = rdesc.length
+        d.data = data
+        d.flags = flags
+        d.nroutes = len(path)
+        first = d.first_route = self._router.start(full) % len(path)
+        for i, (rail, fa, base, key) in enumerate(path):
+            d.routes[i].rail = rail
+            d.routes[i].peer = fa
+            d.routes[i].rbase = base
+            d.routes[i].rkey = key
+        budget = self._budget_ns
+
+        def post(h: Any, g: int, posted: int) -> int:
+            return int(lib.aio_post_paged(h, g, d, posted, n, budget))
+
+        what = f"write_paged of {n} pages"
+        end = _end(timeout)
+        rails = {h[0] for h in path}
+        if await self._run_group(post, n, (mr, sp, dp, d), timeout, what, rails if len(full) > 1 else None):
+            # a NIC lost its link: the pages went as one group over every NIC, so all of them
+            # are written again over the NICs still up (the same bytes; the credit follows)
+            live = self._router.live(full)
+            rows = _paged_rows(
+                mr,
+                sp,
+                dp,
+                page_size,
+                src_stride,
+                dst_stride,
+                src_offset,
+                dst_offset,
+                live,
+                (first + np.arange(n)) % len(live),
+            )
+            self._failovers += n
+            await self._run(rows, (mr, sp, dp, d), _left(end), what, full)
+        if credits:
+            await self._send_credits(credits, end, what)
+
+    async def scatter(
+        self,
+        mr: MemoryRegion,
+        targets: Sequence[ScatterTarget],
+        *,
+        imm: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Writes a slice of ``mr`` to each target (:class:`ScatterTarget`: descriptor, length,
+        offsets), all posted by one native call and awaited as one. Targets on different
+        peers are spread over the NICs; with ``imm`` each target's owner gains one credit per
+        target. Every target is validated before anything is posted. Raises as :meth:`write`."""
+        rows: list[tuple[int, ...]] = []
+        credits: dict[tuple[Any, int], int] = {}
+        for i, t in enumerate(targets):
+            if not isinstance(t, ScatterTarget):
+                raise InvalidArgument(f"targets[{i}] must be an aiote.ScatterTarget, not {type(t).__name__}")
+            rows += self._rows(
+                mr, t.desc, t.length, t.src_offset, t.dst_offset, imm, lib.AIO_OP_WRITE, credits
+            )[0]
+        if not rows:
+            await anyio.lowlevel.checkpoint()
+            return
+        what = f"scatter to {len(targets)} targets"
+        end = _end(timeout)
+        await self._run(self._table(rows), mr, timeout, what)
+        if credits:
+            await self._send_credits(credits, end, what)
+
+    async def barrier(
+        self, peers: Sequence[MemoryDescriptor | bytes], *, imm: int, timeout: float | None = None
+    ) -> None:
+        """Sends a zero-byte write carrying ``imm`` to the owner of each descriptor in
+        ``peers`` (one credit per descriptor given), posted as one group; returns when every
+        one has completed. Peers' resolved addresses are cached, so repeated barriers over
+        the same set cost one work request per peer. Raises as :meth:`write`."""
+        assert self._scratch is not None
+        rows: list[tuple[int, ...]] = []
+        for d in peers:
+            rows += self._rows(self._scratch, d, 0, 0, 0, imm, lib.AIO_OP_WRITE)[0]
+        if not rows:
+            await anyio.lowlevel.checkpoint()
+            return
+        await self._run(self._table(rows), None, timeout, f"barrier of {len(rows)} peers")
 
     def batch(self) -> TransferBatch:
         """A batch of writes/reads validated as they are added and posted by one native call
@@ -673,7 +1033,7 @@ class Engine:
         :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`."""
         check_timeout(timeout)
         self._check_open()
-        addr = peer if isinstance(peer, EngineAddress) else EngineAddress.from_bytes(_as_bytes(peer, "peer"))
+        addr = self._engine_address(peer)
         try:
             data = memoryview(payload).cast("B")
         except TypeError:
@@ -683,16 +1043,9 @@ class Engine:
                 f"payload of {data.nbytes} B exceeds max_message_size={self._max_message} B; "
                 "use a one-sided write for bulk data"
             )
-        rail, fa = -1, 0
-        for li, lr in enumerate(self._rails):
-            for ra in addr.rails:
-                if ra.provider == lr.provider:
-                    rail, fa = li, self._peer(li, ra.address)
-                    break
-            if rail >= 0:
-                break
-        if rail < 0:
-            raise InvalidArgument("no common provider with the peer")
+        # messages keep to the first live route: they are delivered in order on it
+        path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
+        rail, fa = path[0][0], path[0][1]
         me = self._address_bytes
         msg = b"".join((_MSG_HEADER.pack(len(me)), me, data))
         budget = self._budget_ns
@@ -732,6 +1085,10 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     async def _start(self) -> None:
+        for i in range(len(self._rails)):
+            if not lib.aio_rail_link_up(self._h, i):
+                self._router.down.add(i)
+                self._log.warning("link down at start: NIC out of rotation", nic=self._rails[i].domain)
         self._bridge = LoopBridge(int(lib.aio_engine_eventfd(self._h)), self._on_ready)
         self._bridge.start()
         self._event = self._bridge.event_class
@@ -769,6 +1126,59 @@ class Engine:
         self._regions.clear()
 
 
+def _end(timeout: float | None) -> float | None:
+    return None if timeout is None else anyio.current_time() + timeout
+
+
+def _left(end: float | None) -> float | None:
+    return None if end is None else max(0.0, end - anyio.current_time())
+
+
+def _paged_rows(
+    mr: MemoryRegion,
+    sp: np.ndarray,
+    dp: np.ndarray,
+    ps: int,
+    ss: int,
+    ds: int,
+    so: int,
+    do: int,
+    path: tuple[tuple[int, int, int, int], ...],
+    hop: np.ndarray,
+) -> np.ndarray:
+    """aio_op_desc rows of paged-write pages (vectorized), page i over ``path[hop[i]]``."""
+    t = np.zeros(len(sp), _OP_DTYPE)
+    hops = np.array(path, dtype=np.uint64)
+    t["mr"] = mr._ptr
+    t["offset"] = so + sp.astype(np.uint64) * np.uint64(ss)
+    t["length"] = ps
+    t["rail"] = hops[hop, 0].astype(np.int32)
+    t["peer"] = hops[hop, 1]
+    t["raddr"] = hops[hop, 2] + np.uint64(do) + dp.astype(np.uint64) * np.uint64(ds)
+    t["rkey"] = hops[hop, 3]
+    t["op"] = lib.AIO_OP_WRITE
+    return t
+
+
+def _page_indices(v: Any, name: str) -> np.ndarray:
+    """A 1-D int64 array of non-negative page indices, or InvalidArgument."""
+    try:
+        a = np.asarray(v)
+    except Exception:
+        raise InvalidArgument(f"{name} must be a sequence of integers") from None
+    if a.ndim != 1:
+        raise InvalidArgument(f"{name} must be one-dimensional, not of shape {a.shape}")
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    if a.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name} must hold integers, not {a.dtype}")
+    if a.dtype.kind == "i" and int(a.min()) < 0:
+        raise InvalidArgument(f"{name}[{int(np.argmin(a))}] = {int(a.min())} is negative")
+    if int(a.max()) >= 1 << 62:
+        raise InvalidArgument(f"{name} holds an index too large for any region")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
 def _as_bytes(v: Any, name: str) -> bytes:
     if isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v)
@@ -798,15 +1208,20 @@ class TransferBatch:
         self._engine = engine
         self._table = np.zeros(16, _OP_DTYPE)
         self._n = 0
+        self._credits: dict[tuple[Any, int], int] = {}  # multi-NIC peers: sent after the data
         self._refs: set[MemoryRegion] = set()
 
     def __len__(self) -> int:
         return self._n
 
-    def _grow(self) -> np.ndarray:
-        if self._n == len(self._table):
-            self._table = np.resize(self._table, 2 * len(self._table))
-        return self._table
+    def _add(self, rows: list[tuple[int, ...]]) -> None:
+        need = self._n + len(rows)
+        if need > len(self._table):
+            self._table = np.resize(self._table, max(need, 2 * len(self._table)))
+        t = self._table
+        for r in rows:
+            t[self._n] = r
+            self._n += 1
 
     def write(
         self,
@@ -819,10 +1234,10 @@ class TransferBatch:
         imm: int | None = None,
     ) -> TransferBatch:
         """Adds a write (same arguments as :meth:`Engine.write`); returns the batch."""
-        self._engine._fill(
-            self._grow(), self._n, mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE
+        rows, _ = self._engine._rows(
+            mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, self._credits
         )
-        self._n += 1
+        self._add(rows)
         self._refs.add(mr)
         return self
 
@@ -836,10 +1251,7 @@ class TransferBatch:
         dst_offset: int = 0,
     ) -> TransferBatch:
         """Adds a READ (same arguments as :meth:`Engine.read`); returns the batch."""
-        self._engine._fill(
-            self._grow(), self._n, mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ
-        )
-        self._n += 1
+        self._add(self._engine._rows(mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)[0])
         self._refs.add(mr)
         return self
 
@@ -857,7 +1269,11 @@ class TransferBatch:
             if mr._handle is None:
                 raise InvalidArgument("a region of this batch was unregistered since it was added")
         table = self._table[: self._n]  # rows are never rewritten; growth reallocates
-        await self._engine._run(table, self._refs, timeout, f"batch of {self._n}")
+        what = f"batch of {self._n}"
+        end = _end(timeout)
+        await self._engine._run(table, self._refs, timeout, what)
+        if self._credits:
+            await self._engine._send_credits(self._credits, end, what)
 
 
 def _open_native(
@@ -869,6 +1285,7 @@ def _open_native(
     spin_ns: int,
     sleep_ms: int,
     max_in_flight: int,
+    same_host: str | None = None,
 ) -> tuple[Any, list[RailInfo]]:
     cfg = ffi.new(
         "aio_engine_config*",
@@ -887,13 +1304,24 @@ def _open_native(
         raise ProviderError(ffi.string(err).decode(errors="replace") or _strerror(-rc))
     h = out[0]
     rails: list[RailInfo] = []
+    wanted: list[tuple[str, str | None, bool]] = [(provider, nic, True) for nic in nics]
+    if same_host is not None and same_host != provider:
+        wanted.append((same_host, None, False))
     try:
-        for nic in nics:
+        for prov, nic, required in wanted:
             rc = lib.aio_engine_add_rail(
-                h, provider.encode(), nic.encode() if nic else ffi.NULL, slots, slot_size, err, 1024
+                h, prov.encode(), nic.encode() if nic else ffi.NULL, slots, slot_size, err, 1024
             )
             if rc < 0:
-                raise ProviderError(ffi.string(err).decode(errors="replace") or _strerror(-rc))
+                why = ffi.string(err).decode(errors="replace") or _strerror(-rc)
+                if not required:
+                    _log.info(
+                        "same-host provider unavailable; same-host peers use the main provider",
+                        provider=prov,
+                        reason=why,
+                    )
+                    continue
+                raise ProviderError(why)
             info = ffi.new("aio_rail_info*")
             lib.aio_rail_get_info(h, rc, info)
             rails.append(
@@ -936,6 +1364,8 @@ async def open_engine(
     max_in_flight: int = 16384,
     cancel_grace: float = 5.0,
     post_budget_us: float = 200.0,
+    same_host: str | None = "shm",
+    stripe_min: int = 1 << 20,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -952,6 +1382,12 @@ async def open_engine(
     eventfd wake-up, about 20-50 us; blocks the loop for at most that long, so keep it small
     and use it where latency matters more than other tasks' fairness; default 0: off).
     ``sleep_ms``: the timed fallback of the sleeping poller.
+    ``same_host``: an extra provider (one rail) for peers on this host, chosen automatically
+    when both engines carry it (default ``"shm"``: shared memory, about 2.5x tcp loopback here);
+    ``None`` keeps every peer on ``provider`` (see :meth:`Engine.route`). Skipped with a log
+    line when the provider is not available.
+    ``stripe_min``: a single write or read of at least this many bytes is split across the
+    NICs that reach the peer (several ``nics``); smaller ones go round robin over them.
 
     Raises :class:`ProviderError` naming what is missing (unknown provider or NIC, no RMA).
     The engine closes when the block exits (see :meth:`Engine.aclose`). Opening costs a few
@@ -972,6 +1408,9 @@ async def open_engine(
     max_message_size = as_index(max_message_size, "max_message_size", lo=0, hi=1 << 31)
     message_slots = as_index(message_slots, "message_slots", lo=1, hi=1 << 16)
     max_in_flight = as_index(max_in_flight, "max_in_flight", lo=16, hi=1 << 24)
+    stripe_min = as_index(stripe_min, "stripe_min", lo=1)
+    if same_host is not None and (not isinstance(same_host, str) or not same_host):
+        raise InvalidArgument("same_host must be a provider name such as 'shm', or None")
     if not (spin_us >= 0 and math.isfinite(spin_us)):
         raise InvalidArgument("spin_us must be >= 0")
     if not (loop_spin_us >= 0 and math.isfinite(loop_spin_us)) or loop_spin_us > 100_000:
@@ -987,6 +1426,7 @@ async def open_engine(
             spin_ns=int(spin_us * 1000),
             sleep_ms=int(sleep_ms),
             max_in_flight=max_in_flight,
+            same_host=same_host,
         )
     )
     engine = Engine(
@@ -996,6 +1436,8 @@ async def open_engine(
         post_budget_ns=int(post_budget_us * 1000),
         max_message_size=max_message_size,
         loop_spin_ns=int(loop_spin_us * 1000),
+        same_host=same_host,
+        stripe_min=stripe_min,
     )
     try:
         await engine._start()

@@ -125,6 +125,22 @@ class PeerProcess:
         """Makes the peer send ``count`` zero-byte writes carrying ``imm`` to ``remote``'s owner."""
         await self.call(op="imm", remote=bytes(remote).hex(), imm=imm, count=count)
 
+    async def write_paged(
+        self, name: str, remote: MemoryDescriptor, *, page_size: int, src_pages: Sequence[int],
+        dst_pages: Sequence[int], src_stride: int | None = None, dst_stride: int | None = None,
+        imm: int | None = None,
+    ) -> None:
+        """Makes the peer do one paged write from its buffer into ``remote``."""
+        await self.call(
+            op="paged", name=name, remote=bytes(remote).hex(), page_size=page_size,
+            src_pages=[int(x) for x in src_pages], dst_pages=[int(x) for x in dst_pages],
+            src_stride=src_stride, dst_stride=dst_stride, imm=imm,
+        )
+
+    async def route(self, peer: bytes) -> dict[str, Any]:
+        """How the peer's engine reaches ``peer`` (provider and NIC pairs)."""
+        return await self.call(op="route", peer=peer.hex())
+
     async def counter(self, imm: int) -> int:
         """The peer's available credits for ``imm``."""
         r = await self.call(op="counter", imm=imm)
@@ -134,16 +150,21 @@ class PeerProcess:
 @asynccontextmanager
 async def spawn_peer(
     provider: str = "tcp", nics: Sequence[str] | None = None, *, engine: Engine | None = None,
-    startup_timeout: float = 30.0, **engine_kw: Any,
+    startup_timeout: float = 30.0, peer_nics: Sequence[str] | None = None,
+    same_host: str | None = "shm", prefix: Sequence[str] = (), **engine_kw: Any,
 ) -> AsyncIterator[PeerProcess]:
     """Starts a peer engine in a new Python process (``python -m aiote.testing._peer``).
 
-    Talks to it through ``engine`` (or a fresh local engine on the same provider). The peer
+    Talks to it through ``engine`` (or a fresh local engine on the same provider, ``nics``
+    and ``same_host``). The peer opens ``peer_nics`` (default: ``nics``) with ``same_host``;
+    ``prefix`` runs it under a command (e.g. ``["ip", "netns", "exec", "h2"]``). The peer
     exits when the block ends; if it is still alive after 10 s it is killed.
     """
-    args = [sys.executable, "-m", "aiote.testing._peer", "--provider", provider]
-    for nic in nics or []:
+    args = [*prefix, sys.executable, "-m", "aiote.testing._peer", "--provider", provider]
+    for nic in (nics if peer_nics is None else peer_nics) or []:
         args += ["--nic", nic]
+    args += ["--same-host", same_host or "none"]
+    engine_kw["same_host"] = same_host
     env = dict(os.environ)
     proc = await anyio.open_process(args, stdin=None, stdout=-1, stderr=None, env=env)
     try:

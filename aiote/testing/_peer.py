@@ -61,6 +61,17 @@ async def _serve(engine: Engine) -> None:
                         src_offset=cmd.get("src_offset", 0), dst_offset=cmd.get("dst_offset", 0),
                         imm=cmd.get("imm"),
                     )
+            elif op == "paged":
+                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
+                await engine.write_paged(
+                    regions[cmd["name"]], remote, page_size=cmd["page_size"], src_pages=cmd["src_pages"],
+                    dst_pages=cmd["dst_pages"], src_stride=cmd.get("src_stride"),
+                    dst_stride=cmd.get("dst_stride"), imm=cmd.get("imm"),
+                )
+            elif op == "route":
+                r = engine.route(bytes.fromhex(cmd["peer"]))
+                reply["provider"] = r.provider
+                reply["pairs"] = [list(p) for p in r.pairs]
             elif op == "imm":
                 remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
                 for _ in range(cmd.get("count", 1)):
@@ -74,8 +85,8 @@ async def _serve(engine: Engine) -> None:
         await engine.send(sender, json.dumps(reply).encode())
 
 
-async def _main(provider: str, nics: list[str] | None) -> None:
-    async with open_engine(provider, nics or None) as engine:
+async def _main(provider: str, nics: list[str] | None, same_host: str | None) -> None:
+    async with open_engine(provider, nics or None, same_host=same_host) as engine:
         sys.stdout.write(f"AIOTE_PEER {engine.address.hex()}\n")
         sys.stdout.flush()
         await _serve(engine)
@@ -86,9 +97,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--provider", default="tcp")
     ap.add_argument("--nic", action="append")
+    ap.add_argument("--same-host", default="shm", help="same-host provider, or 'none'")
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     a = ap.parse_args()
-    anyio.run(_main, a.provider, a.nic, backend=a.backend)
+    same_host = None if a.same_host == "none" else a.same_host
+    anyio.run(_main, a.provider, a.nic, same_host, backend=a.backend)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""Two "hosts" on this machine: this network namespace and a new one, joined by veth pairs
+(one per NIC). Needs root and iproute2; callers skip with the reason otherwise. Nothing here
+talks to anything but the links it creates."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+__all__ = ["Hosts", "netns_unavailable", "two_hosts"]
+
+
+@dataclass
+class Hosts:
+    ns: str  # the peer host's namespace
+    local: list[str]  # our NICs (in this namespace)
+    remote: list[str]  # the peer's NICs (in ns)
+    prefix: list[str]  # runs a command in ns
+
+    def ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def link(self, i: int, up: bool) -> None:
+        """Takes our end of link ``i`` down or up (the peer's end loses its carrier)."""
+        self.ip("link", "set", self.local[i], "up" if up else "down")
+
+
+def netns_unavailable() -> str | None:
+    """Why namespaces cannot be used here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    probe = f"aiote-probe-{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@contextmanager
+def two_hosts(nlinks: int = 2, subnet: int = 213) -> Iterator[Hosts]:
+    tag = f"{os.getpid() % 100000}"
+    ns = f"aiote-{tag}"
+    local = [f"aio{tag}a{i}" for i in range(nlinks)]
+    remote = [f"aio{tag}b{i}" for i in range(nlinks)]
+    h = Hosts(ns, local, remote, ["ip", "netns", "exec", ns])
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    h.ip("netns", "add", ns)
+    try:
+        h.ip("-n", ns, "link", "set", "lo", "up")
+        for i, (a, b) in enumerate(zip(local, remote, strict=True)):
+            h.ip("link", "add", a, "type", "veth", "peer", "name", b, "netns", ns)
+            h.ip("addr", "add", f"10.{subnet}.{i + 1}.1/24", "dev", a)
+            h.ip("-n", ns, "addr", "add", f"10.{subnet}.{i + 1}.2/24", "dev", b)
+            h.ip("link", "set", a, "up")
+            h.ip("-n", ns, "link", "set", b, "up")
+        yield h
+    finally:
+        for a in local:
+            subprocess.run(["ip", "link", "del", a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
