@@ -24,7 +24,7 @@ from ._core._errors import (
     TransferTimeout,
 )
 from ._core._memory import MemoryRegion
-from ._core._routing import Route
+from ._core._routing import DomainGroup, Route
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "CREDIT_UNIT",
     "AioteError",
     "DescriptorError",
+    "DomainGroup",
     "Engine",
     "EngineAddress",
     "EngineClosed",

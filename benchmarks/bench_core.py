@@ -49,7 +49,7 @@ def _nics(provider: str) -> list[str] | None:
 
 async def _peer(provider: str, region: int, spin_us: float, loop_spin_us: float) -> None:
     async with aiote.open_engine(
-        provider, _nics(provider), spin_us=spin_us, loop_spin_us=loop_spin_us
+        provider, _nics(provider), spin_us=spin_us, loop_spin_us=loop_spin_us, same_host=None
     ) as engine:
         buf = np.empty(region, np.uint8)
         buf.fill(0)
@@ -116,7 +116,7 @@ async def py_write(provider: str, size: int, total: int, batched: bool) -> float
     region = size * WINDOW
     peer = Peer(provider, region, 50.0)
     try:
-        async with aiote.open_engine(provider, _nics(provider)) as engine:
+        async with aiote.open_engine(provider, _nics(provider), same_host=None) as engine:
             src = np.empty(region, np.uint8)
             src.fill(7)
             mr = await engine.register(src, remote_write=False, remote_read=False)
@@ -172,7 +172,7 @@ async def py_pingpong(provider: str, iters: int, spin_us: float, loop_spin_us: f
     peer = Peer(provider, 4096, spin_us, loop_spin_us)
     try:
         async with aiote.open_engine(
-            provider, _nics(provider), spin_us=spin_us, loop_spin_us=loop_spin_us
+            provider, _nics(provider), spin_us=spin_us, loop_spin_us=loop_spin_us, same_host=None
         ) as engine:
             buf = np.zeros(4096, np.uint8)
             mr = await engine.register(buf)

@@ -83,11 +83,14 @@ async def test_failover_in_the_middle_of_a_1gib_write(hosts: Hosts) -> None:
 
         await _link_down_during(hosts, e, 1, 0.3, transfer)
         assert e.stats()["failovers"] > before  # the shard on the failed NIC was moved
+        assert e.domains.nics == tuple(hosts.local)
         await p.wait(imm=10, n=1)
         assert await p.counter(10) == 0  # one credit, not two
         assert await p.digest("buf") == digest(src)
         # the NIC comes back into rotation once its link is up again
-        await eventually(lambda: e.route(d).down == (), "the NIC back in rotation")
+        await eventually(lambda: e.route(d).down == () == e.domains.down, "the NIC back in rotation")
+        # what was stuck on the failed link was delivered after it recovered (tcp retransmits)
+        await eventually(lambda: e.stats()["stranded"] == 0, "the stranded shard to complete", 60)
         small = pattern(8 << 20, seed=5)
         mm = await e.register(small)
         await e.write(mm, d, imm=11, timeout=60)
@@ -138,6 +141,7 @@ async def test_every_nic_down_raises(hosts: Hosts) -> None:
                 await anyio.sleep(0.1)
                 hosts.link(0, False)
                 hosts.link(1, False)
+                await eventually(lambda: len(e.domains.down) == 2, "both NICs out of rotation")
             assert len(errors) == 1 and isinstance(errors[0], aiote.PeerUnreachable), errors
             with pytest.raises(aiote.PeerUnreachable, match="down"):
                 await e.write(ms, d, length=10, timeout=5)  # refused before posting

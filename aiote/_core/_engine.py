@@ -45,7 +45,7 @@ from ._errors import (
 )
 from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
-from ._routing import Route, Router, addr_ends
+from ._routing import DomainGroup, Route, Router, addr_ends
 from ._util import as_index, check_timeout, deadline
 
 __all__ = ["Engine", "RailInfo", "ScatterTarget", "TransferBatch", "open_engine"]
@@ -242,6 +242,18 @@ class Engine:
         return tuple(self._rails)
 
     @property
+    def domains(self) -> DomainGroup:
+        """The engine's NICs as a :class:`DomainGroup` (which are out of rotation now)."""
+        main = self._rails[0].provider
+        return DomainGroup(
+            provider=main,
+            nics=tuple(r.domain for r in self._rails if r.provider == main),
+            same_host=next((r.provider for r in self._rails if r.provider != main), None),
+            stripe_min=self._stripe_min,
+            down=tuple(self._rails[i].domain for i in sorted(self._router.down)),
+        )
+
+    @property
     def closed(self) -> bool:
         """True once the engine is closed."""
         return self._closed
@@ -255,7 +267,8 @@ class Engine:
         """Counters of the native poller (polls, sleeps, wake-ups, completions, errors), the
         operations and regions in flight, and ``peers``: peer NIC addresses resolved (each is
         resolved once and cached), ``failovers``: requests re-posted on another NIC after a link
-        failure. O(1)."""
+        failure, ``stranded``: groups left on a failed link, still owned by the transport
+        (their bytes land again if the link recovers). O(1) but ``stranded``: O(pending)."""
         st = ffi.new("aio_stats*")
         lib.aio_get_stats(self._handle(), st)
         return {
@@ -270,6 +283,7 @@ class Engine:
             "regions": len(self._regions),
             "peers": len(self._peers),
             "failovers": self._failovers,
+            "stranded": sum(1 for op in self._pending.values() if op.failover),
         }
 
     def _handle(self) -> Any:

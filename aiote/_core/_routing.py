@@ -20,7 +20,7 @@ from typing import Any
 from ._descriptor import EngineAddress, _RemoteKey
 from ._errors import InvalidArgument, PeerUnreachable
 
-__all__ = ["Route", "Router", "addr_ends"]
+__all__ = ["DomainGroup", "Route", "Router", "addr_ends"]
 
 # (local rail, fi_addr, remote base, remote key)
 _Hop = tuple[int, int, int, int]
@@ -51,6 +51,24 @@ class Route:
     same_host: bool
     pairs: tuple[tuple[str, int], ...]
     down: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DomainGroup:
+    """The NICs of an engine (``engine.domains``): one libfabric domain each, over
+    ``provider``, plus ``same_host`` (the provider of the same-host rail, or None).
+
+    Transfers to a peer are striped over every (local NIC, remote NIC) pair of the provider
+    that reaches it (:meth:`Engine.route`): a write or read of at least ``stripe_min`` bytes
+    is split into one shard per pair, a paged write deals its pages round robin, smaller
+    operations take turns. ``down`` lists NICs out of rotation because their link is down;
+    they come back when it is up again."""
+
+    provider: str
+    nics: tuple[str, ...]
+    same_host: str | None
+    stripe_min: int
+    down: tuple[str, ...]
 
 
 class Router:

@@ -45,7 +45,7 @@ def _say(role: str, msg: str) -> None:
 
 async def receiver(size: int, provider: str, backend_note: str) -> None:
     """Registers ``size`` bytes, hands its descriptor to the writer, awaits the credits."""
-    async with aiote.open_engine(provider) as engine:
+    async with aiote.open_engine(provider, same_host=None) as engine:  # tcp even on one host
         buf = np.empty(size, np.uint8)
         buf.fill(0)  # touch every page now, not while the data streams in
         mr = await engine.register(buf)
@@ -66,7 +66,7 @@ async def receiver(size: int, provider: str, backend_note: str) -> None:
 
 async def writer(peer: bytes, size: int, chunk: int, window: int, provider: str) -> dict[str, Any]:
     """Writes ``size`` bytes in ``chunk``-sized WriteImm writes, ``window`` in flight."""
-    async with aiote.open_engine(provider) as engine:
+    async with aiote.open_engine(provider, same_host=None) as engine:  # tcp even on one host
         src = np.empty(size, np.uint8)
         fill_pattern(src)
         mr = await engine.register(src, remote_write=False, remote_read=False)
