@@ -12,8 +12,16 @@
  *   pingpong ITERS
  *       8-byte write-with-imm ping-pong; each side waits for its counter. One-way
  *       latency = RTT / 2, p50 / p99 in microseconds.
- *   paged PAGE_SIZE NPAGES
- *       reserved (prints "not implemented", exits 2).
+ *   paged PAGE_SIZE NPAGES CALLS
+ *       paged writes (aio_post_paged) from the parent to the child: both register
+ *       PAGE_SIZE*NPAGES bytes; each of CALLS calls opens one group, posts the NPAGES pages
+ *       into it (identity source pages, a random permutation of destination pages, strides
+ *       = PAGE_SIZE, each page carrying an imm), seals it and waits for its group record
+ *       (one call in flight, as an awaited engine.write_paged). The child waits for
+ *       NPAGES*CALLS credits. One untimed warm-up call first. When the queue is full the
+ *       writer backs off as the engine does (50 us after progress, doubling while stalled,
+ *       at most 10 ms). Reports GB/s (1e9 B/s) and pages/s at the writer, from the first
+ *       post to the last group record, and the median time per call (call_us_p50).
  *
  * Options: --provider tcp|shm (tcp), --nic NAME (lo for tcp, none for shm),
  *          --spin-ns N (poller spin after activity, 50000), --busy-spin-ns N (poller
@@ -45,6 +53,7 @@
 #define IMM_MAIN 0xB0
 #define IMM_PING 0xC0
 #define IMM_PONG 0xC1
+#define PAGED_BUDGET_NS 200000 /* as the engine's post_budget_us default */
 #define NREC 256
 
 typedef struct opts {
@@ -56,6 +65,7 @@ typedef struct opts {
     int busy;
     uint64_t size, window, total, slots;
     uint64_t iters, warmup;
+    uint64_t page_size, npages, calls;
 } opts_t;
 
 typedef struct peer_info {
@@ -417,13 +427,145 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
     free(rtt);
 }
 
+/* One paged call: a group of every page, posted from `start` until all are in, sealed,
+ * and waited for. Returns the number of aio_post_paged calls that posted nothing. */
+static uint64_t paged_call(side_t *s, const aio_paged_desc *d, int64_t npages, uint64_t token) {
+    int64_t g;
+    while ((g = aio_group_open(s->e, token)) < 0) /* every group slot in flight */
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    uint64_t done0 = s->groups_done, stalls = 0;
+    int64_t posted = 0;
+    int attempt = 0;
+    while (posted < npages) {
+        int64_t t0 = now_ns();
+        int64_t r = aio_post_paged(s->e, g, d, posted, npages, PAGED_BUDGET_NS);
+        int64_t dt = now_ns() - t0;
+        s->post_ns += dt;
+        s->post_calls++;
+        if (dt > s->post_max_ns) s->post_max_ns = dt;
+        if (r < 0) die("aio_post_paged (page %lld): %s", (long long)posted, aio_strerror((int)r));
+        posted += r;
+        if (posted < npages) {
+            /* queue full (or still connecting): back off while the poller progresses, with
+             * the engine's schedule (50 us after progress, doubling while stalled, <= 10 ms) */
+            attempt = r == 0 ? attempt + 1 : 0;
+            stalls += r == 0;
+            side_drain(s, 0, NULL);
+            int sh = attempt < 8 ? attempt : 8;
+            int64_t us = 50LL << sh;
+            usleep((useconds_t)(us < 10000 ? us : 10000));
+        }
+    }
+    int ret = aio_group_seal(s->e, g);
+    if (ret) die("aio_group_seal: %s", aio_strerror(ret));
+    while (s->groups_done == done0)
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    return stalls;
+}
+
+static void run_paged(side_t *s, const opts_t *o, int rank) {
+    int64_t np = (int64_t)o->npages;
+    uint64_t credits = o->npages * o->calls;
+    if (rank == 1) {
+        double c0 = cpu_s();
+        side_wait_credit(s, IMM_MAIN, credits * U);
+        int64_t t_recv = now_ns();
+        double cpu = cpu_s() - c0;
+        write_full(s->wfd, &t_recv, sizeof(t_recv));
+        write_full(s->wfd, &cpu, sizeof(cpu));
+        uint64_t warm_total = aio_counter_total(s->e, IMM_WARM);
+        write_full(s->wfd, &warm_total, sizeof(warm_total));
+        char bye;
+        read_full(s->rfd, &bye, 1);
+        return;
+    }
+    int64_t *src = malloc((size_t)np * sizeof(int64_t)), *dst = malloc((size_t)np * sizeof(int64_t));
+    if (!src || !dst) die("out of memory");
+    for (int64_t k = 0; k < np; k++) src[k] = dst[k] = k;
+    uint64_t x = 0x9E3779B97F4A7C15ULL; /* xorshift64, fixed seed: Fisher-Yates of dst */
+    for (int64_t k = np - 1; k > 0; k--) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        int64_t j = (int64_t)(x % (uint64_t)(k + 1)), t = dst[k];
+        dst[k] = dst[j];
+        dst[j] = t;
+    }
+    aio_paged_desc d;
+    memset(&d, 0, sizeof(d));
+    d.mr = s->mr;
+    d.src_pages = src;
+    d.dst_pages = dst;
+    d.page_size = d.src_stride = d.dst_stride = o->page_size;
+    d.remote_len = s->remote.len;
+    d.flags = AIO_F_DATA;
+    d.nroutes = 1;
+    d.routes[0].rail = s->rail;
+    d.routes[0].peer = s->peer;
+    d.routes[0].rbase = s->remote.base;
+    d.routes[0].rkey = s->remote.key;
+    /* warm-up: connection set-up and first touch, not timed */
+    d.data = IMM_WARM;
+    paged_call(s, &d, np, 1ULL << 40);
+    s->groups_done = 0;
+    s->polls = s->wakeups = 0;
+    s->post_ns = s->post_max_ns = 0;
+    s->post_calls = 0;
+    d.data = IMM_MAIN;
+    uint64_t stalls = 0;
+    int64_t *call_ns = calloc(o->calls, sizeof(int64_t));
+    if (!call_ns) die("out of memory");
+    double c0 = cpu_s();
+    int64_t t0 = now_ns(), tc = t0;
+    for (uint64_t c = 0; c < o->calls; c++) {
+        stalls += paged_call(s, &d, np, c);
+        int64_t t = now_ns();
+        call_ns[c] = t - tc;
+        tc = t;
+    }
+    int64_t t1 = tc;
+    double cpu = cpu_s() - c0;
+    int64_t t_recv;
+    double rcpu;
+    uint64_t warm_total;
+    read_full(s->rfd, &t_recv, sizeof(t_recv));
+    read_full(s->rfd, &rcpu, sizeof(rcpu));
+    read_full(s->rfd, &warm_total, sizeof(warm_total));
+    char bye = 'x';
+    write_full(s->wfd, &bye, 1);
+    double secs = (double)(t1 - t0) * 1e-9, rsecs = (double)(t_recv - t0) * 1e-9;
+    double pages = (double)credits, bytes = pages * (double)o->page_size;
+    qsort(call_ns, o->calls, sizeof(int64_t), cmp_i64);
+    printf("{\"mode\":\"paged\",\"provider\":\"%s\",\"nic\":\"%s\",\"page_size\":%llu,\"pages\":%llu,"
+           "\"calls\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"pages_per_s\":%.0f,\"seconds\":%.6f,"
+           "\"call_us_mean\":%.1f,\"call_us_p50\":%.1f,\"call_us_min\":%.1f,\"recv_gbps\":%.3f,\"recv_seconds\":%.6f,\"wait\":\"%s\","
+           "\"spin_ns\":%lld,\"writer_cpu_s\":%.3f,\"receiver_cpu_s\":%.3f,\"eventfd_polls\":%llu,"
+           "\"eventfd_wakeups\":%llu,\"post_calls\":%llu,\"post_stalls\":%llu,"
+           "\"post_us_mean\":%.2f,\"post_us_max\":%.1f}\n",
+           o->provider, o->nic ? o->nic : "", (unsigned long long)o->page_size,
+           (unsigned long long)o->npages, (unsigned long long)o->calls, bytes, bytes / secs / 1e9,
+           pages / secs, secs, secs * 1e6 / (double)o->calls, (double)call_ns[o->calls / 2] / 1e3,
+           (double)call_ns[0] / 1e3, bytes / rsecs / 1e9, rsecs,
+           wait_name(o), (long long)o->spin_ns, cpu, rcpu, (unsigned long long)s->polls,
+           (unsigned long long)s->wakeups, (unsigned long long)s->post_calls,
+           (unsigned long long)stalls,
+           s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0,
+           (double)s->post_max_ns / 1e3);
+    if (warm_total != o->npages * U)
+        fprintf(stderr, "warning: warm-up credits %llu, want %llu\n",
+                (unsigned long long)(warm_total / U), (unsigned long long)o->npages);
+    free(call_ns);
+    free(src);
+    free(dst);
+}
+
 /* ------------------------------------------------------------------ main */
 
 static void usage(void) {
     fprintf(stderr,
             "usage: aiote_cbench write SIZE WINDOW TOTAL_BYTES [options]\n"
             "       aiote_cbench pingpong ITERS [options]\n"
-            "       aiote_cbench paged PAGE_SIZE NPAGES [options]   (not implemented)\n"
+            "       aiote_cbench paged PAGE_SIZE NPAGES CALLS [options]\n"
             "options: --provider tcp|shm  --nic NAME  --spin-ns N  --busy-spin-ns N  --busy\n"
             "         --slots N  --warmup N\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
@@ -457,7 +599,7 @@ int main(int argc, char **argv) {
     o.spin_ns = 50000;
     o.warmup = 1000;
     int nic_given = 0;
-    const char *pos[4];
+    const char *pos[5];
     int npos = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -469,7 +611,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (a[0] == '-' && a[1] == '-') usage();
-        else if (npos < 4) pos[npos++] = a;
+        else if (npos < 5) pos[npos++] = a;
         else usage();
     }
     if (npos < 1) usage();
@@ -491,9 +633,13 @@ int main(int argc, char **argv) {
         if (o.iters == 0) usage();
         region = 4096;
     } else if (!strcmp(o.mode, "paged")) {
-        printf("{\"mode\":\"paged\",\"error\":\"not implemented\"}\n");
-        fprintf(stderr, "aiote_cbench: paged mode is not implemented yet\n");
-        return 2;
+        if (npos != 4) usage();
+        o.page_size = parse_size(pos[1]);
+        o.npages = parse_size(pos[2]);
+        o.calls = parse_size(pos[3]);
+        if (o.page_size == 0 || o.npages == 0 || o.calls == 0) usage();
+        if (o.npages > (1ULL << 40) / o.page_size) usage();
+        region = o.page_size * o.npages;
     } else {
         usage();
     }
@@ -522,6 +668,7 @@ int main(int argc, char **argv) {
     side_init(&s, &o, region);
     side_exchange(&s);
     if (!strcmp(o.mode, "write")) run_write(&s, &o, rank);
+    else if (!strcmp(o.mode, "paged")) run_paged(&s, &o, rank);
     else run_pingpong(&s, &o, rank);
     side_free(&s);
     if (rank == 1) _exit(0);
