@@ -81,6 +81,8 @@ typedef struct aio_rail {
     void *send_desc;
     uint32_t *send_free;
     uint32_t send_nfree;
+    uint64_t tx_op_flags; /* default transmit flags (fi_writemsg does not apply them) */
+    size_t iov_limit;     /* local iovecs per RMA request */
     /* link state of the interface behind a tcp rail (ifindex 0: not watched) */
     int ifindex;
     _Atomic int link_up;
@@ -169,6 +171,7 @@ struct aio_engine {
     int nl_fd;           /* netlink socket for link changes, or -1 */
     int64_t nl_checked;  /* last time the poller drained it while spinning */
     _Atomic int64_t ops_in_flight;
+    _Atomic int64_t want_below; /* a poster waits for queue space: report when in flight <= it (-1: none) */
 
     /* stats */
     _Atomic uint64_t st_polls, st_sleeps, st_wakeups, st_completions, st_remote, st_errors;
@@ -511,6 +514,22 @@ static void complete_op(aio_engine *e, aio_rail *r, aio_op *op, int status, int 
     op_put(r, op);
     atomic_fetch_sub(&e->ops_in_flight, 1);
     group_op_done(e, g, status, prov_errno);
+    int64_t w = atomic_load_explicit(&e->want_below, memory_order_relaxed);
+    if (w >= 0 && atomic_load(&e->ops_in_flight) <= w &&
+        atomic_compare_exchange_strong(&e->want_below, &w, -1)) {
+        aio_record rec = {.kind = AIO_REC_SPACE};
+        ring_push(e, &rec);
+    }
+}
+
+void aio_want_space(aio_engine *e, int64_t below) {
+    atomic_store(&e->want_below, below < 0 ? 0 : below);
+    /* everything may have completed meanwhile: nobody would report it */
+    int64_t w = atomic_load(&e->want_below);
+    if (w >= 0 && atomic_load(&e->ops_in_flight) <= w && atomic_compare_exchange_strong(&e->want_below, &w, -1)) {
+        aio_record rec = {.kind = AIO_REC_SPACE};
+        ring_push(e, &rec);
+    }
 }
 
 static void handle_remote_data(aio_engine *e, aio_rail *r, uint64_t data) {
@@ -777,6 +796,7 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     pthread_mutex_init(&e->mr_mu, NULL);
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->nl_fd = -1;
+    atomic_store(&e->want_below, -1);
     e->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (e->efd < 0 || e->kick_fd < 0 || e->epfd < 0) {
@@ -991,6 +1011,9 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     r->mr_mode = (uint64_t)fi->domain_attr->mr_mode;
     r->mode = fi->mode;
     r->cq_data_size = (uint32_t)fi->domain_attr->cq_data_size;
+    r->tx_op_flags = fi->tx_attr->op_flags & (FI_DELIVERY_COMPLETE | FI_TRANSMIT_COMPLETE);
+    r->iov_limit = fi->tx_attr->iov_limit ? fi->tx_attr->iov_limit : 1;
+    if (r->iov_limit > AIO_MAX_GATHER) r->iov_limit = AIO_MAX_GATHER;
     if (r->cq_data_size < 4) {
         set_err(err, errlen, "provider '%s' carries no remote CQ data (immediates)", provider);
         rail_free(r);
@@ -1255,6 +1278,26 @@ int aio_mr_close(aio_engine *e, aio_mr *m) {
 
 /* ------------------------------------------------------------------ posting */
 
+/* A write gathering `n` local pieces of it->length bytes each (at it->offset + gather[i])
+ * into one contiguous remote range: one request, remote CQ data once. */
+static ssize_t post_gather(aio_rail *r, const aio_op_desc *it, const uint64_t *gather, int n,
+                           aio_op *op) {
+    aio_mr *m = it->mr;
+    struct iovec iov[AIO_MAX_GATHER];
+    void *desc[AIO_MAX_GATHER];
+    for (int i = 0; i < n; i++) {
+        iov[i].iov_base = (char *)m->buf + gather[i];
+        iov[i].iov_len = it->length;
+        desc[i] = m->desc[it->rail];
+    }
+    struct fi_rma_iov rma = {.addr = it->raddr, .len = it->length * (uint64_t)n, .key = it->rkey};
+    struct fi_msg_rma msg = {.msg_iov = iov, .desc = desc, .iov_count = (size_t)n, .addr = it->peer,
+                             .rma_iov = &rma, .rma_iov_count = 1, .context = &op->ctx,
+                             .data = it->data};
+    uint64_t flags = r->tx_op_flags | ((it->flags & AIO_F_DATA) ? FI_REMOTE_CQ_DATA : 0);
+    return fi_writemsg(r->ep, &msg, flags);
+}
+
 static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op) {
     aio_mr *m = it->mr;
     void *buf = (char *)m->buf + it->offset;
@@ -1269,7 +1312,8 @@ static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op) {
 
 /* Posts one request into group g: 1 posted, 0 no room before the deadline (nothing
  * posted), negative: an error for this request (nothing posted). */
-static int post_item(aio_engine *e, int64_t g, const aio_op_desc *it, int64_t deadline) {
+static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const uint64_t *gather,
+                       int ngather, int64_t deadline) {
     if (it->rail < 0 || it->rail >= e->nrails || !it->mr ||
         (it->op != AIO_OP_WRITE && it->op != AIO_OP_READ))
         return -FI_EINVAL;
@@ -1297,7 +1341,7 @@ static int post_item(aio_engine *e, int64_t g, const aio_op_desc *it, int64_t de
     atomic_fetch_add(&e->ops_in_flight, 1);
     ssize_t ret;
     for (;;) {
-        ret = post_one(r, it, op);
+        ret = ngather > 1 ? post_gather(r, it, gather, ngather, op) : post_one(r, it, op);
         if (ret != -FI_EAGAIN) break;
         progress_locked(e, r);
         if (now_ns() >= deadline) break;
@@ -1312,6 +1356,10 @@ static int post_item(aio_engine *e, int64_t g, const aio_op_desc *it, int64_t de
     pthread_mutex_unlock(&r->mu);
     if (ret == -FI_EAGAIN) return 0;
     return ret ? (int)ret : 1;
+}
+
+static int post_item(aio_engine *e, int64_t g, const aio_op_desc *it, int64_t deadline) {
+    return post_item_g(e, g, it, NULL, 1, deadline);
 }
 
 static int group_postable(aio_engine *e, int64_t g) {
@@ -1353,24 +1401,48 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
     it.data = d->data;
     it.op = AIO_OP_WRITE;
     it.flags = d->flags & AIO_F_DATA;
+    /* pages whose destinations follow each other go as one request gathering their
+     * sources (up to the rail's iov limit); such a request carries the credit of all its
+     * pages as one weight, so it is only formed when the weight can travel */
     int64_t k = start;
     int rc = 0;
-    for (; k < n; k++) {
-        int64_t si = d->src_pages[k], di = d->dst_pages[k];
-        if (si < 0 || di < 0 ||
-            !fits((uint64_t)si, d->src_stride, d->src_offset + d->page_size, m->len) ||
-            !fits((uint64_t)di, d->dst_stride, d->dst_offset + d->page_size, d->remote_len)) {
-            rc = -FI_EINVAL;
-            break;
+    uint64_t gather[AIO_MAX_GATHER];
+    int64_t req = 0; /* requests posted by this call: the route of the next one */
+    while (k < n) {
+        const aio_route *rt = &d->routes[(uint64_t)(d->first_route + start + req) % (uint64_t)d->nroutes];
+        aio_rail *r = (rt->rail >= 0 && rt->rail < e->nrails) ? e->rails[rt->rail] : NULL;
+        int limit = 1;
+        if (r && d->gather) {
+            limit = (int)r->iov_limit;
+            if ((d->flags & AIO_F_DATA) && r->cq_data_size < 8) limit = 1;
         }
-        const aio_route *rt = &d->routes[(uint64_t)(d->first_route + k) % (uint64_t)d->nroutes];
-        it.offset = d->src_offset + (uint64_t)si * d->src_stride;
+        int cnt = 0;
+        uint64_t dst0 = 0;
+        for (; cnt < limit && k + cnt < n; cnt++) {
+            int64_t si = d->src_pages[k + cnt], di = d->dst_pages[k + cnt];
+            if (si < 0 || di < 0 ||
+                !fits((uint64_t)si, d->src_stride, d->src_offset + d->page_size, m->len) ||
+                !fits((uint64_t)di, d->dst_stride, d->dst_offset + d->page_size, d->remote_len)) {
+                if (cnt == 0) rc = -FI_EINVAL;
+                break;
+            }
+            uint64_t dst = d->dst_offset + (uint64_t)di * d->dst_stride;
+            if (cnt == 0) dst0 = dst;
+            else if (dst != dst0 + (uint64_t)cnt * d->page_size) break;
+            gather[cnt] = d->src_offset + (uint64_t)si * d->src_stride;
+        }
+        if (cnt == 0) break;
+        it.offset = gather[0];
         it.rail = rt->rail;
         it.peer = rt->peer;
         it.rkey = rt->rkey;
-        it.raddr = rt->rbase + d->dst_offset + (uint64_t)di * d->dst_stride;
-        rc = post_item(e, g, &it, deadline);
+        it.raddr = rt->rbase + dst0;
+        it.data = d->data;
+        if ((d->flags & AIO_F_DATA) && cnt > 1) it.data = (d->data & 0xffffffffULL) | (((uint64_t)cnt * AIO_CREDIT_UNIT) << 32);
+        rc = post_item_g(e, g, &it, gather, cnt, deadline);
         if (rc <= 0) break;
+        k += cnt;
+        req++;
     }
     if (k > start) kick(e);
     if (k == start && rc < 0) return rc;

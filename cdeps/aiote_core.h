@@ -31,6 +31,7 @@ extern "C" {
 
 #define AIO_MAX_RAILS 16
 #define AIO_MAX_ADDR 128
+#define AIO_MAX_GATHER 16 /* local pieces one paged request may gather */
 
 /* Credit unit of an immediate counter. A work request whose remote CQ data has a
  * zero weight field counts as one whole unit; a shard of a striped transfer carries
@@ -43,6 +44,7 @@ extern "C" {
 #define AIO_REC_RECV 2    /* a message arrived: rail, a = slot, b = length, status */
 #define AIO_REC_COUNTER 3 /* a counter watch is satisfied: token = imm */
 #define AIO_REC_LINK 4    /* the link of a rail's interface changed: rail, a = 1 up / 0 down */
+#define AIO_REC_SPACE 5   /* a request completed after aio_want_space: posting may resume */
 
 typedef struct aio_record {
     uint64_t token;
@@ -163,7 +165,11 @@ int aio_post_send(aio_engine *e, int64_t group, int rail, uint64_t peer, const v
 /* Paged writes: page k (start <= k < n) copies page_size bytes from the local region at
  * src_offset + src_stride*src_pages[k] to the remote region at
  * dst_offset + dst_stride*dst_pages[k], over routes[(first_route + k) % nroutes]. Each page
- * carries `data` as remote CQ data when flags has AIO_F_DATA. Pages are checked against
+ * carries `data` as remote CQ data when flags has AIO_F_DATA. With `gather`, consecutive
+ * pages whose destinations follow each other (dst_stride == page_size, adjacent indices) go
+ * as one request gathering their sources, up to the rail's iov limit; it carries their
+ * credits as one weight (k pages: k * AIO_CREDIT_UNIT), so gathering with AIO_F_DATA needs
+ * 64-bit CQ data and is skipped otherwise. The route advances per request. Pages are checked against
  * both regions (remote_len) as they are posted: -FI_EINVAL for page `start + returned`.
  * Returns the number of pages posted from `start` (fewer when the queue stays full for
  * budget_ns), or a negative error when none was. */
@@ -189,13 +195,17 @@ typedef struct aio_paged_desc {
     int32_t flags;
     int32_t nroutes;
     int32_t first_route;
-    int32_t pad;
+    int32_t gather;   /* 1: pages with consecutive destinations may go as one request */
     aio_route routes[16]; /* AIO_MAX_RAILS */
 } aio_paged_desc;
 
 int64_t aio_post_paged(aio_engine *e, int64_t group, const aio_paged_desc *d, int64_t start,
                        int64_t n, int64_t budget_ns);
 int aio_group_seal(aio_engine *e, int64_t group);
+/* After a post returned short (queue or op table full): asks for one AIO_REC_SPACE record
+ * once at most `below` requests of the engine are in flight, so the loop can wait for room
+ * instead of a timer (and post a large part of a queue per wake-up). */
+void aio_want_space(aio_engine *e, int64_t below);
 /* number of posted, unfinished requests in a group (for diagnostics) */
 int64_t aio_group_pending(aio_engine *e, int64_t group);
 int64_t aio_ops_in_flight(aio_engine *e);

@@ -226,6 +226,7 @@ class Engine:
         )
         self._bridge: LoopBridge | None = None
         self._event: Any = anyio.Event  # replaced by the loop's own Event class in _start
+        self._space: Any = None  # set when a request completes after aio_want_space
         self._scratch: MemoryRegion | None = None
         self._log = _log.bind(engine=self._address_bytes[-4:].hex())
 
@@ -297,6 +298,15 @@ class Engine:
         await anyio.sleep(seconds)
         return self._check_open()
 
+    async def _wait_space(self, fallback: float) -> Any:
+        """Waits until half of this engine's requests in flight completed (room in the
+        queues) or ``fallback`` seconds pass; returns the handle (EngineClosed if closing meanwhile)."""
+        ev = self._space
+        lib.aio_want_space(self._h, lib.aio_ops_in_flight(self._h) // 2)
+        with anyio.move_on_after(fallback):
+            await ev.wait()
+        return self._check_open()
+
     def _seal(self, g: int) -> None:
         if not self._closed:
             lib.aio_group_seal(self._h, g)
@@ -347,6 +357,9 @@ class Engine:
                         c._serve()
                 elif kind == lib.AIO_REC_RECV:
                     self._on_message(r.rail, r.a, r.b, r.status)
+                elif kind == lib.AIO_REC_SPACE:
+                    self._space.set()
+                    self._space = self._event()
                 elif kind == lib.AIO_REC_LINK:
                     self._on_link(r.rail, bool(r.a))
             if n == 256:
@@ -764,9 +777,11 @@ class Engine:
                         break
                     posted += k
                     if posted < n:
-                        # queue or slots full, or peer still connecting: back off, the poller progresses
+                        # queue or slots full, or peer still connecting: wait for the next
+                        # completion (a timer alone would cost a full millisecond under
+                        # asyncio), with a back-off timer as the fallback
                         attempt = attempt + 1 if k == 0 else 0
-                        h = await self._pause(min(0.00005 * (1 << min(attempt, 8)), 0.01))
+                        h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01))
                 self._seal(g)
                 sealed = True
                 if self._loop_spin_ns:
@@ -878,11 +893,14 @@ class Engine:
         ``dst_offset + dst_stride*dst_pages[k]`` (strides default to ``page_size``).
 
         ``src_pages``/``dst_pages``: integer sequences or arrays of the same length (indices
-        may repeat and come in any order). Every page is checked against both regions before
-        anything is posted; the loop that posts the pages runs in C, so the Python cost of a
-        call does not grow with the number of pages (numpy checks the index arrays). Pages are
-        spread over the NICs that reach the peer, round robin. With ``imm``, the peer's
-        ``imm_counter(imm)`` gains one credit per page, however many NICs carried them.
+        may repeat and come in any order; the order in which pages land is not defined).
+        Every page is checked against both regions before anything is posted; the loop that
+        posts the pages runs in C, so the Python cost of a call does not grow with the number
+        of pages (numpy checks the index arrays). Pages are spread over the NICs that reach
+        the peer, round robin; pages whose destinations are adjacent (``dst_stride ==
+        page_size``) go as one request gathering up to the NIC's iov limit of sources (4 on
+        tcp and shm), after sorting the pages of the call by destination. With ``imm``, the
+        peer's ``imm_counter(imm)`` gains one credit per page, however many NICs carried them.
 
         Returns when every page's source bytes may be reused. Raises :class:`InvalidArgument`
         (lists of different lengths, negative or non-integer indices, a page past either
@@ -922,6 +940,12 @@ class Engine:
                     f"page {k} ({name} index {top}) ends at {off + stride * top + page_size} B, past the "
                     f"{name} region ({size} B)"
                 )
+        # pages whose destinations follow each other go as one request gathering their
+        # sources: order them by destination first (the order pages land in is not defined)
+        gather = dst_stride == page_size and n > 1
+        if gather and not bool((dp[1:] >= dp[:-1]).all()):
+            order = np.argsort(dp, kind="stable")
+            sp, dp = sp[order], dp[order]
         full = self._path(rdesc)
         path = self._router.live(full)
         credits: dict[tuple[Any, int], int] = {}
@@ -940,6 +964,7 @@ class Engine:
         d.remote_len = rdesc.length
         d.data = data
         d.flags = flags
+        d.gather = int(gather)
         d.nroutes = len(path)
         first = d.first_route = self._router.start(full) % len(path)
         for i, (rail, fa, base, key) in enumerate(path):
@@ -1106,6 +1131,7 @@ class Engine:
         self._bridge = LoopBridge(int(lib.aio_engine_eventfd(self._h)), self._on_ready)
         self._bridge.start()
         self._event = self._bridge.event_class
+        self._space = self._event()
         self._scratch = await self.register(bytearray(64), remote_write=False, remote_read=False)
 
     async def aclose(self, *, timeout: float = 10.0) -> None:

@@ -22,6 +22,9 @@
  *       writer backs off as the engine does (50 us after progress, doubling while stalled,
  *       at most 10 ms). Reports GB/s (1e9 B/s) and pages/s at the writer, from the first
  *       post to the last group record, and the median time per call (call_us_p50).
+ *       As the engine does, the pages are ordered by destination (once, untimed) and the
+ *       core gathers adjacent destinations into one request; --no-gather posts page by
+ *       page in the permuted order.
  *
  * Options: --provider tcp|shm (tcp), --nic NAME (lo for tcp, none for shm),
  *          --spin-ns N (poller spin after activity, 50000), --busy-spin-ns N (poller
@@ -66,6 +69,7 @@ typedef struct opts {
     uint64_t size, window, total, slots;
     uint64_t iters, warmup;
     uint64_t page_size, npages, calls;
+    int no_gather; /* paged: post page by page, in the given order */
 } opts_t;
 
 typedef struct peer_info {
@@ -491,8 +495,22 @@ static void run_paged(side_t *s, const opts_t *o, int rank) {
         dst[k] = dst[j];
         dst[j] = t;
     }
+    if (!o->no_gather) {
+        /* what the engine does for a call: order the pages by destination (dst is a
+         * permutation here, so that is a placement) and let the core gather runs of
+         * adjacent destinations into one request. Done once, outside the timed calls. */
+        int64_t *s2 = malloc((size_t)np * sizeof(int64_t));
+        if (!s2) die("out of memory");
+        for (int64_t k = 0; k < np; k++) s2[dst[k]] = src[k];
+        for (int64_t k = 0; k < np; k++) {
+            src[k] = s2[k];
+            dst[k] = k;
+        }
+        free(s2);
+    }
     aio_paged_desc d;
     memset(&d, 0, sizeof(d));
+    d.gather = !o->no_gather;
     d.mr = s->mr;
     d.src_pages = src;
     d.dst_pages = dst;
@@ -567,7 +585,7 @@ static void usage(void) {
             "       aiote_cbench pingpong ITERS [options]\n"
             "       aiote_cbench paged PAGE_SIZE NPAGES CALLS [options]\n"
             "options: --provider tcp|shm  --nic NAME  --spin-ns N  --busy-spin-ns N  --busy\n"
-            "         --slots N  --warmup N\n"
+            "         --slots N  --warmup N  --no-gather (paged)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
     exit(2);
 }
@@ -608,6 +626,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--spin-ns") && i + 1 < argc) o.spin_ns = strtoll(argv[++i], NULL, 10);
         else if (!strcmp(a, "--busy-spin-ns") && i + 1 < argc) o.busy_spin_ns = strtoll(argv[++i], NULL, 10);
         else if (!strcmp(a, "--busy")) o.busy = 1;
+        else if (!strcmp(a, "--no-gather")) o.no_gather = 1;
         else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (a[0] == '-' && a[1] == '-') usage();
