@@ -674,11 +674,13 @@ class Engine:
         link goes down the rows of its group are posted again over the remaining NICs (the
         original requests stay owned until the transport lets go of them). Without it (scatter,
         batches), one group; a failed link leaves its rows to the operation's deadline."""
+        if path is None or len(path) == 1:  # no failover possible: one group
+            await self._run_table(table, refs, timeout, what)
+            return
         rails = table["rail"]
         end = _end(timeout)
-        if path is None or len(table) == 1 or bool((rails == rails[0]).all()):
-            watch = None if path is None or len(path) == 1 else {int(rails[0])}
-            if await self._run_table(table, refs, timeout, what, watch):
+        if len(table) == 1 or bool((rails == rails[0]).all()):
+            if await self._run_table(table, refs, timeout, what, {int(rails[0])}):
                 await self._run(self._reroute(table, path), refs, _left(end), what, path)
             return
         errors: list[BaseException] = []
