@@ -111,6 +111,22 @@ class Peer:
 # ------------------------------------------------------------------ python cases
 
 
+def lane_batches(
+    engine: aiote.Engine, mr: aiote.MemoryRegion, remote: aiote.MemoryDescriptor, size: int,
+    lanes: int, per_lane: int, imm: int,
+) -> list[aiote.TransferBatch]:
+    """``lanes`` reusable batches of ``per_lane`` writes of ``size`` bytes with ``imm``, each
+    write to its own slot (the same offset on both sides): a window kept full from Python."""
+    batches = []
+    for lane in range(lanes):
+        b = engine.batch()
+        for k in range(per_lane):
+            off = (lane * per_lane + k) * size
+            b.write(mr, remote, length=size, src_offset=off, dst_offset=off, imm=imm)
+        batches.append(b)
+    return batches
+
+
 async def py_write(provider: str, size: int, total: int, batched: bool) -> float:
     """GB/s of writes of ``size`` with imm, WINDOW in flight; measured at the writer."""
     region = size * WINDOW
@@ -130,13 +146,7 @@ async def py_write(provider: str, size: int, total: int, batched: bool) -> float
             n = rounds * WINDOW
             # warm-up: connection set-up and first touch
             await engine.write(mr, remote, length=size, imm=IMM_DATA)
-            batches = []
-            for lane in range(lanes):
-                b = engine.batch()
-                for k in range(per_lane):
-                    off = (lane * per_lane + k) * size
-                    b.write(mr, remote, length=size, src_offset=off, dst_offset=off, imm=IMM_DATA)
-                batches.append(b)
+            batches = lane_batches(engine, mr, remote, size, lanes, per_lane, IMM_DATA)
 
             async def run_batched(b: aiote.TransferBatch) -> None:
                 for _ in range(rounds):

@@ -42,6 +42,9 @@ import numpy as np
 import aiote
 from aiote.testing import PeerProcess, spawn_peer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import lane_batches  # the same window of batches as the core benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 CBENCH = ROOT / "cdeps" / "build" / "aiote_cbench"
 IMM_WARM, IMM_PAGED, IMM_DATA = 21, 22, 23
@@ -77,15 +80,20 @@ def calls_for(page: int, npages: int, quick: bool) -> int:
 # ------------------------------------------------------------------ python cases
 
 
+async def source(engine: aiote.Engine, nbytes: int) -> aiote.MemoryRegion:
+    """A registered source region of ``nbytes`` (touched, so no page faults while timing)."""
+    src = np.empty(nbytes, np.uint8)
+    src.fill(7)
+    return await engine.register(src, remote_write=False, remote_read=False)
+
+
 async def py_paged(peer: PeerProcess, page: int, npages: int, calls: int, seed: int) -> tuple[float, float]:
     """(seconds, median seconds per call) of ``calls`` awaited write_paged calls of ``npages``
     pages of ``page`` bytes (one untimed warm-up call first); the peer waits for every
     credit meanwhile."""
     engine = peer.engine
     nbytes = page * npages
-    src = np.empty(nbytes, np.uint8)
-    src.fill(7)
-    mr = await engine.register(src, remote_write=False, remote_read=False)
+    mr = await source(engine, nbytes)
     try:
         desc = await peer.register("dst", nbytes)
         sp = np.arange(npages, dtype=np.int64)
@@ -116,23 +124,14 @@ async def py_write(peer: PeerProcess, total: int) -> tuple[float, dict[str, Any]
     engine = peer.engine
     size = WRITE_SIZE
     region = size * WINDOW
-    src = np.empty(region, np.uint8)
-    src.fill(7)
-    mr = await engine.register(src, remote_write=False, remote_read=False)
+    mr = await source(engine, region)
     try:
         remote = await peer.register("dst", region)
         r = engine.route(remote)
         route = {"provider": r.provider, "same_host": r.same_host, "pairs": [list(p) for p in r.pairs]}
         rounds = max(total // size, WINDOW) // WINDOW
         n = rounds * WINDOW
-        lanes, per_lane = 4, WINDOW // 4
-        batches = []
-        for lane in range(lanes):
-            b = engine.batch()
-            for k in range(per_lane):
-                off = (lane * per_lane + k) * size
-                b.write(mr, remote, length=size, src_offset=off, dst_offset=off, imm=IMM_DATA)
-            batches.append(b)
+        batches = lane_batches(engine, mr, remote, size, 4, WINDOW // 4, IMM_DATA)
         # warm-up: connection set-up and first touch, one round of every batch
         async with anyio.create_task_group() as tg:
             for b in batches:

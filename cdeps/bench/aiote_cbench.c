@@ -298,6 +298,30 @@ static void side_post_blocking(side_t *s, uint64_t token, const aio_op_desc *d) 
 
 static const char *wait_name(const opts_t *o) { return o->busy ? "busy" : "eventfd"; }
 
+/* The receiving side of a throughput run: waits for `units` credits of IMM_MAIN, reports
+ * when they were complete, its CPU time and the warm-up credits, then waits for the bye. */
+static void receive_all(side_t *s, uint64_t units) {
+    double c0 = cpu_s();
+    side_wait_credit(s, IMM_MAIN, units);
+    int64_t t_recv = now_ns();
+    double cpu = cpu_s() - c0;
+    write_full(s->wfd, &t_recv, sizeof(t_recv));
+    write_full(s->wfd, &cpu, sizeof(cpu));
+    uint64_t warm_total = aio_counter_total(s->e, IMM_WARM);
+    write_full(s->wfd, &warm_total, sizeof(warm_total));
+    char bye;
+    read_full(s->rfd, &bye, 1);
+}
+
+/* The writer's side of receive_all: reads the receiver's report and says bye. */
+static void receiver_report(side_t *s, int64_t *t_recv, double *rcpu, uint64_t *warm_total) {
+    read_full(s->rfd, t_recv, sizeof(*t_recv));
+    read_full(s->rfd, rcpu, sizeof(*rcpu));
+    read_full(s->rfd, warm_total, sizeof(*warm_total));
+    char bye = 'x';
+    write_full(s->wfd, &bye, 1);
+}
+
 static void run_write(side_t *s, const opts_t *o, int rank) {
     uint64_t n = o->total / o->size;
     if (n == 0) n = 1;
@@ -305,16 +329,7 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
     uint64_t warm = n < o->window ? n : o->window;
     if (rank == 1) {
         /* receiver: one watch for every credit of the run */
-        double c0 = cpu_s();
-        side_wait_credit(s, IMM_MAIN, n * U);
-        int64_t t_recv = now_ns();
-        double cpu = cpu_s() - c0;
-        write_full(s->wfd, &t_recv, sizeof(t_recv));
-        write_full(s->wfd, &cpu, sizeof(cpu));
-        uint64_t warm_total = aio_counter_total(s->e, IMM_WARM);
-        write_full(s->wfd, &warm_total, sizeof(warm_total));
-        char bye;
-        read_full(s->rfd, &bye, 1);
+        receive_all(s, n * U);
         return;
     }
     /* warm-up: connection set-up and first-touch, not timed */
@@ -352,11 +367,7 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
     int64_t t_recv;
     double rcpu;
     uint64_t warm_total;
-    read_full(s->rfd, &t_recv, sizeof(t_recv));
-    read_full(s->rfd, &rcpu, sizeof(rcpu));
-    read_full(s->rfd, &warm_total, sizeof(warm_total));
-    char bye = 'x';
-    write_full(s->wfd, &bye, 1);
+    receiver_report(s, &t_recv, &rcpu, &warm_total);
     double secs = (double)(t1 - t0) * 1e-9, rsecs = (double)(t_recv - t0) * 1e-9;
     double bytes = (double)n * (double)o->size;
     printf("{\"mode\":\"write\",\"provider\":\"%s\",\"nic\":\"%s\",\"size\":%llu,\"window\":%llu,"
@@ -471,16 +482,7 @@ static void run_paged(side_t *s, const opts_t *o, int rank) {
     int64_t np = (int64_t)o->npages;
     uint64_t credits = o->npages * o->calls;
     if (rank == 1) {
-        double c0 = cpu_s();
-        side_wait_credit(s, IMM_MAIN, credits * U);
-        int64_t t_recv = now_ns();
-        double cpu = cpu_s() - c0;
-        write_full(s->wfd, &t_recv, sizeof(t_recv));
-        write_full(s->wfd, &cpu, sizeof(cpu));
-        uint64_t warm_total = aio_counter_total(s->e, IMM_WARM);
-        write_full(s->wfd, &warm_total, sizeof(warm_total));
-        char bye;
-        read_full(s->rfd, &bye, 1);
+        receive_all(s, credits * U);
         return;
     }
     int64_t *src = malloc((size_t)np * sizeof(int64_t)), *dst = malloc((size_t)np * sizeof(int64_t));
@@ -546,11 +548,7 @@ static void run_paged(side_t *s, const opts_t *o, int rank) {
     int64_t t_recv;
     double rcpu;
     uint64_t warm_total;
-    read_full(s->rfd, &t_recv, sizeof(t_recv));
-    read_full(s->rfd, &rcpu, sizeof(rcpu));
-    read_full(s->rfd, &warm_total, sizeof(warm_total));
-    char bye = 'x';
-    write_full(s->wfd, &bye, 1);
+    receiver_report(s, &t_recv, &rcpu, &warm_total);
     double secs = (double)(t1 - t0) * 1e-9, rsecs = (double)(t_recv - t0) * 1e-9;
     double pages = (double)credits, bytes = pages * (double)o->page_size;
     qsort(call_ns, o->calls, sizeof(int64_t), cmp_i64);
