@@ -24,6 +24,7 @@ from ._core._errors import (
     TransferTimeout,
 )
 from ._core._memory import MemoryRegion
+from ._core._retry import RetryPolicy
 from ._core._routing import DomainGroup, Route
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __all__ = [
     "RegionBusy",
     "RegistrationError",
     "RemoteAccessError",
+    "RetryPolicy",
     "Route",
     "ScatterTarget",
     "TransferBatch",

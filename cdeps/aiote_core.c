@@ -82,6 +82,7 @@ typedef struct aio_rail {
     uint32_t *send_free;
     uint32_t send_nfree;
     uint64_t tx_op_flags; /* default transmit flags (fi_writemsg does not apply them) */
+    int by_addr;          /* a tcp rail bound to an interface's address */
     size_t iov_limit;     /* local iovecs per RMA request */
     /* link state of the interface behind a tcp rail (ifindex 0: not watched) */
     int ifindex;
@@ -967,8 +968,16 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
         free(r);
         return -FI_ENOMEM;
     }
-    ret = fi_getinfo(FI_VERSION(1, 9), by_addr ? node : NULL, NULL, by_addr ? FI_SOURCE : 0, hints,
-                     &r->info);
+    char service[16] = {0};
+    if (by_addr && e->cfg.base_port) {
+        int n = 0;
+        for (int i = 0; i < e->nrails; i++)
+            if (e->rails[i]->ifindex || e->rails[i]->by_addr) n++;
+        snprintf(service, sizeof(service), "%u", (unsigned)(e->cfg.base_port + (uint32_t)n));
+    }
+    r->by_addr = by_addr;
+    ret = fi_getinfo(FI_VERSION(1, 9), by_addr ? node : NULL, service[0] ? service : NULL,
+                     by_addr ? FI_SOURCE : 0, hints, &r->info);
     fi_freeinfo(hints);
     if (ret == 0 && r->info && nic && *nic && !by_addr) {
         /* keep only the entry of the NIC asked for */

@@ -105,7 +105,7 @@ typedef struct aio_engine_config {
     uint32_t ring_capacity;  /* completion records (power of two, >= 1024) */
     uint32_t max_ops;        /* work requests in flight, engine-wide */
     uint32_t max_groups;     /* groups (batches) in flight */
-    uint32_t pad;
+    uint32_t base_port;      /* tcp: the n-th interface rail listens on base_port + n (0: any) */
     int64_t spin_ns;         /* busy-poll after the last activity before sleeping */
     int32_t sleep_ms;        /* timed fallback of the sleeping poller */
     int32_t pad2;

@@ -10,7 +10,7 @@ import os
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +45,7 @@ from ._errors import (
 )
 from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
+from ._retry import RetryPolicy
 from ._routing import DomainGroup, Route, Router, addr_ends
 from ._util import as_index, check_timeout, deadline
 
@@ -78,6 +79,9 @@ _PEER_ERRORS = {
 # EPERM, EACCES, EFAULT, EREMOTEIO, EKEYREJECTED, FI_ENOKEY: the peer refused the access
 _ACCESS_ERRORS = {1, 13, 14, 121, 129, 266}
 _FI_ETRUNC = 265
+_FI_ECANCELED = 125
+_ENOENT = 2
+_STALLED = -(1 << 29)  # posting made no progress for connect_timeout
 _CLOSED_STATUS = -(1 << 30)  # an operation failed because the engine closed under it
 
 
@@ -89,9 +93,12 @@ def _strerror(code: int) -> str:
 def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
     code = -status
     msg = f"{what} failed: {_strerror(code)} (libfabric error {code}, provider error {prov_errno})"
-    if code in _PEER_ERRORS:
+    if code in _PEER_ERRORS or (code == _FI_ECANCELED and prov_errno in _PEER_ERRORS):
+        # tcp cancels what was in flight on a connection that broke (provider error: why)
         return PeerUnreachable(msg + "; the peer is gone or not listening", code, prov_errno)
-    if code in _ACCESS_ERRORS:
+    if code in _ACCESS_ERRORS or (code == _FI_ECANCELED and prov_errno == _ENOENT):
+        # tcp cancels a request the target refused (unknown key, range past the region,
+        # no access right) with provider error ENOENT
         return RemoteAccessError(msg + "; check the descriptor's key and bounds", code, prov_errno)
     if code == _FI_ETRUNC:
         return TransferError(msg + "; the receiver's buffer was too small", code, prov_errno)
@@ -131,10 +138,10 @@ class RailInfo:
 @dataclass(frozen=True, slots=True)
 class ScatterTarget:
     """One destination of :meth:`Engine.scatter`: ``length`` bytes from the source region at
-    ``src_offset`` to ``desc``'s region at ``dst_offset``."""
+    ``src_offset`` to ``desc``'s region at ``dst_offset`` (``None``: as much as fits in both)."""
 
     desc: MemoryDescriptor | bytes
-    length: int
+    length: int | None
     src_offset: int = 0
     dst_offset: int = 0
 
@@ -196,8 +203,10 @@ class Engine:
         loop_spin_ns: int = 0,
         same_host: str | None = None,
         stripe_min: int = 1 << 20,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self._h = handle
+        self._retry = retry if retry is not None else RetryPolicy()
         self._stripe_min = stripe_min
         self._loop_spin_ns = loop_spin_ns
         self._rails = rails
@@ -298,11 +307,66 @@ class Engine:
         await anyio.sleep(seconds)
         return self._check_open()
 
+    async def _attempts(
+        self,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        what: str,
+    ) -> None:
+        """Runs ``attempt(time_left)``, re-running it after a broken connection as the retry
+        policy says (see :class:`RetryPolicy`)."""
+        end = _end(timeout)
+        try:
+            await attempt(timeout)
+        except PeerUnreachable as exc:
+            await self._retry_after(exc, attempt, end, retry, what)
+
+    async def _retry_after(
+        self,
+        exc: PeerUnreachable,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        end: float | None,
+        retry: RetryPolicy | None,
+        what: str,
+    ) -> None:
+        """Re-posts after a broken connection: up to ``attempts`` times, within the
+        operation's deadline and within ``connect_timeout`` of the first failure (so a dead
+        peer is reported within that bound)."""
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise InvalidArgument(f"retry must be an aiote.RetryPolicy, not {type(retry).__name__}") from exc
+        policy = retry if retry is not None else self._retry
+        peer_end = anyio.current_time() + policy.connect_timeout
+        n = 0
+        while True:
+            if getattr(exc, "_final", False) or n >= policy.attempts:
+                raise exc
+            n += 1
+            pause = policy.delay(n)
+            now = anyio.current_time()
+            limit = peer_end if end is None else min(end, peer_end)
+            if limit - now <= pause:
+                raise exc
+            self._log.info("posting again after a broken connection", op=what, attempt=n, error=str(exc))
+            await self._pause(pause)
+            try:
+                await attempt(max(0.0, limit - anyio.current_time()))
+                return
+            except PeerUnreachable as again:
+                exc = again
+            except TransferTimeout:
+                if end is not None and end <= peer_end:
+                    raise  # the operation's own deadline
+                raise exc from None  # the peer stayed unreachable for connect_timeout
+
     async def _wait_space(self, fallback: float) -> Any:
         """Waits until half of this engine's requests in flight completed (room in the
         queues) or ``fallback`` seconds pass; returns the handle (EngineClosed if closing meanwhile)."""
+        inflight = int(lib.aio_ops_in_flight(self._h))
+        if inflight == 0:  # nothing will complete (a peer still connecting): the timer only
+            return await self._pause(fallback)
         ev = self._space
-        lib.aio_want_space(self._h, lib.aio_ops_in_flight(self._h) // 2)
+        lib.aio_want_space(self._h, inflight // 2)
         with anyio.move_on_after(fallback):
             await ev.wait()
         return self._check_open()
@@ -432,9 +496,13 @@ class Engine:
         if rc != 0:
             raise RegistrationError(ffi.string(err).decode(errors="replace") or _strerror(-rc))
         mrh = out[0]
+        # a region peers may not access publishes neither its key nor its address
         keys = tuple(
             _RemoteKey(
-                r.provider, r.address, int(lib.aio_mr_remote_base(mrh, i)), int(lib.aio_mr_key(mrh, i))
+                r.provider,
+                r.address,
+                int(lib.aio_mr_remote_base(mrh, i)) if access else 0,
+                int(lib.aio_mr_key(mrh, i)) if access else 0,
             )
             for i, r in enumerate(self._rails)
         )
@@ -769,6 +837,7 @@ class Engine:
         posted = 0
         sealed = False
         error = 0
+        stalled_since = -1.0
         try:
             with deadline(timeout, what):
                 attempt = 0
@@ -783,6 +852,13 @@ class Engine:
                         # completion (a timer alone would cost a full millisecond under
                         # asyncio), with a back-off timer as the fallback
                         attempt = attempt + 1 if k == 0 else 0
+                        if posted == 0:  # nothing goes out: is the peer answering at all?
+                            now = anyio.current_time()
+                            if stalled_since < 0:
+                                stalled_since = now
+                            elif now - stalled_since > self._retry.connect_timeout:
+                                error = _STALLED
+                                break
                         h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01))
                 self._seal(g)
                 sealed = True
@@ -804,6 +880,15 @@ class Engine:
                 with anyio.move_on_after(self._cancel_grace, shield=True):
                     await op.event.wait()
             raise
+        if error == _STALLED:
+            exc = PeerUnreachable(
+                f"{what}: the peer did not answer within connect_timeout={self._retry.connect_timeout:g} s "
+                "(nothing listening at its address, or it is gone)",
+                111,
+                0,
+            )
+            exc._final = True  # type: ignore[attr-defined]  # that wait was the retry
+            raise exc
         if error:
             raise _post_error(error, what, posted)
         if op.failover and op.done is False:
@@ -824,6 +909,7 @@ class Engine:
         dst_offset: int = 0,
         imm: int | None = None,
         timeout: float | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """One-sided write of ``length`` bytes from ``mr[src_offset:]`` to the peer's region
         ``remote`` at ``dst_offset`` (``length`` defaults to what fits in both).
@@ -840,16 +926,29 @@ class Engine:
         """
         credits: dict[tuple[Any, int], int] = {}
         rows, full = self._rows(mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits)
-        if len(full) == 1:  # one NIC each side: the common, fast case
-            await self._run_table(self._table(rows), mr, timeout, "write")
-            return
+        table = self._table(rows)
         end = _end(timeout)
-        await self._run(self._table(rows), mr, timeout, "write", full)
-        if credits:
-            await self._send_credits(credits, end, "write")
+
+        async def attempt(t: float | None) -> None:
+            if len(full) == 1:  # one NIC each side: the common, fast case
+                await self._run_table(table, mr, t, "write")
+                return
+            await self._run(table, mr, t, "write", full)
+            if credits:
+                await self._send_credits(credits, end, "write")
+
+        try:
+            await attempt(timeout)
+        except PeerUnreachable as exc:
+            await self._retry_after(exc, attempt, end, retry, "write")
 
     async def write_imm(
-        self, remote: MemoryDescriptor | bytes, imm: int, *, timeout: float | None = None
+        self,
+        remote: MemoryDescriptor | bytes,
+        imm: int,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """Zero-byte write carrying ``imm`` to the owner of ``remote``: its
         ``imm_counter(imm)`` gains one credit. Raises as :meth:`write`."""
@@ -857,7 +956,10 @@ class Engine:
             raise InvalidArgument("write_imm needs an immediate")
         assert self._scratch is not None
         rows, full = self._rows(self._scratch, remote, 0, 0, 0, imm, lib.AIO_OP_WRITE)
-        await self._run(self._table(rows), None, timeout, "write_imm", full)
+        table = self._table(rows)
+        await self._attempts(
+            lambda t: self._run(table, None, t, "write_imm", full), timeout, retry, "write_imm"
+        )
 
     async def read(
         self,
@@ -868,12 +970,14 @@ class Engine:
         src_offset: int = 0,
         dst_offset: int = 0,
         timeout: float | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """One-sided READ of ``length`` bytes from the peer's region at ``src_offset`` into
         ``mr[dst_offset:]``. Returns when the bytes are in ``mr``. The peer's region must have
         been registered with ``remote_read``. Raises as :meth:`write`."""
         rows, full = self._rows(mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)
-        await self._run(self._table(rows), mr, timeout, "read", full)
+        table = self._table(rows)
+        await self._attempts(lambda t: self._run(table, mr, t, "read", full), timeout, retry, "read")
 
     async def write_paged(
         self,
@@ -889,6 +993,7 @@ class Engine:
         dst_offset: int = 0,
         imm: int | None = None,
         timeout: float | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """Paged write: page ``k`` copies ``page_size`` bytes from
         ``mr[src_offset + src_stride*src_pages[k]]`` to the peer's region at
@@ -982,7 +1087,46 @@ class Engine:
         what = f"write_paged of {n} pages"
         end = _end(timeout)
         rails = {h[0] for h in path}
-        if await self._run_group(post, n, (mr, sp, dp, d), timeout, what, rails if len(full) > 1 else None):
+
+        async def attempt(t: float | None) -> None:
+            await self._paged_attempt(
+                post,
+                n,
+                (mr, sp, dp, d),
+                t,
+                end,
+                what,
+                full,
+                rails,
+                credits,
+                mr,
+                sp,
+                dp,
+                (page_size, src_stride, dst_stride, src_offset, dst_offset, first),
+            )
+
+        await self._attempts(attempt, timeout, retry, what)
+
+    async def _paged_attempt(
+        self,
+        post: Callable[[Any, int, int], int],
+        n: int,
+        refs: Any,
+        timeout: float | None,
+        end: float | None,
+        what: str,
+        full: Any,
+        rails: set[int],
+        credits: dict[tuple[Any, int], int],
+        mr: MemoryRegion,
+        sp: np.ndarray,
+        dp: np.ndarray,
+        geometry: tuple[int, int, int, int, int, int],
+    ) -> None:
+        """One attempt of a paged write: the pages as one group, moved to the NICs still up
+        when one loses its link, then the deferred credit."""
+        page_size, src_stride, dst_stride, src_offset, dst_offset, first = geometry
+        if await self._run_group(post, n, refs, timeout, what, rails if len(full) > 1 else None):
             # a NIC lost its link: the pages went as one group over every NIC, so all of them
             # are written again over the NICs still up (the same bytes; the credit follows)
             live = self._router.live(full)
@@ -999,7 +1143,7 @@ class Engine:
                 (first + np.arange(n)) % len(live),
             )
             self._failovers += n
-            await self._run(rows, (mr, sp, dp, d), _left(end), what, full)
+            await self._run(rows, refs, _left(end), what, full)
         if credits:
             await self._send_credits(credits, end, what)
 
@@ -1010,11 +1154,14 @@ class Engine:
         *,
         imm: int | None = None,
         timeout: float | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """Writes a slice of ``mr`` to each target (:class:`ScatterTarget`: descriptor, length,
         offsets), all posted by one native call and awaited as one. Targets on different
         peers are spread over the NICs; with ``imm`` each target's owner gains one credit per
         target. Every target is validated before anything is posted. Raises as :meth:`write`."""
+        if imm is not None:
+            as_index(imm, "imm", hi=_U32)  # checked even when there is no target
         rows: list[tuple[int, ...]] = []
         credits: dict[tuple[Any, int], int] = {}
         for i, t in enumerate(targets):
@@ -1028,25 +1175,38 @@ class Engine:
             return
         what = f"scatter to {len(targets)} targets"
         end = _end(timeout)
-        await self._run(self._table(rows), mr, timeout, what)
-        if credits:
-            await self._send_credits(credits, end, what)
+        table = self._table(rows)
+
+        async def attempt(t: float | None) -> None:
+            await self._run(table, mr, t, what)
+            if credits:
+                await self._send_credits(credits, end, what)
+
+        await self._attempts(attempt, timeout, retry, what)
 
     async def barrier(
-        self, peers: Sequence[MemoryDescriptor | bytes], *, imm: int, timeout: float | None = None
+        self,
+        peers: Sequence[MemoryDescriptor | bytes],
+        *,
+        imm: int,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """Sends a zero-byte write carrying ``imm`` to the owner of each descriptor in
         ``peers`` (one credit per descriptor given), posted as one group; returns when every
         one has completed. Peers' resolved addresses are cached, so repeated barriers over
         the same set cost one work request per peer. Raises as :meth:`write`."""
         assert self._scratch is not None
+        as_index(imm, "imm", hi=_U32)  # checked even when there is no peer
         rows: list[tuple[int, ...]] = []
         for d in peers:
             rows += self._rows(self._scratch, d, 0, 0, 0, imm, lib.AIO_OP_WRITE)[0]
         if not rows:
             await anyio.lowlevel.checkpoint()
             return
-        await self._run(self._table(rows), None, timeout, f"barrier of {len(rows)} peers")
+        table = self._table(rows)
+        what = f"barrier of {len(rows)} peers"
+        await self._attempts(lambda t: self._run(table, None, t, what), timeout, retry, what)
 
     def batch(self) -> TransferBatch:
         """A batch of writes/reads validated as they are added and posted by one native call
@@ -1064,11 +1224,22 @@ class Engine:
 
     # ------------------------------------------------------------------ messages
 
-    async def send(self, peer: bytes | EngineAddress, payload: Any, *, timeout: float | None = None) -> None:
+    async def send(
+        self,
+        peer: bytes | EngineAddress,
+        payload: Any,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         """Sends ``payload`` (bytes-like, up to ``max_message_size``) to the engine at
         ``peer`` (its ``address``). Returns once the payload has been handed to the transport
         (it is copied; the caller may reuse its buffer at once). Messages between two engines
         are delivered in order on tcp and shm.
+
+        A peer that does not answer yet is tried until ``timeout`` or the retry policy's
+        ``connect_timeout``; after a broken connection the message is sent again as the policy
+        says, so a peer whose connection was reset (not restarted) may receive it twice.
 
         Raises :class:`InvalidArgument` (bad address, payload too large),
         :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`."""
@@ -1094,7 +1265,7 @@ class Engine:
         def post(h: Any, g: int, posted: int) -> int:
             return int(lib.aio_post_send(h, g, rail, fa, msg, len(msg), budget))
 
-        await self._run_group(post, 1, None, timeout, "send")
+        await self._attempts(lambda t: self._run_group(post, 1, None, t, "send"), timeout, retry, "send")
 
     async def recv(self, *, timeout: float | None = None) -> tuple[bytes, bytes]:
         """Receives the next message: ``(sender_address, payload)``. Messages are queued from
@@ -1297,7 +1468,7 @@ class TransferBatch:
         self._refs.add(mr)
         return self
 
-    async def submit(self, *, timeout: float | None = None) -> None:
+    async def submit(self, *, timeout: float | None = None, retry: RetryPolicy | None = None) -> None:
         """Posts every request and waits until all completed. Raises the first error
         (after every posted request finished); see :meth:`Engine.write` for cancellation.
 
@@ -1313,9 +1484,14 @@ class TransferBatch:
         table = self._table[: self._n]  # rows are never rewritten; growth reallocates
         what = f"batch of {self._n}"
         end = _end(timeout)
-        await self._engine._run(table, self._refs, timeout, what)
-        if self._credits:
-            await self._engine._send_credits(self._credits, end, what)
+        eng = self._engine
+
+        async def attempt(t: float | None) -> None:
+            await eng._run(table, self._refs, t, what)
+            if self._credits:
+                await eng._send_credits(self._credits, end, what)
+
+        await eng._attempts(attempt, timeout, retry, what)
 
 
 def _open_native(
@@ -1328,6 +1504,7 @@ def _open_native(
     sleep_ms: int,
     max_in_flight: int,
     same_host: str | None = None,
+    base_port: int = 0,
 ) -> tuple[Any, list[RailInfo]]:
     cfg = ffi.new(
         "aio_engine_config*",
@@ -1337,6 +1514,7 @@ def _open_native(
             "max_groups": max_in_flight,
             "spin_ns": spin_ns,
             "sleep_ms": sleep_ms,
+            "base_port": base_port,
         },
     )
     out = ffi.new("aio_engine**")
@@ -1408,6 +1586,8 @@ async def open_engine(
     post_budget_us: float = 200.0,
     same_host: str | None = "shm",
     stripe_min: int = 1 << 20,
+    retry: RetryPolicy | None = None,
+    port: int | None = None,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -1430,6 +1610,11 @@ async def open_engine(
     line when the provider is not available.
     ``stripe_min``: a single write or read of at least this many bytes is split across the
     NICs that reach the peer (several ``nics``); smaller ones go round robin over them.
+    ``retry``: the default :class:`RetryPolicy` of the engine's operations (each takes
+    ``retry=`` too); ``RetryPolicy()`` by default: 3 re-posts after a broken connection,
+    a peer that does not answer for 5 s is unreachable.
+    ``port``: tcp only: the first NIC listens on this port, the next on ``port + 1``, and so on,
+    so that a restarted process gets the same address (default: any free port).
 
     Raises :class:`ProviderError` naming what is missing (unknown provider or NIC, no RMA).
     The engine closes when the block exits (see :meth:`Engine.aclose`). Opening costs a few
@@ -1451,6 +1636,9 @@ async def open_engine(
     message_slots = as_index(message_slots, "message_slots", lo=1, hi=1 << 16)
     max_in_flight = as_index(max_in_flight, "max_in_flight", lo=16, hi=1 << 24)
     stripe_min = as_index(stripe_min, "stripe_min", lo=1)
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise InvalidArgument(f"retry must be an aiote.RetryPolicy, not {type(retry).__name__}")
+    base_port = 0 if port is None else as_index(port, "port", lo=1, hi=65536 - len(nic_list))
     if same_host is not None and (not isinstance(same_host, str) or not same_host):
         raise InvalidArgument("same_host must be a provider name such as 'shm', or None")
     if not (spin_us >= 0 and math.isfinite(spin_us)):
@@ -1469,6 +1657,7 @@ async def open_engine(
             sleep_ms=int(sleep_ms),
             max_in_flight=max_in_flight,
             same_host=same_host,
+            base_port=base_port,
         )
     )
     engine = Engine(
@@ -1480,6 +1669,7 @@ async def open_engine(
         loop_spin_ns=int(loop_spin_us * 1000),
         same_host=same_host,
         stripe_min=stripe_min,
+        retry=retry,
     )
     try:
         await engine._start()

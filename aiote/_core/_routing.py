@@ -141,7 +141,9 @@ class Router:
         out = tuple(h for h in path if h[0] not in self.down)
         if not out:
             names = ", ".join(self._domains[h[0]] for h in path)
-            raise PeerUnreachable(f"every NIC that reaches this peer is down ({names})", 0, 0)
+            exc = PeerUnreachable(f"every NIC that reaches this peer is down ({names})", 0, 0)
+            exc._final = True  # type: ignore[attr-defined]  # links come back on their own time
+            raise exc
         return out
 
     def start(self, path: tuple[_Hop, ...]) -> int:

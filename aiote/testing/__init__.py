@@ -151,19 +151,23 @@ class PeerProcess:
 async def spawn_peer(
     provider: str = "tcp", nics: Sequence[str] | None = None, *, engine: Engine | None = None,
     startup_timeout: float = 30.0, peer_nics: Sequence[str] | None = None,
-    same_host: str | None = "shm", prefix: Sequence[str] = (), **engine_kw: Any,
+    same_host: str | None = "shm", prefix: Sequence[str] = (), peer_port: int | None = None,
+    **engine_kw: Any,
 ) -> AsyncIterator[PeerProcess]:
     """Starts a peer engine in a new Python process (``python -m aiote.testing._peer``).
 
     Talks to it through ``engine`` (or a fresh local engine on the same provider, ``nics``
     and ``same_host``). The peer opens ``peer_nics`` (default: ``nics``) with ``same_host``;
-    ``prefix`` runs it under a command (e.g. ``["ip", "netns", "exec", "h2"]``). The peer
-    exits when the block ends; if it is still alive after 10 s it is killed.
+    ``prefix`` runs it under a command (e.g. ``["ip", "netns", "exec", "h2"]``); with
+    ``peer_port`` its (tcp) engine listens on that port, so a restarted peer has the same
+    address. The peer exits when the block ends; if it is still alive after 10 s it is killed.
     """
     args = [*prefix, sys.executable, "-m", "aiote.testing._peer", "--provider", provider]
     for nic in (nics if peer_nics is None else peer_nics) or []:
         args += ["--nic", nic]
     args += ["--same-host", same_host or "none"]
+    if peer_port is not None:
+        args += ["--port", str(peer_port)]
     engine_kw["same_host"] = same_host
     env = dict(os.environ)
     proc = await anyio.open_process(args, stdin=None, stdout=-1, stderr=None, env=env)

@@ -85,8 +85,8 @@ async def _serve(engine: Engine) -> None:
         await engine.send(sender, json.dumps(reply).encode())
 
 
-async def _main(provider: str, nics: list[str] | None, same_host: str | None) -> None:
-    async with open_engine(provider, nics or None, same_host=same_host) as engine:
+async def _main(provider: str, nics: list[str] | None, same_host: str | None, port: int | None) -> None:
+    async with open_engine(provider, nics or None, same_host=same_host, port=port) as engine:
         sys.stdout.write(f"AIOTE_PEER {engine.address.hex()}\n")
         sys.stdout.flush()
         await _serve(engine)
@@ -98,10 +98,11 @@ def main() -> None:
     ap.add_argument("--provider", default="tcp")
     ap.add_argument("--nic", action="append")
     ap.add_argument("--same-host", default="shm", help="same-host provider, or 'none'")
+    ap.add_argument("--port", type=int, default=None, help="tcp: listen on this port (first NIC)")
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     a = ap.parse_args()
     same_host = None if a.same_host == "none" else a.same_host
-    anyio.run(_main, a.provider, a.nic, same_host, backend=a.backend)
+    anyio.run(_main, a.provider, a.nic, same_host, a.port, backend=a.backend)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""Retry policy: what aiote retries on its own, and for how long."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ._errors import InvalidArgument
+
+__all__ = ["RetryPolicy"]
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """What an operation does about transient failures (``open_engine(retry=...)`` sets the
+    engine's default; every operation takes ``retry=`` to override it).
+
+    - **Backpressure is not an error**: a full queue or work-request table makes posting
+      wait for room, whatever the policy.
+    - **A peer that does not answer** (nothing listening yet, a restarting process) is tried
+      again until the operation's deadline, but for at most ``connect_timeout`` seconds;
+      then the operation raises :class:`~aiote.PeerUnreachable`. This is also the bound on
+      noticing a dead peer that a connection attempt cannot reach.
+    - **A broken connection** (the peer process died or restarted, the connection was reset)
+      fails the operation with :class:`~aiote.PeerUnreachable`; the operation is posted again
+      up to ``attempts`` more times, ``backoff`` seconds after the first failure, doubling up to
+      ``max_backoff``, within its deadline. A write that failed this way may have landed before
+      the connection broke; posting it again writes the same bytes.
+    - **A NIC whose link goes down** moves its work to the engine's other NICs (failover; see
+      the guide), whatever the policy.
+    - **Permanent errors are never retried**: a bad key or range (:class:`~aiote.RemoteAccessError`),
+      a protection error, invalid arguments, timeouts, cancellation.
+
+    ``RetryPolicy(attempts=0)`` turns re-posting off.
+    """
+
+    attempts: int = 3
+    backoff: float = 0.05
+    max_backoff: float = 1.0
+    connect_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 0:
+            raise InvalidArgument(f"attempts must be an integer >= 0, not {self.attempts!r}")
+        for name in ("backoff", "max_backoff", "connect_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, not {v!r}")
+
+    def delay(self, attempt: int) -> float:
+        """The pause before re-post number ``attempt`` (1-based)."""
+        return float(min(self.max_backoff, self.backoff * (2 ** (attempt - 1))))

@@ -1,0 +1,229 @@
+"""Failures, across real processes on tcp: a peer killed mid-transfer, a peer that never
+answers, a peer restarted at the same address, a storm of cancellations, forged
+descriptors. Bounds are asserted with margins (this machine has 2 cores)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import time
+
+import anyio
+import pytest
+from _util import digest, eventually, pattern, zeros
+
+import aiote
+from aiote.testing import spawn_peer
+
+pytestmark = pytest.mark.anyio
+
+TCP = {"same_host": None}
+
+
+async def test_killed_peer_fails_pending_work_in_bounded_time_and_others_go_on() -> None:
+    policy = aiote.RetryPolicy(connect_timeout=2.0)
+    async with aiote.open_engine(retry=policy, **TCP) as e, spawn_peer(engine=e, **TCP) as victim, spawn_peer(
+        engine=e, **TCP
+    ) as other:
+        size = 1 << 30
+        dv = await victim.register("buf", size)
+        do = await other.register("buf", 256 << 20)
+        src = pattern(size, seed=41)
+        ms = await e.register(src)
+        await e.write(ms, dv, length=1 << 20, imm=1)  # connected
+        outcome: dict[str, object] = {}
+
+        async def to_victim() -> None:
+            b = e.batch()
+            for i in range(16):
+                b.write(ms, dv, length=64 << 20, src_offset=i << 26, dst_offset=i << 26, imm=2)
+            t0 = time.monotonic()
+            try:
+                await b.submit(timeout=60)
+                outcome["victim"] = "completed"
+            except aiote.AioteError as exc:
+                outcome["victim"] = exc
+            outcome["victim_s"] = time.monotonic() - t0
+
+        async def to_other() -> None:
+            for i in range(16):
+                off = i << 24
+                await e.write(ms, do, length=16 << 20, src_offset=off, dst_offset=off, imm=3, timeout=60)
+            outcome["other"] = "completed"
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(to_victim)
+            tg.start_soon(to_other)
+            await anyio.sleep(0.15)
+            os.kill(victim.pid, signal.SIGKILL)
+            killed = time.monotonic()
+        assert isinstance(outcome["victim"], aiote.PeerUnreachable), outcome
+        # bound: connect_timeout after the break, plus slack for this 2-core machine
+        assert time.monotonic() - killed < policy.connect_timeout + 3.0
+        assert outcome["other"] == "completed"
+        await other.wait(imm=3, n=16)
+        assert await other.digest("buf") == digest(src[: 256 << 20])
+        await eventually(lambda: e.stats()["ops_in_flight"] == 0, "nothing left in flight")
+        # new work towards the dead peer: refused within connect_timeout, the engine is fine
+        t0 = time.monotonic()
+        with pytest.raises(aiote.PeerUnreachable):
+            await e.write(ms, dv, length=4096, imm=4)
+        assert time.monotonic() - t0 < policy.connect_timeout + 3.0
+        await e.write(ms, do, length=4096, imm=5, timeout=10)
+        await other.wait(imm=5)
+
+
+async def test_peer_that_never_answers() -> None:
+    async with aiote.open_engine(retry=aiote.RetryPolicy(connect_timeout=1.0), **TCP) as e:
+        async with aiote.open_engine(**TCP) as gone:
+            d = (await gone.register(zeros(4096))).descriptor
+            addr = gone.address
+        ms = await e.register(pattern(4096))
+        t0 = time.monotonic()
+        with pytest.raises(aiote.PeerUnreachable, match="did not answer"):
+            await e.write(ms, d, length=64, imm=1)
+        assert 0.9 < time.monotonic() - t0 < 4.0
+        with pytest.raises(aiote.TransferTimeout):  # a shorter deadline wins
+            await e.write(ms, d, length=64, imm=1, timeout=0.2)
+        with pytest.raises(aiote.PeerUnreachable):
+            await e.send(addr, b"hello?")
+        # a per-operation policy with a longer patience still gives up at its deadline
+        with pytest.raises(aiote.TransferTimeout):
+            await e.write(ms, d, length=64, timeout=0.3, retry=aiote.RetryPolicy(connect_timeout=60))
+        assert e.stats()["ops_in_flight"] == 0
+
+
+async def test_restarted_peer_at_the_same_address_is_reached_again() -> None:
+    port = 20000 + os.getpid() % 20000
+    async with aiote.open_engine(**TCP) as e:
+        async with spawn_peer(engine=e, peer_port=port, **TCP) as p1:
+            first = p1.address
+            assert (await p1.call(op="echo", payload="one"))["payload"] == "one"
+            os.kill(p1.pid, signal.SIGKILL)
+        async with spawn_peer(engine=e, peer_port=port, **TCP) as p2:
+            assert p2.address[:-4] != b"" and aiote.EngineAddress.from_bytes(p2.address).rails[0].address == (
+                aiote.EngineAddress.from_bytes(first).rails[0].address
+            )
+            # the old connection is dead; the retry policy posts again and reaches the new one
+            assert (await p2.call(op="echo", payload="two"))["payload"] == "two"
+            d = await p2.register("buf", 1 << 20)
+            src = pattern(1 << 20, seed=3)
+            ms = await e.register(src)
+            await e.write(ms, d, imm=1, timeout=30)
+            await p2.wait(imm=1)
+            assert await p2.digest("buf") == digest(src)
+
+
+async def test_cancel_storm_leaves_nothing_behind() -> None:
+    n, slot, tasks = 10_000, 4096, 64
+    async with aiote.open_engine(**TCP) as e, spawn_peer(engine=e, **TCP) as p:
+        d = await p.register("buf", n * slot)
+        src = pattern(n * slot, seed=9)
+        ms = await e.register(src)
+        done: set[int] = set()
+        rng = random.Random(5)
+        todo = list(range(n))
+
+        async def worker() -> None:
+            while todo:
+                i = todo.pop()
+                with anyio.move_on_after(rng.choice((0, 0.00005, 0.0002, 0.001, 1))):
+                    if rng.random() < 0.1:
+                        await anyio.lowlevel.checkpoint()  # cancelled before posting, sometimes
+                    await e.write(ms, d, length=slot, src_offset=i * slot, dst_offset=i * slot)
+                    done.add(i)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(tasks):
+                tg.start_soon(worker)
+        assert 0 < len(done) < n  # some completed, some were cancelled
+        await eventually(lambda: e.stats()["ops_in_flight"] == 0 and e.stats()["pending"] == 0, "quiet")
+        # every slot holds its bytes or nothing; every completed write landed
+        back = zeros(n * slot)
+        mb = await e.register(back)
+        await e.read(mb, d, timeout=60)
+        got = back.reshape(n, slot)
+        want = src.reshape(n, slot)
+        landed = (got == want).all(axis=1)
+        empty = (got == 0).all(axis=1)
+        assert (landed | empty).all()
+        assert landed[sorted(done)].all()
+        # nothing leaked: regions and the in-flight table back to where they were
+        await e.unregister(ms, timeout=0)
+        await e.unregister(mb, timeout=0)
+        st = e.stats()
+        assert st["regions"] == 1 and st["ops_in_flight"] == 0 and st["pending"] == 0
+        ms = await e.register(src[:slot].copy())
+        await e.write(ms, d, length=slot, imm=7, timeout=10)  # still usable
+        await p.wait(imm=7)
+
+
+async def test_forged_descriptors_get_error_completions_never_stray_writes() -> None:
+    async with aiote.open_engine(**TCP) as a, aiote.open_engine(**TCP) as b:
+        arena = zeros(1 << 20)
+        md = await b.register(arena[:4096])  # the real region: the first 4 KiB of the arena
+        hidden = await b.register(arena[8192:12288], remote_write=False, remote_read=False)
+        src = pattern(1 << 16, seed=1)
+        ms = await a.register(src)
+        back = zeros(4096)
+        mb = await a.register(back)
+        d = md.descriptor
+        # a region claimed longer than the real one
+        longer = dataclasses.replace(d, length=1 << 20)
+        with pytest.raises(aiote.RemoteAccessError):
+            await a.write(ms, longer, length=8192, timeout=10)
+        with pytest.raises(aiote.TransferError):
+            await a.read(mb, longer, length=4096, src_offset=4096, timeout=10)
+        # a wrong key
+        k = d.keys[0]
+        wrong = dataclasses.replace(d, keys=(dataclasses.replace(k, key=k.key ^ 0x5A5A), *d.keys[1:]))
+        with pytest.raises(aiote.TransferError):
+            await a.write(ms, wrong, length=64, timeout=10)
+        # a region registered without remote access publishes no key; forging the access
+        # bits gets nowhere
+        assert all(x.key == 0 and x.base == 0 for x in hidden.descriptor.keys)
+        forged = dataclasses.replace(hidden.descriptor, access=3)
+        with pytest.raises(aiote.TransferError):
+            await a.write(ms, forged, length=64, timeout=10)
+        with pytest.raises(aiote.TransferError):
+            await a.read(mb, forged, length=64, timeout=10)
+        assert not arena[4096:].any()  # nothing landed outside the real region
+        # keys are not sequential or small
+        keys = [(await b.register(zeros(64))).descriptor.keys[0].key for _ in range(8)]
+        assert len(set(keys)) == 8 and min(keys) > 1 << 32
+
+
+async def test_link_blackholed_with_a_deadline_then_back() -> None:
+    """A path that stops delivering while the link stays up (the peer's host routes its
+    replies to us into a blackhole): the write times out, nothing hangs; once packets flow
+    again, writes work."""
+    from _netns import netns_unavailable, two_hosts
+
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    with two_hosts(1, subnet=214) as h:
+        async with aiote.open_engine(nics=h.local, **TCP) as e, spawn_peer(
+            engine=e, peer_nics=h.remote, prefix=h.prefix, **TCP
+        ) as p:
+            d = await p.register("buf", 8 << 20)
+            src = pattern(8 << 20, seed=2)
+            ms = await e.register(src)
+            await e.write(ms, d, imm=1, timeout=30)
+            await p.wait(imm=1)
+            ours = "10.214.1.1/32"  # our address on the link (see _netns.two_hosts)
+            h.ip("-n", h.ns, "route", "add", "blackhole", ours)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(aiote.TransferTimeout):
+                    await e.write(ms, d, imm=2, timeout=1.0)
+                assert time.monotonic() - t0 < 3.0
+            finally:
+                h.ip("-n", h.ns, "route", "del", "blackhole", ours)
+            await eventually(lambda: e.stats()["ops_in_flight"] == 0, "the timed-out write to finish", 60)
+            await e.write(ms, d, imm=3, timeout=30)
+            await p.wait(imm=3)
+            await p.wait(imm=2)  # tcp delivered the timed-out write once the path was back
+            assert await p.digest("buf") == digest(src)
