@@ -17,9 +17,11 @@ plugin (asyncio and trio) and under pytest-trio.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -49,6 +51,24 @@ class PeerError(AssertionError):
     """The peer process reported that a command failed."""
 
 
+class _Mailbox:
+    def __init__(self) -> None:
+        self.replies: dict[tuple[bytes, Any], dict[str, Any]] = {}
+        self.lock = anyio.Lock()
+        self.changed = anyio.Event()
+
+
+_boxes: weakref.WeakKeyDictionary[Engine, _Mailbox] = weakref.WeakKeyDictionary()
+_ids = itertools.count(1)
+
+
+def _mailbox(engine: Engine) -> _Mailbox:
+    box = _boxes.get(engine)
+    if box is None:
+        box = _boxes[engine] = _Mailbox()
+    return box
+
+
 @asynccontextmanager
 async def engine_pair(provider: str = "tcp", nics: Sequence[str] | None = None, **kw: Any) -> AsyncIterator[
     tuple[Engine, Engine]
@@ -73,14 +93,32 @@ class PeerProcess:
         return int(self.process.pid)
 
     async def call(self, timeout: float = 60.0, **cmd: Any) -> dict[str, Any]:
-        """Sends one command and returns its reply; raises :class:`PeerError` if it failed."""
-        await self.engine.send(self.address, json.dumps(cmd).encode(), timeout=timeout)
+        """Sends one command and returns its reply; raises :class:`PeerError` if it failed.
+
+        Safe to call from several tasks at once, for one or several peers sharing the local
+        engine: replies carry the command's id, and whichever task receives a message files
+        it for the task it belongs to."""
+        box = _mailbox(self.engine)
+        rid = next(_ids)
+        await self.engine.send(self.address, json.dumps({**cmd, "id": rid}).encode(), timeout=timeout)
+        key = (self.address, rid)
         with anyio.fail_after(timeout):
-            while True:
-                sender, payload = await self.engine.recv()
-                if sender == self.address:
-                    break
-        reply: dict[str, Any] = json.loads(payload)
+            while key not in box.replies:
+                if box.lock.locked():  # another task is receiving: wait until it files something
+                    await box.changed.wait()
+                    continue
+                async with box.lock:
+                    if key in box.replies:
+                        break
+                    sender, payload = await self.engine.recv()
+                    try:
+                        msg = json.loads(payload)
+                        box.replies[(sender, msg.get("id"))] = msg
+                    except (ValueError, AttributeError):
+                        pass  # not a peer reply: not ours to keep
+                    changed, box.changed = box.changed, anyio.Event()
+                    changed.set()
+        reply: dict[str, Any] = box.replies.pop(key)
         if "error" in reply:
             raise PeerError(f"peer failed {cmd.get('op')}: {reply['error']}")
         return reply

@@ -82,6 +82,7 @@ async def _serve(engine: Engine) -> None:
                 reply = {"error": f"unknown op {op!r}"}
         except Exception as exc:  # reported to the caller, who fails its test
             reply = {"error": f"{type(exc).__name__}: {exc}"}
+        reply["id"] = cmd.get("id")
         await engine.send(sender, json.dumps(reply).encode())
 
 
