@@ -227,3 +227,39 @@ async def test_link_blackholed_with_a_deadline_then_back() -> None:
             await p.wait(imm=3)
             await p.wait(imm=2)  # tcp delivered the timed-out write once the path was back
             assert await p.digest("buf") == digest(src)
+
+
+async def test_outer_deadline_and_native_task_cancel(anyio_backend: str) -> None:
+    """Outer scopes cancel an operation like its own timeout does: the posted write cannot
+    be taken back, so the cancellation waits (bounded by cancel_grace) and then propagates;
+    the engine stays usable and the write lands once the peer runs again."""
+    async with spawn_peer(cancel_grace=0.5, **TCP) as p:
+        e = p.engine
+        size = 64 << 20
+        d = await p.register("buf", size)
+        src = pattern(size, seed=6)
+        ms = await e.register(src)
+        await e.write_imm(d, 1)
+        await p.wait(imm=1)
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError), anyio.fail_after(0.3):
+                await e.write(ms, d, imm=2)
+            assert time.monotonic() - t0 < 3.0  # 0.3 s + cancel_grace, with slack
+            if anyio_backend == "asyncio":
+                import asyncio
+
+                task = asyncio.create_task(e.write(ms, d, imm=3))
+                await asyncio.sleep(0.05)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        await eventually(lambda: e.stats()["ops_in_flight"] == 0, "the cancelled writes to finish", 60)
+        await p.wait(imm=2)  # posted before the cancellation: it landed, counted once
+        if anyio_backend == "asyncio":
+            await p.wait(imm=3)
+        assert await p.counter(2) == 0
+        assert await p.digest("buf") == digest(src)

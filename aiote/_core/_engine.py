@@ -147,7 +147,7 @@ class ScatterTarget:
 
 
 class _Op:
-    __slots__ = ("done", "event", "failover", "prov_errno", "rails", "refs", "status")
+    __slots__ = ("alts", "done", "event", "failover", "prov_errno", "rails", "refs", "status")
 
     def __init__(self, refs: Any, event: Any) -> None:
         self.event = event
@@ -156,6 +156,7 @@ class _Op:
         self.refs = refs
         self.done = False  # the group's completion record arrived
         self.rails: set[int] | None = None
+        self.alts: frozenset[int] = frozenset()  # every rail of its peer's path
         self.failover = False  # woken because a rail of it lost its link
 
 
@@ -442,11 +443,15 @@ class Engine:
             return
         self._router.down.add(rail)
         woken = 0
+        down = self._router.down
         for op in self._pending.values():
-            if op.rails is not None and rail in op.rails and not op.event.is_set():
+            if op.rails is None or rail not in op.rails or op.event.is_set():
+                continue
+            if op.alts - down:  # another NIC still reaches the peer: move the work there
                 op.failover = True
                 op.event.set()
                 woken += 1
+            # else: nothing to move to; the requests wait in the transport for a link
         self._log.warning("link down: NIC out of rotation", nic=name, operations_moved=woken)
 
     def _on_message(self, rail: int, slot: int, length: int, status: int) -> None:
@@ -748,14 +753,14 @@ class Engine:
         rails = table["rail"]
         end = _end(timeout)
         if len(table) == 1 or bool((rails == rails[0]).all()):
-            if await self._run_table(table, refs, timeout, what, {int(rails[0])}):
+            if await self._run_table(table, refs, timeout, what, {int(rails[0])}, path):
                 await self._run(self._reroute(table, path), refs, _left(end), what, path)
             return
         errors: list[BaseException] = []
 
         async def one(sub: np.ndarray, rail: int) -> None:
             try:
-                if await self._run_table(sub, refs, _left(end), what, {rail}):
+                if await self._run_table(sub, refs, _left(end), what, {rail}, path):
                     await self._run(self._reroute(sub, path), refs, _left(end), what, path)
             except Exception as exc:
                 errors.append(exc)
@@ -767,7 +772,13 @@ class Engine:
             raise errors[0]
 
     async def _run_table(
-        self, table: np.ndarray, refs: Any, timeout: float | None, what: str, rails: set[int] | None = None
+        self,
+        table: np.ndarray,
+        refs: Any,
+        timeout: float | None,
+        what: str,
+        rails: set[int] | None = None,
+        path: Any = None,
     ) -> bool:
         ptr = ffi.cast("aio_op_desc*", ffi.from_buffer(table))
         n = len(table)
@@ -776,7 +787,7 @@ class Engine:
         def post(h: Any, g: int, posted: int) -> int:
             return int(lib.aio_post(h, g, ptr + posted, n - posted, budget))
 
-        return await self._run_group(post, n, (refs, table), timeout, what, rails)
+        return await self._run_group(post, n, (refs, table), timeout, what, rails, path)
 
     def _reroute(self, table: np.ndarray, full: Any) -> np.ndarray:
         """The rows of ``table`` moved to the live routes of ``full`` (same remote region:
@@ -803,6 +814,7 @@ class Engine:
         timeout: float | None,
         what: str,
         rails: set[int] | None = None,
+        path: Any = None,
     ) -> bool:
         """The life of one group of ``n`` work requests: open it (waiting while every group
         slot is in flight), post through ``post(handle, group, posted_so_far)`` (returns how
@@ -820,6 +832,8 @@ class Engine:
         h = self._check_open()
         op = _Op(refs, self._event())
         op.rails = rails
+        if path is not None:
+            op.alts = frozenset(h[0] for h in path)
         token = next(self._tokens)
         g = lib.aio_group_open(h, token)
         attempt = 0
@@ -1126,7 +1140,7 @@ class Engine:
         """One attempt of a paged write: the pages as one group, moved to the NICs still up
         when one loses its link, then the deferred credit."""
         page_size, src_stride, dst_stride, src_offset, dst_offset, first = geometry
-        if await self._run_group(post, n, refs, timeout, what, rails if len(full) > 1 else None):
+        if await self._run_group(post, n, refs, timeout, what, rails if len(full) > 1 else None, full):
             # a NIC lost its link: the pages went as one group over every NIC, so all of them
             # are written again over the NICs still up (the same bytes; the credit follows)
             live = self._router.live(full)

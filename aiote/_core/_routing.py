@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._descriptor import EngineAddress, _RemoteKey
-from ._errors import InvalidArgument, PeerUnreachable
+from ._errors import InvalidArgument
 
 __all__ = ["DomainGroup", "Route", "Router", "addr_ends"]
 
@@ -135,16 +135,13 @@ class Router:
         return p
 
     def live(self, path: tuple[_Hop, ...]) -> tuple[_Hop, ...]:
-        """The routes of ``path`` whose local NIC is in rotation; PeerUnreachable if none."""
+        """The routes of ``path`` whose local NIC is in rotation. When every one is down, all
+        of them: work is then posted anyway and waits in the transport for a link to come
+        back (bounded by the operation's deadline)."""
         if not self.down:
             return path
         out = tuple(h for h in path if h[0] not in self.down)
-        if not out:
-            names = ", ".join(self._domains[h[0]] for h in path)
-            exc = PeerUnreachable(f"every NIC that reaches this peer is down ({names})", 0, 0)
-            exc._final = True  # type: ignore[attr-defined]  # links come back on their own time
-            raise exc
-        return out
+        return out or path
 
     def start(self, path: tuple[_Hop, ...]) -> int:
         """Round-robin start index for the next transfer on ``path``."""
