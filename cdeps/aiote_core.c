@@ -440,6 +440,38 @@ int aio_counter_take(aio_engine *e, uint32_t imm, uint64_t units) {
     return ok;
 }
 
+int aio_counter_release(aio_engine *e, uint32_t imm) {
+    pthread_mutex_lock(&e->cnt_mu);
+    cslot *s = counter_find(e, imm, 0);
+    if (!s) {
+        pthread_mutex_unlock(&e->cnt_mu);
+        return 0;
+    }
+    if (s->want) {
+        pthread_mutex_unlock(&e->cnt_mu);
+        return -FI_EBUSY;
+    }
+    /* linear probing: delete by shifting later entries of the cluster back */
+    uint32_t mask = e->ccap - 1;
+    uint32_t i = (uint32_t)(s - e->cslots);
+    uint32_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (!e->cslots[j].used) break;
+        uint32_t home = hash32(e->cslots[j].imm) & mask;
+        /* entry j may move to i if its home is not cyclically in (i, j] */
+        int in_range = (i <= j) ? (home > i && home <= j) : (home > i || home <= j);
+        if (!in_range) {
+            e->cslots[i] = e->cslots[j];
+            i = j;
+        }
+    }
+    memset(&e->cslots[i], 0, sizeof(cslot));
+    e->cused--;
+    pthread_mutex_unlock(&e->cnt_mu);
+    return 1;
+}
+
 int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units) {
     int ready = 0;
     pthread_mutex_lock(&e->cnt_mu);

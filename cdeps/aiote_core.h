@@ -221,6 +221,9 @@ int aio_counter_take(aio_engine *e, uint32_t imm, uint64_t units);
  * Returns 1 (and arms nothing) if that already holds. */
 int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units);
 void aio_counter_refund(aio_engine *e, uint32_t imm, uint64_t units);
+/* Forgets a counter (its credits and totals): 1 removed, 0 there was none, -FI_EBUSY while
+ * a watch is armed. Credits arriving later start it again from zero. */
+int aio_counter_release(aio_engine *e, uint32_t imm);
 uint64_t aio_counter_available(aio_engine *e, uint32_t imm);
 uint64_t aio_counter_total(aio_engine *e, uint32_t imm);
 /* Adds units locally (loopback of the engine's own imm, used by tests and by

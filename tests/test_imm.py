@@ -274,3 +274,28 @@ async def test_imm_full_32_bit_range(aiote_engine_pair) -> None:
     # no aliasing between neighbouring values
     assert b.imm_counter(2**32 - 2).total == 0
     assert b.imm_counter(1).total == 0
+
+
+async def test_release_forgets_a_counter(aiote_engine_pair) -> None:
+    a, b = aiote_engine_pair
+    md = await b.register(np.zeros(64, np.uint8))
+    for imm in range(1000, 1100):
+        await a.write_imm(md.descriptor, imm)
+    for imm in range(1000, 1100):
+        c = b.imm_counter(imm)
+        await c.wait(1, timeout=10)
+        assert c.total == 1
+        c.release()
+        assert b.imm_counter(imm).total == 0  # a new counter, from zero
+        b.imm_counter(imm).release()
+    # a waiter blocks release; once it is gone (cancelled) release works
+    c = b.imm_counter(7)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(c.wait, 1)
+        await anyio.wait_all_tasks_blocked()
+        with pytest.raises(aiote.InvalidArgument):
+            c.release()
+        tg.cancel_scope.cancel()
+    c.release()
+    await a.write_imm(md.descriptor, 7)
+    await b.imm_counter(7).wait(1, timeout=10)

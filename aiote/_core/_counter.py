@@ -95,6 +95,20 @@ class ImmCounter:
         if not w.granted:
             raise EngineClosed("the engine closed while waiting for credits")
 
+    def release(self) -> None:
+        """Forgets this counter: its credits and totals, in C and in the engine (an
+        application that names each request by its own immediate releases the request's
+        counters when it is done, so that the table does not grow). Credits that arrive later
+        start the counter again from zero. Raises :class:`~aiote.InvalidArgument` while tasks
+        wait on it. O(1)."""
+        if self._waiters:
+            raise InvalidArgument(f"{len(self._waiters)} tasks are waiting on imm {self.imm}; release it after")
+        h = self._engine._handle()
+        lib.aio_counter_watch(h, self.imm, 0)  # clears a watch that a cancelled waiter left armed
+        lib.aio_counter_release(h, self.imm)
+        if self._engine._counters.get(self.imm) is self:
+            del self._engine._counters[self.imm]
+
     def _serve(self) -> None:
         """Grants credits to waiters in order; arms the C watch for the first unserved one."""
         if self._engine._closed:

@@ -415,6 +415,25 @@ static int t_counters(fix_t *f) {
     return 0;
 }
 
+/* Releasing counters: many imms created and released keep the table consistent (probe
+ * chains survive deletions), and a released counter starts again from zero. */
+static int t_counter_release(fix_t *f) {
+    eng_t *b = &f->b;
+    for (uint32_t k = 0; k < 5000; k++) aio_counter_add(b->e, 0x700000 + k * 7919u, AIO_CREDIT_UNIT * (k % 5 + 1));
+    for (uint32_t k = 0; k < 5000; k += 2) CHECK(aio_counter_release(b->e, 0x700000 + k * 7919u) == 1, "release %u", k);
+    for (uint32_t k = 0; k < 5000; k++) {
+        uint64_t want = (k % 2) ? AIO_CREDIT_UNIT * (k % 5 + 1) : 0;
+        CHECK(aio_counter_available(b->e, 0x700000 + k * 7919u) == want, "counter %u after releases", k);
+    }
+    CHECK(aio_counter_release(b->e, 0x7fffffff) == 0, "releasing an unknown counter");
+    CHECK(aio_counter_watch(b->e, 0x700001, AIO_CREDIT_UNIT) == 0, "watch");
+    CHECK(aio_counter_release(b->e, 0x700001) == -FI_EBUSY, "released a watched counter");
+    aio_counter_add(b->e, 0x700001, AIO_CREDIT_UNIT);
+    pump(b);
+    for (uint32_t k = 1; k < 5000; k += 2) aio_counter_release(b->e, 0x700000 + k * 7919u);
+    return 0;
+}
+
 static int t_read(fix_t *f) {
     eng_t *a = &f->a, *b = &f->b;
     static const uint64_t sizes[] = {1, 4097, MiB + 3, 4 * MiB};
@@ -1141,6 +1160,7 @@ typedef struct test {
 static const test_t TESTS[] = {
     {"write_sizes", t_write_sizes},   {"zero_byte_imm", t_zero_byte_imm},
     {"weight", t_weight},             {"counters", t_counters},
+    {"counter_release", t_counter_release},
     {"read", t_read},                 {"sendrecv", t_sendrecv},
     {"batch10k", t_batch10k},         {"group_race", t_group_race},
     {"post_invalid", t_post_invalid}, {"paged", t_paged},
