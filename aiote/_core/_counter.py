@@ -102,7 +102,8 @@ class ImmCounter:
         start the counter again from zero. Raises :class:`~aiote.InvalidArgument` while tasks
         wait on it. O(1)."""
         if self._waiters:
-            raise InvalidArgument(f"{len(self._waiters)} tasks are waiting on imm {self.imm}; release it after")
+            n = len(self._waiters)
+            raise InvalidArgument(f"{n} tasks are waiting on imm {self.imm}; release it after")
         h = self._engine._handle()
         lib.aio_counter_watch(h, self.imm, 0)  # clears a watch that a cancelled waiter left armed
         lib.aio_counter_release(h, self.imm)

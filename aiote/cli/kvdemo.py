@@ -1,0 +1,351 @@
+"""``aiote demo``: disaggregated prefill/decode with KV-cache transfer, layer by layer.
+
+One prefill process (this one) and decode worker processes on tcp loopback. A synthetic
+model computes each layer with NumPy, filling the request's KV pages with bytes derived from
+(request, layer, K/V, page); each layer goes out as one paged write as soon as it is
+computed. Halfway, one decoder leaves and a new one joins. Every decoder verifies every page
+of every request it receives. Prints a progress bar and a summary on stderr, and one JSON
+object as the last line of stdout; exits non-zero unless every finished request verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import numpy as np
+
+import aiote
+from aiote import kv
+
+SEED = 20251107
+
+
+def _block(layout: kv.KVLayout) -> np.ndarray:
+    return np.random.default_rng(SEED).integers(0, 256, layout.page_bytes, dtype=np.uint8)
+
+
+def _tag(rid: int, layer: int, k: int, i: int) -> int:
+    return (rid * 131 + layer * 7 + k * 3 + i * 13 + 1) % 256
+
+
+def compute_layer(req: kv.PrefillRequest, layer: int, block: np.ndarray) -> None:
+    """The synthetic model's layer: K and V of every page of the request."""
+    for k in (0, 1):
+        for i in range(len(req.pages)):
+            np.add(block, _tag(req.rid, layer, k, i), out=req.page(layer, k, i), casting="unsafe")
+
+
+def verify(req: kv.DecodeRequest, layout: kv.KVLayout, block: np.ndarray) -> bool:
+    want = np.empty_like(block)
+    for layer in range(layout.layers):
+        for k in (0, 1):
+            for i in range(len(req.pages)):
+                np.add(block, _tag(req.rid, layer, k, i), out=want, casting="unsafe")
+                if not np.array_equal(req.page(layer, k, i), want):
+                    return False
+    return True
+
+
+def _layout(args: argparse.Namespace) -> kv.KVLayout:
+    return kv.KVLayout(
+        layers=args.layers,
+        page_tokens=args.page_tokens,
+        token_bytes=args.token_bytes,
+        pool_pages=args.pool_pages,
+    )
+
+
+# ------------------------------------------------------------------ decode worker process
+
+
+async def decode_main(args: argparse.Namespace) -> None:
+    layout = _layout(args)
+    block = _block(layout)
+    prefill = bytes.fromhex(args.prefill)
+    done = {"verified": 0, "bad": 0, "failed": 0, "requests": 0}
+    async with aiote.open_engine(args.provider, same_host=None) as engine:
+        leave = anyio.Event()
+
+        async def watch_stdin() -> None:
+            stream = anyio.wrap_file(sys.stdin)
+            async for line in stream:
+                if line.strip() == "leave":
+                    break
+            leave.set()
+
+        async with kv.DecodeWorker(engine, layout, prefill, kv_timeout=args.kv_timeout) as worker:
+            sys.stdout.write("AIOTE_KV_DECODER\n")
+            sys.stdout.flush()
+
+            async def leave_on_request() -> None:
+                await leave.wait()
+                await worker.leave()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_stdin)
+                tg.start_soon(leave_on_request)
+                async for req in worker.requests():
+                    done["requests"] += 1
+                    if verify(req, layout, block):
+                        done["verified"] += 1
+                    else:
+                        done["bad"] += 1
+                    await req.release()
+                tg.cancel_scope.cancel()
+            done["failed"] = worker.failed
+        # leaving: the worker said bye and finished what was in flight
+    sys.stdout.write(json.dumps(done) + "\n")
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------ the prefill side
+
+
+class Decoder:
+    def __init__(self, proc: anyio.abc.Process, name: str) -> None:
+        self.proc = proc
+        self.name = name
+        self.summary: dict[str, Any] | None = None
+
+    async def leave(self) -> None:
+        assert self.proc.stdin is not None
+        await self.proc.stdin.send(b"leave\n")
+
+    async def finish(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        out = b""
+        with anyio.fail_after(120):
+            async for chunk in self.proc.stdout:
+                out += chunk
+            await self.proc.wait()
+        lines = [ln for ln in out.decode().splitlines() if ln.startswith("{")]
+        self.summary = (
+            json.loads(lines[-1]) if lines else {"verified": 0, "bad": 0, "failed": 0, "requests": 0}
+        )
+        self.summary["exit"] = self.proc.returncode
+        return self.summary
+
+
+async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> Decoder:
+    cmd = [
+        sys.executable,
+        "-m",
+        "aiote.cli.kvdemo",
+        "--role",
+        "decode",
+        "--prefill",
+        prefill.hex(),
+        "--provider",
+        args.provider,
+        "--backend",
+        args.backend,
+        "--layers",
+        str(args.layers),
+        "--page-tokens",
+        str(args.page_tokens),
+        "--token-bytes",
+        str(args.token_bytes),
+        "--pool-pages",
+        str(args.pool_pages),
+        "--kv-timeout",
+        str(args.kv_timeout),
+    ]
+    proc = await anyio.open_process(cmd, stdin=-1, stdout=-1, stderr=None)
+    assert proc.stdout is not None
+    buf = b""
+    with anyio.fail_after(60):
+        while b"AIOTE_KV_DECODER" not in buf:
+            chunk = await proc.stdout.receive()
+            buf += chunk
+    return Decoder(proc, name)
+
+
+class Progress:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.failed = 0
+        self.tty = sys.stderr.isatty()
+        self.events: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.events.append(text)
+        sys.stderr.write(("\n" if self.tty else "") + f"[demo] {text}\n")
+        self.draw()
+
+    def step(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += 0 if ok else 1
+        if self.tty or self.done % 8 == 0 or self.done == self.total:
+            self.draw()
+
+    def draw(self) -> None:
+        width = 40
+        filled = width * self.done // self.total
+        bar = "#" * filled + "." * (width - filled)
+        line = f"[{bar}] {self.done}/{self.total} requests, {self.failed} failed"
+        sys.stderr.write(("\r" + line) if self.tty else line + "\n")
+        if self.tty and self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+async def prefill_main(args: argparse.Namespace) -> int:
+    layout = _layout(args)
+    block = _block(layout)
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(args.min_tokens, args.max_tokens + 1, size=args.requests).tolist()
+    progress = Progress(args.requests)
+    records: list[dict[str, Any]] = []
+    failed = 0
+    async with (
+        aiote.open_engine(args.provider, same_host=None) as engine,
+        kv.PrefillServer(engine, layout, policy=kv.LeastLoaded()) as prefill,
+    ):
+        decoders = [await spawn_decoder(args, engine.address, f"decoder-{i + 1}") for i in range(2)]
+        await prefill.wait_for_decoders(2, timeout=60)
+        progress.note(f"prefill and {len(decoders)} decode workers up ({engine.rails[0].provider} on lo)")
+        sem = anyio.Semaphore(args.concurrency)
+        t0 = time.monotonic()
+        started = 0
+
+        async def one(tokens: int) -> None:
+            nonlocal failed
+            async with sem:
+                try:
+                    req = await prefill.start(tokens, timeout=60)
+                    first = time.monotonic()
+                    for layer in range(layout.layers):
+                        compute_layer(req, layer, block)
+                        if args.layer_ms:
+                            await anyio.sleep(args.layer_ms / 1000)
+                        await req.send_layer(layer)
+                    await req.finish(timeout=120)
+                    done_at = await req.wait_kv_complete(timeout=120)
+                except kv.RequestFailed as exc:
+                    failed += 1
+                    progress.note(f"request failed: {exc}")
+                    progress.step(False)
+                    return
+            assert req.last_layer_at is not None
+            records.append(
+                {
+                    "rid": req.rid,
+                    "tokens": tokens,
+                    "bytes": layout.layers * 2 * len(req.pages) * layout.page_bytes,
+                    "transfer_ms": (done_at - first) * 1000,
+                    "tail_ms": (done_at - req.last_layer_at) * 1000,
+                    "decoder": req.decoder.address.hex()[-8:],
+                }
+            )
+            progress.step(True)
+
+        async with anyio.create_task_group() as tg:
+            for tokens in lengths:
+                if started == args.requests // 2:
+                    # halfway: one decoder leaves (it finishes what it holds), a new one joins
+                    await decoders[0].leave()
+                    progress.note("decoder-1 leaving; decoder-3 joining")
+                    decoders.append(await spawn_decoder(args, engine.address, "decoder-3"))
+                    await prefill.wait_for_decoders(2, timeout=60)
+                tg.start_soon(one, int(tokens))
+                started += 1
+                await anyio.lowlevel.checkpoint()
+        wall = time.monotonic() - t0
+        for d in decoders[1:]:
+            await d.leave()
+        summaries = [await d.finish() for d in decoders]
+    verified_requests = sum(s.get("verified", 0) for s in summaries)
+    bad = sum(s.get("bad", 0) for s in summaries)
+    kv_bytes = sum(r["bytes"] for r in records)
+    ok = bad == 0 and failed == 0 and verified_requests == len(records) == args.requests
+    transfer = sorted(r["transfer_ms"] for r in records) or [0.0]
+    tail = sorted(r["tail_ms"] for r in records) or [0.0]
+
+    def pct(v: list[float], q: float) -> float:
+        return round(v[min(len(v) - 1, int(q * len(v)))], 2)
+
+    sys.stderr.write("\n  decoder     requests  verified  bad  exit\n")
+    for d in decoders:
+        s = d.summary or {}
+        sys.stderr.write(
+            f"  {d.name:10} {s.get('requests', 0):9} {s.get('verified', 0):9} {s.get('bad', 0):4} "
+            f"{s.get('exit')!s:>5}\n"
+        )
+    sys.stderr.write(
+        f"  {len(records)} requests, {kv_bytes / 1e9:.2f} GB of KV in {wall:.2f} s "
+        f"({kv_bytes / wall / 1e9:.2f} GB/s); transfer p50 {pct(transfer, 0.5)} ms, "
+        f"p99 {pct(transfer, 0.99)} ms; "
+        f"tail p50 {pct(tail, 0.5)} ms; {'every page verified' if ok else 'VERIFICATION FAILED'}\n"
+    )
+    result = {
+        "requests": args.requests,
+        "finished": len(records),
+        "verified": ok,
+        "failed": failed,
+        "bad": bad,
+        "kv_bytes": kv_bytes,
+        "seconds": round(wall, 3),
+        "throughput_gbps": round(kv_bytes / wall / 1e9, 3),
+        "transfer_ms_p50": pct(transfer, 0.5),
+        "transfer_ms_p99": pct(transfer, 0.99),
+        "tail_ms_p50": round(statistics.median(tail), 2),
+        "layers": layout.layers,
+        "page_bytes": layout.page_bytes,
+        "decoders": [d.summary for d in decoders],
+        "events": progress.events,
+        "provider": "tcp",
+        "backend": args.backend,
+    }
+    print(json.dumps(result))
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------ command line
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The demo's command-line options."""
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--min-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--page-tokens", type=int, default=16)
+    ap.add_argument(
+        "--token-bytes", type=int, default=8 * 128 * 2, help="per token per layer, K (V the same)"
+    )
+    ap.add_argument("--pool-pages", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=4, help="requests in prefill at once")
+    ap.add_argument("--layer-ms", type=float, default=0.0, help="extra compute time per layer")
+    ap.add_argument("--kv-timeout", type=float, default=60.0)
+    ap.add_argument("--provider", default="tcp", help="libfabric provider (default tcp on lo)")
+    ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    ap.add_argument("--role", default="prefill", choices=["prefill", "decode"], help=argparse.SUPPRESS)
+    ap.add_argument("--prefill", help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the demo (or, with ``--role decode``, one decode worker process)."""
+    if args.requests < 2 or args.min_tokens < 1 or args.max_tokens < args.min_tokens:
+        raise SystemExit("--requests must be >= 2 and 1 <= --min-tokens <= --max-tokens")
+    if args.role == "decode":
+        anyio.run(decode_main, args, backend=args.backend)
+        return 0
+    code: int = anyio.run(prefill_main, args, backend=args.backend)
+    return code
+
+
+if __name__ == "__main__":
+    _ap = argparse.ArgumentParser(prog="aiote-kvdemo")
+    add_arguments(_ap)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main(_ap.parse_args()))

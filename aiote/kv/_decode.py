@@ -1,0 +1,364 @@
+"""The decode side of the KV flow: admits requests into its own pool, tells the prefill side
+where to write, and hands out requests whose KV has fully arrived."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import nullcontext
+from types import TracebackType
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from .._core._descriptor import EngineAddress
+from .._core._engine import Engine
+from .._core._errors import AioteError, EngineClosed, InvalidArgument, PeerUnreachable, TransferTimeout
+from .._core._log import get_logger
+from .._core._memory import MemoryRegion
+from . import _proto
+from ._layout import KVLayout, PageAllocator
+
+__all__ = ["DecodeRequest", "DecodeWorker", "RequestFailed"]
+
+_log = get_logger(component="kv.decode")
+
+
+class RequestFailed(AioteError):
+    """A KV request did not complete: cancelled, timed out, or its peer is gone."""
+
+
+class DecodeRequest:
+    """A request admitted by a :class:`DecodeWorker`: its pages in the worker's pool, and
+    per-layer readiness. Obtained from :meth:`DecodeWorker.next_request` once every layer
+    arrived (or from :meth:`DecodeWorker.admitted` to start layer by layer)."""
+
+    def __init__(self, worker: DecodeWorker, rid: int, seq: int, tokens: int, pages: np.ndarray) -> None:
+        self._w = worker
+        self.rid = rid
+        self.seq = seq
+        self.tokens = tokens
+        self.pages = pages
+        self.admitted_at = time.monotonic()
+        self.ready_at: float | None = None
+        self._layers = [anyio.Event() for _ in range(worker.layout.layers)]
+        self._ready = anyio.Event()
+        self.error: BaseException | None = None
+        self._released_by_prefill = False
+        self._done_by_user = False
+        self._freed = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether every layer has arrived."""
+        return self._ready.is_set() and self.error is None
+
+    async def layer_ready(self, layer: int, *, timeout: float | None = None) -> None:
+        """Waits until layer ``layer`` (K and V, every page) has arrived. Raises
+        :class:`RequestFailed` if the request failed, :class:`~aiote.TransferTimeout`."""
+        if not 0 <= layer < len(self._layers):
+            raise InvalidArgument(f"layer {layer} is out of range")
+        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+            await self._layers[layer].wait()
+        if self.error is not None and not self._layers[layer].is_set():
+            raise RequestFailed(f"request {self.rid}: {self.error}")
+
+    async def wait_ready(self, *, timeout: float | None = None) -> None:
+        """Waits until every layer arrived; raises :class:`RequestFailed` if it failed."""
+        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+            await self._ready.wait()
+        if self.error is not None:
+            raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
+
+    def page(self, layer: int, kv: int, i: int) -> np.ndarray:
+        """The bytes of the request's ``i``-th page of layer ``layer`` (``kv`` 0: K, 1: V)."""
+        return self._w.layout.page(self._w.pool, layer, kv, int(self.pages[i]))
+
+    async def release(self) -> None:
+        """Done with the request: its pages go back to the pool as soon as the prefill side
+        has confirmed that none of its writes can still land (at once when it already has)."""
+        self._done_by_user = True
+        self._w._maybe_free(self)
+        await anyio.lowlevel.checkpoint()
+
+    async def cancel(self) -> None:
+        """Cancels the request: the prefill side stops writing it, and its pages are freed
+        once every write it had posted has completed (no late write can land in them)."""
+        if self.error is None:
+            self.error = RequestFailed("cancelled by the decode side")
+        self._done_by_user = True
+        self._wake_all()
+        await self._w._tell_prefill(_proto.encode("cancel", rid=self.rid))
+        self._w._maybe_free(self)
+
+    def _wake_all(self) -> None:
+        for ev in self._layers:
+            ev.set()
+        self._ready.set()
+
+
+class DecodeWorker:
+    """A decode worker: joins a prefill server, admits the requests it routes here into
+    pages of this worker's pool, and yields them once their KV has fully arrived.
+
+    ``pool``: a NumPy array of ``layout.pool_bytes`` bytes (registered here), or None for a
+    new one. ``kv_timeout``: how long a request's KV may take from admission; after that the
+    request fails and is cancelled at the prefill side. ``capacity``: how many requests it
+    admits at once (pages permitting).
+
+    The worker owns the engine's messages (``recv``) while it runs. Leaving (the end of its
+    ``async with``) tells the prefill side, which routes no new request here; requests in
+    flight are finished first (bounded by ``drain_timeout``).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        layout: KVLayout,
+        prefill: bytes,
+        *,
+        pool: np.ndarray | None = None,
+        kv_timeout: float = 60.0,
+        capacity: int = 1 << 20,
+        drain_timeout: float = 60.0,
+    ) -> None:
+        EngineAddress.from_bytes(prefill)  # DescriptorError early
+        self.engine = engine
+        self.layout = layout
+        self.prefill = prefill
+        self.pool = layout.new_pool() if pool is None else pool
+        if self.pool.nbytes != layout.pool_bytes:
+            raise InvalidArgument(
+                f"the pool has {self.pool.nbytes} B; the layout needs {layout.pool_bytes} B"
+            )
+        self.kv_timeout = kv_timeout
+        self.capacity = capacity
+        self.drain_timeout = drain_timeout
+        self._alloc = PageAllocator(layout.pool_pages)
+        self._seq = itertools.count(1)
+        self._requests: dict[int, DecodeRequest] = {}
+        self._admitted: deque[DecodeRequest] = deque()
+        self._admitted_ev = anyio.Event()
+        self._ready: deque[DecodeRequest] = deque()
+        self._ready_ev = anyio.Event()
+        self._mr: MemoryRegion | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._prefill_gone = False
+        self._leaving = False
+        self._drained = anyio.Event()
+        self.completed = 0
+        self.failed = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> DecodeWorker:
+        self._mr = await self.engine.register(self.pool)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._serve)
+        await self._tell_prefill(
+            _proto.encode("hello", pool=bytes(self._mr.descriptor).hex(), layout=self.layout.to_dict())
+        )
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.leave()
+                with anyio.move_on_after(self.drain_timeout):
+                    while self._requests:
+                        ev = self._drained = anyio.Event()
+                        await ev.wait()
+        finally:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+        return None
+
+    # ------------------------------------------------------------------ the application side
+
+    async def next_request(self, *, timeout: float | None = None) -> DecodeRequest:
+        """The next request whose KV has fully arrived (in arrival order)."""
+        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+            while not self._ready:
+                ev = self._ready_ev
+                await ev.wait()
+        return self._ready.popleft()
+
+    async def requests(self) -> AsyncIterator[DecodeRequest]:
+        """Every request whose KV has fully arrived, in arrival order; ends once the worker
+        is leaving (:meth:`leave`) and every request it had admitted has been handed out."""
+        while True:
+            while not self._ready:
+                if self._leaving and not any(not r._ready.is_set() for r in self._requests.values()):
+                    return
+                ev = self._ready_ev
+                await ev.wait()
+            yield self._ready.popleft()
+
+    async def leave(self) -> None:
+        """Tells the prefill side that this worker takes no new request (requests already
+        admitted still arrive and are handed out). Leaving the ``async with`` does it too."""
+        if not self._leaving:
+            self._leaving = True
+            self._ready_ev.set()
+            self._ready_ev = anyio.Event()
+            await self._tell_prefill(_proto.encode("bye"))
+
+    async def admitted(self, *, timeout: float | None = None) -> DecodeRequest:
+        """The next admitted request, as soon as it is admitted (to start layer by layer with
+        :meth:`DecodeRequest.layer_ready`). Requests taken here are not also returned by
+        :meth:`next_request`."""
+        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+            while not self._admitted:
+                await self._admitted_ev.wait()
+        r = self._admitted.popleft()
+        r._taken_early = True  # type: ignore[attr-defined]
+        return r
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet freed."""
+        return sum(1 for r in self._requests.values() if not r._freed)
+
+    @property
+    def free_pages(self) -> int:
+        return self._alloc.free
+
+    # ------------------------------------------------------------------ internals
+
+    async def _tell_prefill(self, payload: bytes) -> None:
+        if self._prefill_gone:
+            return
+        try:
+            await self.engine.send(self.prefill, payload, timeout=30)
+        except (PeerUnreachable, TransferTimeout) as exc:
+            self._on_prefill_gone(exc)
+        except EngineClosed:
+            pass
+
+    def _on_prefill_gone(self, exc: BaseException) -> None:
+        """The prefill process is gone: its connections are reset, so none of its writes can
+        land any more; every request still waiting fails and its pages are free again."""
+        if self._prefill_gone:
+            return
+        self._prefill_gone = True
+        _log.warning("prefill side unreachable; failing its requests", error=str(exc))
+        for r in list(self._requests.values()):
+            if not r._ready.is_set():
+                r.error = RequestFailed(f"the prefill side is gone: {exc}")
+                r._wake_all()
+            r._released_by_prefill = True
+            if r.error is not None:
+                r._done_by_user = True
+            self._maybe_free(r)
+
+    def _wake_readers(self) -> None:
+        self._ready_ev.set()
+        self._ready_ev = anyio.Event()
+
+    def _maybe_free(self, r: DecodeRequest) -> None:
+        if r._freed or not (r._released_by_prefill and r._done_by_user):
+            return
+        r._freed = True
+        self._alloc.give(r.pages)
+        for layer in range(self.layout.layers):
+            c = self.engine.imm_counter(_proto.layer_imm(r.seq, layer))
+            if not c._waiters:
+                c.release()
+        self._requests.pop(r.rid, None)
+        if not self._requests:
+            self._drained.set()
+        self._wake_readers()
+
+    async def _serve(self) -> None:
+        assert self._tg is not None
+        while True:
+            try:
+                sender, payload = await self.engine.recv()
+            except EngineClosed:
+                return
+            msg = _proto.decode(payload)
+            if msg is None or sender != self.prefill:
+                continue
+            t = msg["t"]
+            if t == "admit":
+                await self._admit(int(msg["rid"]), int(msg["tokens"]))
+            elif t == "released":
+                r = self._requests.get(int(msg["rid"]))
+                if r is not None:
+                    r._released_by_prefill = True
+                    if not msg.get("ok", True) and not r._ready.is_set():
+                        r.error = r.error or RequestFailed(msg.get("why", "failed at the prefill side"))
+                        r._done_by_user = True
+                        r._wake_all()
+                    self._maybe_free(r)
+            elif t == "cancel":
+                r = self._requests.get(int(msg["rid"]))
+                if r is not None and not r._ready.is_set():
+                    r.error = RequestFailed("cancelled by the prefill side")
+                    r._done_by_user = True
+                    r._wake_all()
+                    self._maybe_free(r)
+
+    async def _admit(self, rid: int, tokens: int) -> None:
+        assert self._tg is not None
+        n = self.layout.pages_for(tokens)
+        if self._leaving:
+            await self._tell_prefill(_proto.encode("reject", rid=rid, why="leaving"))
+            return
+        pages = self._alloc.take(n) if self.in_flight < self.capacity else None
+        if pages is None:
+            await self._tell_prefill(_proto.encode("reject", rid=rid, why=f"no room for {n} pages"))
+            return
+        seq = next(self._seq) & 0xFFFFFF
+        r = DecodeRequest(self, rid, seq, tokens, pages)
+        self._requests[rid] = r
+        self._admitted.append(r)
+        self._admitted_ev.set()
+        self._admitted_ev = anyio.Event()
+        self._tg.start_soon(self._watch, r)
+        await self._tell_prefill(_proto.encode("pages", rid=rid, imm=seq, pages=pages.tolist()))
+
+    async def _watch(self, r: DecodeRequest) -> None:
+        """Waits for every layer of ``r`` (one credit per page of K and of V), layer by layer."""
+        per_layer = 2 * len(r.pages)
+        deadline = r.admitted_at + self.kv_timeout
+        try:
+            for layer in range(self.layout.layers):
+                if r.error is not None:
+                    return
+                c = self.engine.imm_counter(_proto.layer_imm(r.seq, layer))
+                with anyio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
+                    await c.wait(per_layer)
+                if scope.cancelled_caught:
+                    raise TransferTimeout(
+                        f"layer {layer} did not arrive within kv_timeout={self.kv_timeout:g} s"
+                    )
+                r._layers[layer].set()
+        except (TransferTimeout, EngineClosed) as exc:
+            if r.error is None:
+                r.error = RequestFailed(f"request {r.rid}: {exc}")
+                self.failed += 1
+                r._wake_all()
+                r._done_by_user = True
+                await self._tell_prefill(_proto.encode("cancel", rid=r.rid))
+                self._maybe_free(r)
+            return
+        if r.error is not None:
+            return
+        r.ready_at = time.monotonic()
+        r._ready.set()
+        self.completed += 1
+        if not getattr(r, "_taken_early", False):
+            if r in self._admitted:
+                self._admitted.remove(r)
+            self._ready.append(r)
+            self._ready_ev.set()
+            self._ready_ev = anyio.Event()
+        await self._tell_prefill(_proto.encode("ready", rid=r.rid, at=r.ready_at))

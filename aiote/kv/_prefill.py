@@ -1,0 +1,407 @@
+"""The prefill side of the KV flow: routes requests to live decode workers, and streams each
+computed layer of a request to its decoder as one paged write."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from .._core._descriptor import MemoryDescriptor
+from .._core._engine import Engine
+from .._core._errors import EngineClosed, InvalidArgument, PeerUnreachable, TransferTimeout
+from .._core._log import get_logger
+from .._core._memory import MemoryRegion
+from . import _proto
+from ._decode import RequestFailed
+from ._layout import KVLayout, PageAllocator
+
+__all__ = ["DecoderInfo", "LeastLoaded", "PrefillRequest", "PrefillServer", "RoundRobin", "RoutingPolicy"]
+
+_log = get_logger(component="kv.prefill")
+
+
+@dataclass
+class DecoderInfo:
+    """A decode worker as the prefill side sees it."""
+
+    address: bytes
+    desc: MemoryDescriptor
+    joined_at: float
+    in_flight: set[int] = field(default_factory=set)
+    leaving: bool = False
+    dead: bool = False
+    served: int = 0
+
+    @property
+    def live(self) -> bool:
+        """Whether new requests may be routed to it."""
+        return not (self.leaving or self.dead)
+
+
+RoutingPolicy = Callable[[Sequence[DecoderInfo]], DecoderInfo]
+"""Picks the decoder of a new request among the live ones (never empty)."""
+
+
+class RoundRobin:
+    """Routing policy: each live decoder in turn."""
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def __call__(self, live: Sequence[DecoderInfo]) -> DecoderInfo:
+        d = live[self._n % len(live)]
+        self._n += 1
+        return d
+
+
+class LeastLoaded:
+    """Routing policy: the live decoder with the fewest requests in flight."""
+
+    def __call__(self, live: Sequence[DecoderInfo]) -> DecoderInfo:
+        return min(live, key=lambda d: (len(d.in_flight), d.served))
+
+
+class PrefillRequest:
+    """One request on the prefill side: its pages in the prefill pool (compute the KV into
+    them), its decoder, and the layer writes. Obtained from :meth:`PrefillServer.start`."""
+
+    def __init__(
+        self, server: PrefillServer, rid: int, tokens: int, pages: np.ndarray, decoder: DecoderInfo
+    ) -> None:
+        self._s = server
+        self.rid = rid
+        self.tokens = tokens
+        self.pages = pages  # in the prefill pool
+        self.decoder = decoder
+        self.dst_pages: np.ndarray | None = None
+        self.seq = 0
+        self.started_at = time.monotonic()
+        self.granted_at: float | None = None
+        self.last_layer_at: float | None = None
+        self.kv_complete_at: float | None = None  # reported by the decoder
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._granted = anyio.Event()
+        self._writes = 0
+        self._writes_done = anyio.Event()
+        self._writes_done.set()
+        self._released = False
+        self._sent_layers = 0
+        self.kv_complete = anyio.Event()
+
+    def page(self, layer: int, kv: int, i: int) -> np.ndarray:
+        """The bytes of the request's ``i``-th page of layer ``layer`` in the prefill pool."""
+        return self._s.layout.page(self._s.pool, layer, kv, int(self.pages[i]))
+
+    async def send_layer(self, layer: int) -> None:
+        """Streams layer ``layer`` (K and V of every page of the request) to the decoder as
+        one paged write, and returns once it is posted: the transfer overlaps whatever the
+        caller computes next. Raises :class:`RequestFailed` if the request already failed or
+        was cancelled (its pages must not be written any more)."""
+        if self.error is not None:
+            raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
+        if not 0 <= layer < self._s.layout.layers:
+            raise InvalidArgument(f"layer {layer} is out of range")
+        assert self.dst_pages is not None and self._s._tg is not None
+        if layer == self._s.layout.layers - 1:
+            self.last_layer_at = time.monotonic()
+        self._writes += 1
+        self._writes_done = anyio.Event()
+        self._s._tg.start_soon(self._write_layer, layer)
+        await anyio.lowlevel.checkpoint()  # let the write post before the caller computes on
+
+    async def _write_layer(self, layer: int) -> None:
+        s = self._s
+        lay = s.layout
+        assert self.dst_pages is not None and s._mr is not None
+        try:
+            if self.error is None:
+                await s.engine.write_paged(
+                    s._mr,
+                    self.decoder.desc,
+                    page_size=lay.page_bytes,
+                    src_pages=lay.layer_indices(self.pages),
+                    dst_pages=lay.layer_indices(self.dst_pages),
+                    src_offset=layer * lay.layer_bytes,
+                    dst_offset=layer * lay.layer_bytes,
+                    imm=_proto.layer_imm(self.seq, layer),
+                    timeout=s.write_timeout,
+                )
+                self._sent_layers += 1
+        except PeerUnreachable as exc:
+            s._decoder_dead(self.decoder, exc)
+        except Exception as exc:  # recorded: finish() raises it
+            if self.error is None:
+                self.error = exc
+        finally:
+            self._writes -= 1
+            if self._writes == 0:
+                self._writes_done.set()
+                if self.error is not None:
+                    await s._release(self, ok=False)
+
+    async def finish(self, *, timeout: float | None = None) -> None:
+        """Waits until every layer write has completed (landed at the decoder), then tells
+        the decoder the request's pages can no longer be written. Raises
+        :class:`RequestFailed` if a write failed, the decoder left or died, or the request was
+        cancelled."""
+        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+            await self._writes_done.wait()
+        if self.error is not None:
+            raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
+        await self._s._release(self, ok=True)
+
+    async def wait_kv_complete(self, *, timeout: float | None = None) -> float:
+        """Waits for the decoder's report that the whole KV arrived; returns when it did
+        (``time.monotonic()`` of the decoder, the same clock on one host)."""
+        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+            await self.kv_complete.wait()
+        if self.error is not None and self.kv_complete_at is None:
+            raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
+        assert self.kv_complete_at is not None
+        return self.kv_complete_at
+
+    async def cancel(self) -> None:
+        """Cancels the request: no further layer is written; once the writes already posted
+        completed, the decoder is told its pages are free."""
+        self.cancelled = True
+        if self.error is None:
+            self.error = RequestFailed("cancelled by the prefill side")
+        with anyio.CancelScope(shield=True):
+            await self._writes_done.wait()
+            await self._s._release(self, ok=False)
+
+
+class PrefillServer:
+    """The prefill side: decode workers join it at run time (``DecodeWorker`` with this
+    server's ``engine.address``), and :meth:`start` routes each new request to a live one
+    with ``policy`` (:class:`RoundRobin` by default, or :class:`LeastLoaded`, or any callable).
+
+    ``pool``: a NumPy array of ``layout.pool_bytes`` bytes holding the prefill-side KV
+    (registered here), or None for a new one. ``write_timeout``: the deadline of each layer's
+    paged write; ``admit_timeout``: how long a decoder may take to answer an admission before
+    the request is routed to another one. The server owns the engine's messages while it
+    runs. A decoder that leaves gets no new request; one that dies fails its requests in
+    flight (:class:`RequestFailed`), and the others go on.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        layout: KVLayout,
+        *,
+        pool: np.ndarray | None = None,
+        policy: RoutingPolicy | None = None,
+        write_timeout: float = 60.0,
+        admit_timeout: float = 10.0,
+    ) -> None:
+        self.engine = engine
+        self.admit_timeout = admit_timeout
+        self.layout = layout
+        self.pool = layout.new_pool() if pool is None else pool
+        if self.pool.nbytes != layout.pool_bytes:
+            raise InvalidArgument(
+                f"the pool has {self.pool.nbytes} B; the layout needs {layout.pool_bytes} B"
+            )
+        self.policy: RoutingPolicy = policy if policy is not None else RoundRobin()
+        self.write_timeout = write_timeout
+        self.decoders: dict[bytes, DecoderInfo] = {}
+        self._alloc = PageAllocator(layout.pool_pages)
+        self._pages_freed = anyio.Event()
+        self._rids = itertools.count(1)
+        self._requests: dict[int, PrefillRequest] = {}
+        self._joined = anyio.Event()
+        self._mr: MemoryRegion | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> PrefillServer:
+        self._mr = await self.engine.register(self.pool, remote_write=False, remote_read=False)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._serve)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            for r in list(self._requests.values()):
+                await r._writes_done.wait()
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        return None
+
+    @property
+    def live_decoders(self) -> list[DecoderInfo]:
+        """Decoders new requests may go to."""
+        return [d for d in self.decoders.values() if d.live]
+
+    async def wait_for_decoders(self, n: int = 1, *, timeout: float | None = None) -> None:
+        """Waits until at least ``n`` decoders are live."""
+        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+            while len(self.live_decoders) < n:
+                await self._joined.wait()
+
+    async def start(self, tokens: int, *, timeout: float | None = 30.0) -> PrefillRequest:
+        """Admits a request of ``tokens`` tokens: takes pages in the prefill pool (waiting
+        for free ones), routes it to a live decoder, which allocates pages in its pool and
+        answers where to write. Tries the other decoders when one refuses (no room).
+        Raises :class:`RequestFailed` when no decoder could take it before ``timeout``."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise InvalidArgument(f"tokens must be an integer >= 1, not {tokens!r}")
+        n = self.layout.pages_for(tokens)
+        if n > self.layout.pool_pages:
+            raise InvalidArgument(f"{tokens} tokens need {n} pages; the pool has {self.layout.pool_pages}")
+        try:
+            with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+                pages = self._alloc.take(n)
+                while pages is None:
+                    ev = self._pages_freed
+                    await ev.wait()
+                    pages = self._alloc.take(n)
+                try:
+                    return await self._route(tokens, pages)
+                except BaseException:
+                    self._give(pages)
+                    raise
+        except TimeoutError:
+            raise RequestFailed(f"no decoder took a request of {tokens} tokens within {timeout} s") from None
+
+    async def _route(self, tokens: int, pages: np.ndarray) -> PrefillRequest:
+        while True:
+            live = self.live_decoders
+            while not live:
+                await self._joined.wait()
+                live = self.live_decoders
+            d = self.policy(live)
+            rid = next(self._rids)
+            r = PrefillRequest(self, rid, tokens, pages, d)
+            self._requests[rid] = r
+            d.in_flight.add(rid)
+            try:
+                await self.engine.send(d.address, _proto.encode("admit", rid=rid, tokens=tokens), timeout=10)
+            except (PeerUnreachable, TransferTimeout) as exc:
+                self._decoder_dead(d, exc)
+            with anyio.move_on_after(self.admit_timeout):
+                await r._granted.wait()
+            if not r._granted.is_set():  # the decoder does not answer: try another
+                r.error = RequestFailed("the decoder did not answer the admission")
+            if r.dst_pages is not None and r.error is None:
+                r.granted_at = time.monotonic()
+                return r
+            # refused (no room) or the decoder went away: forget this try, pick again
+            self._requests.pop(rid, None)
+            d.in_flight.discard(rid)
+            if isinstance(r.error, RequestFailed) and "no room" in str(r.error):
+                await anyio.sleep(0.005)
+
+    def _give(self, pages: np.ndarray) -> None:
+        self._alloc.give(pages)
+        self._pages_freed.set()
+        self._pages_freed = anyio.Event()
+
+    async def _release(self, r: PrefillRequest, *, ok: bool) -> None:
+        """Every write of ``r`` completed: the decoder may reuse its pages; ours go back."""
+        if r._released:
+            return
+        r._released = True
+        self._give(r.pages)
+        r.decoder.in_flight.discard(r.rid)
+        if r.dst_pages is not None and not r.decoder.dead:
+            try:
+                await self.engine.send(
+                    r.decoder.address, _proto.encode("released", rid=r.rid, ok=ok), timeout=10
+                )
+            except (PeerUnreachable, TransferTimeout) as exc:
+                self._decoder_dead(r.decoder, exc)
+            except EngineClosed:
+                pass
+        if r.decoder.leaving and not r.decoder.in_flight:
+            self.decoders.pop(r.decoder.address, None)
+        if r.kv_complete.is_set() or not ok:
+            self._requests.pop(r.rid, None)
+            r.kv_complete.set()
+
+    def _decoder_dead(self, d: DecoderInfo, exc: BaseException) -> None:
+        if d.dead:
+            return
+        d.dead = True
+        _log.warning("decoder unreachable; failing its requests", error=str(exc), in_flight=len(d.in_flight))
+        for rid in list(d.in_flight):
+            r = self._requests.get(rid)
+            if r is None:
+                continue
+            if r.error is None:
+                r.error = RequestFailed(f"decoder gone: {exc}")
+            r._granted.set()
+            r.kv_complete.set()
+        self.decoders.pop(d.address, None)
+
+    async def _serve(self) -> None:
+        while True:
+            try:
+                sender, payload = await self.engine.recv()
+            except EngineClosed:
+                return
+            msg = _proto.decode(payload)
+            if msg is None:
+                continue
+            t = msg["t"]
+            d = self.decoders.get(sender)
+            if t == "hello":
+                layout = KVLayout.from_dict(msg["layout"])
+                if layout != self.layout:
+                    _log.warning("decoder with another layout refused", layout=str(layout))
+                    continue
+                desc = MemoryDescriptor.from_bytes(bytes.fromhex(msg["pool"]))
+                self.decoders[sender] = DecoderInfo(sender, desc, time.monotonic())
+                _log.info("decoder joined", decoders=len(self.live_decoders))
+                self._joined.set()
+                self._joined = anyio.Event()
+            elif d is None:
+                continue
+            elif t == "bye":
+                d.leaving = True
+                _log.info("decoder leaving", in_flight=len(d.in_flight))
+                for rid in list(d.in_flight):  # admissions it has not answered: route elsewhere
+                    r = self._requests.get(rid)
+                    if r is not None and r.dst_pages is None and r.error is None:
+                        r.error = RequestFailed("decoder leaving")
+                        r._granted.set()
+                if not d.in_flight:
+                    self.decoders.pop(sender, None)
+            elif t in ("pages", "reject"):
+                r = self._requests.get(int(msg["rid"]))
+                if r is None:
+                    continue
+                if t == "pages":
+                    r.dst_pages = np.asarray(msg["pages"], dtype=np.int64)
+                    r.seq = int(msg["imm"])
+                else:
+                    r.error = RequestFailed(f"decoder refused: {msg.get('why')}")
+                r._granted.set()
+            elif t == "cancel":
+                r = self._requests.get(int(msg["rid"]))
+                if r is not None:
+                    r.cancelled = True
+                    if r.error is None:
+                        r.error = RequestFailed("cancelled by the decode side")
+                    if self._tg is not None:
+                        self._tg.start_soon(r.cancel)
+            elif t == "ready":
+                r = self._requests.get(int(msg["rid"]))
+                if r is not None:
+                    r.kv_complete_at = float(msg["at"])
+                    r.kv_complete.set()
+                    d.served += 1
+                    if r._released:
+                        self._requests.pop(r.rid, None)

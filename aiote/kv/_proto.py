@@ -1,0 +1,36 @@
+"""Control messages of the KV flow (small JSON objects over engine.send/recv).
+
+decoder -> prefill: hello {pool, layout}, bye, pages {rid, imm, pages}, reject {rid, why},
+                    cancel {rid}, ready {rid, at}
+prefill -> decoder: admit {rid, tokens}, released {rid, ok}, cancel {rid}
+
+``imm``: the decoder names each request by a 24-bit sequence number it never reuses while
+the request can still be written; layer ``l`` of the request carries ``imm << 8 | l``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+TAG = "aiote.kv/1"
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    return json.dumps({"kv": TAG, "t": kind, **fields}, separators=(",", ":")).encode()
+
+
+def decode(payload: bytes) -> dict[str, Any] | None:
+    """The message, or None for anything that is not a KV-flow message."""
+    try:
+        msg = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(msg, dict) or msg.get("kv") != TAG or not isinstance(msg.get("t"), str):
+        return None
+    return msg
+
+
+def layer_imm(seq: int, layer: int) -> int:
+    """The immediate of layer ``layer`` of request ``seq``."""
+    return ((seq & 0xFFFFFF) << 8) | layer
