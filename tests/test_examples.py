@@ -23,7 +23,8 @@ def test_example_runs(path: Path) -> None:
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_demo_verifies_every_byte(backend: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "aiote", "demo", "--size", "64MiB", "--chunk", "1MiB", "--backend", backend],
+        [sys.executable, "-m", "aiote", "write-demo", "--size", "64MiB", "--chunk", "1MiB",
+         "--backend", backend],
         capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr
@@ -35,7 +36,29 @@ def test_demo_verifies_every_byte(backend: str) -> None:
 
 
 def test_demo_rejects_bad_size() -> None:
-    out = subprocess.run([sys.executable, "-m", "aiote", "demo", "--size", "7"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "aiote", "write-demo", "--size", "7"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0
     assert "multiple of 8" in out.stderr
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_kv_demo_verifies_every_page(backend: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "aiote", "demo", "--requests", "24", "--layers", "8", "--max-tokens", "1024",
+         "--backend", backend],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("requests", "verified", "failed", "kv_bytes", "throughput_gbps", "transfer_ms_p50",
+                "transfer_ms_p99", "tail_ms_p50"):
+        assert key in result
+    assert result["verified"] is True and result["failed"] == 0
+    assert result["requests"] == result["finished"] == 24
+    assert result["kv_bytes"] > 0 and result["throughput_gbps"] > 0
+    # a decoder left halfway and a new one joined; every decoder verified what it got
+    assert len(result["decoders"]) == 3
+    assert sum(d["verified"] for d in result["decoders"]) == 24
+    assert all(d["bad"] == 0 and d["exit"] == 0 for d in result["decoders"])
+    assert "every page verified" in out.stderr

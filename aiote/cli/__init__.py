@@ -1,11 +1,12 @@
-"""The ``aiote`` command (``python -m aiote``): ``demo`` runs the two-process transfer demo."""
+"""The ``aiote`` command (``python -m aiote``): ``demo`` runs the KV-cache transfer demo
+(prefill and decode processes), ``write-demo`` the two-process 1 GiB write demo."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import demo
+from . import demo, kvdemo
 
 __all__ = ["main"]
 
@@ -14,10 +15,18 @@ def main(argv: list[str] | None = None) -> int:
     """Parses ``argv`` and runs the sub-command; returns the exit status."""
     ap = argparse.ArgumentParser(prog="aiote", description="aiote: awaitable transfers over libfabric")
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="two processes, 1 GiB of WriteImm chunks over tcp loopback, verified")
+    k = sub.add_parser(
+        "demo", help="disaggregated prefill/decode: KV cache layer by layer over tcp loopback, verified"
+    )
+    kvdemo.add_arguments(k)
+    d = sub.add_parser(
+        "write-demo", help="two processes, 1 GiB of WriteImm chunks over tcp loopback, verified"
+    )
     demo.add_arguments(d)
     args = ap.parse_args(argv)
     if args.command == "demo":
+        return kvdemo.main(args)
+    if args.command == "write-demo":
         return demo.main(args)
     return 2  # pragma: no cover
 

@@ -104,7 +104,7 @@ async def writer(peer: bytes, size: int, chunk: int, window: int, provider: str)
 
 
 async def run(args: argparse.Namespace) -> int:
-    cmd = [sys.executable, "-m", "aiote", "demo", "--role", "receiver", "--size", str(args.size),
+    cmd = [sys.executable, "-m", "aiote", "write-demo", "--role", "receiver", "--size", str(args.size),
            "--provider", args.provider, "--backend", args.backend]
     async with await anyio.open_process(cmd, stdout=-1, stderr=None) as proc:
         assert proc.stdout is not None

@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -139,7 +140,8 @@ async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> 
     cmd = [
         sys.executable,
         "-m",
-        "aiote.cli.kvdemo",
+        "aiote",
+        "demo",
         "--role",
         "decode",
         "--prefill",
@@ -176,6 +178,7 @@ class Progress:
         self.failed = 0
         self.tty = sys.stderr.isatty()
         self.events: list[str] = []
+        self.on_half: Callable[[], None] = lambda: None
 
     def note(self, text: str) -> None:
         self.events.append(text)
@@ -184,6 +187,8 @@ class Progress:
 
     def step(self, ok: bool) -> None:
         self.done += 1
+        if self.done == self.total // 2:
+            self.on_half()
         self.failed += 0 if ok else 1
         if self.tty or self.done % 8 == 0 or self.done == self.total:
             self.draw()
@@ -216,7 +221,6 @@ async def prefill_main(args: argparse.Namespace) -> int:
         progress.note(f"prefill and {len(decoders)} decode workers up ({engine.rails[0].provider} on lo)")
         sem = anyio.Semaphore(args.concurrency)
         t0 = time.monotonic()
-        started = 0
 
         async def one(tokens: int) -> None:
             nonlocal failed
@@ -249,17 +253,20 @@ async def prefill_main(args: argparse.Namespace) -> int:
             )
             progress.step(True)
 
+        async def scale_halfway() -> None:
+            # halfway: one decoder leaves (it finishes what it holds), a new one joins
+            await halfway.wait()
+            await decoders[0].leave()
+            progress.note("decoder-1 leaving; decoder-3 joining")
+            decoders.append(await spawn_decoder(args, engine.address, "decoder-3"))
+            await prefill.wait_for_decoders(2, timeout=60)
+
+        halfway = anyio.Event()
+        progress.on_half = halfway.set
         async with anyio.create_task_group() as tg:
+            tg.start_soon(scale_halfway)
             for tokens in lengths:
-                if started == args.requests // 2:
-                    # halfway: one decoder leaves (it finishes what it holds), a new one joins
-                    await decoders[0].leave()
-                    progress.note("decoder-1 leaving; decoder-3 joining")
-                    decoders.append(await spawn_decoder(args, engine.address, "decoder-3"))
-                    await prefill.wait_for_decoders(2, timeout=60)
                 tg.start_soon(one, int(tokens))
-                started += 1
-                await anyio.lowlevel.checkpoint()
         wall = time.monotonic() - t0
         for d in decoders[1:]:
             await d.leave()

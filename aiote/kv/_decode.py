@@ -353,6 +353,8 @@ class DecodeWorker:
         if r.error is not None:
             return
         r.ready_at = time.monotonic()
+        # report first: once handed out, the request may be released and the worker leave
+        await self._tell_prefill(_proto.encode("ready", rid=r.rid, at=r.ready_at))
         r._ready.set()
         self.completed += 1
         if not getattr(r, "_taken_early", False):
@@ -361,4 +363,3 @@ class DecodeWorker:
             self._ready.append(r)
             self._ready_ev.set()
             self._ready_ev = anyio.Event()
-        await self._tell_prefill(_proto.encode("ready", rid=r.rid, at=r.ready_at))
