@@ -1,0 +1,233 @@
+"""aiote.kv: prefill and decode across real processes (decode workers are `aiote demo
+--role decode` processes that verify every page they receive), and in one process with two
+engines where a test needs to steer both sides (cancellation, page reuse, deadlines)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import numpy as np
+import pytest
+from _util import eventually
+
+import aiote
+from aiote import kv
+from aiote.cli import kvdemo
+
+pytestmark = pytest.mark.anyio
+
+TCP = {"same_host": None}
+LAYOUT = kv.KVLayout(layers=6, page_tokens=16, token_bytes=512, pool_pages=256)  # 8 KiB pages
+BLOCK = kvdemo._block(LAYOUT)
+
+
+def demo_args(backend: str) -> argparse.Namespace:
+    return argparse.Namespace(
+        provider="tcp", backend=backend, layers=LAYOUT.layers, page_tokens=LAYOUT.page_tokens,
+        token_bytes=LAYOUT.token_bytes, pool_pages=LAYOUT.pool_pages, kv_timeout=30.0,
+    )
+
+
+async def run_request(prefill: kv.PrefillServer, tokens: int, layer_delay: float = 0.0) -> kv.PrefillRequest:
+    req = await prefill.start(tokens, timeout=30)
+    for layer in range(LAYOUT.layers):
+        kvdemo.compute_layer(req, layer, BLOCK)
+        if layer_delay:
+            await anyio.sleep(layer_delay)
+        await req.send_layer(layer)
+    await req.finish(timeout=30)
+    return req
+
+
+@asynccontextmanager
+async def prefill_server(**kw) -> AsyncIterator[kv.PrefillServer]:  # type: ignore[no-untyped-def]
+    async with aiote.open_engine(**TCP) as e, kv.PrefillServer(e, LAYOUT, **kw) as p:
+        yield p
+
+
+async def test_across_processes_every_page_verified_and_a_decoder_joining(anyio_backend: str) -> None:
+    args = demo_args(anyio_backend)
+    async with prefill_server(policy=kv.LeastLoaded()) as prefill:
+        d1 = await kvdemo.spawn_decoder(args, prefill.engine.address, "d1")
+        await prefill.wait_for_decoders(1, timeout=30)
+        lengths = [17, 1, 16, 250, 1000, 3000, 33, 512] * 4
+        done: list[kv.PrefillRequest] = []
+
+        async def one(tokens: int) -> None:
+            done.append(await run_request(prefill, tokens, layer_delay=0.002))
+
+        async with anyio.create_task_group() as tg:
+            for i, tokens in enumerate(lengths):
+                if i == len(lengths) // 2:  # a decoder joins under load
+                    d2 = await kvdemo.spawn_decoder(args, prefill.engine.address, "d2")
+                    await prefill.wait_for_decoders(2, timeout=30)
+                tg.start_soon(one, tokens)
+        for r in done:
+            await r.wait_kv_complete(timeout=30)
+        await d1.leave()
+        await d2.leave()
+        s1, s2 = await d1.finish(), await d2.finish()
+    assert len(done) == len(lengths)
+    assert s1["bad"] == s2["bad"] == 0
+    assert s1["verified"] + s2["verified"] == len(lengths)
+    assert s2["verified"] > 0  # the one that joined got work
+    assert s1["exit"] == s2["exit"] == 0
+
+
+async def test_decoder_killed_mid_request_fails_its_requests_only(anyio_backend: str) -> None:
+    args = demo_args(anyio_backend)
+    async with prefill_server(policy=kv.RoundRobin()) as prefill:
+        victim = await kvdemo.spawn_decoder(args, prefill.engine.address, "victim")
+        await prefill.wait_for_decoders(1, timeout=30)
+        other = await kvdemo.spawn_decoder(args, prefill.engine.address, "other")
+        await prefill.wait_for_decoders(2, timeout=30)
+        outcomes: dict[int, object] = {}
+
+        async def one(i: int) -> None:
+            try:
+                r = await run_request(prefill, 2000, layer_delay=0.1)
+                await r.wait_kv_complete(timeout=30)
+                outcomes[i] = "ok"
+            except kv.RequestFailed as exc:
+                outcomes[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+            await anyio.sleep(0.25)  # every request is mid-way through its layers
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+        assert time.monotonic() - killed < 15
+        failed = [v for v in outcomes.values() if isinstance(v, kv.RequestFailed)]
+        assert 0 < len(failed) < 6, outcomes  # the victim's requests failed, the others finished
+        assert all("gone" in str(e) or "unreachable" in str(e).lower() for e in failed), failed
+        # new requests go to the survivor
+        r = await run_request(prefill, 100)
+        await r.wait_kv_complete(timeout=30)
+        await other.leave()
+        s = await other.finish()
+        assert s["bad"] == 0 and s["verified"] == 6 - len(failed) + 1
+        await victim.proc.wait()
+
+
+@asynccontextmanager
+async def in_process(**worker_kw) -> AsyncIterator[tuple[kv.PrefillServer, kv.DecodeWorker]]:  # type: ignore[no-untyped-def]
+    async with prefill_server() as prefill, aiote.open_engine(**TCP) as de, kv.DecodeWorker(
+        de, LAYOUT, prefill.engine.address, **worker_kw
+    ) as worker:
+        await prefill.wait_for_decoders(1, timeout=10)
+        yield prefill, worker
+
+
+def holds(worker: kv.DecodeWorker, req: kv.DecodeRequest, rid: int, layers: int) -> bool:
+    """Whether the request's pages hold exactly what the synthetic model computed for
+    request ``rid`` in its first ``layers`` layers."""
+    want = np.empty_like(BLOCK)
+    for layer in range(layers):
+        for k in (0, 1):
+            for i in range(len(req.pages)):
+                np.add(BLOCK, kvdemo._tag(rid, layer, k, i), out=want, casting="unsafe")
+                if not np.array_equal(req.page(layer, k, i), want):
+                    return False
+    return True
+
+
+async def test_cancel_from_the_decode_side_and_pages_reused_at_once() -> None:
+    async with in_process() as (prefill, worker):
+        first = await prefill.start(1024, timeout=10)
+        got = await worker.admitted(timeout=10)
+        pages = got.pages.copy()
+        for layer in range(3):
+            kvdemo.compute_layer(first, layer, BLOCK)
+            await first.send_layer(layer)
+        await got.layer_ready(2, timeout=10)  # per-layer readiness
+        await got.cancel()
+        with pytest.raises(kv.RequestFailed):
+            await got.wait_ready(timeout=5)
+        # the prefill side stops writing: every further layer is refused
+        await eventually(lambda: first.error is not None, "the prefill side to stop")
+        kvdemo.compute_layer(first, 3, BLOCK)
+        with pytest.raises(kv.RequestFailed):
+            await first.send_layer(3)
+        # its pages come back once the prefill side confirmed nothing more can land
+        await eventually(lambda: worker.free_pages == LAYOUT.pool_pages, "every page back")
+        second = await run_request(prefill, 1024)
+        got2 = await worker.next_request(timeout=10)
+        assert np.array_equal(np.sort(got2.pages), np.sort(pages))  # the very same pages
+        assert got2.rid == second.rid
+        assert holds(worker, got2, second.rid, LAYOUT.layers)  # the next request's bytes only
+        await got2.release()
+
+
+async def test_cancel_from_the_prefill_side() -> None:
+    async with in_process() as (prefill, worker):
+        r = await prefill.start(500, timeout=10)
+        got = await worker.admitted(timeout=10)
+        for layer in range(2):
+            kvdemo.compute_layer(r, layer, BLOCK)
+            await r.send_layer(layer)
+        await r.cancel()
+        with pytest.raises(kv.RequestFailed):
+            await got.wait_ready(timeout=10)
+        await eventually(lambda: worker.free_pages == LAYOUT.pool_pages, "every page back")
+        r2 = await run_request(prefill, 500)
+        got2 = await worker.next_request(timeout=10)
+        assert holds(worker, got2, r2.rid, LAYOUT.layers)
+        await got2.release()
+
+
+async def test_kv_deadline_fails_the_request_and_frees_its_pages() -> None:
+    async with in_process(kv_timeout=0.5) as (prefill, worker):
+        r = await prefill.start(300, timeout=10)
+        got = await worker.admitted(timeout=10)
+        kvdemo.compute_layer(r, 0, BLOCK)
+        await r.send_layer(0)  # then the prefill side stalls
+        with pytest.raises(kv.RequestFailed, match="kv_timeout"):
+            await got.wait_ready(timeout=10)
+        await eventually(lambda: r.error is not None, "the prefill side to stop")
+        with pytest.raises(kv.RequestFailed):
+            await r.send_layer(1)
+        await eventually(lambda: worker.free_pages == LAYOUT.pool_pages, "every page back")
+        assert worker.failed == 1
+
+
+async def test_hundred_concurrent_requests() -> None:
+    async with in_process() as (prefill, worker):
+        seen: dict[int, bool] = {}
+
+        async def consumer() -> None:
+            for _ in range(100):
+                got = await worker.next_request(timeout=60)
+                seen[got.rid] = holds(worker, got, got.rid, LAYOUT.layers)
+                await got.release()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consumer)
+            for i in range(100):
+                tg.start_soon(run_request, prefill, 16 + 7 * i)
+        assert len(seen) == 100 and all(seen.values())
+        # every page, and every per-request counter, went back
+        await eventually(lambda: worker.free_pages == LAYOUT.pool_pages, "every page back")
+        assert len(worker.engine._counters) == 0
+
+
+async def test_bad_arguments() -> None:
+    with pytest.raises(aiote.InvalidArgument):
+        kv.KVLayout(layers=0, page_tokens=16, token_bytes=8, pool_pages=4)
+    with pytest.raises(aiote.InvalidArgument):
+        kv.KVLayout(layers=300, page_tokens=16, token_bytes=8, pool_pages=4)
+    async with in_process() as (prefill, _worker):
+        with pytest.raises(aiote.InvalidArgument):
+            await prefill.start(0)
+        with pytest.raises(aiote.InvalidArgument):
+            await prefill.start(LAYOUT.pool_pages * LAYOUT.page_tokens + 1)
+        r = await prefill.start(20, timeout=10)
+        with pytest.raises(aiote.InvalidArgument):
+            await r.send_layer(LAYOUT.layers)
+        await r.cancel()
