@@ -7,6 +7,7 @@ immediates, counters and messages over libfabric), under asyncio and trio.
         await engine.imm_counter(7).wait(1)
 """
 
+from . import kv  # the KV-cache flow (prefill/decode), built on the core
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._core._engine import Engine, RailInfo, ScatterTarget, TransferBatch, open_engine
@@ -54,5 +55,6 @@ __all__ = [
     "TransferBatch",
     "TransferError",
     "TransferTimeout",
+    "kv",
     "open_engine",
 ]
