@@ -1354,6 +1354,8 @@ class Engine:
 
 
 def _end(timeout: float | None) -> float | None:
+    """The deadline of an operation (InvalidArgument for a bad timeout, before any work)."""
+    check_timeout(timeout)
     return None if timeout is None else anyio.current_time() + timeout
 
 
