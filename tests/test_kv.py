@@ -221,7 +221,7 @@ async def test_bad_arguments() -> None:
     with pytest.raises(aiote.InvalidArgument):
         kv.KVLayout(layers=0, page_tokens=16, token_bytes=8, pool_pages=4)
     with pytest.raises(aiote.InvalidArgument):
-        kv.KVLayout(layers=300, page_tokens=16, token_bytes=8, pool_pages=4)
+        kv.KVLayout(layers=257, page_tokens=16, token_bytes=8, pool_pages=4)
     async with in_process() as (prefill, _worker):
         with pytest.raises(aiote.InvalidArgument):
             await prefill.start(0)

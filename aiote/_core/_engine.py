@@ -360,6 +360,14 @@ class Engine:
                     raise  # the operation's own deadline
                 raise exc from None  # the peer stayed unreachable for connect_timeout
 
+    async def _settle(self, op: _Op) -> None:
+        """Waits until the group of ``op`` has completed (its completion record arrived)."""
+        while not op.done and not self._closed:
+            ev = op.event
+            if ev.is_set():  # set by a failover wake-up, not by the completion
+                ev = op.event = self._event()
+            await ev.wait()
+
     async def _wait_space(self, fallback: float) -> Any:
         """Waits until half of this engine's requests in flight completed (room in the
         queues) or ``fallback`` seconds pass; returns the handle (EngineClosed if closing meanwhile)."""
@@ -880,11 +888,12 @@ class Engine:
                     self._spin_until(op.event.is_set)
                 if not op.event.is_set():
                     await op.event.wait()
-        except TransferTimeout:
+        except TransferTimeout as timed_out:
             if not sealed:
                 self._seal(g)
             if posted == 0:
                 raise TransferTimeout(f"{what}: nothing could be posted before the deadline") from None
+            timed_out._waiter = partial(self._settle, op)
             raise
         except BaseException:
             if not sealed:
@@ -895,14 +904,14 @@ class Engine:
                     await op.event.wait()
             raise
         if error == _STALLED:
-            exc = PeerUnreachable(
+            stalled = PeerUnreachable(
                 f"{what}: the peer did not answer within connect_timeout={self._retry.connect_timeout:g} s "
                 "(nothing listening at its address, or it is gone)",
                 111,
                 0,
             )
-            exc._final = True  # type: ignore[attr-defined]  # that wait was the retry
-            raise exc
+            stalled._final = True  # type: ignore[attr-defined]  # that wait was the retry
+            raise stalled
         if error:
             raise _post_error(error, what, posted)
         if op.failover and op.done is False:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "AioteError",
     "InvalidArgument",
@@ -65,8 +67,17 @@ class TransferTimeout(AioteError, TimeoutError):
     """An operation did not finish before its deadline.
 
     A write that timed out may or may not have landed at the peer; its source buffer stays
-    owned by the engine until the transport lets go of it.
+    owned by the engine until the transport lets go of it. ``await exc.settled()`` waits for
+    that moment (after it, nothing the operation posted can still land).
     """
+
+    _waiter: Any = None
+
+    async def settled(self) -> None:
+        """Returns once every request the timed-out operation had posted has completed (or
+        at once when nothing was posted). Cancellable; no deadline of its own."""
+        if self._waiter is not None:
+            await self._waiter()
 
 
 class EngineClosed(AioteError):

@@ -277,7 +277,8 @@ async def prefill_main(args: argparse.Namespace) -> int:
     verified_requests = sum(s.get("verified", 0) for s in summaries)
     bad = sum(s.get("bad", 0) for s in summaries)
     kv_bytes = sum(r["bytes"] for r in records)
-    ok = bad == 0 and failed == 0 and verified_requests == len(records) == args.requests
+    exits_ok = all((d.summary or {}).get("exit") == 0 for d in decoders)
+    ok = bad == 0 and failed == 0 and exits_ok and verified_requests == len(records) == args.requests
     transfer = sorted(r["transfer_ms"] for r in records) or [0.0]
     tail = sorted(r["tail_ms"] for r in records) or [0.0]
 
@@ -295,7 +296,8 @@ async def prefill_main(args: argparse.Namespace) -> int:
         f"  {len(records)} requests, {kv_bytes / 1e9:.2f} GB of KV in {wall:.2f} s "
         f"({kv_bytes / wall / 1e9:.2f} GB/s); transfer p50 {pct(transfer, 0.5)} ms, "
         f"p99 {pct(transfer, 0.99)} ms; "
-        f"tail p50 {pct(tail, 0.5)} ms; {'every page verified' if ok else 'VERIFICATION FAILED'}\n"
+        f"tail p50 {statistics.median(tail):.2f} ms; "
+        f"{'every page verified' if ok else 'VERIFICATION FAILED'}\n"
     )
     result = {
         "requests": args.requests,
@@ -313,7 +315,7 @@ async def prefill_main(args: argparse.Namespace) -> int:
         "page_bytes": layout.page_bytes,
         "decoders": [d.summary for d in decoders],
         "events": progress.events,
-        "provider": "tcp",
+        "provider": args.provider,
         "backend": args.backend,
     }
     print(json.dumps(result))

@@ -7,7 +7,6 @@ import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import nullcontext
 from types import TracebackType
 
 import anyio
@@ -19,6 +18,7 @@ from .._core._engine import Engine
 from .._core._errors import AioteError, EngineClosed, InvalidArgument, PeerUnreachable, TransferTimeout
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
+from .._core._util import deadline
 from . import _proto
 from ._layout import KVLayout, PageAllocator
 
@@ -50,6 +50,7 @@ class DecodeRequest:
         self._released_by_prefill = False
         self._done_by_user = False
         self._freed = False
+        self._watch_scope = anyio.CancelScope()
 
     @property
     def ready(self) -> bool:
@@ -61,14 +62,15 @@ class DecodeRequest:
         :class:`RequestFailed` if the request failed, :class:`~aiote.TransferTimeout`."""
         if not 0 <= layer < len(self._layers):
             raise InvalidArgument(f"layer {layer} is out of range")
-        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+        with deadline(timeout, f"request {self.rid}: layer {layer}"):
             await self._layers[layer].wait()
         if self.error is not None and not self._layers[layer].is_set():
             raise RequestFailed(f"request {self.rid}: {self.error}")
 
     async def wait_ready(self, *, timeout: float | None = None) -> None:
-        """Waits until every layer arrived; raises :class:`RequestFailed` if it failed."""
-        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+        """Waits until every layer arrived; raises :class:`RequestFailed` if it failed,
+        :class:`~aiote.TransferTimeout` after ``timeout``."""
+        with deadline(timeout, f"request {self.rid}: waiting for its KV"):
             await self._ready.wait()
         if self.error is not None:
             raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
@@ -98,6 +100,7 @@ class DecodeRequest:
         for ev in self._layers:
             ev.set()
         self._ready.set()
+        self._watch_scope.cancel()  # stop waiting for layers that will not come
 
 
 class DecodeWorker:
@@ -107,7 +110,8 @@ class DecodeWorker:
     ``pool``: a NumPy array of ``layout.pool_bytes`` bytes (registered here), or None for a
     new one. ``kv_timeout``: how long a request's KV may take from admission; after that the
     request fails and is cancelled at the prefill side. ``capacity``: how many requests it
-    admits at once (pages permitting).
+    admits at once (pages permitting). ``failed`` counts the requests that failed here (a
+    deadline, a cancellation from either side, the prefill side gone).
 
     The worker owns the engine's messages (``recv``) while it runs. Leaving (the end of its
     ``async with``) tells the prefill side, which routes no new request here; requests in
@@ -139,6 +143,7 @@ class DecodeWorker:
         self.drain_timeout = drain_timeout
         self._alloc = PageAllocator(layout.pool_pages)
         self._seq = itertools.count(1)
+        self._active_seqs: set[int] = set()
         self._requests: dict[int, DecodeRequest] = {}
         self._admitted: deque[DecodeRequest] = deque()
         self._admitted_ev = anyio.Event()
@@ -183,8 +188,9 @@ class DecodeWorker:
     # ------------------------------------------------------------------ the application side
 
     async def next_request(self, *, timeout: float | None = None) -> DecodeRequest:
-        """The next request whose KV has fully arrived (in arrival order)."""
-        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+        """The next request whose KV has fully arrived (in arrival order). Raises
+        :class:`~aiote.TransferTimeout` after ``timeout``."""
+        with deadline(timeout, "waiting for a request"):
             while not self._ready:
                 ev = self._ready_ev
                 await ev.wait()
@@ -214,7 +220,7 @@ class DecodeWorker:
         """The next admitted request, as soon as it is admitted (to start layer by layer with
         :meth:`DecodeRequest.layer_ready`). Requests taken here are not also returned by
         :meth:`next_request`."""
-        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+        with deadline(timeout, "waiting for an admission"):
             while not self._admitted:
                 await self._admitted_ev.wait()
         r = self._admitted.popleft()
@@ -258,6 +264,13 @@ class DecodeWorker:
                 r._done_by_user = True
             self._maybe_free(r)
 
+    def _release_counters(self, r: DecodeRequest) -> None:
+        """Forgets the request's per-layer counters (the watcher's, once it has stopped)."""
+        for layer in range(self.layout.layers):
+            c = self.engine._counters.get(_proto.layer_imm(r.seq, layer))
+            if c is not None and not c._waiters:
+                c.release()
+
     def _wake_readers(self) -> None:
         self._ready_ev.set()
         self._ready_ev = anyio.Event()
@@ -267,10 +280,10 @@ class DecodeWorker:
             return
         r._freed = True
         self._alloc.give(r.pages)
-        for layer in range(self.layout.layers):
-            c = self.engine.imm_counter(_proto.layer_imm(r.seq, layer))
-            if not c._waiters:
-                c.release()
+        self._release_counters(r)
+        self._active_seqs.discard(r.seq)
+        if r in self._admitted:
+            self._admitted.remove(r)
         self._requests.pop(r.rid, None)
         if not self._requests:
             self._drained.set()
@@ -317,13 +330,20 @@ class DecodeWorker:
             await self._tell_prefill(_proto.encode("reject", rid=rid, why=f"no room for {n} pages"))
             return
         seq = next(self._seq) & 0xFFFFFF
+        while seq == 0 or seq in self._active_seqs:  # 24 bits wrap: skip what is still in use
+            seq = next(self._seq) & 0xFFFFFF
+        self._active_seqs.add(seq)
         r = DecodeRequest(self, rid, seq, tokens, pages)
         self._requests[rid] = r
         self._admitted.append(r)
         self._admitted_ev.set()
         self._admitted_ev = anyio.Event()
-        self._tg.start_soon(self._watch, r)
+        self._tg.start_soon(self._watch_scoped, r)
         await self._tell_prefill(_proto.encode("pages", rid=rid, imm=seq, pages=pages.tolist()))
+
+    async def _watch_scoped(self, r: DecodeRequest) -> None:
+        with r._watch_scope:
+            await self._watch(r)
 
     async def _watch(self, r: DecodeRequest) -> None:
         """Waits for every layer of ``r`` (one credit per page of K and of V), layer by layer."""
@@ -344,12 +364,16 @@ class DecodeWorker:
         except (TransferTimeout, EngineClosed) as exc:
             if r.error is None:
                 r.error = RequestFailed(f"request {r.rid}: {exc}")
-                self.failed += 1
                 r._wake_all()
                 r._done_by_user = True
                 await self._tell_prefill(_proto.encode("cancel", rid=r.rid))
                 self._maybe_free(r)
             return
+        finally:
+            if r.error is not None:
+                self.failed += 1
+            if r._freed:  # freed while this watcher still held a counter
+                self._release_counters(r)
         if r.error is not None:
             return
         r.ready_at = time.monotonic()

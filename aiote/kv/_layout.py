@@ -39,8 +39,8 @@ class KVLayout:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidArgument(f"KVLayout.{name} must be an integer >= 1, not {v!r}")
-        if self.layers > 255:
-            raise InvalidArgument("KVLayout.layers must be at most 255 (the layer travels in 8 bits)")
+        if self.layers > 256:
+            raise InvalidArgument("KVLayout.layers must be at most 256 (the layer travels in 8 bits)")
 
     @property
     def page_bytes(self) -> int:

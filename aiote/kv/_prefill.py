@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -16,9 +16,10 @@ import numpy as np
 
 from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine
-from .._core._errors import EngineClosed, InvalidArgument, PeerUnreachable, TransferTimeout
+from .._core._errors import AioteError, EngineClosed, InvalidArgument, PeerUnreachable, TransferTimeout
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
+from .._core._util import deadline
 from . import _proto
 from ._decode import RequestFailed
 from ._layout import KVLayout, PageAllocator
@@ -138,6 +139,12 @@ class PrefillRequest:
                 self._sent_layers += 1
         except PeerUnreachable as exc:
             s._decoder_dead(self.decoder, exc)
+        except TransferTimeout as exc:
+            if self.error is None:
+                self.error = exc
+            # the write is still posted: the decoder's pages are not free until it is done
+            with anyio.CancelScope(shield=True):
+                await exc.settled()
         except Exception as exc:  # recorded: finish() raises it
             if self.error is None:
                 self.error = exc
@@ -146,23 +153,29 @@ class PrefillRequest:
             if self._writes == 0:
                 self._writes_done.set()
                 if self.error is not None:
-                    await s._release(self, ok=False)
+                    await s._release(self, False)
 
     async def finish(self, *, timeout: float | None = None) -> None:
         """Waits until every layer write has completed (landed at the decoder), then tells
         the decoder the request's pages can no longer be written. Raises
         :class:`RequestFailed` if a write failed, the decoder left or died, or the request was
         cancelled."""
-        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+        with deadline(timeout, f"request {self.rid}: finish"):
             await self._writes_done.wait()
+        if self.error is None and self._sent_layers < self._s.layout.layers:
+            self.error = RequestFailed(
+                f"finish() after {self._sent_layers} of {self._s.layout.layers} layers; "
+                "the request is cancelled"
+            )
         if self.error is not None:
+            await self._s._release(self, False)
             raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
-        await self._s._release(self, ok=True)
+        await self._s._release(self, True)
 
     async def wait_kv_complete(self, *, timeout: float | None = None) -> float:
         """Waits for the decoder's report that the whole KV arrived; returns when it did
         (``time.monotonic()`` of the decoder, the same clock on one host)."""
-        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+        with deadline(timeout, f"request {self.rid}: waiting for the decoder"):
             await self.kv_complete.wait()
         if self.error is not None and self.kv_complete_at is None:
             raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
@@ -177,7 +190,7 @@ class PrefillRequest:
             self.error = RequestFailed("cancelled by the prefill side")
         with anyio.CancelScope(shield=True):
             await self._writes_done.wait()
-            await self._s._release(self, ok=False)
+            await self._s._release(self, False)
 
 
 class PrefillServer:
@@ -247,7 +260,7 @@ class PrefillServer:
 
     async def wait_for_decoders(self, n: int = 1, *, timeout: float | None = None) -> None:
         """Waits until at least ``n`` decoders are live."""
-        with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+        with deadline(timeout, f"waiting for {n} decoders"):
             while len(self.live_decoders) < n:
                 await self._joined.wait()
 
@@ -309,7 +322,7 @@ class PrefillServer:
         self._pages_freed.set()
         self._pages_freed = anyio.Event()
 
-    async def _release(self, r: PrefillRequest, *, ok: bool) -> None:
+    async def _release(self, r: PrefillRequest, ok: bool) -> None:
         """Every write of ``r`` completed: the decoder may reuse its pages; ours go back."""
         if r._released:
             return
@@ -319,7 +332,9 @@ class PrefillServer:
         if r.dst_pages is not None and not r.decoder.dead:
             try:
                 await self.engine.send(
-                    r.decoder.address, _proto.encode("released", rid=r.rid, ok=ok), timeout=10
+                    r.decoder.address,
+                    _proto.encode("released", rid=r.rid, ok=ok, why="" if ok else str(r.error)),
+                    timeout=10,
                 )
             except (PeerUnreachable, TransferTimeout) as exc:
                 self._decoder_dead(r.decoder, exc)
@@ -331,19 +346,26 @@ class PrefillServer:
             self._requests.pop(r.rid, None)
             r.kv_complete.set()
 
+    async def _forget(self, decoder: bytes, rid: int) -> None:
+        """A decoder granted pages to a request already routed elsewhere: free them."""
+        with suppress(AioteError):
+            msg = _proto.encode("released", rid=rid, ok=False, why="admission timed out")
+            await self.engine.send(decoder, msg)
+
     def _decoder_dead(self, d: DecoderInfo, exc: BaseException) -> None:
         if d.dead:
             return
         d.dead = True
         _log.warning("decoder unreachable; failing its requests", error=str(exc), in_flight=len(d.in_flight))
-        for rid in list(d.in_flight):
-            r = self._requests.get(rid)
-            if r is None:
+        for r in list(self._requests.values()):
+            if r.decoder is not d:
                 continue
-            if r.error is None:
+            if r.error is None and not r.kv_complete.is_set():
                 r.error = RequestFailed(f"decoder gone: {exc}")
             r._granted.set()
             r.kv_complete.set()
+            if r._writes == 0 and r.dst_pages is not None and self._tg is not None:
+                self._tg.start_soon(self._release, r, False)  # gives our pages back
         self.decoders.pop(d.address, None)
 
     async def _serve(self) -> None:
@@ -382,6 +404,8 @@ class PrefillServer:
             elif t in ("pages", "reject"):
                 r = self._requests.get(int(msg["rid"]))
                 if r is None:
+                    if t == "pages" and self._tg is not None:  # answered after admit_timeout
+                        self._tg.start_soon(self._forget, sender, int(msg["rid"]))
                     continue
                 if t == "pages":
                     r.dst_pages = np.asarray(msg["pages"], dtype=np.int64)

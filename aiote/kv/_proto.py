@@ -2,7 +2,7 @@
 
 decoder -> prefill: hello {pool, layout}, bye, pages {rid, imm, pages}, reject {rid, why},
                     cancel {rid}, ready {rid, at}
-prefill -> decoder: admit {rid, tokens}, released {rid, ok}, cancel {rid}
+prefill -> decoder: admit {rid, tokens}, released {rid, ok, why}
 
 ``imm``: the decoder names each request by a 24-bit sequence number it never reuses while
 the request can still be written; layer ``l`` of the request carries ``imm << 8 | l``.
