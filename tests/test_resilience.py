@@ -263,3 +263,30 @@ async def test_outer_deadline_and_native_task_cancel(anyio_backend: str) -> None
             await p.wait(imm=3)
         assert await p.counter(2) == 0
         assert await p.digest("buf") == digest(src)
+
+
+async def test_a_timed_out_write_can_be_awaited_until_the_transport_lets_go() -> None:
+    async with spawn_peer(**TCP) as p:
+        e = p.engine
+        size = 64 << 20
+        d = await p.register("buf", size)
+        ms = await e.register(pattern(size, seed=8))
+        await e.write_imm(d, 1)
+        await p.wait(imm=1)
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(aiote.TransferTimeout) as info:
+                await e.write(ms, d, imm=2, timeout=0.3)
+            with anyio.move_on_after(0.5) as scope:  # the peer is frozen: not settled yet
+                await info.value.settled()
+            assert scope.cancelled_caught
+            assert e.stats()["ops_in_flight"] > 0
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        with anyio.fail_after(60):
+            await info.value.settled()
+        assert e.stats()["ops_in_flight"] == 0
+        await p.wait(imm=2)  # it landed, once
+        with pytest.raises(aiote.TransferTimeout) as nothing:  # nothing posted: settled at once
+            await e.write(ms, d, imm=3, timeout=0)
+        await nothing.value.settled()
