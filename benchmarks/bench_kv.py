@@ -105,7 +105,8 @@ async def kv_run(lengths: list[int], concurrency: int, us_per_token: float, comp
                         await anyio.sleep(rest)
                     await req.send_layer(layer)
                 await req.finish(timeout=120)
-                done = await req.wait_kv_complete(timeout=120)
+            # the prefill slot is free once its writes landed; the decoder's report comes after
+            done = await req.wait_kv_complete(timeout=120)
             assert req.last_layer_at is not None
             records.append(
                 {

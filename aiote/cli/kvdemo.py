@@ -237,12 +237,18 @@ async def prefill_main(args: argparse.Namespace) -> int:
                             await anyio.sleep(args.layer_ms / 1000)
                         await req.send_layer(layer)
                     await req.finish(timeout=120)
-                    done_at = await req.wait_kv_complete(timeout=120)
                 except kv.RequestFailed as exc:
                     failed += 1
                     progress.note(f"request failed: {exc}")
                     progress.step(False)
                     return
+            try:  # the prefill slot is free once its writes landed; the decoder reports after
+                done_at = await req.wait_kv_complete(timeout=120)
+            except kv.RequestFailed as exc:
+                failed += 1
+                progress.note(f"request failed: {exc}")
+                progress.step(False)
+                return
             assert req.last_layer_at is not None
             records.append(
                 {
