@@ -231,3 +231,64 @@ async def test_bad_arguments() -> None:
         with pytest.raises(aiote.InvalidArgument):
             await r.send_layer(LAYOUT.layers)
         await r.cancel()
+
+
+async def test_across_processes_hundred_concurrent_deadline_and_prefill_cancel(anyio_backend: str) -> None:
+    """The decode worker in its own process (verifying every page it receives): 100
+    concurrent requests; a request cancelled by the prefill side mid-way whose pages the next
+    request reuses; a request the prefill side stalls past the worker's kv_timeout."""
+    args = demo_args(anyio_backend)
+    args.kv_timeout = 2.0
+    async with prefill_server() as prefill:
+        d = await kvdemo.spawn_decoder(args, prefill.engine.address, "d")
+        await prefill.wait_for_decoders(1, timeout=30)
+        async with anyio.create_task_group() as tg:
+            for i in range(100):
+                tg.start_soon(run_request, prefill, 16 + 5 * i)
+        # cancelled by the prefill side after two layers; the next request, on the same
+        # pages, must hold its own bytes only (the decoder verifies it)
+        r = await prefill.start(800, timeout=30)
+        for layer in range(2):
+            kvdemo.compute_layer(r, layer, BLOCK)
+            await r.send_layer(layer)
+        await r.cancel()
+        await run_request(prefill, 800)
+        # stalled past the decoder's kv_timeout: it cancels the request at this side
+        s = await prefill.start(300, timeout=30)
+        kvdemo.compute_layer(s, 0, BLOCK)
+        await s.send_layer(0)
+        await eventually(lambda: s.error is not None, "the decoder to cancel the late request", 30)
+        with pytest.raises(kv.RequestFailed, match="decode side"):
+            await s.send_layer(1)
+        await run_request(prefill, 300)  # and the next one works
+        await d.leave()
+        summary = await d.finish()
+    assert summary["bad"] == 0
+    assert summary["verified"] == 102  # 100 + the two after the cancelled and the late one
+    assert summary["failed"] == 2  # the cancelled one and the late one
+    assert summary["exit"] == 0
+
+
+async def test_across_processes_decode_side_cancellation_and_page_reuse(anyio_backend: str) -> None:
+    """The decode worker process cancels every second request once its second layer arrived;
+    the prefill side stops writing those, and the requests that reuse their pages at once
+    verify with their own bytes only."""
+    args = demo_args(anyio_backend)
+    args.cancel_every = 2
+    async with prefill_server() as prefill:
+        d = await kvdemo.spawn_decoder(args, prefill.engine.address, "d")
+        await prefill.wait_for_decoders(1, timeout=30)
+        outcomes: list[str] = []
+        for _ in range(10):  # one at a time: each request gets the pages the previous freed
+            try:
+                await run_request(prefill, 1500, layer_delay=0.02)
+                outcomes.append("ok")
+            except kv.RequestFailed as exc:
+                assert "decode side" in str(exc)
+                outcomes.append("cancelled")
+            await eventually(lambda: not prefill._requests, "the request to be released", 30)
+        await d.leave()
+        summary = await d.finish()
+    assert outcomes.count("cancelled") == 5 and outcomes.count("ok") == 5
+    assert summary["cancelled"] == 5
+    assert summary["verified"] == 5 and summary["bad"] == 0 and summary["exit"] == 0

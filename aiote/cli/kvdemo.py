@@ -91,18 +91,47 @@ async def decode_main(args: argparse.Namespace) -> None:
                 await leave.wait()
                 await worker.leave()
 
+            async def check(req: kv.DecodeRequest) -> None:
+                done["requests"] += 1
+                if not args.verify:
+                    done["verified"] += 1  # not checked (benchmarks): counted as received
+                elif verify(req, layout, block):
+                    done["verified"] += 1
+                else:
+                    done["bad"] += 1
+                await req.release()
+
+            async def cancel_some() -> None:
+                """Test mode: every n-th admitted request is cancelled once its second layer
+                arrived; the others are verified as usual."""
+                async with anyio.create_task_group() as handlers:
+                    n = 0
+                    while not leave.is_set():
+                        with anyio.move_on_after(0.05):
+                            req = await worker.admitted()
+                            n += 1
+                            handlers.start_soon(handle, req, n % args.cancel_every == 0)
+
+            async def handle(req: kv.DecodeRequest, cancel: bool) -> None:
+                try:
+                    if cancel:
+                        await req.layer_ready(min(1, layout.layers - 1))
+                        await req.cancel()
+                        done["cancelled"] = done.get("cancelled", 0) + 1
+                        return
+                    await req.wait_ready()
+                except kv.RequestFailed:
+                    return
+                await check(req)
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_stdin)
                 tg.start_soon(leave_on_request)
-                async for req in worker.requests():
-                    done["requests"] += 1
-                    if not args.verify:
-                        done["verified"] += 1  # not checked (benchmarks): counted as received
-                    elif verify(req, layout, block):
-                        done["verified"] += 1
-                    else:
-                        done["bad"] += 1
-                    await req.release()
+                if args.cancel_every:
+                    await cancel_some()
+                else:
+                    async for req in worker.requests():
+                        await check(req)
                 tg.cancel_scope.cancel()
             done["failed"] = worker.failed
         # leaving: the worker said bye and finished what was in flight
@@ -163,6 +192,7 @@ async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> 
         "--kv-timeout",
         str(args.kv_timeout),
         *([] if getattr(args, "verify", True) else ["--no-verify"]),
+        *(["--cancel-every", str(args.cancel_every)] if getattr(args, "cancel_every", 0) else []),
     ]
     proc = await anyio.open_process(cmd, stdin=-1, stdout=-1, stderr=None)
     assert proc.stdout is not None
@@ -350,6 +380,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--role", default="prefill", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     ap.add_argument("--prefill", help=argparse.SUPPRESS)
     ap.add_argument("--no-verify", dest="verify", action="store_false", help=argparse.SUPPRESS)
+    ap.add_argument("--cancel-every", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:
