@@ -960,10 +960,7 @@ class Engine:
             if credits:
                 await self._send_credits(credits, end, "write")
 
-        try:
-            await attempt(timeout)
-        except PeerUnreachable as exc:
-            await self._retry_after(exc, attempt, end, retry, "write")
+        await self._attempts(attempt, timeout, retry, "write")
 
     async def write_imm(
         self,

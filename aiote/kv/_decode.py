@@ -133,11 +133,7 @@ class DecodeWorker:
         self.engine = engine
         self.layout = layout
         self.prefill = prefill
-        self.pool = layout.new_pool() if pool is None else pool
-        if self.pool.nbytes != layout.pool_bytes:
-            raise InvalidArgument(
-                f"the pool has {self.pool.nbytes} B; the layout needs {layout.pool_bytes} B"
-            )
+        self.pool = layout.pool_for(pool)
         self.kv_timeout = kv_timeout
         self.capacity = capacity
         self.drain_timeout = drain_timeout

@@ -67,6 +67,15 @@ class KVLayout:
         pool.fill(0)
         return pool
 
+    def pool_for(self, pool: np.ndarray | None) -> np.ndarray:
+        """``pool`` checked against this layout (InvalidArgument if its size differs), or a
+        new zeroed one when it is None."""
+        if pool is None:
+            return self.new_pool()
+        if pool.nbytes != self.pool_bytes:
+            raise InvalidArgument(f"the pool has {pool.nbytes} B; the layout needs {self.pool_bytes} B")
+        return pool
+
     def page(self, pool: np.ndarray, layer: int, kv: int, page: int) -> np.ndarray:
         """The bytes of one page (a view): ``kv`` 0 for K, 1 for V."""
         off = ((2 * layer + kv) * self.pool_pages + page) * self.page_bytes

@@ -219,11 +219,7 @@ class PrefillServer:
         self.engine = engine
         self.admit_timeout = admit_timeout
         self.layout = layout
-        self.pool = layout.new_pool() if pool is None else pool
-        if self.pool.nbytes != layout.pool_bytes:
-            raise InvalidArgument(
-                f"the pool has {self.pool.nbytes} B; the layout needs {layout.pool_bytes} B"
-            )
+        self.pool = layout.pool_for(pool)
         self.policy: RoutingPolicy = policy if policy is not None else RoundRobin()
         self.write_timeout = write_timeout
         self.decoders: dict[bytes, DecoderInfo] = {}
