@@ -897,6 +897,37 @@ static void list_nics(const char *prov, char *buf, size_t len) {
     fi_freeinfo(h);
 }
 
+int aio_probe(const char *provider, aio_probe_entry *out, int max) {
+    struct fi_info *h = make_hints(provider, NULL), *info = NULL;
+    if (!h) return -FI_ENOMEM;
+    int ret = fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, h, &info);
+    fi_freeinfo(h);
+    if (ret == -FI_ENODATA) return 0;
+    if (ret) return ret;
+    int n = 0;
+    for (struct fi_info *i = info; i && n < max; i = i->next) {
+        const char *dom = i->domain_attr->name ? i->domain_attr->name : "";
+        int dup = 0;
+        for (int k = 0; k < n; k++)
+            if (!strcmp(out[k].domain, dom)) dup = 1;
+        if (dup) continue;
+        aio_probe_entry *o = &out[n++];
+        memset(o, 0, sizeof(*o));
+        snprintf(o->provider, sizeof(o->provider), "%s", i->fabric_attr->prov_name);
+        snprintf(o->domain, sizeof(o->domain), "%s", dom);
+        snprintf(o->fabric, sizeof(o->fabric), "%s", i->fabric_attr->name ? i->fabric_attr->name : "");
+        o->caps = i->caps;
+        o->mr_mode = (uint64_t)i->domain_attr->mr_mode;
+        o->max_msg_size = i->ep_attr->max_msg_size;
+        o->cq_data_size = (uint32_t)i->domain_attr->cq_data_size;
+        o->hmem = (i->caps & FI_HMEM) ? 1 : 0;
+        o->iov_limit = (uint32_t)i->tx_attr->iov_limit;
+        if (i->nic && i->nic->link_attr) o->link_speed = i->nic->link_attr->speed;
+    }
+    fi_freeinfo(info);
+    return n;
+}
+
 /* The IPv4 (else IPv6) address of a network interface, for providers whose domains
  * are interfaces (tcp): rxm does not filter on the domain-name hint, so the source
  * address is what pins the endpoint to the NIC. */

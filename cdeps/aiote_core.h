@@ -115,6 +115,23 @@ typedef struct aio_engine_config {
 const char *aio_strerror(int code);
 uint32_t aio_fabric_version(void);
 
+/* What a provider offers here (one entry per domain/NIC), with the hints aiote uses:
+ * returns the number of entries (0: the provider is not usable here) or a negative error. */
+typedef struct aio_probe_entry {
+    char provider[64];
+    char domain[64];
+    char fabric[64];
+    uint64_t caps;
+    uint64_t mr_mode;
+    uint64_t max_msg_size;
+    uint64_t link_speed; /* bits/s when the provider knows it, else 0 */
+    uint32_t cq_data_size;
+    uint32_t hmem;
+    uint32_t iov_limit;
+    uint32_t pad;
+} aio_probe_entry;
+int aio_probe(const char *provider, aio_probe_entry *out, int max);
+
 int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err, size_t errlen);
 /* Adds a rail (one libfabric domain + RDM endpoint). provider: "tcp", "shm",
  * "verbs", "efa" or a full libfabric provider string. nic: domain name or NULL.

@@ -62,3 +62,22 @@ def test_kv_demo_verifies_every_page(backend: str) -> None:
     assert sum(d["verified"] for d in result["decoders"]) == 24
     assert all(d["bad"] == 0 and d["exit"] == 0 for d in result["decoders"])
     assert "every page verified" in out.stderr
+
+
+def test_aiote_info_reports_providers_and_the_default_choice() -> None:
+    out = subprocess.run([sys.executable, "-m", "aiote", "info", "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["aiote"] and info["libfabric"].startswith("1.")
+    names = [p["name"] for p in info["providers"]]
+    assert names == ["tcp", "shm", "verbs", "efa"]
+    tcp = info["providers"][0]
+    assert tcp["available"] and any(n["domain"] == "lo" for n in tcp["nics"])
+    for n in tcp["nics"]:
+        assert n["rma"] is True and n["remote_cq_data_bytes"] >= 4 and n["max_msg_size"] > 0
+        assert n["iov_limit"] >= 1 and n["provider"].startswith("tcp")
+    d = info["default"]
+    assert d["provider"] == "tcp" and d["nics"] == ["lo"] and d["usable"] is True and d["why"]
+    text = subprocess.run([sys.executable, "-m", "aiote", "info"], capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0 and "open_engine() picks" in text.stdout and "lo" in text.stdout

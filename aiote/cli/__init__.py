@@ -1,12 +1,13 @@
 """The ``aiote`` command (``python -m aiote``): ``demo`` runs the KV-cache transfer demo
-(prefill and decode processes), ``write-demo`` the two-process 1 GiB write demo."""
+(prefill and decode processes), ``write-demo`` the two-process 1 GiB write demo, ``info``
+reports what libfabric offers here."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import demo, kvdemo
+from . import demo, info, kvdemo
 
 __all__ = ["main"]
 
@@ -23,7 +24,13 @@ def main(argv: list[str] | None = None) -> int:
         "write-demo", help="two processes, 1 GiB of WriteImm chunks over tcp loopback, verified"
     )
     demo.add_arguments(d)
+    i = sub.add_parser(
+        "info", help="providers, NICs and capabilities as aiote sees them; what open_engine() picks"
+    )
+    info.add_arguments(i)
     args = ap.parse_args(argv)
+    if args.command == "info":
+        return info.main(args)
     if args.command == "demo":
         return kvdemo.main(args)
     if args.command == "write-demo":
