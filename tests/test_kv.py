@@ -36,11 +36,15 @@ def demo_args(backend: str) -> argparse.Namespace:
 
 async def run_request(prefill: kv.PrefillServer, tokens: int, layer_delay: float = 0.0) -> kv.PrefillRequest:
     req = await prefill.start(tokens, timeout=30)
-    for layer in range(LAYOUT.layers):
-        kvdemo.compute_layer(req, layer, BLOCK)
-        if layer_delay:
-            await anyio.sleep(layer_delay)
-        await req.send_layer(layer)
+    try:
+        for layer in range(LAYOUT.layers):
+            kvdemo.compute_layer(req, layer, BLOCK)
+            if layer_delay:
+                await anyio.sleep(layer_delay)
+            await req.send_layer(layer)
+    except kv.RequestFailed:
+        await req.cancel()  # done with it: the prefill pages go back
+        raise
     await req.finish(timeout=30)
     return req
 
@@ -157,6 +161,12 @@ async def test_cancel_from_the_decode_side_and_pages_reused_at_once() -> None:
             await first.send_layer(3)
         # its pages come back once the prefill side confirmed nothing more can land
         await eventually(lambda: worker.free_pages == LAYOUT.pool_pages, "every page back")
+        # its counters are gone from the C table too, whatever arrived for them
+        from aiote.kv._proto import layer_imm
+
+        for layer in range(LAYOUT.layers):
+            assert worker.engine.imm_counter(layer_imm(got.seq, layer)).total == 0
+            worker.engine.imm_counter(layer_imm(got.seq, layer)).release()
         second = await run_request(prefill, 1024)
         got2 = await worker.next_request(timeout=10)
         assert np.array_equal(np.sort(got2.pages), np.sort(pages))  # the very same pages

@@ -89,6 +89,15 @@ async def test_peer_that_never_answers() -> None:
             await e.write(ms, d, length=64, imm=1, timeout=0.2)
         with pytest.raises(aiote.PeerUnreachable):
             await e.send(addr, b"hello?")
+        # a per-operation policy is in force: its own connect_timeout, checked before posting
+        t0 = time.monotonic()
+        with pytest.raises(aiote.PeerUnreachable, match=r"connect_timeout=0\.3"):
+            await e.write(ms, d, length=64, retry=aiote.RetryPolicy(connect_timeout=0.3))
+        assert time.monotonic() - t0 < 2.0
+        before = e.stats()["completions"]
+        with pytest.raises(aiote.InvalidArgument, match="RetryPolicy"):
+            await e.write(ms, d, length=64, retry=5)  # type: ignore[arg-type]
+        assert e.stats()["completions"] == before
         # a per-operation policy with a longer patience still gives up at its deadline
         with pytest.raises(aiote.TransferTimeout):
             await e.write(ms, d, length=64, timeout=0.3, retry=aiote.RetryPolicy(connect_timeout=60))

@@ -104,11 +104,7 @@ class ImmCounter:
         if self._waiters:
             n = len(self._waiters)
             raise InvalidArgument(f"{n} tasks are waiting on imm {self.imm}; release it after")
-        h = self._engine._handle()
-        lib.aio_counter_watch(h, self.imm, 0)  # clears a watch that a cancelled waiter left armed
-        lib.aio_counter_release(h, self.imm)
-        if self._engine._counters.get(self.imm) is self:
-            del self._engine._counters[self.imm]
+        self._engine._forget_counter(self.imm)
 
     def _serve(self) -> None:
         """Grants credits to waiters in order; arms the C watch for the first unserved one."""

@@ -3,6 +3,7 @@ operations, all awaitable under asyncio and trio."""
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import itertools
 import math
@@ -82,6 +83,8 @@ _FI_ETRUNC = 265
 _FI_ECANCELED = 125
 _ENOENT = 2
 _STALLED = -(1 << 29)  # posting made no progress for connect_timeout
+# the retry policy of the operation running in this task (and the tasks it starts)
+_POLICY: contextvars.ContextVar[RetryPolicy | None] = contextvars.ContextVar("aiote_retry", default=None)
 _CLOSED_STATUS = -(1 << 30)  # an operation failed because the engine closed under it
 
 
@@ -316,27 +319,35 @@ class Engine:
         what: str,
     ) -> None:
         """Runs ``attempt(time_left)``, re-running it after a broken connection as the retry
-        policy says (see :class:`RetryPolicy`)."""
+        policy says (see :class:`RetryPolicy`). The policy is checked before anything is
+        posted, and is in force (``connect_timeout`` included) for every group it posts."""
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise InvalidArgument(f"retry must be an aiote.RetryPolicy, not {type(retry).__name__}")
         end = _end(timeout)
+        token = _POLICY.set(retry) if retry is not None else None
         try:
-            await attempt(timeout)
-        except PeerUnreachable as exc:
-            await self._retry_after(exc, attempt, end, retry, what)
+            try:
+                await attempt(timeout)
+            except PeerUnreachable as exc:
+                await self._retry_after(exc, attempt, end, retry or self._retry, what)
+        finally:
+            if token is not None:
+                _POLICY.reset(token)
 
     async def _retry_after(
         self,
         exc: PeerUnreachable,
         attempt: Callable[[float | None], Awaitable[Any]],
         end: float | None,
-        retry: RetryPolicy | None,
+        policy: RetryPolicy,
         what: str,
     ) -> None:
         """Re-posts after a broken connection: up to ``attempts`` times, within the
-        operation's deadline and within ``connect_timeout`` of the first failure (so a dead
-        peer is reported within that bound)."""
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise InvalidArgument(f"retry must be an aiote.RetryPolicy, not {type(retry).__name__}") from exc
-        policy = retry if retry is not None else self._retry
+        operation's deadline. A new attempt is started only within ``connect_timeout`` of the
+        first failure, and an attempt towards a peer that does not answer gives up after
+        ``connect_timeout`` (in :meth:`_run_group`), so a dead peer is reported within about
+        ``connect_timeout`` plus the pauses; an attempt that is moving data has the
+        operation's whole remaining time."""
         peer_end = anyio.current_time() + policy.connect_timeout
         n = 0
         while True:
@@ -345,20 +356,30 @@ class Engine:
             n += 1
             pause = policy.delay(n)
             now = anyio.current_time()
-            limit = peer_end if end is None else min(end, peer_end)
-            if limit - now <= pause:
+            if now + pause >= peer_end or (end is not None and now + pause >= end):
                 raise exc
             self._log.info("posting again after a broken connection", op=what, attempt=n, error=str(exc))
             await self._pause(pause)
             try:
-                await attempt(max(0.0, limit - anyio.current_time()))
+                await attempt(_left(end))
                 return
             except PeerUnreachable as again:
                 exc = again
-            except TransferTimeout:
-                if end is not None and end <= peer_end:
-                    raise  # the operation's own deadline
-                raise exc from None  # the peer stayed unreachable for connect_timeout
+
+    async def wait_stranded(self) -> None:
+        """Waits until no request that a failover left on a failed link is still owned by the
+        transport (``stats()["stranded"]`` is 0): after it, none of them can land any more.
+        Returns at once when there is none; waits as long as the link stays down."""
+        while True:
+            op = next((o for o in self._pending.values() if o.failover and not o.done), None)
+            if op is None or self._closed:
+                return
+            await self._settle(op)
+
+    def _connect_timeout(self) -> float:
+        """The connect_timeout in force: the operation's policy, else the engine's."""
+        p = _POLICY.get()
+        return (p if p is not None else self._retry).connect_timeout
 
     async def _settle(self, op: _Op) -> None:
         """Waits until the group of ``op`` has completed (its completion record arrived)."""
@@ -777,7 +798,16 @@ class Engine:
             for rail in np.unique(rails).tolist():
                 tg.start_soon(one, table[rails == rail], int(rail))
         if errors:
-            raise errors[0]
+            first = errors[0]
+            timed_out = [e for e in errors if isinstance(e, TransferTimeout)]
+            if isinstance(first, TransferTimeout) and len(timed_out) > 1:
+
+                async def all_settled() -> None:  # every NIC's group, not only the first's
+                    for e in timed_out:
+                        await e.settled()
+
+                first._waiter = all_settled
+            raise first
 
     async def _run_table(
         self,
@@ -856,6 +886,13 @@ class Engine:
                 self._seal(g)
             raise
         self._pending[token] = op
+        down = self._router.down
+        if rails and down and rails & down and op.alts - down:
+            # a link went down before this group posted anything (while it waited for a slot,
+            # or since its rows were built): move it at once instead of posting to that NIC
+            op.failover = True
+            self._seal(g)
+            return True
         posted = 0
         sealed = False
         error = 0
@@ -878,7 +915,7 @@ class Engine:
                             now = anyio.current_time()
                             if stalled_since < 0:
                                 stalled_since = now
-                            elif now - stalled_since > self._retry.connect_timeout:
+                            elif now - stalled_since > self._connect_timeout():
                                 error = _STALLED
                                 break
                         h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01))
@@ -898,14 +935,15 @@ class Engine:
         except BaseException:
             if not sealed:
                 self._seal(g)
-            if posted and not op.event.is_set():
-                # a posted request cannot be taken back: keep its buffers until the NIC is done
+            if posted and not op.done:
+                # a posted request cannot be taken back: keep its buffers until the NIC is
+                # done (a failover wake-up is not the completion: _settle waits for that)
                 with anyio.move_on_after(self._cancel_grace, shield=True):
-                    await op.event.wait()
+                    await self._settle(op)
             raise
         if error == _STALLED:
             stalled = PeerUnreachable(
-                f"{what}: the peer did not answer within connect_timeout={self._retry.connect_timeout:g} s "
+                f"{what}: the peer did not answer within connect_timeout={self._connect_timeout():g} s "
                 "(nothing listening at its address, or it is gone)",
                 111,
                 0,
@@ -1241,6 +1279,18 @@ class Engine:
         if c is None:
             c = self._counters[imm] = ImmCounter(self, imm)
         return c
+
+    def _forget_counter(self, imm: int) -> bool:
+        """Forgets counter ``imm`` in C and here, whether or not an ImmCounter object exists;
+        False (nothing done) while a task waits on it."""
+        c = self._counters.get(imm)
+        if c is not None and c._waiters:
+            return False
+        h = self._handle()
+        lib.aio_counter_watch(h, imm, 0)  # clears a watch that a cancelled waiter left armed
+        lib.aio_counter_release(h, imm)
+        self._counters.pop(imm, None)
+        return True
 
     # ------------------------------------------------------------------ messages
 

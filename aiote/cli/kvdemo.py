@@ -257,6 +257,7 @@ async def prefill_main(args: argparse.Namespace) -> int:
 
         async def one(tokens: int) -> None:
             nonlocal failed
+            req: kv.PrefillRequest | None = None
             async with sem:
                 try:
                     req = await prefill.start(tokens, timeout=60)
@@ -268,6 +269,8 @@ async def prefill_main(args: argparse.Namespace) -> int:
                         await req.send_layer(layer)
                     await req.finish(timeout=120)
                 except kv.RequestFailed as exc:
+                    if req is not None:
+                        await req.cancel()  # we are done with it: its prefill pages go back
                     failed += 1
                     progress.note(f"request failed: {exc}")
                     progress.step(False)

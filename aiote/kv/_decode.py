@@ -263,9 +263,7 @@ class DecodeWorker:
     def _release_counters(self, r: DecodeRequest) -> None:
         """Forgets the request's per-layer counters (the watcher's, once it has stopped)."""
         for layer in range(self.layout.layers):
-            c = self.engine._counters.get(_proto.layer_imm(r.seq, layer))
-            if c is not None and not c._waiters:
-                c.release()
+            self.engine._forget_counter(_proto.layer_imm(r.seq, layer))
 
     def _wake_readers(self) -> None:
         self._ready_ev.set()

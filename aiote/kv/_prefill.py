@@ -95,6 +95,9 @@ class PrefillRequest:
         self._writes_done = anyio.Event()
         self._writes_done.set()
         self._released = False
+        self._app_done = False  # finish() or cancel() was called: the prefill pages may go back
+        self._pages_back = False
+        self._abandoned = False
         self._sent_layers = 0
         self.kv_complete = anyio.Event()
 
@@ -143,8 +146,12 @@ class PrefillRequest:
             if self.error is None:
                 self.error = exc
             # the write is still posted: the decoder's pages are not free until it is done
-            with anyio.CancelScope(shield=True):
+            # (the server's exit may cut this wait short: then nothing is released at all)
+            try:
                 await exc.settled()
+            except BaseException:
+                self._abandoned = True
+                raise
         except Exception as exc:  # recorded: finish() raises it
             if self.error is None:
                 self.error = exc
@@ -152,8 +159,9 @@ class PrefillRequest:
             self._writes -= 1
             if self._writes == 0:
                 self._writes_done.set()
-                if self.error is not None:
-                    await s._release(self, False)
+                if self.error is not None and not self._abandoned:
+                    # the decoder may free its pages; ours wait for finish()/cancel()
+                    s._release_soon(self, False)
 
     async def finish(self, *, timeout: float | None = None) -> None:
         """Waits until every layer write has completed (landed at the decoder), then tells
@@ -167,10 +175,11 @@ class PrefillRequest:
                 f"finish() after {self._sent_layers} of {self._s.layout.layers} layers; "
                 "the request is cancelled"
             )
+        self._app_done = True
         if self.error is not None:
-            await self._s._release(self, False)
+            self._s._release_soon(self, False)
             raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
-        await self._s._release(self, True)
+        self._s._release_soon(self, True)
 
     async def wait_kv_complete(self, *, timeout: float | None = None) -> float:
         """Waits for the decoder's report that the whole KV arrived; returns when it did
@@ -183,14 +192,26 @@ class PrefillRequest:
         return self.kv_complete_at
 
     async def cancel(self) -> None:
-        """Cancels the request: no further layer is written; once the writes already posted
-        completed, the decoder is told its pages are free."""
+        """Cancels the request (or, after a failure, declares the application done with it):
+        no further layer is written; once the writes already posted completed, the decoder
+        is told its pages are free, and the prefill pages go back to the pool. Idempotent;
+        does nothing to a request that finished."""
+        if self._app_done and self.error is None:
+            return
         self.cancelled = True
         if self.error is None:
             self.error = RequestFailed("cancelled by the prefill side")
+        self._app_done = True
         with anyio.CancelScope(shield=True):
             await self._writes_done.wait()
-            await self._s._release(self, False)
+        self._s._release_soon(self, False)
+
+    async def _cancel_from_decoder(self) -> None:
+        """The decode side cancelled: stop writing; release once the writes are done (the
+        prefill pages wait for the application's finish() or cancel())."""
+        with anyio.CancelScope(shield=True):
+            await self._writes_done.wait()
+        self._s._release_soon(self, False)
 
 
 class PrefillServer:
@@ -296,20 +317,27 @@ class PrefillServer:
             r = PrefillRequest(self, rid, tokens, pages, d)
             self._requests[rid] = r
             d.in_flight.add(rid)
+            granted = False
             try:
-                await self.engine.send(d.address, _proto.encode("admit", rid=rid, tokens=tokens), timeout=10)
-            except (PeerUnreachable, TransferTimeout) as exc:
-                self._decoder_dead(d, exc)
-            with anyio.move_on_after(self.admit_timeout):
-                await r._granted.wait()
-            if not r._granted.is_set():  # the decoder does not answer: try another
-                r.error = RequestFailed("the decoder did not answer the admission")
-            if r.dst_pages is not None and r.error is None:
-                r.granted_at = time.monotonic()
-                return r
-            # refused (no room) or the decoder went away: forget this try, pick again
-            self._requests.pop(rid, None)
-            d.in_flight.discard(rid)
+                try:
+                    msg = _proto.encode("admit", rid=rid, tokens=tokens)
+                    await self.engine.send(d.address, msg, timeout=10)
+                except (PeerUnreachable, TransferTimeout) as exc:
+                    self._decoder_dead(d, exc)
+                with anyio.move_on_after(self.admit_timeout):
+                    await r._granted.wait()
+                if not r._granted.is_set():  # the decoder does not answer: try another
+                    r.error = RequestFailed("the decoder did not answer the admission")
+                if r.dst_pages is not None and r.error is None:
+                    r.granted_at = time.monotonic()
+                    granted = True
+                    return r
+            finally:
+                if not granted:
+                    # refused, gone, timed out or cancelled: forget this try (a late answer
+                    # is then freed by _forget); the caller gives the pages back once
+                    self._requests.pop(rid, None)
+                    d.in_flight.discard(rid)
             if isinstance(r.error, RequestFailed) and "no room" in str(r.error):
                 await anyio.sleep(0.005)
 
@@ -318,29 +346,45 @@ class PrefillServer:
         self._pages_freed.set()
         self._pages_freed = anyio.Event()
 
-    async def _release(self, r: PrefillRequest, ok: bool) -> None:
-        """Every write of ``r`` completed: the decoder may reuse its pages; ours go back."""
+    def _release_soon(self, r: PrefillRequest, ok: bool) -> None:
+        """Every write of ``r`` completed. Tells the decoder its pages are free and gives the
+        prefill pages back (once the application is done with them), after requests that a
+        failover left on a failed link have settled: until then they may still land in the
+        decoder's pages, reading ours. Runs in the background: the caller does not wait for a
+        failed link."""
+        if self.engine.stats()["stranded"] and self._tg is not None:
+            self._tg.start_soon(self._release_after_stranded, r, ok)
+        else:
+            self._release_now(r, ok)
+
+    async def _release_after_stranded(self, r: PrefillRequest, ok: bool) -> None:
+        await self.engine.wait_stranded()
+        self._release_now(r, ok)
+
+    def _release_now(self, r: PrefillRequest, ok: bool) -> None:
+        if r._app_done and not r._pages_back:
+            r._pages_back = True
+            self._give(r.pages)
         if r._released:
             return
         r._released = True
-        self._give(r.pages)
         r.decoder.in_flight.discard(r.rid)
-        if r.dst_pages is not None and not r.decoder.dead:
-            try:
-                await self.engine.send(
-                    r.decoder.address,
-                    _proto.encode("released", rid=r.rid, ok=ok, why="" if ok else str(r.error)),
-                    timeout=10,
-                )
-            except (PeerUnreachable, TransferTimeout) as exc:
-                self._decoder_dead(r.decoder, exc)
-            except EngineClosed:
-                pass
+        if r.dst_pages is not None and not r.decoder.dead and self._tg is not None:
+            why = "" if ok else str(r.error)
+            self._tg.start_soon(self._tell, r.decoder, _proto.encode("released", rid=r.rid, ok=ok, why=why))
         if r.decoder.leaving and not r.decoder.in_flight:
             self.decoders.pop(r.decoder.address, None)
         if r.kv_complete.is_set() or not ok:
             self._requests.pop(r.rid, None)
             r.kv_complete.set()
+
+    async def _tell(self, d: DecoderInfo, payload: bytes) -> None:
+        try:
+            await self.engine.send(d.address, payload, timeout=10)
+        except (PeerUnreachable, TransferTimeout) as exc:
+            self._decoder_dead(d, exc)
+        except EngineClosed:
+            pass
 
     async def _forget(self, decoder: bytes, rid: int) -> None:
         """A decoder granted pages to a request already routed elsewhere: free them."""
@@ -360,8 +404,6 @@ class PrefillServer:
                 r.error = RequestFailed(f"decoder gone: {exc}")
             r._granted.set()
             r.kv_complete.set()
-            if r._writes == 0 and r.dst_pages is not None and self._tg is not None:
-                self._tg.start_soon(self._release, r, False)  # gives our pages back
         self.decoders.pop(d.address, None)
 
     async def _serve(self) -> None:
@@ -385,6 +427,14 @@ class PrefillServer:
                 _log.info("decoder joined", decoders=len(self.live_decoders))
                 self._joined.set()
                 self._joined = anyio.Event()
+            elif t == "ready":  # also from a decoder already gone from the table (it left)
+                r = self._requests.get(int(msg["rid"]))
+                if r is not None and r.decoder.address == sender:
+                    r.kv_complete_at = float(msg["at"])
+                    r.kv_complete.set()
+                    r.decoder.served += 1
+                    if r._released:
+                        self._requests.pop(r.rid, None)
             elif d is None:
                 continue
             elif t == "bye":
@@ -416,12 +466,4 @@ class PrefillServer:
                     if r.error is None:
                         r.error = RequestFailed("cancelled by the decode side")
                     if self._tg is not None:
-                        self._tg.start_soon(r.cancel)
-            elif t == "ready":
-                r = self._requests.get(int(msg["rid"]))
-                if r is not None:
-                    r.kv_complete_at = float(msg["at"])
-                    r.kv_complete.set()
-                    d.served += 1
-                    if r._released:
-                        self._requests.pop(r.rid, None)
+                        self._tg.start_soon(r._cancel_from_decoder)

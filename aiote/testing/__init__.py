@@ -110,14 +110,16 @@ class PeerProcess:
                 async with box.lock:
                     if key in box.replies:
                         break
-                    sender, payload = await self.engine.recv()
                     try:
-                        msg = json.loads(payload)
-                        box.replies[(sender, msg.get("id"))] = msg
-                    except (ValueError, AttributeError):
-                        pass  # not a peer reply: not ours to keep
-                    changed, box.changed = box.changed, anyio.Event()
-                    changed.set()
+                        sender, payload = await self.engine.recv()
+                        try:
+                            msg = json.loads(payload)
+                            box.replies[(sender, msg.get("id"))] = msg
+                        except (ValueError, AttributeError):
+                            pass  # not a peer reply: not ours to keep
+                    finally:  # wake the others: one of them receives next (also if we gave up)
+                        changed, box.changed = box.changed, anyio.Event()
+                        changed.set()
         reply: dict[str, Any] = box.replies.pop(key)
         if "error" in reply:
             raise PeerError(f"peer failed {cmd.get('op')}: {reply['error']}")
