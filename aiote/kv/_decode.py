@@ -285,13 +285,8 @@ class DecodeWorker:
 
     async def _serve(self) -> None:
         assert self._tg is not None
-        while True:
-            try:
-                sender, payload = await self.engine.recv()
-            except EngineClosed:
-                return
-            msg = _proto.decode(payload)
-            if msg is None or sender != self.prefill:
+        async for sender, msg in _proto.messages(self.engine):
+            if sender != self.prefill:
                 continue
             t = msg["t"]
             if t == "admit":

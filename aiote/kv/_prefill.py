@@ -407,14 +407,7 @@ class PrefillServer:
         self.decoders.pop(d.address, None)
 
     async def _serve(self) -> None:
-        while True:
-            try:
-                sender, payload = await self.engine.recv()
-            except EngineClosed:
-                return
-            msg = _proto.decode(payload)
-            if msg is None:
-                continue
+        async for sender, msg in _proto.messages(self.engine):
             t = msg["t"]
             d = self.decoders.get(sender)
             if t == "hello":

@@ -11,7 +11,11 @@ the request can still be written; layer ``l`` of the request carries ``imm << 8 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
+
+from .._core._engine import Engine
+from .._core._errors import EngineClosed
 
 TAG = "aiote.kv/1"
 
@@ -34,3 +38,15 @@ def decode(payload: bytes) -> dict[str, Any] | None:
 def layer_imm(seq: int, layer: int) -> int:
     """The immediate of layer ``layer`` of request ``seq``."""
     return ((seq & 0xFFFFFF) << 8) | layer
+
+
+async def messages(engine: Engine) -> AsyncIterator[tuple[bytes, dict[str, Any]]]:
+    """The KV-flow messages arriving at ``engine`` (others are dropped), until it closes."""
+    while True:
+        try:
+            sender, payload = await engine.recv()
+        except EngineClosed:
+            return
+        msg = decode(payload)
+        if msg is not None:
+            yield sender, msg
