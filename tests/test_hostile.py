@@ -218,3 +218,66 @@ def test_fuzz_the_wire_format_parsers_for_a_few_seconds(rig: Rig) -> None:
             parsed += 1
             assert bytes(obj) == raw or parse(bytes(obj)) == obj, f"seed {seed}: {raw.hex()}"
     assert runs > 1000, runs
+
+
+@SETTINGS
+@given(length=values, src_offset=values, dst_offset=values)
+def test_read_arguments(rig: Rig, length: Any, src_offset: Any, dst_offset: Any) -> None:
+    kw = {"length": length, "src_offset": src_offset, "dst_offset": dst_offset}
+    length, src_offset, dst_offset = (_py(v) for v in (length, src_offset, dst_offset))
+    valid = all(_int(v) and v >= 0 for v in (src_offset, dst_offset))
+    valid = valid and (length is None or (_int(length) and length >= 0))
+    if valid:
+        n = min(SIZE - src_offset, SIZE - dst_offset) if length is None else length
+        valid = n > 0 and src_offset + n <= SIZE and dst_offset + n <= SIZE
+    back = np.zeros(SIZE, np.uint8)
+
+    async def call() -> None:
+        mb = await rig.a.register(back)
+        try:
+            # READ from the peer's region (src) into ours (dst)
+            await rig.a.read(mb, rig.md.descriptor, timeout=10, **kw)
+        finally:
+            await rig.a.unregister(mb)
+
+    if not valid:
+        before = rig.completions()
+        with pytest.raises(aiote.InvalidArgument):
+            rig.portal.call(call)
+        assert rig.completions() == before
+        return
+    rig.dst[:] = rig.src  # the peer's region holds known bytes
+    rig.portal.call(call)
+    assert np.array_equal(back[dst_offset : dst_offset + n], rig.src[src_offset : src_offset + n])
+    assert not back[:dst_offset].any() and not back[dst_offset + n :].any()
+
+
+@SETTINGS
+@given(imm=values, n=st.integers(0, 3))
+def test_barrier_and_write_imm_arguments(rig: Rig, imm: Any, n: int) -> None:
+    descs = [rig.md.descriptor] * n
+
+    async def barrier() -> None:
+        await rig.a.barrier(descs, imm=imm, timeout=10)
+
+    async def write_imm() -> None:
+        await rig.a.write_imm(rig.md.descriptor, imm, timeout=10)
+
+    imm_py = _py(imm)
+    if not (_int(imm_py) and 0 <= imm_py < 2**32):
+        _refused(rig, barrier)
+        _refused(rig, write_imm)
+        return
+    async def forget() -> None:  # credits other examples left for this imm (in the loop's thread)
+        rig.b.imm_counter(imm_py).release()
+
+    rig.portal.call(forget)
+    rig.portal.call(barrier)
+    rig.portal.call(write_imm)
+
+    async def take() -> int:
+        c = rig.b.imm_counter(imm_py)
+        await c.wait(n + 1, timeout=10)  # exactly one credit each
+        return c.available
+
+    assert rig.portal.call(take) == 0
