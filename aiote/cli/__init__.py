@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, info, kvdemo
+from . import bench, demo, info, kvdemo
 
 __all__ = ["main"]
 
@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         "info", help="providers, NICs and capabilities as aiote sees them; what open_engine() picks"
     )
     info.add_arguments(i)
+    b = sub.add_parser("bench", help="write and paged-write throughput beside the C core, same run")
+    bench.add_arguments(b)
     args = ap.parse_args(argv)
+    if args.command == "bench":
+        return bench.main(args)
     if args.command == "info":
         return info.main(args)
     if args.command == "demo":
