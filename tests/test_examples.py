@@ -88,7 +88,8 @@ def test_aiote_bench_prints_figures_beside_the_c_core(loop: str, tmp_path: Path)
     out_file = tmp_path / "bench.json"
     out = subprocess.run(
         [sys.executable, "-m", "aiote", "bench", "all", "--sizes", "64KiB", "--page-sizes", "4KiB",
-         "--total", "32MiB", "--pages", "1000", "--calls", "1", "--repeats", "1", "--loop", loop,
+         "--total", "32MiB", "--pages", "1000", "--calls", "1", "--iters", "200", "--repeats", "1",
+         "--loop", loop,
          "--json", str(out_file)],
         capture_output=True, text=True, timeout=300,
     )
@@ -96,9 +97,11 @@ def test_aiote_bench_prints_figures_beside_the_c_core(loop: str, tmp_path: Path)
     result = json.loads(out_file.read_text())
     assert json.loads(out.stdout.strip().splitlines()[-1]) == result
     assert result["c_baseline"] is True and result["loop"] == loop and result["window"] == 64
-    assert [(r["mode"], r["size"]) for r in result["rows"]] == [("write", 65536), ("paged", 4096)]
-    for r in result["rows"]:  # fields and sane values, not speed
-        assert 0 < r["py_gbps"] < 1000 and 0 < r["c_gbps"] < 1000
+    assert [(r["mode"], r["size"]) for r in result["rows"]] == [
+        ("write", 65536), ("paged", 4096), ("imm-latency", 50), ("imm-latency", 99)
+    ]
+    for r in result["rows"]:  # fields and sane values, not speed (latency rows: microseconds)
+        assert 0 < r["py_gbps"] < 1e6 and 0 < r["c_gbps"] < 1e6
         assert r["py_spread"][0] <= r["py_gbps"] <= r["py_spread"][1]
         assert abs(r["ratio"] - r["py_gbps"] / r["c_gbps"]) < 1e-9
     assert "C core" in out.stdout and "ratio" in out.stdout

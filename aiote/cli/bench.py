@@ -125,6 +125,32 @@ async def py_paged(peer: PeerProcess, page: int, npages: int, calls: int) -> flo
         await e.unregister(mr)
 
 
+async def py_latency(peer: PeerProcess, iters: int) -> tuple[float, float]:
+    """(p50, p99) one-way latency in µs of an 8 B-class WriteImm ping-pong (round trip / 2)."""
+    e = peer.engine
+    mine = await e.register(np.zeros(64, np.uint8))
+    try:
+        theirs = await peer.register("pp", 64)
+        pong = e.imm_counter(5)
+        rtts: list[float] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: peer.call(
+                    120, op="pong", remote=bytes(mine.descriptor).hex(), iters=iters + 50, ping=4, pong=5
+                )
+            )
+            for i in range(iters + 50):  # 50 warm-up round trips
+                t0 = time.perf_counter()
+                await e.write_imm(theirs, 4)
+                await pong.wait(1, timeout=30)
+                if i >= 50:
+                    rtts.append(time.perf_counter() - t0)
+        rtts.sort()
+        return rtts[len(rtts) // 2] / 2 * 1e6, rtts[int(len(rtts) * 0.99)] / 2 * 1e6
+    finally:
+        await e.unregister(mine)
+
+
 async def run_python(args: argparse.Namespace, cases: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
     same_host = None if args.provider == "tcp" else "shm"
     nics = args.nics.split(",") if args.nics else None
@@ -133,30 +159,42 @@ async def run_python(args: argparse.Namespace, cases: list[tuple[str, int]]) -> 
         for mode, size in cases:
             if mode == "write":
                 out[(mode, size)] = await py_write(peer, size, args.total, args.window)
-            else:
+            elif mode == "paged":
                 out[(mode, size)] = await py_paged(peer, size, args.pages, args.calls)
+            elif (mode, size) not in out:
+                p50, p99 = await py_latency(peer, args.iters)
+                out[("imm-latency", 50)], out[("imm-latency", 99)] = p50, p99
     return out
 
 
-def run_c(args: argparse.Namespace, mode: str, size: int) -> float:
+def _prov(args: argparse.Namespace) -> list[str]:
     prov = ["--provider", args.provider] + (["--nic", args.nics.split(",")[0]] if args.nics else [])
     if args.provider == "tcp" and not args.nics:
         prov += ["--nic", "lo"]
+    return prov
+
+
+def run_c(args: argparse.Namespace, mode: str, size: int) -> float:
+    prov = _prov(args)
     if mode == "write":
         r = c_run("write", str(size), str(args.window), str(max(args.total, size * args.window)), *prov)
-    else:
+    elif mode == "paged":
         r = c_run("paged", str(size), str(args.pages), str(args.calls), *prov)
+    else:  # imm-latency: one run gives both percentiles; size is the percentile
+        r = c_run("pingpong", str(args.iters), *prov)
+        return float(r[f"p{size}_us"])
     return float(r["gbps"])
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("mode", nargs="?", default="all", choices=["write", "paged", "all"])
+    ap.add_argument("mode", nargs="?", default="all", choices=["write", "paged", "imm-latency", "all"])
     ap.add_argument("--sizes", default="64KiB,1MiB", help="write sizes (e.g. 4KiB,64KiB,1MiB)")
     ap.add_argument("--page-sizes", default="4KiB,64KiB", help="paged-write page sizes")
     ap.add_argument("--window", type=int, default=WINDOW, help="writes in flight")
     ap.add_argument("--total", type=parse_size, default=1 << 30, help="bytes per write case")
     ap.add_argument("--pages", type=int, default=10_000, help="pages per paged call")
     ap.add_argument("--calls", type=int, default=3, help="paged calls per case")
+    ap.add_argument("--iters", type=int, default=2000, help="ping-pong round trips (imm-latency)")
     ap.add_argument("--provider", default="tcp", choices=["tcp", "shm"])
     ap.add_argument("--nics", default=None, help="comma-separated NICs (default lo for tcp)")
     ap.add_argument("--loop", default="asyncio", choices=["asyncio", "uvloop", "trio"])
@@ -170,6 +208,8 @@ def main(args: argparse.Namespace) -> int:
         cases += [("write", parse_size(s)) for s in args.sizes.split(",")]
     if args.mode in ("paged", "all"):
         cases += [("paged", parse_size(s)) for s in args.page_sizes.split(",")]
+    if args.mode in ("imm-latency", "all"):
+        cases += [("imm-latency", 50), ("imm-latency", 99)]
     busy = _cpu_busy()
     if busy > 0.10:
         sys.stderr.write(f"warning: the CPU was {busy:.0%} busy before the run: figures will be noisy\n")
@@ -186,6 +226,12 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         if not why_no_c:
             for mode, size in cases:
+                if mode == "imm-latency":
+                    if size == 50:
+                        r = c_run("pingpong", str(args.iters), *_prov(args))
+                        cc[(mode, 50)].append(float(r["p50_us"]))
+                        cc[(mode, 99)].append(float(r["p99_us"]))
+                    continue
                 cc[(mode, size)].append(run_c(args, mode, size))
         got = anyio.run(run_python, args, cases, backend=backend, backend_options=options)
         for k, v in got.items():
@@ -206,10 +252,15 @@ def main(args: argparse.Namespace) -> int:
         row["ratio"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
         rows.append(row)
     after = _cpu_busy()
-    print(f"aiote bench: {args.provider}, window {args.window}, {args.loop}, median of {args.repeats} (GB/s)")
+    print(
+        f"aiote bench: {args.provider}, window {args.window}, {args.loop}, median of {args.repeats} "
+        "(GB/s unless noted)"
+    )
     print(f"{'case':24} {'C core':>16} {'aiote':>16} {'ratio':>6}")
     for r in rows:
         label = f"{r['mode']} {r['size'] // 1024} KiB"
+        if r["mode"] == "imm-latency":
+            label = f"one-way p{r['size']} (us, lower is better)"
         cs = f"{r['c_gbps']:.2f} ({r['c_spread'][0]:.2f}-{r['c_spread'][1]:.2f})" if r["c_gbps"] else "-"
         ps = f"{r['py_gbps']:.2f} ({r['py_spread'][0]:.2f}-{r['py_spread'][1]:.2f})"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"

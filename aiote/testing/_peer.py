@@ -68,6 +68,12 @@ async def _serve(engine: Engine) -> None:
                     dst_pages=cmd["dst_pages"], src_stride=cmd.get("src_stride"),
                     dst_stride=cmd.get("dst_stride"), imm=cmd.get("imm"),
                 )
+            elif op == "pong":  # answers each ping immediate with a pong immediate
+                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
+                ping = engine.imm_counter(cmd["ping"])
+                for _ in range(cmd["iters"]):
+                    await ping.wait(1, timeout=30)
+                    await engine.write_imm(remote, cmd["pong"])
             elif op == "route":
                 r = engine.route(bytes.fromhex(cmd["peer"]))
                 reply["provider"] = r.provider
