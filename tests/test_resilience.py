@@ -299,3 +299,25 @@ async def test_a_timed_out_write_can_be_awaited_until_the_transport_lets_go() ->
         with pytest.raises(aiote.TransferTimeout) as nothing:  # nothing posted: settled at once
             await e.write(ms, d, imm=3, timeout=0)
         await nothing.value.settled()
+
+
+async def test_a_striped_timed_out_write_settles_every_nics_group() -> None:
+    async with spawn_peer(nics=["lo", "lo"], **TCP) as p:
+        e = p.engine
+        size = 64 << 20
+        d = await p.register("buf", size)
+        ms = await e.register(pattern(size, seed=9))
+        await e.write_imm(d, 1)
+        await p.wait(imm=1)
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(aiote.TransferTimeout) as info:
+                await e.write(ms, d, imm=2, timeout=0.3)  # striped: one group per NIC
+            with anyio.move_on_after(0.5) as scope:
+                await info.value.settled()
+            assert scope.cancelled_caught
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        with anyio.fail_after(60):
+            await info.value.settled()
+        assert e.stats()["ops_in_flight"] == 0  # both NICs' groups, not only the first

@@ -11,8 +11,8 @@ import os
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -83,6 +83,8 @@ _FI_ETRUNC = 265
 _FI_ECANCELED = 125
 _ENOENT = 2
 _STALLED = -(1 << 29)  # posting made no progress for connect_timeout
+# where a caller collects the groups its operations left on a failed link (see collect_stranded)
+_STRANDED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("aiote_stranded", default=None)
 # the retry policy of the operation running in this task (and the tasks it starts)
 _POLICY: contextvars.ContextVar[RetryPolicy | None] = contextvars.ContextVar("aiote_retry", default=None)
 _CLOSED_STATUS = -(1 << 30)  # an operation failed because the engine closed under it
@@ -365,6 +367,21 @@ class Engine:
                 return
             except PeerUnreachable as again:
                 exc = again
+
+    @contextmanager
+    def _collect_stranded(self, into: list[Any]) -> Iterator[None]:
+        """Within the block, groups that operations of this task leave on a failed link (a
+        failover moved their work elsewhere) are appended to ``into``; :meth:`_settle_all`
+        waits for them."""
+        token = _STRANDED.set(into)
+        try:
+            yield
+        finally:
+            _STRANDED.reset(token)
+
+    async def _settle_all(self, ops: list[Any]) -> None:
+        for op in ops:
+            await self._settle(op)
 
     async def wait_stranded(self) -> None:
         """Waits until no request that a failover left on a failed link is still owned by the
@@ -798,16 +815,21 @@ class Engine:
             for rail in np.unique(rails).tolist():
                 tg.start_soon(one, table[rails == rail], int(rail))
         if errors:
-            first = errors[0]
             timed_out = [e for e in errors if isinstance(e, TransferTimeout)]
-            if isinstance(first, TransferTimeout) and len(timed_out) > 1:
+            if not timed_out:
+                raise errors[0]
+            # a group still posted somewhere: raise the timeout (so the caller can settle it),
+            # carrying every NIC's waiter, with any other error as its cause
+            waiters = [e._waiter for e in timed_out if e._waiter is not None]
 
-                async def all_settled() -> None:  # every NIC's group, not only the first's
-                    for e in timed_out:
-                        await e.settled()
+            async def all_settled() -> None:
+                for w in waiters:
+                    await w()
 
-                first._waiter = all_settled
-            raise first
+            first = timed_out[0]
+            first._waiter = all_settled
+            others = [e for e in errors if not isinstance(e, TransferTimeout)]
+            raise first from (others[0] if others else None)
 
     async def _run_table(
         self,
@@ -953,6 +975,9 @@ class Engine:
         if error:
             raise _post_error(error, what, posted)
         if op.failover and op.done is False:
+            stranded = _STRANDED.get()
+            if stranded is not None:
+                stranded.append(op)
             return True
         if op.status == _CLOSED_STATUS:
             raise EngineClosed(f"{what}: the engine closed before the operation completed")

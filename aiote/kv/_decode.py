@@ -368,6 +368,9 @@ class DecodeWorker:
         r.ready_at = time.monotonic()
         # report first: once handed out, the request may be released and the worker leave
         await self._tell_prefill(_proto.encode("ready", rid=r.rid, at=r.ready_at))
+        if r.error is not None:  # the prefill side went away meanwhile: the request failed
+            self.failed += 1
+            return
         r._ready.set()
         self.completed += 1
         if not getattr(r, "_taken_early", False):

@@ -98,6 +98,7 @@ class PrefillRequest:
         self._app_done = False  # finish() or cancel() was called: the prefill pages may go back
         self._pages_back = False
         self._abandoned = False
+        self._stranded: list[object] = []  # groups its writes left on a failed link
         self._sent_layers = 0
         self.kv_complete = anyio.Event()
 
@@ -128,17 +129,18 @@ class PrefillRequest:
         assert self.dst_pages is not None and s._mr is not None
         try:
             if self.error is None:
-                await s.engine.write_paged(
-                    s._mr,
-                    self.decoder.desc,
-                    page_size=lay.page_bytes,
-                    src_pages=lay.layer_indices(self.pages),
-                    dst_pages=lay.layer_indices(self.dst_pages),
-                    src_offset=layer * lay.layer_bytes,
-                    dst_offset=layer * lay.layer_bytes,
-                    imm=_proto.layer_imm(self.seq, layer),
-                    timeout=s.write_timeout,
-                )
+                with s.engine._collect_stranded(self._stranded):
+                    await s.engine.write_paged(
+                        s._mr,
+                        self.decoder.desc,
+                        page_size=lay.page_bytes,
+                        src_pages=lay.layer_indices(self.pages),
+                        dst_pages=lay.layer_indices(self.dst_pages),
+                        src_offset=layer * lay.layer_bytes,
+                        dst_offset=layer * lay.layer_bytes,
+                        imm=_proto.layer_imm(self.seq, layer),
+                        timeout=s.write_timeout,
+                    )
                 self._sent_layers += 1
         except PeerUnreachable as exc:
             s._decoder_dead(self.decoder, exc)
@@ -168,8 +170,16 @@ class PrefillRequest:
         the decoder the request's pages can no longer be written. Raises
         :class:`RequestFailed` if a write failed, the decoder left or died, or the request was
         cancelled."""
-        with deadline(timeout, f"request {self.rid}: finish"):
-            await self._writes_done.wait()
+        try:
+            with deadline(timeout, f"request {self.rid}: finish"):
+                await self._writes_done.wait()
+        except BaseException:
+            # the application gives up on it: released (and pages back) once the writes end
+            self._app_done = True
+            self.cancelled = True
+            if self.error is None:
+                self.error = RequestFailed("finish() gave up before the writes completed")
+            raise
         if self.error is None and self._sent_layers < self._s.layout.layers:
             self.error = RequestFailed(
                 f"finish() after {self._sent_layers} of {self._s.layout.layers} layers; "
@@ -249,6 +259,8 @@ class PrefillServer:
         self._rids = itertools.count(1)
         self._requests: dict[int, PrefillRequest] = {}
         self._joined = anyio.Event()
+        self._background = 0  # releases waiting for stranded groups
+        self._background_done = anyio.Event()
         self._mr: MemoryRegion | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -266,8 +278,12 @@ class PrefillServer:
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
             for r in list(self._requests.values()):
                 await r._writes_done.wait()
+            while self._background:
+                ev = self._background_done = anyio.Event()
+                await ev.wait()
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
+        self._tg = None  # later releases skip the messages: the server is gone
         return None
 
     @property
@@ -348,24 +364,36 @@ class PrefillServer:
 
     def _release_soon(self, r: PrefillRequest, ok: bool) -> None:
         """Every write of ``r`` completed. Tells the decoder its pages are free and gives the
-        prefill pages back (once the application is done with them), after requests that a
-        failover left on a failed link have settled: until then they may still land in the
-        decoder's pages, reading ours. Runs in the background: the caller does not wait for a
-        failed link."""
-        if self.engine.stats()["stranded"] and self._tg is not None:
-            self._tg.start_soon(self._release_after_stranded, r, ok)
+        prefill pages back (once the application is done with them), after the groups that a
+        failover left on a failed link for this request have settled: until then they may
+        still land in the decoder's pages, reading ours. That wait runs in the background."""
+        if not ok:  # a failed request fails its waiters now, whatever the wait below
+            r.kv_complete.set()
+        pending = [op for op in r._stranded if not getattr(op, "done", True)]
+        if pending and self._tg is not None:
+            self._background += 1
+            self._tg.start_soon(self._release_after, r, ok, pending)
         else:
             self._release_now(r, ok)
 
-    async def _release_after_stranded(self, r: PrefillRequest, ok: bool) -> None:
-        await self.engine.wait_stranded()
-        self._release_now(r, ok)
+    async def _release_after(self, r: PrefillRequest, ok: bool, ops: list[object]) -> None:
+        try:
+            await self.engine._settle_all(ops)
+            self._release_now(r, ok)
+        finally:
+            self._background -= 1
+            if not self._background:
+                self._background_done.set()
 
     def _release_now(self, r: PrefillRequest, ok: bool) -> None:
         if r._app_done and not r._pages_back:
             r._pages_back = True
             self._give(r.pages)
         if r._released:
+            if r.error is not None:  # cancelled at the decode side after a finish: fail waiters
+                r.kv_complete.set()
+                if r.kv_complete_at is None:
+                    self._requests.pop(r.rid, None)
             return
         r._released = True
         r.decoder.in_flight.discard(r.rid)
