@@ -16,6 +16,9 @@ import anyio
 import numpy as np
 
 import aiote
+from aiote.testing import ready_line
+
+from .bench import parse_size
 
 IMM_DATA = 1
 
@@ -107,13 +110,7 @@ async def run(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "aiote", "write-demo", "--role", "receiver", "--size", str(args.size),
            "--provider", args.provider, "--backend", args.backend]
     async with await anyio.open_process(cmd, stdout=-1, stderr=None) as proc:
-        assert proc.stdout is not None
-        line = b""
-        with anyio.fail_after(60):
-            while b"\n" not in line:
-                chunk = await proc.stdout.receive()
-                line += chunk
-        address = bytes.fromhex(line.split()[1].decode())
+        address = bytes.fromhex((await ready_line(proc, "AIOTE_DEMO", 60)).split()[1])
         result = await writer(address, args.size, args.chunk, args.window, args.provider)
         with anyio.fail_after(60):
             await proc.wait()
@@ -123,18 +120,10 @@ async def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The demo's command-line options."""
-    ap.add_argument("--size", type=_size, default=1 << 30, help="bytes to transfer (default 1GiB)")
-    ap.add_argument("--chunk", type=_size, default=16 << 20, help="bytes per WriteImm (default 16MiB)")
+    ap.add_argument("--size", type=parse_size, default=1 << 30, help="bytes to transfer (default 1GiB)")
+    ap.add_argument("--chunk", type=parse_size, default=16 << 20, help="bytes per WriteImm (default 16MiB)")
     ap.add_argument("--window", type=int, default=8, help="writes in flight (default 8)")
     ap.add_argument("--provider", default="tcp", help="libfabric provider (default tcp on lo)")
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])

@@ -26,6 +26,7 @@ import numpy as np
 
 import aiote
 from aiote import kv
+from aiote.testing import ready_line
 
 SEED = 20251107
 
@@ -195,12 +196,7 @@ async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> 
         *(["--cancel-every", str(args.cancel_every)] if getattr(args, "cancel_every", 0) else []),
     ]
     proc = await anyio.open_process(cmd, stdin=-1, stdout=-1, stderr=None)
-    assert proc.stdout is not None
-    buf = b""
-    with anyio.fail_after(60):
-        while b"AIOTE_KV_DECODER" not in buf:
-            chunk = await proc.stdout.receive()
-            buf += chunk
+    await ready_line(proc, "AIOTE_KV_DECODER", 60)
     return Decoder(proc, name)
 
 

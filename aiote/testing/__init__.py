@@ -33,7 +33,7 @@ import numpy as np
 from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine, open_engine
 
-__all__ = ["PeerProcess", "PeerError", "digest", "engine_pair", "pattern", "spawn_peer"]
+__all__ = ["PeerError", "PeerProcess", "digest", "engine_pair", "pattern", "ready_line", "spawn_peer"]
 
 
 def pattern(nbytes: int, seed: int = 0) -> np.ndarray:
@@ -212,15 +212,7 @@ async def spawn_peer(
     env = dict(os.environ)
     proc = await anyio.open_process(args, stdin=None, stdout=-1, stderr=None, env=env)
     try:
-        assert proc.stdout is not None
-        buf = b""
-        with anyio.fail_after(startup_timeout):
-            while b"\n" not in buf:
-                chunk = await proc.stdout.receive()
-                if not chunk:
-                    raise RuntimeError("the peer process exited before it was ready")
-                buf += chunk
-        line = buf.split(b"\n", 1)[0].decode()
+        line = await ready_line(proc, "AIOTE_PEER", startup_timeout)
         if not line.startswith("AIOTE_PEER "):
             raise RuntimeError(f"unexpected output from the peer process: {line!r}")
         address = bytes.fromhex(line.split()[1])
@@ -246,6 +238,28 @@ async def spawn_peer(
                     proc.kill()
                     await proc.wait()
             await proc.aclose()
+
+
+async def ready_line(proc: anyio.abc.Process, marker: str, timeout: float = 60.0) -> str:
+    """The first line a child process prints that starts with ``marker`` (its "I am up"
+    line; earlier lines are skipped). Raises RuntimeError if it exits first, TimeoutError
+    after ``timeout`` seconds."""
+    assert proc.stdout is not None
+    buf = b""
+    with anyio.fail_after(timeout):
+        while True:
+            while b"\n" in buf:
+                raw, buf = buf.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                if line.startswith(marker):
+                    return line
+            try:
+                chunk = await proc.stdout.receive()
+            except anyio.EndOfStream:
+                chunk = b""
+            if not chunk:
+                raise RuntimeError(f"the process exited before printing {marker!r}")
+            buf += chunk
 
 
 async def _stop(peer: PeerProcess) -> None:
