@@ -10,6 +10,7 @@ immediates, counters and messages over libfabric), under asyncio and trio.
 from . import kv  # the KV-cache flow (prefill/decode), built on the core
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
+from ._core._device import GpuUnavailable
 from ._core._engine import Engine, RailInfo, ScatterTarget, TransferBatch, open_engine
 from ._core._errors import (
     AioteError,
@@ -24,6 +25,7 @@ from ._core._errors import (
     TransferError,
     TransferTimeout,
 )
+from ._core._gpu import UvmWatcher
 from ._core._memory import MemoryRegion
 from ._core._retry import RetryPolicy
 from ._core._routing import DomainGroup, Route
@@ -38,6 +40,7 @@ __all__ = [
     "Engine",
     "EngineAddress",
     "EngineClosed",
+    "GpuUnavailable",
     "ImmCounter",
     "InvalidArgument",
     "MemoryDescriptor",
@@ -55,6 +58,7 @@ __all__ = [
     "TransferBatch",
     "TransferError",
     "TransferTimeout",
+    "UvmWatcher",
     "kv",
     "open_engine",
 ]

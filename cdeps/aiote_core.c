@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <time.h>
@@ -125,6 +126,12 @@ typedef struct cslot {
     uint64_t want;
 } cslot;
 
+typedef struct watch_slot {
+    const volatile uint64_t *word; /* NULL: free */
+    uint64_t last;
+    uint64_t token;
+} watch_slot;
+
 typedef struct overflow_node {
     aio_record rec;
     struct overflow_node *next;
@@ -173,6 +180,12 @@ struct aio_engine {
     int64_t nl_checked;  /* last time the poller drained it while spinning */
     _Atomic int64_t ops_in_flight;
     _Atomic int64_t want_below; /* a poster waits for queue space: report when in flight <= it (-1: none) */
+
+    /* watched words */
+    pthread_mutex_t watch_mu;
+    watch_slot *watches;     /* AIO_MAX_WATCHES, allocated on first use */
+    int32_t watch_hi;        /* slots [0, watch_hi) may be in use */
+    _Atomic int32_t nwatch;
 
     /* stats */
     _Atomic uint64_t st_polls, st_sleeps, st_wakeups, st_completions, st_remote, st_errors;
@@ -642,6 +655,80 @@ static void kick(aio_engine *e) {
     }
 }
 
+/* ------------------------------------------------------------------ watched words */
+
+uint64_t aio_word_load(const volatile uint64_t *word) {
+    return __atomic_load_n((const uint64_t *)word, __ATOMIC_ACQUIRE);
+}
+
+void aio_word_store(aio_engine *e, volatile uint64_t *word, uint64_t value) {
+    __atomic_store_n((uint64_t *)word, value, __ATOMIC_RELEASE);
+    kick(e);
+}
+
+int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token) {
+    if (!word || ((uintptr_t)word & 7)) return -FI_EINVAL;
+    pthread_mutex_lock(&e->watch_mu);
+    if (!e->watches) {
+        e->watches = calloc(AIO_MAX_WATCHES, sizeof(watch_slot));
+        if (!e->watches) {
+            pthread_mutex_unlock(&e->watch_mu);
+            return -FI_ENOMEM;
+        }
+    }
+    int id = -1;
+    for (int i = 0; i < AIO_MAX_WATCHES; i++)
+        if (!e->watches[i].word) {
+            id = i;
+            break;
+        }
+    if (id < 0) {
+        pthread_mutex_unlock(&e->watch_mu);
+        return -FI_ENOSPC;
+    }
+    e->watches[id].word = word;
+    e->watches[id].last = last;
+    e->watches[id].token = token;
+    if (id >= e->watch_hi) e->watch_hi = id + 1;
+    atomic_fetch_add(&e->nwatch, 1);
+    pthread_mutex_unlock(&e->watch_mu);
+    kick(e); /* a sleeping poller must start reading it */
+    return id;
+}
+
+int aio_watch_remove(aio_engine *e, int id) {
+    if (id < 0 || id >= AIO_MAX_WATCHES) return -FI_EINVAL;
+    pthread_mutex_lock(&e->watch_mu);
+    if (!e->watches || !e->watches[id].word) {
+        pthread_mutex_unlock(&e->watch_mu);
+        return -FI_EINVAL;
+    }
+    e->watches[id].word = NULL;
+    while (e->watch_hi > 0 && !e->watches[e->watch_hi - 1].word) e->watch_hi--;
+    atomic_fetch_sub(&e->nwatch, 1);
+    pthread_mutex_unlock(&e->watch_mu);
+    return 0;
+}
+
+/* Reads every watched word; one record per change. Returns the number of changes. */
+static int poll_watches(aio_engine *e) {
+    if (atomic_load_explicit(&e->nwatch, memory_order_relaxed) == 0) return 0;
+    int got = 0;
+    pthread_mutex_lock(&e->watch_mu);
+    for (int i = 0; i < e->watch_hi; i++) {
+        watch_slot *w = &e->watches[i];
+        if (!w->word) continue;
+        uint64_t v = __atomic_load_n((const uint64_t *)w->word, __ATOMIC_ACQUIRE);
+        if (v == w->last) continue;
+        w->last = v;
+        aio_record rec = {.kind = AIO_REC_WATCH, .token = w->token, .a = v};
+        ring_push(e, &rec);
+        got++;
+    }
+    pthread_mutex_unlock(&e->watch_mu);
+    return got;
+}
+
 /* ------------------------------------------------------------------ link monitor */
 
 static int iface_up(int ifindex) {
@@ -722,6 +809,8 @@ int aio_rail_link_up(aio_engine *e, int rail) {
 
 static void *poller_main(void *arg) {
     aio_engine *e = arg;
+    /* short timed sleeps (watched words) must not be stretched by the default 50 us slack */
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
     int64_t last_active = now_ns();
     uint64_t seen_seq = atomic_load(&e->post_seq);
     int all_fd = 1;
@@ -735,6 +824,7 @@ static void *poller_main(void *arg) {
             got += progress_locked(e, r);
             pthread_mutex_unlock(&r->mu);
         }
+        got += poll_watches(e);
         atomic_fetch_add_explicit(&e->st_polls, 1, memory_order_relaxed);
         if (e->nl_fd >= 0) {
             int64_t t = now_ns();
@@ -786,7 +876,13 @@ static void *poller_main(void *arg) {
             else if (!all_fd) /* no wait object: short steps, longer once idle a while */
                 timeout = (now_ns() - last_active > 200000000LL) ? 5 : 1;
             atomic_fetch_add_explicit(&e->st_sleeps, 1, memory_order_relaxed);
-            int ne = epoll_wait(e->epfd, evs, AIO_MAX_RAILS + 1, timeout);
+            int ne;
+            if (atomic_load(&e->nwatch) > 0) { /* watched words: read them again soon */
+                struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)e->cfg.watch_us * 1000L};
+                ne = epoll_pwait2(e->epfd, evs, AIO_MAX_RAILS + 1, &ts, NULL);
+            } else {
+                ne = epoll_wait(e->epfd, evs, AIO_MAX_RAILS + 1, timeout);
+            }
             for (int k = 0; k < ne; k++) {
                 if (evs[k].data.fd == e->kick_fd) {
                     uint64_t v;
@@ -814,6 +910,8 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     if (e->cfg.max_groups == 0) e->cfg.max_groups = 16384;
     if (e->cfg.sleep_ms <= 0) e->cfg.sleep_ms = 100;
     if (e->cfg.busy_spin_ns <= 0) e->cfg.busy_spin_ns = 200000; /* 200 us: longer starves a 2-core box */
+    if (e->cfg.watch_us <= 0) e->cfg.watch_us = 100;
+    if (e->cfg.watch_us > 1000000) e->cfg.watch_us = 1000000;
     e->ring = calloc(cap, sizeof(aio_record));
     e->ring_mask = cap - 1;
     e->groups = calloc(e->cfg.max_groups, sizeof(aio_group));
@@ -827,6 +925,7 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     pthread_mutex_init(&e->groups_mu, NULL);
     pthread_mutex_init(&e->cnt_mu, NULL);
     pthread_mutex_init(&e->mr_mu, NULL);
+    pthread_mutex_init(&e->watch_mu, NULL);
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->nl_fd = -1;
     atomic_store(&e->want_below, -1);
@@ -1224,6 +1323,8 @@ void aio_engine_destroy(aio_engine *e) {
     free(e->ring);
     free(e->groups);
     free(e->cslots);
+    free(e->watches);
+    pthread_mutex_destroy(&e->watch_mu);
     pthread_mutex_destroy(&e->ring_mu);
     pthread_mutex_destroy(&e->groups_mu);
     pthread_mutex_destroy(&e->cnt_mu);

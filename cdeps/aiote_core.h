@@ -45,6 +45,7 @@ extern "C" {
 #define AIO_REC_COUNTER 3 /* a counter watch is satisfied: token = imm */
 #define AIO_REC_LINK 4    /* the link of a rail's interface changed: rail, a = 1 up / 0 down */
 #define AIO_REC_SPACE 5   /* a request completed after aio_want_space: posting may resume */
+#define AIO_REC_WATCH 6   /* a watched 64-bit word changed: token = watch token, a = new value */
 
 typedef struct aio_record {
     uint64_t token;
@@ -108,7 +109,7 @@ typedef struct aio_engine_config {
     uint32_t base_port;      /* tcp: the n-th interface rail listens on base_port + n (0: any) */
     int64_t spin_ns;         /* busy-poll after the last activity before sleeping */
     int32_t sleep_ms;        /* timed fallback of the sleeping poller */
-    int32_t pad2;
+    int32_t watch_us;        /* longest sleep of the poller while a word is watched (0: 100 us) */
     int64_t busy_spin_ns;    /* busy-poll budget while our work is in flight (0: 200 us) */
 } aio_engine_config;
 
@@ -254,6 +255,21 @@ int aio_drain(aio_engine *e, aio_record *out, int max);
 int aio_arm(aio_engine *e);
 /* Clears the eventfd (non-blocking). */
 void aio_clear_eventfd(aio_engine *e);
+
+/* Watched words (GPU completion flags, UVM watcher slots): while at least one is added, the
+ * poller reads each after every poll and, when its value differs from the last one seen,
+ * pushes one AIO_REC_WATCH record (token, new value). While watches exist the poller sleeps
+ * at most cfg.watch_us between reads (an idle engine with no watch still sleeps fully).
+ * The word must stay mapped until aio_watch_remove returns (which waits out a poll in
+ * progress). Returns a watch id >= 0, or -FI_ENOSPC / -FI_EINVAL. `last` is the value the
+ * caller already knows (a change from it is reported). */
+#define AIO_MAX_WATCHES 4096
+int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token);
+int aio_watch_remove(aio_engine *e, int id);
+/* Reads a watched word (or any 64-bit word) with acquire ordering. */
+uint64_t aio_word_load(const volatile uint64_t *word);
+/* Stores a 64-bit word with release ordering, then kicks the poller (host-side signal). */
+void aio_word_store(aio_engine *e, volatile uint64_t *word, uint64_t value);
 
 /* statistics */
 typedef struct aio_stats {

@@ -10,7 +10,10 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import aiote
-from aiote._core._descriptor import _RemoteKey  # the per-NIC entry of a descriptor (no public constructor)
+from aiote._core._descriptor import (  # the per-NIC entry of a descriptor (no public constructor)
+    GpuExtent,
+    _RemoteKey,
+)
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -31,13 +34,23 @@ def descriptors(draw) -> aiote.MemoryDescriptor:
         )
         for _ in range(nkeys)
     )
+    kind = draw(st.sampled_from([0, 1]))
+    gpu = None
+    if kind == 1:  # GPU regions carry their id, backend and (maybe) an IPC handle
+        gpu = GpuExtent(
+            draw(st.integers(0, 2**64 - 1)),
+            draw(st.sampled_from([1, 2])),
+            draw(st.binary(max_size=64)),
+            draw(st.integers(0, 2**64 - 1)),
+        )
     return aiote.MemoryDescriptor(
         length=length,
         access=draw(st.integers(0, 3)),
-        device_kind=draw(st.sampled_from([0, 1])),
+        device_kind=kind,
         device_id=draw(st.integers(-(2**31), 2**31 - 1)),
         host_id=draw(st.binary(min_size=16, max_size=16)),
         keys=keys,
+        gpu=gpu,
     )
 
 

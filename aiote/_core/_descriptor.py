@@ -10,7 +10,13 @@ Engine address (``engine.address``)::
 Memory descriptor (``bytes(mr.descriptor)``)::
 
     b"AIOD" | u8 version | u8 access | u8 device kind | u8 nrails | i32 device id | u64 length
-    | 16 B host id | per rail: str provider, bytes addr, u64 base, u64 key | u32 crc
+    | 16 B host id | per rail: str provider, bytes addr, u64 base, u64 key
+    | GPU regions only: u64 region id | u8 backend | bytes IPC handle (may be empty) | u64 offset
+    | u32 crc
+
+A GPU region's descriptor also names the region (for the staging protocol: its owner copies
+landed bytes from its pinned host shadow into GPU memory before crediting) and, for peers on
+the same host, a CUDA IPC handle of the allocation and the region's offset in it.
 
 A descriptor carries one (address, base, key) entry per NIC of its owner. ``base`` is what the
 owner's provider expects as the remote address of offset 0 (the virtual address for providers
@@ -25,7 +31,14 @@ from dataclasses import dataclass
 
 from ._errors import DescriptorError
 
-__all__ = ["ACCESS_REMOTE_READ", "ACCESS_REMOTE_WRITE", "EngineAddress", "MemoryDescriptor", "RailAddress"]
+__all__ = [
+    "ACCESS_REMOTE_READ",
+    "ACCESS_REMOTE_WRITE",
+    "EngineAddress",
+    "GpuExtent",
+    "MemoryDescriptor",
+    "RailAddress",
+]
 
 ACCESS_REMOTE_WRITE = 1
 ACCESS_REMOTE_READ = 2
@@ -146,6 +159,21 @@ class EngineAddress:
         return cls(rails, host)
 
 
+GPU_BACKEND_CUDA = 1
+GPU_BACKEND_HOST = 2  # the host-memory emulation (tests on machines without a GPU)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuExtent:
+    """What a GPU region's descriptor adds: the region's id, the owner's GPU backend, and
+    the IPC handle (empty when not exported) with the region's offset in its allocation."""
+
+    region_id: int
+    backend: int
+    ipc_handle: bytes
+    ipc_offset: int
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryDescriptor:
     """What a peer needs to access a registered region: plain bytes, safe to ship.
@@ -160,6 +188,7 @@ class MemoryDescriptor:
     device_id: int
     host_id: bytes
     keys: tuple[_RemoteKey, ...]
+    gpu: GpuExtent | None = None
 
     @property
     def remote_write(self) -> bool:
@@ -188,6 +217,10 @@ class MemoryDescriptor:
         body += self.host_id
         for k in self.keys:
             body += _str(k.provider) + _blob(k.address) + struct.pack("<QQ", k.base, k.key)
+        if self.device_kind == DEVICE_CUDA:
+            g = self.gpu or GpuExtent(0, GPU_BACKEND_CUDA, b"", 0)
+            body += struct.pack("<QB", g.region_id, g.backend) + struct.pack("<B", len(g.ipc_handle))
+            body += g.ipc_handle + struct.pack("<Q", g.ipc_offset)
         return _seal(body)
 
     @classmethod
@@ -212,6 +245,15 @@ class MemoryDescriptor:
             if base + length > 2**64:
                 raise DescriptorError("memory descriptor region wraps the address space")
             keys.append(_RemoteKey(prov, addr, base, key))
+        gpu = None
+        if kind == DEVICE_CUDA:
+            rid, backend = r.unpack("<QB")
+            if backend not in (GPU_BACKEND_CUDA, GPU_BACKEND_HOST):
+                raise DescriptorError(f"memory descriptor has unknown GPU backend {backend}")
+            (hl,) = r.unpack("<B")
+            handle = r.take(hl)
+            (ipc_off,) = r.unpack("<Q")
+            gpu = GpuExtent(rid, backend, handle, ipc_off)
         if r.pos != len(r.data):
             raise DescriptorError("memory descriptor has trailing bytes")
-        return cls(length, access, kind, dev, host, tuple(keys))
+        return cls(length, access, kind, dev, host, tuple(keys), gpu)

@@ -26,8 +26,10 @@ from ._counter import ImmCounter
 from ._descriptor import (
     ACCESS_REMOTE_READ,
     ACCESS_REMOTE_WRITE,
+    DEVICE_CUDA,
     DEVICE_HOST,
     EngineAddress,
+    GpuExtent,
     MemoryDescriptor,
     RailAddress,
     _RemoteKey,
@@ -44,6 +46,7 @@ from ._errors import (
     TransferError,
     TransferTimeout,
 )
+from ._gpu import GpuSupport, UvmWatcher
 from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
 from ._retry import RetryPolicy
@@ -60,7 +63,9 @@ _log = get_logger(component="engine")
 
 _U32 = 1 << 32
 _CREDIT = int(lib.AIO_CREDIT_UNIT)
-_MSG_HEADER = struct.Struct("<H")
+_MSG_HEADER = struct.Struct("<H")  # the sender's address length; the top bit marks internal messages
+_INTERNAL = 0x8000
+_GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_parts_in")
 
 # libfabric error numbers (rdma/fi_errno.h)
 _FI_EINVAL = 22
@@ -210,8 +215,13 @@ class Engine:
         same_host: str | None = None,
         stripe_min: int = 1 << 20,
         retry: RetryPolicy | None = None,
+        gpu_backend: str = "cuda",
+        stage_chunk: int = 4 << 20,
+        gpu_ipc: bool = True,
     ) -> None:
         self._h = handle
+        self._gpu: GpuSupport | None = None
+        self._gpu_cfg = (gpu_backend, stage_chunk, gpu_ipc)
         self._retry = retry if retry is not None else RetryPolicy()
         self._stripe_min = stripe_min
         self._loop_spin_ns = loop_spin_ns
@@ -284,7 +294,10 @@ class Engine:
         operations and regions in flight, and ``peers``: peer NIC addresses resolved (each is
         resolved once and cached), ``failovers``: requests re-posted on another NIC after a link
         failure, ``stranded``: groups left on a failed link, still owned by the transport
-        (their bytes land again if the link recovers). O(1) but ``stranded``: O(pending)."""
+        (their bytes land again if the link recovers). GPU: ``gpu_ipc`` / ``gpu_staged``:
+        operations sent through CUDA IPC / staged through pinned host memory,
+        ``gpu_parts_in``: staged parts this engine copied into its GPU memory.
+        O(1) but ``stranded``: O(pending)."""
         st = ffi.new("aio_stats*")
         lib.aio_get_stats(self._handle(), st)
         return {
@@ -300,6 +313,7 @@ class Engine:
             "peers": len(self._peers),
             "failovers": self._failovers,
             "stranded": sum(1 for op in self._pending.values() if op.failover),
+            **(self._gpu.counts if self._gpu is not None else dict.fromkeys(_GPU_COUNTS, 0)),
         }
 
     def _handle(self) -> Any:
@@ -473,6 +487,8 @@ class Engine:
                     self._space = self._event()
                 elif kind == lib.AIO_REC_LINK:
                     self._on_link(r.rail, bool(r.a))
+                elif kind == lib.AIO_REC_WATCH and self._gpu is not None:
+                    self._gpu.on_watch(int(r.token), int(r.a))
             if n == 256:
                 continue
             if lib.aio_arm(h):
@@ -511,10 +527,18 @@ class Engine:
             self._log.warning("malformed message dropped", rail=rail, length=length)
             return
         (alen,) = _MSG_HEADER.unpack_from(raw)
+        internal = alen & _INTERNAL
+        alen &= ~_INTERNAL
         if _MSG_HEADER.size + alen > len(raw):
             self._log.warning("malformed message dropped", rail=rail, length=length)
             return
         item = (raw[2 : 2 + alen], raw[2 + alen :])
+        if internal:
+            if self._gpu is None:
+                self._log.warning("GPU staging message for an engine without GPU regions dropped")
+            else:
+                self._gpu.on_part(*item)
+            return
         while self._recv_waiters:
             w = self._recv_waiters.popleft()
             w.item = item
@@ -527,19 +551,47 @@ class Engine:
     async def register(
         self, buffer: Any, *, remote_write: bool = True, remote_read: bool = True
     ) -> MemoryRegion:
-        """Registers a host buffer with every NIC of the engine.
+        """Registers a host or GPU buffer with every NIC of the engine.
 
-        ``buffer``: a C-contiguous NumPy array or buffer-protocol object; it must be writable
-        when ``remote_write`` is set. The region keeps a reference to it. Peers may write into
-        it only with ``remote_write``, read it only with ``remote_read``.
+        ``buffer``: a C-contiguous NumPy array or buffer-protocol object, or GPU memory (a CuPy
+        array, anything with ``__cuda_array_interface__`` or CUDA ``__dlpack__``); it must be
+        writable when ``remote_write`` is set. The region keeps a reference to it. Peers may
+        write into it only with ``remote_write``, read it only with ``remote_read``.
+
+        GPU memory: the descriptor says which GPU. On providers without CUDA memory support
+        (tcp, shm: every provider Debian ships) the engine allocates a pinned host shadow of
+        the same size, registers that with the NICs and stages transfers through it, in
+        chunks, invisibly (see docs/gpu.md); peers on the same host reach the GPU memory
+        directly through CUDA IPC.
 
         Raises :class:`InvalidArgument` (non-contiguous, read-only for remote write, empty, not
-        a buffer), :class:`RegistrationError` (the provider refused), :class:`EngineClosed`.
-        Costs one provider registration per NIC (pins the pages on RDMA hardware).
+        a buffer), :class:`GpuUnavailable` (GPU memory without CuPy or a GPU),
+        :class:`RegistrationError` (the provider refused), :class:`EngineClosed`. Costs one
+        provider registration per NIC (pins the pages on RDMA hardware); GPU memory also
+        costs a pinned host allocation of its size.
         """
-        h = self._check_open()
+        self._check_open()
+        if _is_gpu_buffer(buffer):
+            return await self._gpu_support().register(buffer, remote_write, remote_read)
         obj, nbytes = host_buffer(buffer, writable=remote_write)
-        cbuf = ffi.from_buffer("char[]", obj, require_writable=remote_write)
+        mr = await self._register_native(obj, obj, nbytes, remote_write, remote_read, DEVICE_HOST, 0, None)
+        mr.writable = not memoryview(obj).readonly
+        return mr
+
+    async def _register_native(
+        self,
+        host: Any,
+        owner: Any,
+        nbytes: int,
+        remote_write: bool,
+        remote_read: bool,
+        device_kind: int,
+        device_id: int,
+        gpu: GpuExtent | None,
+    ) -> MemoryRegion:
+        """Registers host memory ``host`` with every NIC; the region's buffer is ``owner``."""
+        h = self._check_open()
+        cbuf = ffi.from_buffer("char[]", host, require_writable=remote_write)
         access = (ACCESS_REMOTE_WRITE if remote_write else 0) | (ACCESS_REMOTE_READ if remote_read else 0)
         out = ffi.new("aio_mr**")
         err = ffi.new("char[512]")
@@ -557,13 +609,25 @@ class Engine:
             )
             for i, r in enumerate(self._rails)
         )
-        desc = MemoryDescriptor(nbytes, access, DEVICE_HOST, 0, self._address.host_id, keys)
-        mr = MemoryRegion(self, obj, cbuf, mrh, nbytes, desc, remote_write, remote_read)
-        mr.writable = not memoryview(obj).readonly
+        desc = MemoryDescriptor(nbytes, access, device_kind, device_id, self._address.host_id, keys, gpu)
+        mr = MemoryRegion(self, owner, cbuf, mrh, nbytes, desc, remote_write, remote_read)
         mr._ptr = int(ffi.cast("uintptr_t", mrh))
         self._regions.add(mr)
         await anyio.lowlevel.checkpoint()
         return mr
+
+    def _gpu_support(self) -> GpuSupport:
+        if self._gpu is None:
+            backend, chunk, ipc = self._gpu_cfg
+            self._gpu = GpuSupport(self, backend, chunk=chunk, ipc=ipc)
+        return self._gpu
+
+    def uvm_watcher(self, *, initial: int = 0) -> UvmWatcher:
+        """A new :class:`UvmWatcher`: a 64-bit word in host-mapped pinned memory that GPU
+        kernels store to and tasks await. Raises :class:`GpuUnavailable` without CuPy and a
+        GPU. Costs one word of a pinned page (512 words per page)."""
+        self._check_open()
+        return self._gpu_support().watcher(as_index(initial, "initial", hi=1 << 64))
 
     async def unregister(self, mr: MemoryRegion, *, timeout: float | None = None) -> None:
         """Unregisters a region. Waits while work requests that touch it are in flight (they
@@ -577,11 +641,11 @@ class Engine:
             raise InvalidArgument("the region is already unregistered")
         start = anyio.current_time()
         delay = 0.0005
-        while lib.aio_mr_inflight(mr._handle) > 0:
+        while lib.aio_mr_inflight(mr._handle) > 0 or mr._dev_pending > 0:
             if timeout is not None and anyio.current_time() - start >= timeout:
                 raise RegionBusy(
-                    f"{int(lib.aio_mr_inflight(mr._handle))} work requests on the region are still in "
-                    "flight; wait for them or retry unregister later"
+                    f"{int(lib.aio_mr_inflight(mr._handle))} work requests and {mr._dev_pending} GPU copies "
+                    "on the region are still in flight; wait for them or retry unregister later"
                 )
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.02)
@@ -594,6 +658,8 @@ class Engine:
             mr._handle = handle
             raise RegionBusy(f"unregister failed: {_strerror(-rc)}")
         self._regions.discard(mr)
+        if self._gpu is not None:
+            self._gpu.forget(mr)
         await anyio.lowlevel.checkpoint()
 
     # ------------------------------------------------------------------ routing
@@ -653,27 +719,18 @@ class Engine:
             return MemoryDescriptor.from_bytes(bytes(desc))
         raise InvalidArgument(f"remote must be a MemoryDescriptor or its bytes, not {type(desc).__name__}")
 
-    def _rows(
+    def _span(
         self,
-        mr: MemoryRegion,
+        mr: Any,
         remote: Any,
         length: int | None,
         src_offset: int,
         dst_offset: int,
         imm: int | None,
         op: int,
-        credits: dict[tuple[Any, int], int] | None = None,
-    ) -> tuple[list[tuple[int, ...]], Any]:
-        """Validates one transfer and returns its aio_op_desc rows and the full route set to
-        the peer. Rows: one, or one shard per
-        route when it is at least ``stripe_min`` bytes and the peer is reached over several
-        NICs.
-
-        Counting rule: over a single route the immediate travels with the data. Over several
-        routes (NICs) the data rows carry none; the credit is added to ``credits[(path, imm)]``
-        and sent by :meth:`_send_credits` once every row has landed, so a row retried on
-        another NIC after a link failure is never counted twice. Zero-byte writes are their
-        own credit."""
+    ) -> tuple[MemoryRegion, MemoryDescriptor, int, int, int, int, int]:
+        """Checks one transfer's arguments against both regions (nothing is posted):
+        (region, remote descriptor, length, local offset, remote offset, imm data, flags)."""
         self._check_open()
         rdesc = self._remote(remote)
         mr = self._region(mr)
@@ -713,6 +770,37 @@ class Engine:
             if op == lib.AIO_OP_READ:
                 raise InvalidArgument("a READ must move at least one byte")
             raise InvalidArgument("a zero-length write must carry an immediate (imm=...)")
+        return mr, rdesc, length, loc_off, rem_off, data, flags
+
+    def _rows(
+        self,
+        mr: MemoryRegion,
+        remote: Any,
+        length: int | None,
+        src_offset: int,
+        dst_offset: int,
+        imm: int | None,
+        op: int,
+        credits: dict[tuple[Any, int], int] | None = None,
+        gpu_ok: bool = False,
+    ) -> tuple[list[tuple[int, ...]], Any]:
+        """Validates one transfer and returns its aio_op_desc rows and the full route set to
+        the peer. Rows: one, or one shard per
+        route when it is at least ``stripe_min`` bytes and the peer is reached over several
+        NICs.
+
+        Counting rule: over a single route the immediate travels with the data. Over several
+        routes (NICs) the data rows carry none; the credit is added to ``credits[(path, imm)]``
+        and sent by :meth:`_send_credits` once every row has landed, so a row retried on
+        another NIC after a link failure is never counted twice. Zero-byte writes are their
+        own credit."""
+        mr, rdesc, length, loc_off, rem_off, data, flags = self._span(
+            mr, remote, length, src_offset, dst_offset, imm, op
+        )
+        if not gpu_ok and (mr._dev is not None or rdesc.device_kind == DEVICE_CUDA):
+            raise InvalidArgument(
+                "scatter, barrier and batches take host regions; move GPU regions with write/write_paged/read"
+            )
         full = self._path(rdesc)
         path = self._router.live(full)
         n = len(path)
@@ -996,6 +1084,7 @@ class Engine:
         imm: int | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        stream: Any = None,
     ) -> None:
         """One-sided write of ``length`` bytes from ``mr[src_offset:]`` to the peer's region
         ``remote`` at ``dst_offset`` (``length`` defaults to what fits in both).
@@ -1009,9 +1098,39 @@ class Engine:
         :class:`TransferError` subclasses when the transport reports an error. Cancelled: the
         write may or may not have landed; the cancellation propagates once the transport let
         go of the buffer (bounded by ``cancel_grace``). Cost: one work request, no copy.
+
+        GPU memory on either side (see :meth:`register`): the same call and the same counter
+        semantics (the peer is credited once the bytes are in its GPU memory); staged through
+        pinned host memory in ``stage_chunk`` pieces, or a device-to-device copy (CUDA IPC)
+        for a peer on this host. ``stream`` (a CuPy/torch CUDA stream): the write starts only
+        after the work submitted to it so far, without blocking the loop.
         """
+        rdesc = self._remote(remote)
+        if stream is not None or rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None:
+            mr, rdesc, length, src_offset, dst_offset, _, _ = self._span(
+                mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE
+            )
+            gpu = self._gpu_support()
+            await gpu.write(mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, stream)
+            return
+        await self._write_host(mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry)
+
+    async def _write_host(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor,
+        length: int | None,
+        src_offset: int,
+        dst_offset: int,
+        imm: int | None,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+    ) -> None:
+        """A write between the NIC-registered memories (a GPU region's shadow included)."""
         credits: dict[tuple[Any, int], int] = {}
-        rows, full = self._rows(mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits)
+        rows, full = self._rows(
+            mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits, gpu_ok=True
+        )
         table = self._table(rows)
         end = _end(timeout)
 
@@ -1032,11 +1151,21 @@ class Engine:
         *,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        stream: Any = None,
     ) -> None:
         """Zero-byte write carrying ``imm`` to the owner of ``remote``: its
-        ``imm_counter(imm)`` gains one credit. Raises as :meth:`write`."""
+        ``imm_counter(imm)`` gains one credit. For a GPU region the credit comes after the
+        owner's copies of earlier writes into GPU memory; ``stream``: sent only after the work
+        submitted to that CUDA stream so far (e.g. the kernel that produced the data). Raises
+        as :meth:`write`."""
         if imm is None:
             raise InvalidArgument("write_imm needs an immediate")
+        rdesc = self._remote(remote)
+        if stream is not None or rdesc.device_kind == DEVICE_CUDA:
+            assert self._scratch is not None
+            self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
+            await self._gpu_support().write(self._scratch, rdesc, 0, 0, 0, imm, timeout, retry, stream)
+            return
         assert self._scratch is not None
         rows, full = self._rows(self._scratch, remote, 0, 0, 0, imm, lib.AIO_OP_WRITE)
         table = self._table(rows)
@@ -1057,8 +1186,33 @@ class Engine:
     ) -> None:
         """One-sided READ of ``length`` bytes from the peer's region at ``src_offset`` into
         ``mr[dst_offset:]``. Returns when the bytes are in ``mr``. The peer's region must have
-        been registered with ``remote_read``. Raises as :meth:`write`."""
-        rows, full = self._rows(mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)
+        been registered with ``remote_read``. Raises as :meth:`write`.
+
+        Into a GPU region: read into its shadow, then copied to GPU memory before this
+        returns. From a peer's GPU region: only from a peer on this host (CUDA IPC) into a GPU
+        region; otherwise :class:`InvalidArgument` (its owner must write it)."""
+        rdesc = self._remote(remote)
+        if rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None:
+            mr, rdesc, length, dst_offset, src_offset, _, _ = self._span(
+                mr, rdesc, length, src_offset, dst_offset, None, lib.AIO_OP_READ
+            )
+            await self._gpu_support().read(mr, rdesc, length, src_offset, dst_offset, timeout, retry)
+            return
+        await self._read_host(mr, rdesc, length, src_offset, dst_offset, timeout, retry)
+
+    async def _read_host(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor,
+        length: int | None,
+        src_offset: int,
+        dst_offset: int,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+    ) -> None:
+        rows, full = self._rows(
+            mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ, gpu_ok=True
+        )
         table = self._table(rows)
         await self._attempts(lambda t: self._run(table, mr, t, "read", full), timeout, retry, "read")
 
@@ -1077,6 +1231,7 @@ class Engine:
         imm: int | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        stream: Any = None,
     ) -> None:
         """Paged write: page ``k`` copies ``page_size`` bytes from
         ``mr[src_offset + src_stride*src_pages[k]]`` to the peer's region at
@@ -1095,7 +1250,12 @@ class Engine:
         Returns when every page's source bytes may be reused. Raises :class:`InvalidArgument`
         (lists of different lengths, negative or non-integer indices, a page past either
         region, ``page_size`` < 1), and as :meth:`write` otherwise (a failure reports the first
-        error once every posted page finished)."""
+        error once every posted page finished).
+
+        GPU memory on either side: the pages are gathered on the GPU into the shadow (one
+        kernel) and staged, or, for a GPU peer on this host, copied by one kernel over CUDA IPC;
+        the credit (one per page) comes once the pages are in the peer's GPU memory.
+        ``stream``: as :meth:`write`."""
         self._check_open()
         rdesc = self._remote(remote)
         mr = self._region(mr)
@@ -1108,11 +1268,8 @@ class Engine:
         dp = _page_indices(dst_pages, "dst_pages")
         if len(sp) != len(dp):
             raise InvalidArgument(f"src_pages has {len(sp)} entries and dst_pages {len(dp)}; they must match")
-        data = 0
-        flags = 0
         if imm is not None:
-            data = as_index(imm, "imm", hi=_U32)
-            flags = lib.AIO_F_DATA
+            imm = as_index(imm, "imm", hi=_U32)
         if not rdesc.remote_write:
             raise InvalidArgument("the remote region was registered without remote_write")
         n = len(sp)
@@ -1130,6 +1287,43 @@ class Engine:
                     f"page {k} ({name} index {top}) ends at {off + stride * top + page_size} B, past the "
                     f"{name} region ({size} B)"
                 )
+        geometry = (page_size, src_stride, dst_stride, src_offset, dst_offset)
+        if stream is not None or mr._dev is not None or rdesc.device_kind == DEVICE_CUDA:
+
+            async def host_write(hi: int | None) -> None:
+                await self._write_paged_host(mr, rdesc, sp, dp, geometry, hi, timeout, retry)
+
+            await self._gpu_support().write_paged(
+                mr,
+                rdesc,
+                page_size,
+                src_offset + sp * src_stride,
+                dst_offset + dp * dst_stride,
+                imm,
+                timeout,
+                retry,
+                stream,
+                host_write,
+            )
+            return
+        await self._write_paged_host(mr, rdesc, sp, dp, geometry, imm, timeout, retry)
+
+    async def _write_paged_host(
+        self,
+        mr: MemoryRegion,
+        rdesc: MemoryDescriptor,
+        sp: np.ndarray,
+        dp: np.ndarray,
+        geometry: tuple[int, int, int, int, int],
+        imm: int | None,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+    ) -> None:
+        """A checked paged write between NIC-registered memories."""
+        page_size, src_stride, dst_stride, src_offset, dst_offset = geometry
+        n = len(sp)
+        data = 0 if imm is None else imm
+        flags = 0 if imm is None else lib.AIO_F_DATA
         # pages whose destinations follow each other go as one request gathering their
         # sources: order them by destination first (the order pages land in is not defined)
         gather = dst_stride == page_size and n > 1
@@ -1340,6 +1534,19 @@ class Engine:
         :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`."""
         check_timeout(timeout)
         self._check_open()
+        await self._send_msg(peer, payload, timeout, retry)
+
+    async def _send_msg(
+        self,
+        peer: Any,
+        payload: Any,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        *,
+        internal: bool = False,
+    ) -> None:
+        """Sends a message; ``internal`` ones (the engine's own protocol, e.g. GPU staging)
+        are consumed by the peer's engine and never reach its :meth:`recv`."""
         addr = self._engine_address(peer)
         try:
             data = memoryview(payload).cast("B")
@@ -1354,7 +1561,7 @@ class Engine:
         path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
         rail, fa = path[0][0], path[0][1]
         me = self._address_bytes
-        msg = b"".join((_MSG_HEADER.pack(len(me)), me, data))
+        msg = b"".join((_MSG_HEADER.pack(len(me) | (_INTERNAL if internal else 0)), me, data))
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
@@ -1414,8 +1621,12 @@ class Engine:
             with anyio.move_on_after(timeout):
                 for op in list(self._pending.values()):
                     await op.event.wait()
+                while any(mr._dev_pending for mr in self._regions):  # noqa: ASYNC110 - GPU copies
+                    await anyio.sleep(0.001)
             if self._pending:
                 self._log.warning("closing with operations in flight", pending=len(self._pending))
+            if self._gpu is not None:
+                self._gpu.close()
             if self._bridge is not None:
                 await self._bridge.stop()
             h = self._h
@@ -1432,6 +1643,19 @@ class Engine:
         for mr in self._regions:
             mr._handle = None
         self._regions.clear()
+
+
+def _is_gpu_buffer(obj: Any) -> bool:
+    """Whether ``obj`` is GPU memory (CUDA array interface, or DLPack on a CUDA device)."""
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is None or isinstance(obj, np.ndarray):
+        return False
+    try:
+        return int(dev()[0]) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+    except Exception:
+        return False
 
 
 def _end(timeout: float | None) -> float | None:
@@ -1602,6 +1826,7 @@ def _open_native(
     max_in_flight: int,
     same_host: str | None = None,
     base_port: int = 0,
+    watch_us: int = 100,
 ) -> tuple[Any, list[RailInfo]]:
     cfg = ffi.new(
         "aio_engine_config*",
@@ -1612,6 +1837,7 @@ def _open_native(
             "spin_ns": spin_ns,
             "sleep_ms": sleep_ms,
             "base_port": base_port,
+            "watch_us": watch_us,
         },
     )
     out = ffi.new("aio_engine**")
@@ -1685,6 +1911,10 @@ async def open_engine(
     stripe_min: int = 1 << 20,
     retry: RetryPolicy | None = None,
     port: int | None = None,
+    stage_chunk: int = 4 << 20,
+    gpu_ipc: bool = True,
+    watch_interval_us: int = 100,
+    gpu_backend: str = "cuda",
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -1712,6 +1942,15 @@ async def open_engine(
     a peer that does not answer for 5 s is unreachable.
     ``port``: tcp only: the first NIC listens on this port, the next on ``port + 1``, and so on,
     so that a restarted process gets the same address (default: any free port).
+    ``stage_chunk``: GPU memory on providers without CUDA support is staged through pinned
+    host memory in pieces of this size (device-to-host copy of one piece overlaps the
+    network transfer of the previous). ``gpu_ipc``: same-host GPU peers are written through
+    CUDA IPC (device-to-device); ``False`` stages them like remote ones.
+    ``watch_interval_us``: while a GPU completion or a :class:`UvmWatcher` is awaited, the
+    poller reads the watched words at least this often (it sleeps otherwise).
+    ``gpu_backend``: ``"cuda"`` (CuPy); ``"host"`` emulates a GPU on host memory with the
+    same stream semantics (for tests on machines without one, with
+    :class:`aiote.testing.HostDeviceArray`).
 
     Raises :class:`ProviderError` naming what is missing (unknown provider or NIC, no RMA).
     The engine closes when the block exits (see :meth:`Engine.aclose`). Opening costs a few
@@ -1742,6 +1981,13 @@ async def open_engine(
         raise InvalidArgument("spin_us must be >= 0")
     if not (loop_spin_us >= 0 and math.isfinite(loop_spin_us)) or loop_spin_us > 100_000:
         raise InvalidArgument("loop_spin_us must be between 0 and 100000")
+    stage_chunk = as_index(stage_chunk, "stage_chunk", lo=4096)
+    watch_interval_us = as_index(watch_interval_us, "watch_interval_us", lo=1, hi=1_000_001)
+    known = isinstance(gpu_backend, str) and (
+        gpu_backend in ("cuda", "host") or gpu_backend.startswith("host:")
+    )
+    if not known:
+        raise InvalidArgument("gpu_backend must be 'cuda' or 'host'")
     slot_size = max_message_size + 4096  # room for the sender's address
     h, rails = await anyio.to_thread.run_sync(
         partial(
@@ -1755,6 +2001,7 @@ async def open_engine(
             max_in_flight=max_in_flight,
             same_host=same_host,
             base_port=base_port,
+            watch_us=watch_interval_us,
         )
     )
     engine = Engine(
@@ -1767,6 +2014,9 @@ async def open_engine(
         same_host=same_host,
         stripe_min=stripe_min,
         retry=retry,
+        gpu_backend=gpu_backend,
+        stage_chunk=stage_chunk,
+        gpu_ipc=bool(gpu_ipc),
     )
     try:
         await engine._start()

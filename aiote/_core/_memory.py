@@ -19,10 +19,6 @@ def host_buffer(obj: Any, *, writable: bool) -> tuple[Any, int]:
     NumPy arrays and anything with the buffer protocol are accepted. ``writable`` demands a
     writable buffer (needed when peers may write into it, or when it is a READ target).
     """
-    if hasattr(obj, "__cuda_array_interface__"):
-        raise InvalidArgument(
-            "GPU buffers are not supported by this build of aiote yet; register host memory"
-        )
     try:
         view = memoryview(obj)
     except TypeError:
@@ -53,10 +49,13 @@ class MemoryRegion:
 
     __slots__ = (
         "_cbuf",
+        "_dev",
+        "_dev_pending",
         "_engine",
         "_handle",
         "_obj",
         "_ptr",
+        "_shadow",
         "descriptor",
         "nbytes",
         "remote_read",
@@ -80,6 +79,9 @@ class MemoryRegion:
         self._cbuf = cbuf
         self._handle = handle
         self._ptr = 0  # the native region's address, as posted in work-request descriptors
+        self._dev: Any = None  # GPU regions: the device buffer (the native region is its shadow)
+        self._shadow: Any = None  # GPU regions: the pinned host shadow registered with the NICs
+        self._dev_pending = 0  # GPU regions: device copies in flight on it
         self.nbytes = nbytes
         self.descriptor = descriptor
         self.remote_write = remote_write
@@ -88,7 +90,7 @@ class MemoryRegion:
 
     @property
     def buffer(self) -> Any:
-        """The registered object (the NumPy array passed to ``register``)."""
+        """The registered object (the NumPy or CuPy array passed to ``register``)."""
         return self._obj
 
     @property
@@ -100,6 +102,11 @@ class MemoryRegion:
     def on_gpu(self) -> bool:
         """Whether the region is GPU memory."""
         return self.descriptor.device_kind != DEVICE_HOST
+
+    @property
+    def device(self) -> int | None:
+        """The GPU ordinal of a GPU region; None for host memory."""
+        return None if self._dev is None else int(self._dev.device)
 
     def __repr__(self) -> str:
         state = "registered" if self.registered else "unregistered"

@@ -20,7 +20,13 @@ HEADER = CDEPS / "aiote_core.h"
 
 
 def _libfabric_flags() -> tuple[list[str], list[str]]:
-    """Include and library dirs for libfabric, or a clear error if it is missing."""
+    """Include and library dirs for libfabric, or a clear error if it is missing.
+    ``AIOTE_FABRIC_PREFIX``: a libfabric installed (or unpacked) under that prefix."""
+    prefix = os.environ.get("AIOTE_FABRIC_PREFIX")
+    if prefix:
+        cands = (Path(prefix) / "lib", Path(prefix) / "lib" / "x86_64-linux-gnu")
+        libs = [str(p) for p in cands if p.exists()]
+        return [str(Path(prefix) / "include")], libs
     if shutil.which("pkg-config"):
         try:
             cflags = subprocess.run(

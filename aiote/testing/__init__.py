@@ -32,8 +32,19 @@ import numpy as np
 
 from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine, open_engine
+from ._hostgpu import HostDeviceArray, HostStream
 
-__all__ = ["PeerError", "PeerProcess", "digest", "engine_pair", "pattern", "ready_line", "spawn_peer"]
+__all__ = [
+    "HostDeviceArray",
+    "HostStream",
+    "PeerError",
+    "PeerProcess",
+    "digest",
+    "engine_pair",
+    "pattern",
+    "ready_line",
+    "spawn_peer",
+]
 
 
 def pattern(nbytes: int, seed: int = 0) -> np.ndarray:
@@ -134,11 +145,15 @@ class PeerProcess:
         seed: int = 0,
         remote_write: bool = True,
         remote_read: bool = True,
+        device: str | None = None,
+        gpu: int = 0,
     ) -> MemoryDescriptor:
-        """Registers a buffer in the peer (``fill``: "zeros" or "pattern"); its descriptor."""
+        """Registers a buffer in the peer (``fill``: "zeros" or "pattern"); its descriptor.
+        ``device``: None (host memory), ``"cuda"`` (a CuPy array on GPU ``gpu``), ``"host"``
+        or ``"shared"`` (a :class:`HostDeviceArray`, for a peer with ``gpu_backend="host"``)."""
         r = await self.call(
             op="register", name=name, size=nbytes, fill=fill, seed=seed,
-            remote_write=remote_write, remote_read=remote_read,
+            remote_write=remote_write, remote_read=remote_read, device=device, gpu=gpu,
         )
         return MemoryDescriptor.from_bytes(bytes.fromhex(r["desc"]))
 
@@ -192,7 +207,7 @@ async def spawn_peer(
     provider: str = "tcp", nics: Sequence[str] | None = None, *, engine: Engine | None = None,
     startup_timeout: float = 30.0, peer_nics: Sequence[str] | None = None,
     same_host: str | None = "shm", prefix: Sequence[str] = (), peer_port: int | None = None,
-    **engine_kw: Any,
+    peer_gpu_backend: str | None = None, **engine_kw: Any,
 ) -> AsyncIterator[PeerProcess]:
     """Starts a peer engine in a new Python process (``python -m aiote.testing._peer``).
 
@@ -200,7 +215,8 @@ async def spawn_peer(
     and ``same_host``). The peer opens ``peer_nics`` (default: ``nics``) with ``same_host``;
     ``prefix`` runs it under a command (e.g. ``["ip", "netns", "exec", "h2"]``); with
     ``peer_port`` its (tcp) engine listens on that port, so a restarted peer has the same
-    address. The peer exits when the block ends; if it is still alive after 10 s it is killed.
+    address; ``peer_gpu_backend`` opens it with that ``gpu_backend``. The peer exits when
+    the block ends; if it is still alive after 10 s it is killed.
     """
     args = [*prefix, sys.executable, "-m", "aiote.testing._peer", "--provider", provider]
     for nic in (nics if peer_nics is None else peer_nics) or []:
@@ -208,6 +224,8 @@ async def spawn_peer(
     args += ["--same-host", same_host or "none"]
     if peer_port is not None:
         args += ["--port", str(peer_port)]
+    if peer_gpu_backend is not None:
+        args += ["--gpu-backend", peer_gpu_backend]
     engine_kw["same_host"] = same_host
     env = dict(os.environ)
     proc = await anyio.open_process(args, stdin=None, stdout=-1, stderr=None, env=env)

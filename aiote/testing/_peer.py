@@ -15,11 +15,32 @@ import numpy as np
 from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine, open_engine
 from .._core._memory import MemoryRegion
+from ._hostgpu import HostDeviceArray
+
+
+def _device_array(kind: str, size: int, gpu: int, fill: np.ndarray) -> tuple[Any, Any]:
+    """(array to register, host view or None) for a GPU buffer of ``kind``."""
+    if kind == "cuda":
+        import cupy  # type: ignore[import-not-found,unused-ignore]
+
+        with cupy.cuda.Device(gpu):
+            return cupy.asarray(fill), None
+    arr = HostDeviceArray(size, device=gpu, shared=kind == "shared")
+    arr.host[:] = fill
+    return arr, arr.host
+
+
+def _host_bytes(arr: Any) -> np.ndarray:
+    if isinstance(arr, np.ndarray):
+        return arr
+    if isinstance(arr, HostDeviceArray):
+        return arr.host
+    return np.asarray(arr.get())  # a CuPy array: copied to the host
 
 
 async def _serve(engine: Engine) -> None:
     regions: dict[str, MemoryRegion] = {}
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, Any] = {}
     while True:
         sender, payload = await engine.recv()
         cmd: dict[str, Any] = json.loads(payload)
@@ -38,6 +59,8 @@ async def _serve(engine: Engine) -> None:
                     )
                 else:
                     arr = np.zeros(cmd["size"], np.uint8)
+                if cmd.get("device"):
+                    arr, _ = _device_array(cmd["device"], cmd["size"], cmd.get("gpu", 0), arr)
                 arrays[name] = arr
                 regions[name] = await engine.register(
                     arr, remote_write=cmd.get("remote_write", True), remote_read=cmd.get("remote_read", True)
@@ -48,7 +71,7 @@ async def _serve(engine: Engine) -> None:
             elif op == "counter":
                 reply["available"] = engine.imm_counter(cmd["imm"]).available
             elif op == "digest":
-                arr = arrays[cmd["name"]]
+                arr = _host_bytes(arrays[cmd["name"]])
                 off = cmd.get("offset") or 0
                 length = cmd.get("length")
                 view = arr[off:] if length is None else arr[off : off + length]
@@ -92,8 +115,12 @@ async def _serve(engine: Engine) -> None:
         await engine.send(sender, json.dumps(reply).encode())
 
 
-async def _main(provider: str, nics: list[str] | None, same_host: str | None, port: int | None) -> None:
-    async with open_engine(provider, nics or None, same_host=same_host, port=port) as engine:
+async def _main(
+    provider: str, nics: list[str] | None, same_host: str | None, port: int | None, gpu_backend: str
+) -> None:
+    async with open_engine(
+        provider, nics or None, same_host=same_host, port=port, gpu_backend=gpu_backend
+    ) as engine:
         sys.stdout.write(f"AIOTE_PEER {engine.address.hex()}\n")
         sys.stdout.flush()
         await _serve(engine)
@@ -107,9 +134,10 @@ def main() -> None:
     ap.add_argument("--same-host", default="shm", help="same-host provider, or 'none'")
     ap.add_argument("--port", type=int, default=None, help="tcp: listen on this port (first NIC)")
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    ap.add_argument("--gpu-backend", default="cuda", help="cuda, or host (GPU emulation for tests)")
     a = ap.parse_args()
     same_host = None if a.same_host == "none" else a.same_host
-    anyio.run(_main, a.provider, a.nic, same_host, a.port, backend=a.backend)
+    anyio.run(_main, a.provider, a.nic, same_host, a.port, a.gpu_backend, backend=a.backend)
 
 
 if __name__ == "__main__":

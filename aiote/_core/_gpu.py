@@ -1,0 +1,652 @@
+"""GPU memory under the engine's API: registration, staging through pinned host memory, the
+CUDA-IPC rail for same-host peers, stream ordering, and the UVM watcher.
+
+How GPU bytes move (see docs/gpu.md):
+
+- A GPU region is registered with the NICs through a pinned host *shadow* of the same size
+  (providers here have no ``FI_HMEM``). Its descriptor says "CUDA, device d", names the region
+  and carries a CUDA IPC handle for peers on the same host.
+- Writing from GPU memory: device-to-host copies of chunk ``k+1`` run on the engine's copy
+  stream while chunk ``k`` is on the network (each chunk's completion is a signal word the
+  native poller watches; nothing blocks the event loop).
+- Writing into a peer's GPU region: the bytes land in the peer's shadow; then an internal
+  message tells the peer which ranges landed; the peer copies them to GPU memory on its own
+  stream and credits the immediate only when every part of the operation is in GPU memory.
+  An immediate sent to a GPU region (``write_imm``) goes the same way, so it is ordered after
+  the copies of earlier writes.
+- Same host, GPU to GPU: the peer's allocation is opened once through CUDA IPC and written
+  with device-to-device copies (one kernel for paged writes); the credit follows the copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import secrets
+import struct
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from .._native import ffi, lib
+from ._descriptor import (
+    DEVICE_CUDA,
+    GPU_BACKEND_CUDA,
+    GPU_BACKEND_HOST,
+    GpuExtent,
+    MemoryDescriptor,
+)
+from ._device import _Backend, device_backend
+from ._errors import AioteError, EngineClosed, InvalidArgument
+from ._log import get_logger
+from ._util import check_timeout, deadline
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+    from ._memory import MemoryRegion
+
+__all__ = ["GpuSupport", "UvmWatcher"]
+
+_log = get_logger(component="gpu")
+
+_U32 = 1 << 32
+# internal message: kind, region id, region key, op, parts, flags, imm, weight, page, count
+_PART = struct.Struct("<BQQQIBIIQI")
+_K_PART = 1
+_F_IMM = 1
+_WORDS_PER_PAGE = 512
+
+
+class _Line:
+    """A stream of the engine and the signal word its completions are reported through.
+
+    ``fence(cb)`` enqueues a store of the next sequence number after the work submitted so
+    far; the native poller sees the word change and ``cb`` runs in the loop thread."""
+
+    def __init__(self, gpu: GpuSupport, stream: Any, device: int) -> None:
+        self.gpu = gpu
+        self.stream = stream
+        self.device = device
+        self.word = gpu._word()
+        self.token = next(gpu._tokens)
+        self.seq = 0
+        self.seen = 0
+        self.waiters: deque[tuple[int, Callable[[], None]]] = deque()
+        self.watch = -1
+        gpu._lines[self.token] = self
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiters)
+
+    def fence(self, cb: Callable[[], None]) -> None:
+        self.seq += 1
+        self.gpu.b.signal(self.stream, self.word[2], self.seq)
+        self.waiters.append((self.seq, cb))
+        self._arm()
+
+    async def wait(self) -> None:
+        ev = self.gpu.e._event()
+        self.fence(ev.set)
+        await ev.wait()
+
+    def _arm(self) -> None:
+        if self.watch < 0:
+            wid = int(
+                lib.aio_watch_add(self.gpu.e._h, ffi.cast("uint64_t*", self.word[1]), self.seen, self.token)
+            )
+            if wid < 0:
+                raise AioteError(f"cannot watch a GPU signal word ({wid}); too many watched words")
+            self.watch = wid
+
+    def on_value(self, v: int) -> None:
+        if v > self.seen:
+            self.seen = v
+        while self.waiters and self.waiters[0][0] <= self.seen:
+            _, cb = self.waiters.popleft()
+            try:
+                cb()
+            except Exception:  # pragma: no cover - a bug; the loop must go on
+                _log.exception("GPU completion callback failed")
+        if not self.waiters and self.watch >= 0:
+            lib.aio_watch_remove(self.gpu.e._h, self.watch)
+            self.watch = -1
+
+    def close(self) -> None:
+        if self.watch >= 0:
+            lib.aio_watch_remove(self.gpu.e._h, self.watch)
+            self.watch = -1
+        self.gpu._lines.pop(self.token, None)
+
+
+class UvmWatcher:
+    """A 64-bit word in host-mapped pinned memory that GPU kernels store to (``bump``) and
+    tasks await: ``await watcher.wait_for(v)`` returns once the word holds ``v`` or more,
+    ``async for value in watcher`` yields each new value the poller observes (values written
+    faster than the poller reads them may be skipped; the last one is always seen).
+
+    ``device_pointer`` is the address a kernel stores to (a ``unsigned long long*``; store with
+    ``__threadfence_system()`` before, as the kernel that finishes a layer would), ``host``
+    the same word as a NumPy view. Costs nothing while nobody waits; while a task waits the
+    native poller reads the word every ``watch_interval_us`` (default 100 µs) instead of
+    sleeping, about 5 % of a core. Get one with :meth:`aiote.Engine.uvm_watcher`; ``close()``
+    when done (the engine closes its watchers on exit)."""
+
+    def __init__(self, gpu: GpuSupport, initial: int) -> None:
+        self._gpu = gpu
+        self._word = gpu._word()
+        self.host: np.ndarray = self._word[0]
+        self.host[0] = initial
+        self.device_pointer: int = self._word[2]
+        self._token = next(gpu._tokens)
+        self._watch = -1
+        self._seen = initial
+        self._waiters: list[tuple[int, Any]] = []
+        self._changed: Any = None
+        self._closed = False
+        gpu._watchers[self._token] = self
+
+    @property
+    def value(self) -> int:
+        """The word's current value (read from host memory now)."""
+        return int(lib.aio_word_load(ffi.cast("uint64_t*", self._word[1])))
+
+    def _arm(self) -> None:
+        if self._closed:
+            raise EngineClosed("the watcher is closed")
+        if self._watch < 0:
+            wid = int(
+                lib.aio_watch_add(
+                    self._gpu.e._h, ffi.cast("uint64_t*", self._word[1]), self._seen, self._token
+                )
+            )
+            if wid < 0:
+                raise AioteError(f"cannot watch the word ({wid}); too many watched words")
+            self._watch = wid
+
+    def _disarm(self) -> None:
+        if self._watch >= 0 and not self._waiters and self._changed is None:
+            lib.aio_watch_remove(self._gpu.e._h, self._watch)
+            self._watch = -1
+
+    def _on_value(self, v: int) -> None:
+        self._seen = v
+        keep = []
+        for want, ev in self._waiters:
+            if v >= want:
+                ev.set()
+            else:
+                keep.append((want, ev))
+        self._waiters = keep
+        if self._changed is not None:
+            self._changed.set()
+
+    async def wait_for(self, value: int, *, timeout: float | None = None) -> int:
+        """Waits until the word holds ``value`` or more; returns the value seen. Cancellable;
+        raises :class:`TransferTimeout` after ``timeout`` and :class:`EngineClosed` when the
+        watcher or engine closes."""
+        check_timeout(timeout)
+        v = self.value
+        if v >= value:
+            await anyio.lowlevel.checkpoint()
+            return v
+        ev = self._gpu.e._event()
+        entry = (value, ev)
+        self._waiters.append(entry)
+        try:
+            self._arm()
+            with deadline(timeout, "UVM watcher wait"):
+                await ev.wait()
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            self._disarm()
+        if self._closed:
+            raise EngineClosed("the watcher closed while waiting")
+        return max(self._seen, self.value)
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        last = self.value
+        yield last
+        while True:
+            self._changed = self._gpu.e._event()
+            try:
+                self._arm()
+                if self.value == last:
+                    await self._changed.wait()
+            finally:
+                self._changed = None
+                self._disarm()
+            if self._closed:
+                return
+            v = self.value
+            if v != last:
+                last = v
+                yield v
+
+    def close(self) -> None:
+        """Stops watching and wakes every waiter (with :class:`EngineClosed`)."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, ev in self._waiters:
+            ev.set()
+        if self._changed is not None:
+            self._changed.set()
+        self._waiters = []
+        self._changed = None
+        self._disarm()
+        if self._watch >= 0:
+            lib.aio_watch_remove(self._gpu.e._h, self._watch)
+            self._watch = -1
+        self._gpu._watchers.pop(self._token, None)
+        self._gpu._free_words.append(self._word)
+
+
+class GpuSupport:
+    """The GPU side of one engine (created on first use)."""
+
+    def __init__(self, engine: Engine, backend: str, *, chunk: int, ipc: bool) -> None:
+        self.e = engine
+        self.b: _Backend = device_backend(backend)
+        self.code = GPU_BACKEND_CUDA if self.b.kind == "cuda" else GPU_BACKEND_HOST
+        self.chunk = chunk
+        self.ipc_enabled = ipc
+        self._pages: list[np.ndarray] = []
+        self._free_words: list[tuple[np.ndarray, int, int]] = []
+        self._tokens = itertools.count(1)
+        self._lines: dict[int, _Line] = {}
+        self._watchers: dict[int, UvmWatcher] = {}
+        self._out: dict[int, _Line] = {}
+        self._in: dict[int, _Line] = {}
+        self._regions: dict[int, MemoryRegion] = {}
+        self._parts: dict[tuple[bytes, int], int] = {}
+        self._ipc: dict[tuple[bytes, bytes, int], int] = {}
+        self._ops = itertools.count(1)
+        self.counts = {"gpu_ipc": 0, "gpu_staged": 0, "gpu_parts_in": 0}
+
+    # ------------------------------------------------------------------ words and lines
+
+    def _word(self) -> tuple[np.ndarray, int, int]:
+        """(host view of one word, host address, device address)."""
+        if not self._free_words:
+            page = self.b.pinned(8 * _WORDS_PER_PAGE)
+            page[:] = 0
+            self._pages.append(page)
+            words = page.view(np.uint64)
+            for i in range(_WORDS_PER_PAGE):
+                self._free_words.append(
+                    (words[i : i + 1], int(page.ctypes.data) + 8 * i, self.b.word_address(page, i))
+                )
+        return self._free_words.pop()
+
+    def _line(self, table: dict[int, _Line], device: int) -> _Line:
+        line = table.get(device)
+        if line is None:
+            line = table[device] = _Line(self, self.b.stream(device), device)
+        return line
+
+    def on_watch(self, token: int, value: int) -> None:
+        line = self._lines.get(token)
+        if line is not None:
+            line.on_value(value)
+            return
+        w = self._watchers.get(token)
+        if w is not None:
+            w._on_value(value)
+
+    def _track(self, mr: MemoryRegion, line: _Line, then: Callable[[], None] | None = None) -> None:
+        """Counts device work on ``mr`` (``unregister`` waits for it) until ``line``'s fence."""
+        mr._dev_pending += 1
+
+        def done() -> None:
+            mr._dev_pending -= 1
+            if then is not None:
+                then()
+
+        line.fence(done)
+
+    async def _fenced(self, mr: MemoryRegion, line: _Line) -> None:
+        ev = self.e._event()
+        self._track(mr, line, ev.set)
+        await ev.wait()
+
+    # ------------------------------------------------------------------ registration
+
+    async def register(self, obj: Any, remote_write: bool, remote_read: bool) -> MemoryRegion:
+        buf = self.b.buffer(obj)
+        if remote_write and buf.readonly:
+            raise InvalidArgument(
+                "the GPU array is read-only but was registered for remote write; pass remote_write=False"
+            )
+        shadow = await anyio.to_thread.run_sync(self.b.pinned, buf.nbytes)
+        handle, offset = b"", 0
+        if self.ipc_enabled:
+            try:
+                handle, offset = self.b.ipc_export(buf)
+            except Exception as exc:  # not exportable (e.g. not cudaMalloc'd): staging only
+                _log.info(
+                    "GPU region not exported over CUDA IPC; same-host peers use staging", reason=str(exc)
+                )
+        rid = secrets.randbits(63) + 1
+        mr = await self.e._register_native(
+            shadow,
+            obj,
+            buf.nbytes,
+            remote_write,
+            remote_read,
+            DEVICE_CUDA,
+            buf.device,
+            GpuExtent(rid, self.code, handle, offset),
+        )
+        mr._dev = buf
+        mr._shadow = shadow
+        mr.writable = not buf.readonly
+        self._regions[rid] = mr
+        return mr
+
+    def forget(self, mr: MemoryRegion) -> None:
+        g = mr.descriptor.gpu
+        if g is not None:
+            self._regions.pop(g.region_id, None)
+
+    # ------------------------------------------------------------------ routing
+
+    def _ipc_ptr(self, rdesc: MemoryDescriptor, device: int) -> int | None:
+        """The peer region's address in this process (CUDA IPC), or None to stage."""
+        g = rdesc.gpu
+        if (
+            not self.ipc_enabled
+            or g is None
+            or not g.ipc_handle
+            or g.backend != self.code
+            or rdesc.host_id != self.e._address.host_id
+        ):
+            return None
+        key = (rdesc.host_id, g.ipc_handle, device)
+        base = self._ipc.get(key)
+        if base is None:
+            try:
+                base = self.b.ipc_open(g.ipc_handle, device)
+            except Exception as exc:
+                _log.info("CUDA IPC open failed; staging instead", reason=str(exc))
+                self._ipc[key] = 0
+                return None
+            self._ipc[key] = base
+        if base == 0:
+            return None
+        return base + g.ipc_offset
+
+    def _user_stream(self, line: _Line, stream: Any) -> None:
+        if stream is not None:
+            self.b.wait(line.stream, self.b.own_stream(stream, line.device))
+
+    # ------------------------------------------------------------------ writes
+
+    async def write(
+        self,
+        mr: MemoryRegion,
+        rdesc: MemoryDescriptor,
+        length: int,
+        src_offset: int,
+        dst_offset: int,
+        imm: int | None,
+        timeout: float | None,
+        retry: Any,
+        stream: Any,
+    ) -> None:
+        e = self.e
+        dev = mr._dev
+        if dev is not None:
+            peer = self._ipc_ptr(rdesc, dev.device)
+            if peer is not None:
+                self.counts["gpu_ipc"] += 1
+                line = self._line(self._out, dev.device)
+                self._user_stream(line, stream)
+                if length:
+                    self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
+                await self._fenced(mr, line)
+                if imm is not None:
+                    await self.credit(rdesc, imm, 1, timeout, retry)
+                return
+        elif stream is not None:  # host source written by GPU work: start after that work
+            line = self._line(self._out, 0)
+            self._user_stream(line, stream)
+            await self._fenced(mr, line)
+        if length == 0:
+            if imm is not None:
+                if rdesc.on_gpu:
+                    await self.credit(rdesc, imm, 1, timeout, retry)
+                else:
+                    await e.write_imm(rdesc, imm, timeout=timeout, retry=retry)
+            return
+        self.counts["gpu_staged"] += 1
+        parts = [(o, min(self.chunk, length - o)) for o in range(0, length, self.chunk)]
+        ready: list[Any] = []
+        if dev is not None:
+            line = self._line(self._out, dev.device)
+            self._user_stream(line, stream)
+            shadow = int(mr._shadow.ctypes.data)
+            for o, n in parts:
+                self.b.copy(shadow + src_offset + o, dev.ptr + src_offset + o, n, line.stream)
+                ev = e._event()
+                self._track(mr, line, ev.set)
+                ready.append(ev)
+        staged = rdesc.on_gpu
+        op = next(self._ops)
+
+        async def part(o: int, n: int) -> None:
+            await e._write_host(mr, rdesc, n, src_offset + o, dst_offset + o, None, timeout, retry)
+            if staged:
+                ranges = np.array([dst_offset + o, n], dtype=np.uint64)
+                await self._send_part(rdesc, op, len(parts), imm, 1, 0, ranges, timeout, retry)
+
+        with deadline(timeout, "write"):
+            async with anyio.create_task_group() as tg:
+                for k, (o, n) in enumerate(parts):
+                    if ready:
+                        await ready[k].wait()
+                    tg.start_soon(part, o, n)
+        if imm is not None and not staged:
+            await e.write_imm(rdesc, imm, timeout=timeout, retry=retry)
+
+    async def write_paged(
+        self,
+        mr: MemoryRegion,
+        rdesc: MemoryDescriptor,
+        page: int,
+        src_offs: np.ndarray,
+        dst_offs: np.ndarray,
+        imm: int | None,
+        timeout: float | None,
+        retry: Any,
+        stream: Any,
+        host_write: Callable[[int | None], Any],
+    ) -> None:
+        """``src_offs``/``dst_offs``: byte offsets of every page in each region (checked)."""
+        dev = mr._dev
+        n = len(src_offs)
+        if dev is not None:
+            line = self._line(self._out, dev.device)
+            self._user_stream(line, stream)
+            peer = self._ipc_ptr(rdesc, dev.device)
+            if peer is not None:
+                self.counts["gpu_ipc"] += 1
+                self.b.paged_copy(peer, dev.ptr, dst_offs, src_offs, page, line.stream)
+                await self._fenced(mr, line)
+                if imm is not None:
+                    await self.credit(rdesc, imm, n, timeout, retry)
+                return
+            shadow = int(mr._shadow.ctypes.data)
+            self.b.paged_copy(shadow, dev.ptr, src_offs, src_offs, page, line.stream)
+            await self._fenced(mr, line)
+        elif stream is not None:
+            line = self._line(self._out, 0)
+            self._user_stream(line, stream)
+            await self._fenced(mr, line)
+        self.counts["gpu_staged"] += 1
+        if not rdesc.on_gpu:
+            await host_write(imm)
+            return
+        await host_write(None)
+        op = next(self._ops)
+        per = max(1, (self.e._max_message - 256) // 8)
+        chunks = [dst_offs[i : i + per] for i in range(0, n, per)]
+        with deadline(timeout, "write_paged"):
+            async with anyio.create_task_group() as tg:
+                for c in chunks:
+                    tg.start_soon(
+                        self._send_part,
+                        rdesc,
+                        op,
+                        len(chunks),
+                        imm,
+                        n,
+                        page,
+                        c.astype(np.uint64),
+                        timeout,
+                        retry,
+                    )
+
+    async def credit(
+        self, rdesc: MemoryDescriptor, imm: int, weight: int, timeout: float | None, retry: Any
+    ) -> None:
+        """An immediate for a GPU region: credited by its owner after every copy into GPU
+        memory it has started before (the message is ordered after earlier parts)."""
+        await self._send_part(
+            rdesc, next(self._ops), 1, imm, weight, 0, np.empty(0, np.uint64), timeout, retry
+        )
+
+    async def _send_part(
+        self,
+        rdesc: MemoryDescriptor,
+        op: int,
+        nparts: int,
+        imm: int | None,
+        weight: int,
+        page: int,
+        data: np.ndarray,
+        timeout: float | None,
+        retry: Any,
+    ) -> None:
+        assert rdesc.gpu is not None
+        count = len(data) if page else len(data) // 2
+        head = _PART.pack(
+            _K_PART,
+            rdesc.gpu.region_id,
+            rdesc.keys[0].key,
+            op,
+            nparts,
+            _F_IMM if imm is not None else 0,
+            imm or 0,
+            weight,
+            page,
+            count,
+        )
+        await self.e._send_msg(
+            rdesc.address, head + data.astype("<u8").tobytes(), timeout, retry, internal=True
+        )
+
+    # ------------------------------------------------------------------ reads
+
+    async def read(
+        self,
+        mr: MemoryRegion,
+        rdesc: MemoryDescriptor,
+        length: int,
+        src_offset: int,
+        dst_offset: int,
+        timeout: float | None,
+        retry: Any,
+    ) -> None:
+        dev = mr._dev
+        if rdesc.on_gpu:
+            peer = self._ipc_ptr(rdesc, dev.device) if dev is not None else None
+            if peer is None or dev is None:
+                raise InvalidArgument(
+                    "a READ from a peer's GPU memory needs a GPU destination and the peer on this host "
+                    "(CUDA IPC); across hosts its owner must write it (or use a provider with FI_HMEM)"
+                )
+            line = self._line(self._in, dev.device)
+            self.b.copy(dev.ptr + dst_offset, peer + src_offset, length, line.stream)
+            await self._fenced(mr, line)
+            return
+        assert dev is not None
+        await self.e._read_host(mr, rdesc, length, src_offset, dst_offset, timeout, retry)
+        line = self._line(self._in, dev.device)
+        self.b.copy(dev.ptr + dst_offset, int(mr._shadow.ctypes.data) + dst_offset, length, line.stream)
+        await self._fenced(mr, line)
+
+    # ------------------------------------------------------------------ the receiving side
+
+    def on_part(self, sender: bytes, payload: bytes) -> None:
+        """An internal message: bytes of an operation landed in a GPU region's shadow."""
+        if len(payload) < _PART.size:
+            _log.warning("malformed GPU staging message dropped", length=len(payload))
+            return
+        kind, rid, key, op, nparts, flags, imm, weight, page, count = _PART.unpack_from(payload)
+        body = payload[_PART.size :]
+        mr = self._regions.get(rid)
+        if kind != _K_PART or mr is None or not mr.registered:
+            _log.warning("GPU staging message for an unknown region dropped", region=rid)
+            return
+        if not mr.remote_write or key != mr.descriptor.keys[0].key or nparts == 0:
+            _log.warning("GPU staging message with a wrong key dropped", region=rid)
+            return
+        want = count * (8 if page else 16)
+        if len(body) != want:
+            _log.warning("malformed GPU staging message dropped", length=len(payload))
+            return
+        vals = np.frombuffer(body, dtype="<u8")
+        dev = mr._dev
+        assert dev is not None
+        self.counts["gpu_parts_in"] += 1
+        line = self._line(self._in, dev.device)
+        shadow = int(mr._shadow.ctypes.data)
+        if page:
+            if count and int(vals.max()) + page > mr.nbytes:
+                _log.warning("GPU staging message past the region dropped", region=rid)
+                return
+            offs = vals.astype(np.int64)
+            self.b.paged_copy(dev.ptr, shadow, offs, offs, page, line.stream)
+        else:
+            pairs = vals.reshape(-1, 2)
+            if count and int((pairs[:, 0] + pairs[:, 1]).max()) > mr.nbytes:
+                _log.warning("GPU staging message past the region dropped", region=rid)
+                return
+            for off, n in pairs.tolist():
+                self.b.copy(dev.ptr + off, shadow + off, n, line.stream)
+
+        def landed() -> None:
+            k = (sender, op)
+            left = self._parts.get(k, nparts) - 1
+            if left > 0:
+                self._parts[k] = left
+                return
+            self._parts.pop(k, None)
+            if flags & _F_IMM and not self.e._closed:
+                lib.aio_counter_add(self.e._h, imm, weight * int(lib.AIO_CREDIT_UNIT))
+
+        if count or line.busy:
+            self._track(mr, line, landed)
+        else:  # nothing to copy and nothing in flight: credit now
+            landed()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def watcher(self, initial: int) -> UvmWatcher:
+        return UvmWatcher(self, initial)
+
+    def close(self) -> None:
+        for w in list(self._watchers.values()):
+            w.close()
+        for line in list(self._lines.values()):
+            line.close()
+        for base in self._ipc.values():
+            if base:
+                with contextlib.suppress(Exception):  # best effort at close
+                    self.b.ipc_close(base)
+        self._ipc.clear()

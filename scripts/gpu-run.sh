@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU tests and the GPU benchmarks in one call, on a GPU machine (CUDA + CuPy present).
+#
+#   scripts/gpu-run.sh [OUTDIR]
+#
+# What that machine lacks comes from carried folders, without network: .whl/ (cffi, pycparser,
+# trio, outcome, sniffio, structlog, pytest-trio wheels for its Python) and .deb/ (Debian's
+# libfabric1, libfabric-dev and the libraries they link, unpacked under /opt/fab). See
+# docs/gpu.md for how to fill them. Output: OUTDIR/gpu-tests.txt, gpu-bench.txt, gpu-bench.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR="${1:-${OUT:-/tmp/aiote-gpu}}"
+mkdir -p "$OUTDIR"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 FI_PROVIDER=tcp,ofi_rxm,shm
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [ ! -e /usr/include/rdma/fabric.h ] && [ -d .deb ]; then
+    mkdir -p /opt/fab
+    for f in .deb/*.deb; do dpkg -x "$f" /opt/fab; done
+    export AIOTE_FABRIC_PREFIX=/opt/fab/usr
+    export LD_LIBRARY_PATH="/opt/fab/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export FI_PROVIDER_PATH=/opt/fab/usr/lib/x86_64-linux-gnu/libfabric
+fi
+{
+    echo "# $(date -u +%FT%TZ) $(uname -srm)"
+    nvidia-smi -L
+    nvidia-smi topo -m 2>/dev/null | head -5
+    "$PY" -c 'import sys, cupy, numpy; print("python", sys.version.split()[0], "cupy", cupy.__version__, "numpy", numpy.__version__)'
+} 2>&1 | tee "$OUTDIR/gpu-env.txt"
+"$PY" setup.py -q build_ext --inplace >"$OUTDIR/build.txt" 2>&1 || { tail -30 "$OUTDIR/build.txt"; exit 1; }
+"$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py tests/test_gpu_host.py 2>&1 | tee "$OUTDIR/gpu-tests.txt"
+"$PY" benchmarks/bench_gpu.py --json "$OUTDIR/gpu-bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/gpu-bench.txt"

@@ -1,0 +1,309 @@
+"""GPU memory on machines without a GPU: the engine's host GPU backend (``gpu_backend="host"``)
+runs CUDA's stream semantics on host memory (worker-thread streams, signal words stored the
+way a kernel stores them), so the staging pipeline, the chunking, the credit ordering, the IPC
+rail and the UVM watcher run here over real libfabric transports and real processes.
+
+The peers' copies into "GPU" memory are slowed down (``host:0.005``: each copy takes 5 ms),
+so a credit given before the data is in GPU memory would be caught by the digest that
+follows the counter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+import aiote
+from aiote.testing import HostDeviceArray, HostStream, digest, pattern, spawn_peer
+
+pytestmark = pytest.mark.anyio
+
+SLOW = "host:0.005"
+
+
+def _device(n: int, seed: int = 1, **kw: object) -> HostDeviceArray:
+    arr = HostDeviceArray(n, **kw)  # type: ignore[arg-type]
+    arr.host[:] = pattern(n, seed)
+    return arr
+
+
+async def test_staged_write_cross_process_credit_after_copy() -> None:
+    n = (3 << 20) + 12345  # not a multiple of the chunk
+    async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend=SLOW, stage_chunk=256 << 10) as peer:
+        e = peer.engine
+        src = _device(n)
+        mr = await e.register(src)
+        assert mr.on_gpu and mr.device == 0 and mr.descriptor.on_gpu
+        dst = await peer.register("g", n, device="host")
+        assert dst.on_gpu and dst.gpu is not None
+        await e.write(mr, dst, imm=11)
+        await peer.wait(imm=11, n=1, timeout=20)
+        assert await peer.digest("g") == digest(src.host)
+        # offsets, a second write into the middle
+        await e.write(mr, dst, length=100_001, src_offset=7, dst_offset=999_999, imm=12)
+        await peer.wait(imm=12, n=1, timeout=20)
+        assert await peer.digest("g", 999_999, 100_001) == digest(src.host[7 : 7 + 100_001])
+        stats = e.stats()
+        assert stats["gpu_staged"] == 2 and stats["gpu_ipc"] == 0
+        await e.unregister(mr)
+
+
+async def test_write_imm_is_ordered_after_earlier_copies() -> None:
+    n = 2 << 20
+    async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend="host", stage_chunk=128 << 10) as peer:
+        e = peer.engine
+        src = _device(n, seed=5)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="host")
+        await e.write(mr, dst)  # no immediate: the peer learns nothing yet
+        await e.write_imm(dst, 3)  # ... until this one, credited after the 16 copies
+        await peer.wait(imm=3, n=1, timeout=20)
+        assert await peer.digest("g") == digest(src.host)
+
+
+async def test_host_to_gpu_and_gpu_to_host() -> None:
+    n = 1 << 20
+    async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend=SLOW) as peer:
+        e = peer.engine
+        host = pattern(n, 9).copy()
+        mh = await e.register(host)
+        dst = await peer.register("g", n, device="host")
+        await e.write(mh, dst, imm=1)
+        await peer.wait(imm=1, n=1, timeout=20)
+        assert await peer.digest("g") == digest(host)
+        # the peer writes from its GPU region into our host memory
+        back = np.zeros(n, np.uint8)
+        mb = await e.register(back)
+        await peer.call(op="write", name="g", remote=bytes(mb.descriptor).hex(), imm=2)
+        await e.imm_counter(2).wait(1, timeout=20)
+        assert digest(back) == digest(host)
+        # and our GPU region into the peer's host memory
+        src = _device(n, seed=4)
+        ms = await e.register(src)
+        hd = await peer.register("h", n)
+        await e.write(ms, hd, imm=3)
+        await peer.wait(imm=3, n=1, timeout=20)
+        assert await peer.digest("h") == digest(src.host)
+
+
+async def test_paged_gpu_to_gpu_one_credit_per_page() -> None:
+    page = 4096
+    npages = 300
+    async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend=SLOW, max_message_size=4096) as peer:
+        e = peer.engine
+        src = _device(page * npages, seed=2)
+        mr = await e.register(src)
+        dst = await peer.register("g", page * 2 * npages, device="host")
+        rng = np.random.default_rng(0)
+        sp = rng.permutation(npages)
+        dp = rng.permutation(2 * npages)[:npages]
+        # max_message_size=4096 on our side: the page list goes in several staging messages
+        await e.write_paged(mr, dst, page_size=page, src_pages=sp, dst_pages=dp, imm=21)
+        await peer.wait(imm=21, n=npages, timeout=30)
+        assert (await peer.call(op="counter", imm=21))["available"] == 0  # exactly one credit per page
+        for k in (0, 1, npages // 2, npages - 1):
+            got = await peer.digest("g", int(dp[k]) * page, page)
+            assert got == digest(src.host[int(sp[k]) * page : (int(sp[k]) + 1) * page])
+
+
+async def test_ipc_rail_same_host() -> None:
+    """A GPU peer on this host is written directly (CUDA IPC, here: a shared segment)."""
+    n = 3 << 20
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend="host") as peer:
+        e = peer.engine
+        src = _device(n, seed=8)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="shared")
+        assert dst.gpu is not None and dst.gpu.ipc_handle
+        await e.write(mr, dst, length=n - 10, src_offset=10, imm=4)
+        await peer.wait(imm=4, n=1, timeout=20)
+        assert await peer.digest("g", 0, n - 10) == digest(src.host[10:])
+        sp = np.array([5, 0, 3])
+        dp = np.array([1, 2, 7])
+        await e.write_paged(mr, dst, page_size=65536, src_pages=sp, dst_pages=dp, imm=5)
+        await peer.wait(imm=5, n=3, timeout=20)
+        for s, d in zip(sp, dp, strict=True):
+            assert await peer.digest("g", int(d) * 65536, 65536) == digest(
+                src.host[s * 65536 : (s + 1) * 65536]
+            )
+        # READ from the peer's GPU region into ours
+        out = HostDeviceArray(1000)
+        mo = await e.register(out)
+        await e.read(mo, dst, length=1000, src_offset=65536)
+        assert digest(out.host) == digest(src.host[5 * 65536 : 5 * 65536 + 1000])
+        st = e.stats()
+        assert st["gpu_ipc"] == 2 and st["gpu_staged"] == 0
+    # gpu_ipc=False: the same peer is staged
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend="host", gpu_ipc=False) as peer:
+        e = peer.engine
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="shared")
+        await e.write(mr, dst, imm=4)
+        await peer.wait(imm=4, n=1, timeout=20)
+        assert await peer.digest("g") == digest(src.host)
+        assert e.stats()["gpu_staged"] == 1 and e.stats()["gpu_ipc"] == 0
+
+
+async def test_stream_ordering() -> None:
+    """``stream=``: the write starts after the work submitted to that stream (here a slow
+    'kernel' that fills the source)."""
+    n = 1 << 20
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend="host") as peer:
+        e = peer.engine
+        src = HostDeviceArray(n)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="host")
+        data = pattern(n, 77)
+        s = HostStream()
+
+        def kernel() -> None:
+            time.sleep(0.05)
+            src.host[:] = data
+
+        s.submit(kernel)
+        await e.write(mr, dst, imm=1, stream=s)
+        await peer.wait(imm=1, timeout=20)
+        assert await peer.digest("g") == digest(data)
+        # a host source produced by stream work, and write_imm after stream work
+        host = np.zeros(n, np.uint8)
+        mh = await e.register(host)
+        s.submit(lambda: (time.sleep(0.05), host.__setitem__(slice(None), data[::-1])))
+        await e.write(mh, dst, imm=2, stream=s)
+        await peer.wait(imm=2, timeout=20)
+        assert await peer.digest("g") == digest(data[::-1].copy())
+        flag = []
+        s.submit(lambda: (time.sleep(0.05), flag.append(1)))
+        await e.write_imm(dst, 3, stream=s)
+        assert flag == [1]
+        await peer.wait(imm=3, timeout=20)
+
+
+async def test_uvm_watcher() -> None:
+    async with aiote.open_engine(gpu_backend="host", watch_interval_us=50) as e:
+        w = e.uvm_watcher()
+        assert w.value == 0 and w.device_pointer == int(w.host.ctypes.data)
+
+        def gpu_kernel() -> None:  # a kernel bumping the slot: plain stores, no wake-up call
+            for v in range(1, 6):
+                time.sleep(0.02)
+                w.host[0] = v
+
+        t = threading.Thread(target=gpu_kernel)
+        t.start()
+        assert await w.wait_for(3, timeout=5) >= 3
+        seen = []
+        async for v in w:
+            seen.append(v)
+            if v >= 5:
+                break
+        t.join()
+        assert seen == sorted(seen) and seen[-1] == 5
+        assert await w.wait_for(2) == 5  # already there
+        with pytest.raises(aiote.TransferTimeout):
+            await w.wait_for(6, timeout=0.1)
+
+        # latency from a store to the task resuming: well under 10 ms with a 50 us interval
+        lat = []
+        for v in range(6, 16):
+            ready = threading.Event()
+            stamp: list[float] = []
+
+            def store(v: int = v, ready: threading.Event = ready, stamp: list[float] = stamp) -> None:
+                ready.wait()
+                time.sleep(0.002)
+                stamp.append(time.perf_counter())
+                w.host[0] = v
+
+            th = threading.Thread(target=store)
+            th.start()
+            ready.set()
+            await w.wait_for(v, timeout=5)
+            lat.append(time.perf_counter() - stamp[0])
+            th.join()
+        assert sorted(lat)[len(lat) // 2] < 0.01, lat
+
+        # close wakes a waiter with EngineClosed
+        async def closer() -> None:
+            await anyio.sleep(0.05)
+            w.close()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(closer)
+            with pytest.raises(aiote.EngineClosed):
+                await w.wait_for(100)
+
+
+async def test_bad_gpu_input() -> None:
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend="host") as peer:
+        e = peer.engine
+        ro = HostDeviceArray(4096, readonly=True)
+        with pytest.raises(aiote.InvalidArgument, match="read-only"):
+            await e.register(ro)
+        await e.register(ro, remote_write=False)  # fine as a source
+
+        class Strided:
+            __cuda_array_interface__ = {  # noqa: RUF012
+                "shape": (16, 16),
+                "typestr": "<f4",
+                "data": (4096, False),
+                "strides": (128, 4),
+                "version": 3,
+            }
+
+        with pytest.raises(aiote.InvalidArgument, match="contiguous"):
+            await e.register(Strided())
+        src = _device(1 << 16)
+        mr = await e.register(src)
+        dst = await peer.register("g", 1 << 16, device="host")  # not shared: no IPC handle
+        with pytest.raises(aiote.InvalidArgument, match="past"):
+            await e.write(mr, dst, length=10, dst_offset=(1 << 16) - 5)
+        with pytest.raises(aiote.InvalidArgument, match="imm"):
+            await e.write(mr, dst, imm=1 << 32)
+        out = HostDeviceArray(16)
+        mo = await e.register(out)
+        with pytest.raises(aiote.InvalidArgument, match="GPU memory needs"):
+            await e.read(mo, dst, length=16)
+        with pytest.raises(aiote.InvalidArgument, match="host regions"):
+            await e.scatter(mr, [aiote.ScatterTarget(dst, length=16)])
+        with pytest.raises(aiote.InvalidArgument, match="stream"):
+            await e.write(mr, dst, stream=object())
+        # nothing was posted: a valid write still lands exactly
+        await e.write(mr, dst, imm=9)
+        await peer.wait(imm=9, timeout=20)
+        assert await peer.digest("g") == digest(src.host)
+
+
+async def test_cuda_backend_without_cuda_is_a_clear_error() -> None:
+    try:
+        import cupy  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+
+        pytest.skip("CuPy is installed here; tests/test_gpu.py covers CUDA")
+    except ImportError:
+        pass
+    async with aiote.open_engine() as e:
+        with pytest.raises(aiote.GpuUnavailable, match="CuPy"):
+            await e.register(HostDeviceArray(16))
+        with pytest.raises(aiote.GpuUnavailable):
+            e.uvm_watcher()
+
+
+async def test_unregister_waits_for_device_copies() -> None:
+    async with aiote.open_engine(gpu_backend="host:0.2") as e:
+        src = _device(1 << 16)
+        mr = await e.register(src)
+        host = np.zeros(1 << 16, np.uint8)
+        mh = await e.register(host)
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: e.write(mr, mh.descriptor, imm=1))
+            await anyio.sleep(0.02)
+            with pytest.raises(aiote.RegionBusy):
+                await e.unregister(mr, timeout=0)  # the device-to-host copy is still running
+            await e.unregister(mr)  # waits for it
+        assert time.perf_counter() - start >= 0.15
+        await e.imm_counter(1).wait(1, timeout=5)
+        assert digest(host) == digest(src.host)
