@@ -420,8 +420,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     nic_sets: list[tuple[str, ...] | None] = [tuple(_split(n)) for n in args.nics] if args.nics else [None]
     if args.listen:
-        anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
-                                max_message=args.max_message))
+        try:
+            anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
+                                    max_message=args.max_message))
+        except KeyboardInterrupt:
+            pass
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
