@@ -47,7 +47,8 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
     m = b.get("machine") or {}
     out = [
         f"Machine: {m.get('cpu') or '?'}, {m.get('cores') or '?'} cores, Python {m.get('python', '?')}, "
-        f"{m.get('platform', '?')}; aiote {b.get('aiote', '?')}; {b.get('date', '?')}; the CPU was "
+        f"{m.get('platform', '?')}, libfabric {m.get('libfabric', '?')}; aiote {b.get('aiote', '?')}; "
+        f"{b.get('date', '?')}; the CPU was "
         f"{b['cpu_busy_before']:.0%} busy before and {b['cpu_busy_after']:.0%} after the run (other "
         f"processes). Median of {b['repeats']} (spread min-max in brackets); GB/s = 1e9 B/s; latency "
         "rows are one-way µs (round trip / 2), lower is better; ratio = aiote / C core.",
@@ -55,6 +56,9 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
         "| case | path | C core | aiote | ratio |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
+    if max(b["cpu_busy_before"], b["cpu_busy_after"]) > 0.10:
+        out[1:1] = ["", "**Noisy run**: other processes kept the CPU busy, so these figures are for shape, "
+                    "not scale; regenerate on a quiet machine."]
     for r in rows:
         if r.get("unit") == "us":
             case = f"{LATENCY.get(r['mode'], r['mode'])} one-way p{r['size']} (µs)"

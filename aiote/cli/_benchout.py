@@ -181,7 +181,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax1.set_title("Throughput (dashed: the C core, same run)")
     ax1.grid(True, alpha=0.3)
     if lines:
-        ax1.legend(fontsize=7)
+        ax1.legend(fontsize=6, ncol=2)
     lat = [r for r in rows if r["unit"] == "us"]
     groups: list[str] = []
     vals: dict[str, list[float]] = {"aiote p50": [], "aiote p99": [], "C core p50": [], "C core p99": []}

@@ -19,6 +19,7 @@ GB/s are 1e9 B/s; each figure is the median of ``--repeats`` runs, printed with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -388,8 +389,11 @@ def _machine() -> dict[str, Any]:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
+    from aiote._native import lib
+
+    fv = int(lib.aio_fabric_version())
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "libfabric": f"{fv >> 16}.{fv & 0xFFFF}"}
 
 
 def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> str | None:
@@ -420,11 +424,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     nic_sets: list[tuple[str, ...] | None] = [tuple(_split(n)) for n in args.nics] if args.nics else [None]
     if args.listen:
-        try:
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends serving
             anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
                                     max_message=args.max_message))
-        except KeyboardInterrupt:
-            pass
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
