@@ -174,6 +174,37 @@ def test_aiote_bench_listen_and_connect_across_two_processes(tmp_path: Path) -> 
         server.wait(timeout=30)
 
 
+@pytest.mark.netns
+def test_aiote_bench_connect_across_a_veth_pair_between_namespaces(tmp_path: Path) -> None:
+    from _netns import netns_unavailable, two_hosts
+
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    with two_hosts(1, subnet=217) as h:
+        server = subprocess.Popen(
+            [*h.prefix, sys.executable, "-m", "aiote", "bench", "--listen", "--nics", h.remote[0]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            assert server.stdout is not None
+            line = server.stdout.readline()
+            assert line.startswith("AIOTE_BENCH_LISTEN "), line
+            out_file = tmp_path / "bench.json"
+            out = subprocess.run(
+                [sys.executable, "-m", "aiote", "bench", "write", *BENCH_QUICK, "--window", "8",
+                 "--nics", h.local[0], "--connect", line.split()[1], "--json", str(out_file)],
+                capture_output=True, text=True, timeout=300,
+            )
+            assert out.returncode == 0, out.stderr[-2000:]
+            result = json.loads(out_file.read_text())
+            assert result["nics"] == [[h.local[0]]] and result["c_baseline"] is True
+            _check_rows(result["rows"])
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
 def test_aiote_bench_plot_without_matplotlib_says_so(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['matplotlib'] = None; from aiote.cli import main; "
             f"sys.exit(main(['bench', 'write', '--plot', {str(tmp_path / 'x.png')!r}]))")

@@ -122,7 +122,11 @@ class _Server:
                 if cmd.get("stop"):
                     await self.reply(sender, rid, body)
                     return False
-            elif op == "hello":
+            elif op == "hello":  # a new measuring side: forget what an earlier one left
+                await self.clear()
+                for p in list(self.c_procs):
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
                 body.update(aiote=aiote.__version__, max_message=max_message,
                             provider=e.rails[0].provider, nics=[r.domain for r in e.rails])
             elif op == "register":

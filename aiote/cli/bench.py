@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -403,6 +404,8 @@ def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> 
     for lp in loops:
         if lp not in ("asyncio", "uvloop", "trio"):
             return f"unknown event loop {lp!r} (asyncio, uvloop, trio)"
+        if lp != "asyncio" and importlib.util.find_spec(lp) is None:
+            return f"--loop {lp} needs {lp}: pip install {lp}"
     if args.connect and (len(providers) > 1 or len(args.nics or []) > 1):
         return "--connect measures one provider and one set of NICs (the serving side's)"
     if args.connect:
