@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,25 +85,129 @@ def test_aiote_info_reports_providers_and_the_default_choice() -> None:
     assert text.returncode == 0 and "open_engine() picks" in text.stdout and "lo" in text.stdout
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "trio"])
-def test_aiote_bench_prints_figures_beside_the_c_core(loop: str, tmp_path: Path) -> None:
-    out_file = tmp_path / "bench.json"
+BENCH_QUICK = ["--sizes", "64KiB", "--page-sizes", "4KiB", "--total", "8MiB", "--pages", "500",
+               "--calls", "1", "--iters", "100", "--repeats", "1"]
+
+
+def _check_rows(rows: list[dict[str, Any]]) -> None:
+    for r in rows:  # fields and sane values, not speed (latency rows: microseconds)
+        assert 0 < r["py_gbps"] < 1e6 and 0 < r["c_gbps"] < 1e6
+        assert r["py_spread"][0] <= r["py_gbps"] <= r["py_spread"][1]
+        assert r["c_spread"][0] <= r["c_gbps"] <= r["c_spread"][1]
+        assert abs(r["ratio"] - r["py_gbps"] / r["c_gbps"]) < 1e-9
+        assert r["unit"] == ("us" if r["mode"].endswith("latency") else "GB/s")
+        if r["unit"] == "GB/s":
+            assert r["py_gbps"] < 1000  # GB/s over loopback
+
+
+def test_aiote_bench_all_beside_the_c_core_with_plot(tmp_path: Path) -> None:
+    out_file, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
     out = subprocess.run(
-        [sys.executable, "-m", "aiote", "bench", "all", "--sizes", "64KiB", "--page-sizes", "4KiB",
-         "--total", "32MiB", "--pages", "1000", "--calls", "1", "--iters", "200", "--repeats", "1",
-         "--loop", loop,
-         "--json", str(out_file)],
+        [sys.executable, "-m", "aiote", "bench", "all", *BENCH_QUICK, "--json", str(out_file), *plot],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out_file.read_text())
     assert json.loads(out.stdout.strip().splitlines()[-1]) == result
-    assert result["c_baseline"] is True and result["loop"] == loop and result["window"] == 64
-    assert [(r["mode"], r["size"]) for r in result["rows"]] == [
-        ("write", 65536), ("paged", 4096), ("imm-latency", 50), ("imm-latency", 99)
+    assert result["c_baseline"] is True and result["loop"] == "asyncio" and result["window"] == 64
+    assert result["provider"] == "tcp" and result["repeats"] == 1 and result["connect"] is None
+    assert [(r["mode"], r["size"], r["window"]) for r in result["rows"]] == [
+        ("write", 65536, 64), ("read", 65536, 64), ("sendrecv", 65536, 16), ("paged", 4096, None),
+        ("imm-latency", 50, None), ("imm-latency", 99, None),
+        ("sendrecv-latency", 50, None), ("sendrecv-latency", 99, None),
     ]
-    for r in result["rows"]:  # fields and sane values, not speed (latency rows: microseconds)
-        assert 0 < r["py_gbps"] < 1e6 and 0 < r["c_gbps"] < 1e6
-        assert r["py_spread"][0] <= r["py_gbps"] <= r["py_spread"][1]
-        assert abs(r["ratio"] - r["py_gbps"] / r["c_gbps"]) < 1e-9
+    _check_rows(result["rows"])
     assert "C core" in out.stdout and "ratio" in out.stdout
+    assert "read 64 KiB x64" in out.stdout and "send/recv one-way p50" in out.stdout
+    if plot:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_aiote_bench_sweeps_sendrecv_over_loops_and_windows(tmp_path: Path) -> None:
+    out_file = tmp_path / "bench.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "aiote", "bench", "sendrecv", *BENCH_QUICK, "--sizes", "4KiB,64KiB",
+         "--window", "4,16", "--loop", "asyncio,trio", "--json", str(out_file)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["loop"] == ["asyncio", "trio"] and result["window"] == [4, 16]
+    got = [(r["loop"], r["mode"], r["size"], r["window"]) for r in result["rows"]]
+    assert got == [
+        (loop, mode, size, window)
+        for loop in ("asyncio", "trio")
+        for mode, size, window in [("sendrecv", 4096, 4), ("sendrecv", 65536, 4), ("sendrecv", 4096, 16),
+                                   ("sendrecv", 65536, 16), ("sendrecv-latency", 50, None),
+                                   ("sendrecv-latency", 99, None)]
+    ]
+    _check_rows(result["rows"])
+    # the C core is measured once per case (it has no event loop): both loops sit beside the same figure
+    half = len(result["rows"]) // 2
+    assert [r["c_gbps"] for r in result["rows"][:half]] == [r["c_gbps"] for r in result["rows"][half:]]
+
+
+def test_aiote_bench_listen_and_connect_across_two_processes(tmp_path: Path) -> None:
+    server = subprocess.Popen([sys.executable, "-m", "aiote", "bench", "--listen"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert line.startswith("AIOTE_BENCH_LISTEN "), line
+        address = line.split()[1]
+        out_file = tmp_path / "bench.json"
+        for mode in ("read", "write"):  # one serving side answers several measuring runs
+            out = subprocess.run(
+                [sys.executable, "-m", "aiote", "bench", mode, *BENCH_QUICK, "--window", "8",
+                 "--connect", address, "--json", str(out_file)],
+                capture_output=True, text=True, timeout=300,
+            )
+            assert out.returncode == 0, out.stderr[-2000:]
+            result = json.loads(out_file.read_text())
+            assert result["connect"] == address and result["c_baseline"] is True
+            assert [(r["mode"], r["size"], r["window"]) for r in result["rows"]] == [(mode, 65536, 8)]
+            _check_rows(result["rows"])
+        assert server.poll() is None  # still serving
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.netns
+def test_aiote_bench_connect_across_a_veth_pair_between_namespaces(tmp_path: Path) -> None:
+    from _netns import netns_unavailable, two_hosts
+
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    with two_hosts(1, subnet=217) as h:
+        server = subprocess.Popen(
+            [*h.prefix, sys.executable, "-m", "aiote", "bench", "--listen", "--nics", h.remote[0]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            assert server.stdout is not None
+            line = server.stdout.readline()
+            assert line.startswith("AIOTE_BENCH_LISTEN "), line
+            out_file = tmp_path / "bench.json"
+            out = subprocess.run(
+                [sys.executable, "-m", "aiote", "bench", "write", *BENCH_QUICK, "--window", "8",
+                 "--nics", h.local[0], "--connect", line.split()[1], "--json", str(out_file)],
+                capture_output=True, text=True, timeout=300,
+            )
+            assert out.returncode == 0, out.stderr[-2000:]
+            result = json.loads(out_file.read_text())
+            assert result["nics"] == [[h.local[0]]] and result["c_baseline"] is True
+            _check_rows(result["rows"])
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def test_aiote_bench_plot_without_matplotlib_says_so(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['matplotlib'] = None; from aiote.cli import main; "
+            f"sys.exit(main(['bench', 'write', '--plot', {str(tmp_path / 'x.png')!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--plot needs matplotlib" in out.stderr and "aiote[bench]" in out.stderr

@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         "info", help="providers, NICs and capabilities as aiote sees them; what open_engine() picks"
     )
     info.add_arguments(i)
-    b = sub.add_parser("bench", help="write and paged-write throughput beside the C core, same run")
+    b = sub.add_parser(
+        "bench", help="write, read, send/recv, paged and latency figures beside the C core, same run"
+    )
     bench.add_arguments(b)
     args = ap.parse_args(argv)
     if args.command == "bench":

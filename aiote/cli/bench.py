@@ -1,20 +1,33 @@
-"""``aiote bench``: throughput of writes and paged writes from Python, each beside the same
-case measured in the same run by the C core alone (``cdeps/bench/aiote_cbench``, the same
-``cdeps/`` code driven without Python), with the ratio.
+"""``aiote bench``: transfer figures from Python, each beside the same case measured in the
+same run by the C core alone (``cdeps/bench/aiote_cbench``, the same ``cdeps/`` code driven
+without Python), with the ratio.
 
-Runs both sides on this host (the peer is another process). Modes: ``write``, ``paged``,
-``all``. GB/s are 1e9 B/s; each figure is the median of ``--repeats`` runs, printed with its
-spread (min-max). Warns when other processes kept the CPU more than 10 % busy.
+Modes: ``write`` (one-sided writes with an immediate), ``read`` (one-sided READs),
+``sendrecv`` (two-sided messages: throughput and an 8-byte round trip), ``paged``
+(``write_paged``), ``imm-latency`` (WriteImm ping-pong), ``all``. Sweeps: ``--sizes``,
+``--window``, ``--provider``, ``--nics`` (repeatable), ``--loop`` (comma-separated lists).
+
+By default both sides run on this host: the command spawns its serving side
+(``aiote bench --listen`` in a child process). ``--listen`` on one host and ``--connect
+ADDRESS`` on another runs across hosts; the C baseline then runs between the same two hosts
+(the serving side starts the C bench's peer on request).
+
+GB/s are 1e9 B/s; each figure is the median of ``--repeats`` runs, printed with its spread
+(min-max). Warns when other processes kept the CPU more than 10 % busy.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import os
+import platform
 import statistics
-import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +35,37 @@ import anyio
 import numpy as np
 
 import aiote
-from aiote.testing import PeerProcess, spawn_peer
+from aiote.testing import ready_line
 
-CDEPS = Path(__file__).resolve().parents[2] / "cdeps"
-CBENCH = CDEPS / "build" / "aiote_cbench"
+from . import _benchout
+from ._benchnet import (
+    BULK,
+    CBENCH,
+    ECHO,
+    READY,
+    Remote,
+    build_cbench,
+    c_provider_args,
+    c_run,
+    host_of,
+    serve,
+)
+
+__all__ = ["CBENCH", "add_arguments", "main", "parse_size"]
+
 WINDOW = 64
+THROUGHPUT = ("write", "read", "sendrecv", "paged")
+LATENCY = ("imm-latency", "sendrecv-latency")
+ORDER = ("write", "read", "sendrecv", "paged", "imm-latency", "sendrecv-latency")
+WINDOWED = ("write", "read", "sendrecv")
+MSG_SLOTS = 16  # the engine's default message_slots: sends in flight at most
+
+Case = tuple[str, int, int]  # mode, size (0 for latency), window (0 where it does not apply)
+Config = tuple[str, tuple[str, ...] | None, str]  # provider, NICs, event loop
 
 
 def parse_size(text: str) -> int:
+    """Bytes from ``4096``, ``4KiB``, ``64k``, ``1MiB``, ``1.5G`` (powers of 1024)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     if t and t[-1] in units:
@@ -51,45 +87,36 @@ def _cpu_busy() -> float:
     return 1 - (i1 - i0) / max(1, t1 - t0)
 
 
-def build_cbench() -> str | None:
-    """Builds the C bench from the source tree; the reason when it cannot."""
-    if not (CDEPS / "Makefile").exists():
-        return "the C core's sources (cdeps/) are not next to this installation: run from a source checkout"
-    r = subprocess.run(["make", "-s", "-C", str(CDEPS), "bench"], capture_output=True, text=True)
-    if r.returncode and not CBENCH.exists():
-        return f"could not build the C bench: {r.stderr.strip()[-300:]}"
-    return None
+# ---------------------------------------------------------------------------- Python cases
 
 
-def c_run(*args: str) -> dict[str, Any]:
-    out = subprocess.run([str(CBENCH), *args], check=True, capture_output=True, text=True, timeout=600)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
-    result: dict[str, Any] = json.loads(line)
-    return result
-
-
-async def py_write(peer: PeerProcess, size: int, total: int, window: int) -> float:
-    """GB/s of writes of ``size`` with an immediate, ``window`` in flight (4 reusable batches)."""
-    e = peer.engine
-    region = size * window
-    src = np.empty(region, np.uint8)
-    src.fill(7)
-    mr = await e.register(src, remote_write=False)
+async def py_transfer(remote: Remote, op: str, size: int, total: int, window: int) -> float:
+    """GB/s of one-sided ``op`` ("write" with an immediate, or "read") of ``size``, ``window``
+    in flight (up to 4 reusable batches submitted concurrently)."""
+    e = remote.engine
+    lanes = min(4, window)
+    per = max(1, window // lanes)
+    region = size * lanes * per
+    local = np.empty(region, np.uint8)
+    local.fill(7)
+    mr = await e.register(local, remote_write=op == "read")
     try:
-        d = await peer.register("dst", region)
-        lanes = min(4, window)
-        per = window // lanes
+        d = await remote.register(f"{op}-dst", region)
         batches = []
         for lane in range(lanes):
             b = e.batch()
             for k in range(per):
                 off = (lane * per + k) * size
-                b.write(mr, d, length=size, src_offset=off, dst_offset=off, imm=2)
+                if op == "write":
+                    b.write(mr, d, length=size, src_offset=off, dst_offset=off, imm=2)
+                else:
+                    b.read(mr, d, length=size, src_offset=off, dst_offset=off)
             batches.append(b)
         rounds = max(1, total // (size * lanes * per))
         for b in batches:  # warm-up
             await b.submit(timeout=120)
-        await peer.wait(2, lanes * per, 120)
+        if op == "write":
+            await remote.wait(2, lanes * per)
 
         async def lane_run(b: aiote.TransferBatch) -> None:
             for _ in range(rounds):
@@ -100,42 +127,95 @@ async def py_write(peer: PeerProcess, size: int, total: int, window: int) -> flo
             for b in batches:
                 tg.start_soon(lane_run, b)
         dt = time.perf_counter() - t0
-        await peer.wait(2, rounds * lanes * per, 120)
+        if op == "write":
+            await remote.wait(2, rounds * lanes * per)
         return rounds * lanes * per * size / dt / 1e9
     finally:
         await e.unregister(mr)
 
 
-async def py_paged(peer: PeerProcess, page: int, npages: int, calls: int) -> float:
-    e = peer.engine
+async def py_sendrecv(remote: Remote, size: int, total: int, window: int) -> float:
+    """GB/s of ``size``-byte messages (``Engine.send``) from ``window`` concurrent senders,
+    from the first send to the serving side's reply that it received the last one."""
+    e, to = remote.engine, remote.address
+    payload = bytes([BULK]) + bytes(size - 1)
+    n = max(1, total // size)
+
+    async def send_all(count: int) -> None:
+        senders = max(1, min(window, count))
+
+        async def one(k: int) -> None:
+            for _ in range(k):
+                await e.send(to, payload, timeout=120)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(senders):
+                tg.start_soon(one, count // senders + (i < count % senders))
+
+    warm = min(n, window)
+    await send_all(warm)
+    await remote.sink(warm)
+    t0 = time.perf_counter()
+    await send_all(n)
+    await remote.sink(n)
+    dt = time.perf_counter() - t0
+    return n * size / dt / 1e9
+
+
+async def py_msg_latency(remote: Remote, iters: int) -> dict[int, float]:
+    """{50: p50, 99: p99} one-way latency in µs of an 8-byte send/recv ping-pong (RTT / 2)."""
+    e, to = remote.engine, remote.address
+    msg = bytes([ECHO]) + bytes(7)
+    rtts: list[float] = []
+    for i in range(iters + 50):  # 50 warm-up round trips
+        t0 = time.perf_counter()
+        await e.send(to, msg, timeout=30)
+        while True:
+            sender, _ = await e.recv(timeout=30)
+            if sender == to:
+                break
+        if i >= 50:
+            rtts.append(time.perf_counter() - t0)
+    return _percentiles(rtts)
+
+
+def _percentiles(rtts: list[float]) -> dict[int, float]:
+    rtts.sort()
+    return {50: rtts[len(rtts) // 2] / 2 * 1e6, 99: rtts[min(len(rtts) - 1, int(len(rtts) * 0.99))] / 2 * 1e6}
+
+
+async def py_paged(remote: Remote, page: int, npages: int, calls: int) -> float:
+    """GB/s of ``calls`` paged writes of ``npages`` pages (permuted destinations), one awaited
+    at a time."""
+    e = remote.engine
     src = np.empty(page * npages, np.uint8)
     src.fill(5)
     mr = await e.register(src, remote_write=False)
     try:
-        d = await peer.register("pdst", page * npages)
+        d = await remote.register("pdst", page * npages)
         perm = np.random.default_rng(1).permutation(npages)
         await e.write_paged(mr, d, page_size=page, src_pages=np.arange(npages), dst_pages=perm, imm=3)
         t0 = time.perf_counter()
         for _ in range(calls):
             await e.write_paged(mr, d, page_size=page, src_pages=np.arange(npages), dst_pages=perm, imm=3)
         dt = time.perf_counter() - t0
-        await peer.wait(3, npages * (calls + 1), 120)
+        await remote.wait(3, npages * (calls + 1))
         return page * npages * calls / dt / 1e9
     finally:
         await e.unregister(mr)
 
 
-async def py_latency(peer: PeerProcess, iters: int) -> tuple[float, float]:
-    """(p50, p99) one-way latency in µs of an 8 B-class WriteImm ping-pong (round trip / 2)."""
-    e = peer.engine
+async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
+    """{50: p50, 99: p99} one-way latency in µs of a WriteImm ping-pong (RTT / 2)."""
+    e = remote.engine
     mine = await e.register(np.zeros(64, np.uint8))
     try:
-        theirs = await peer.register("pp", 64)
+        theirs = await remote.register("pp", 64)
         pong = e.imm_counter(5)
         rtts: list[float] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                lambda: peer.call(
+                lambda: remote.call(
                     120, op="pong", remote=bytes(mine.descriptor).hex(), iters=iters + 50, ping=4, pong=5
                 )
             )
@@ -145,138 +225,294 @@ async def py_latency(peer: PeerProcess, iters: int) -> tuple[float, float]:
                 await pong.wait(1, timeout=30)
                 if i >= 50:
                     rtts.append(time.perf_counter() - t0)
-        rtts.sort()
-        return rtts[len(rtts) // 2] / 2 * 1e6, rtts[int(len(rtts) * 0.99)] / 2 * 1e6
+        return _percentiles(rtts)
     finally:
         await e.unregister(mine)
 
 
-async def run_python(args: argparse.Namespace, cases: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
-    same_host = None if args.provider == "tcp" else "shm"
-    nics = args.nics.split(",") if args.nics else None
-    out: dict[tuple[str, int], float] = {}
-    async with spawn_peer(args.provider, nics, same_host=same_host) as peer:
-        for mode, size in cases:
-            if mode == "write":
-                out[(mode, size)] = await py_write(peer, size, args.total, args.window)
-            elif mode == "paged":
-                out[(mode, size)] = await py_paged(peer, size, args.pages, args.calls)
-            elif (mode, size) not in out:
-                p50, p99 = await py_latency(peer, args.iters)
-                out[("imm-latency", 50)], out[("imm-latency", 99)] = p50, p99
-    return out
+async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[int, float]:
+    """One Python measurement: {size: GB/s} for throughput, {percentile: µs} for latency."""
+    mode, size, window = case
+    if mode in ("write", "read"):
+        return {size: await py_transfer(remote, mode, size, args.total, window)}
+    if mode == "sendrecv":
+        return {size: await py_sendrecv(remote, size, args.total, window)}
+    if mode == "paged":
+        return {size: await py_paged(remote, size, args.pages, args.calls)}
+    if mode == "imm-latency":
+        return await py_imm_latency(remote, args.iters)
+    return await py_msg_latency(remote, args.iters)
 
 
-def _prov(args: argparse.Namespace) -> list[str]:
-    prov = ["--provider", args.provider] + (["--nic", args.nics.split(",")[0]] if args.nics else [])
-    if args.provider == "tcp" and not args.nics:
-        prov += ["--nic", "lo"]
-    return prov
+def c_args(args: argparse.Namespace, case: Case) -> list[str]:
+    """The C bench's arguments for the same case."""
+    mode, size, window = case
+    if mode in ("write", "read"):
+        return [mode, str(size), str(window), str(max(args.total, size * window))]
+    if mode == "sendrecv":
+        return [mode, str(size), str(window), str(max(args.total, size * min(window, MSG_SLOTS)))]
+    if mode == "paged":
+        return ["paged", str(size), str(args.pages), str(args.calls)]
+    return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters)]
 
 
-def run_c(args: argparse.Namespace, mode: str, size: int) -> float:
-    prov = _prov(args)
-    if mode == "write":
-        r = c_run("write", str(size), str(args.window), str(max(args.total, size * args.window)), *prov)
-    elif mode == "paged":
-        r = c_run("paged", str(size), str(args.pages), str(args.calls), *prov)
-    else:  # imm-latency: one run gives both percentiles; size is the percentile
-        r = c_run("pingpong", str(args.iters), *prov)
-        return float(r[f"p{size}_us"])
-    return float(r["gbps"])
+def _c_values(mode: str, r: dict[str, Any], size: int) -> dict[int, float]:
+    if mode in LATENCY:
+        return {50: float(r["p50_us"]), 99: float(r["p99_us"])}
+    return {size: float(r["gbps"])}
+
+
+# ---------------------------------------------------------------------------- one configuration
+
+
+async def run_config(
+    args: argparse.Namespace, config: Config, cases: list[Case], with_c: bool, progress: _benchout.Progress,
+) -> tuple[dict[tuple[Case, int], float], dict[tuple[Case, int], float]]:
+    """Runs every case once on one (provider, NICs, loop): Python figures, and (``with_c``)
+    the C core's figures, interleaved case by case."""
+    provider, nics, loop = config
+    same_host = None if provider == "tcp" else "shm"
+    py: dict[tuple[Case, int], float] = {}
+    cc: dict[tuple[Case, int], float] = {}
+    proc = None
+    try:
+        if args.connect:
+            address = bytes.fromhex(args.connect)
+        else:
+            cmd = [sys.executable, "-m", "aiote", "bench", "--listen", "--once", "--provider", provider,
+                   "--max-message", str(args.max_message)]
+            if nics:
+                cmd += ["--nics", ",".join(nics)]
+            proc = await anyio.open_process(cmd, stdin=None, stderr=None)
+            address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
+        async with aiote.open_engine(
+            provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message
+        ) as e:
+            remote = Remote(e, address)
+            hello = await remote.call(op="hello")
+            limit = min(args.max_message, int(hello["max_message"]))
+            try:
+                for case in cases:
+                    mode, size, window = case
+                    if mode == "sendrecv" and size > limit:
+                        continue
+                    what = _benchout.case_label(mode, size, window)
+                    where = f"{provider} {','.join(nics) if nics else ''} {loop}".replace("  ", " ")
+                    if with_c:
+                        progress.step(f"C core  {what} ({where})")
+                        cargs = c_args(args, case) + c_provider_args(provider, nics)
+                        if args.connect:
+                            port = (await remote.call(op="cbench", args=c_args(args, case)))["port"]
+                            cargs += ["--connect", f"{host_of(address)}:{port}"]
+                        r = await anyio.to_thread.run_sync(partial(c_run, *cargs))
+                        for k, v in _c_values(mode, r, size).items():
+                            cc[(case, k)] = v
+                        progress.advance()
+                    progress.step(f"aiote   {what} ({where})")
+                    for k, v in (await py_case(remote, args, case)).items():
+                        py[(case, k)] = v
+                    progress.advance()
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await remote.call(10, op="exit", stop=proc is not None)
+    finally:
+        if proc is not None:
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(10):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+                await proc.aclose()
+    return py, cc
+
+
+# ---------------------------------------------------------------------------- command line
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("mode", nargs="?", default="all", choices=["write", "paged", "imm-latency", "all"])
-    ap.add_argument("--sizes", default="64KiB,1MiB", help="write sizes (e.g. 4KiB,64KiB,1MiB)")
+    """The ``aiote bench`` options."""
+    ap.add_argument("mode", nargs="?", default="all",
+                    choices=["write", "read", "sendrecv", "paged", "imm-latency", "all"])
+    ap.add_argument("--sizes", default="64KiB,1MiB", help="transfer sizes, e.g. 4KiB,64KiB,1MiB")
     ap.add_argument("--page-sizes", default="4KiB,64KiB", help="paged-write page sizes")
-    ap.add_argument("--window", type=int, default=WINDOW, help="writes in flight")
-    ap.add_argument("--total", type=parse_size, default=1 << 30, help="bytes per write case")
+    ap.add_argument("--window", default=str(WINDOW),
+                    help="operations in flight, or a sweep: 16,64 (sendrecv: at most 16 messages)")
+    ap.add_argument("--total", type=parse_size, default=1 << 30, help="bytes per throughput case")
     ap.add_argument("--pages", type=int, default=10_000, help="pages per paged call")
     ap.add_argument("--calls", type=int, default=3, help="paged calls per case")
-    ap.add_argument("--iters", type=int, default=2000, help="ping-pong round trips (imm-latency)")
-    ap.add_argument("--provider", default="tcp", choices=["tcp", "shm"])
-    ap.add_argument("--nics", default=None, help="comma-separated NICs (default lo for tcp)")
-    ap.add_argument("--loop", default="asyncio", choices=["asyncio", "uvloop", "trio"])
+    ap.add_argument("--iters", type=int, default=2000, help="ping-pong round trips (latency)")
+    ap.add_argument("--provider", default="tcp", help="tcp, shm, or a sweep: tcp,shm")
+    ap.add_argument("--nics", action="append", default=None,
+                    help="comma-separated NICs of one engine (default lo for tcp); repeat to sweep")
+    ap.add_argument("--loop", default="asyncio", help="asyncio, uvloop, trio, or a sweep: asyncio,trio")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-message", type=parse_size, default=1 << 20,
+                    help="largest sendrecv message (engines' max_message_size); larger sizes are skipped")
     ap.add_argument("--json", dest="json_file", help="write the results to this file")
+    ap.add_argument("--plot", dest="plot_file", help="draw throughput and latency to this PNG (matplotlib)")
+    net = ap.add_mutually_exclusive_group()
+    net.add_argument("--listen", action="store_true",
+                     help="serve as the other side for a --connect on another host (prints its address)")
+    net.add_argument("--connect", metavar="ADDRESS",
+                     help="run against an `aiote bench --listen` (the address it printed)")
+    ap.add_argument("--port", type=int, default=None, help="--listen on tcp: listen on this port")
+    ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
+
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _cases(args: argparse.Namespace, windows: list[int]) -> list[Case]:
+    sizes = [parse_size(s) for s in _split(args.sizes)]
+    want = ORDER if args.mode == "all" else {
+        "sendrecv": ("sendrecv", "sendrecv-latency")
+    }.get(args.mode, (args.mode,))
+    cases: list[Case] = []
+    for mode in ORDER:
+        if mode not in want:
+            continue
+        if mode in WINDOWED:  # sendrecv: no more sends in flight than message slots
+            ws = sorted({min(w, MSG_SLOTS) for w in windows}) if mode == "sendrecv" else windows
+            cases += [(mode, s, w) for w in ws for s in sizes]
+        elif mode == "paged":
+            cases += [("paged", parse_size(s), 0) for s in _split(args.page_sizes)]
+        else:
+            cases.append((mode, 0, 0))
+    return cases
+
+
+def _machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    from aiote._native import lib
+
+    fv = int(lib.aio_fabric_version())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "libfabric": f"{fv >> 16}.{fv & 0xFFFF}"}
+
+
+def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> str | None:
+    for p in providers:
+        if p not in ("tcp", "shm"):
+            return f"unknown provider {p!r} (tcp, shm)"
+    for lp in loops:
+        if lp not in ("asyncio", "uvloop", "trio"):
+            return f"unknown event loop {lp!r} (asyncio, uvloop, trio)"
+        if lp != "asyncio" and importlib.util.find_spec(lp) is None:
+            return f"--loop {lp} needs {lp}: pip install {lp}"
+    if args.connect and (len(providers) > 1 or len(args.nics or []) > 1):
+        return "--connect measures one provider and one set of NICs (the serving side's)"
+    if args.connect:
+        try:
+            aiote.EngineAddress.from_bytes(bytes.fromhex(args.connect))
+        except ValueError as exc:
+            return f"--connect wants the address `aiote bench --listen` printed: {exc}"
+    if args.plot_file:
+        return _benchout.plot_unavailable()
+    return None
 
 
 def main(args: argparse.Namespace) -> int:
-    cases: list[tuple[str, int]] = []
-    if args.mode in ("write", "all"):
-        cases += [("write", parse_size(s)) for s in args.sizes.split(",")]
-    if args.mode in ("paged", "all"):
-        cases += [("paged", parse_size(s)) for s in args.page_sizes.split(",")]
-    if args.mode in ("imm-latency", "all"):
-        cases += [("imm-latency", 50), ("imm-latency", 99)]
+    """Runs ``aiote bench``; returns the exit status."""
+    providers, loops = _split(args.provider), _split(args.loop)
+    why = _check(args, providers, loops)
+    if why:
+        sys.stderr.write(f"aiote bench: {why}\n")
+        return 2
+    nic_sets: list[tuple[str, ...] | None] = [tuple(_split(n)) for n in args.nics] if args.nics else [None]
+    if args.listen:
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends serving
+            anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
+                                    max_message=args.max_message))
+        return 0
+    windows = [int(w) for w in _split(args.window)]
+    cases = _cases(args, windows)
+    if any(m == "sendrecv" and s > args.max_message for m, s, _ in cases):
+        sys.stderr.write(f"note: sendrecv sizes above --max-message ({args.max_message} B) are skipped\n")
+    configs: list[Config] = [(p, n, lp) for p in providers for n in nic_sets for lp in loops]
     busy = _cpu_busy()
     if busy > 0.10:
         sys.stderr.write(f"warning: the CPU was {busy:.0%} busy before the run: figures will be noisy\n")
     why_no_c = build_cbench()
     if why_no_c:
         sys.stderr.write(f"no C baseline: {why_no_c}\n")
-    backend, options = args.loop, {}
-    if args.loop == "uvloop":
-        backend, options = "asyncio", {"use_uvloop": True}
-    py: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
-    cc: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
-    for rep in range(args.repeats):
-        sys.stderr.write(f"\rrun {rep + 1}/{args.repeats} ...")
-        sys.stderr.flush()
-        if not why_no_c:
-            for mode, size in cases:
-                if mode == "imm-latency":
-                    if size == 50:
-                        r = c_run("pingpong", str(args.iters), *_prov(args))
-                        cc[(mode, 50)].append(float(r["p50_us"]))
-                        cc[(mode, 99)].append(float(r["p99_us"]))
-                    continue
-                cc[(mode, size)].append(run_c(args, mode, size))
-        got = anyio.run(run_python, args, cases, backend=backend, backend_options=options)
-        for k, v in got.items():
-            py[k].append(v)
-    sys.stderr.write("\n")
+    py: dict[tuple[Config, Case, int], list[float]] = {}
+    cc: dict[tuple[str, Any, Case, int], list[float]] = {}
+    per_run = len(cases) * len(configs) + (0 if why_no_c else len(cases) * len(providers) * len(nic_sets))
+    progress = _benchout.Progress(per_run * args.repeats)
+    try:
+        for _ in range(args.repeats):
+            for config in configs:
+                provider, nics, loop = config
+                backend, options = loop, {}
+                if loop == "uvloop":
+                    backend, options = "asyncio", {"use_uvloop": True}
+                with_c = not why_no_c and loop == loops[0]
+                got_py, got_c = anyio.run(
+                    run_config, args, config, cases, with_c, progress,
+                    backend=backend, backend_options=options,
+                )
+                for (case, k), v in got_py.items():
+                    py.setdefault((config, case, k), []).append(v)
+                for (case, k), v in got_c.items():
+                    cc.setdefault((provider, nics, case, k), []).append(v)
+    finally:
+        progress.close()
     rows = []
-    for mode, size in cases:
-        p = py[(mode, size)]
-        c = cc[(mode, size)]
-        row: dict[str, Any] = {
-            "mode": mode,
-            "size": size,
-            "py_gbps": statistics.median(p),
-            "py_spread": [min(p), max(p)],
-            "c_gbps": statistics.median(c) if c else None,
-            "c_spread": [min(c), max(c)] if c else None,
-        }
-        row["ratio"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
-        rows.append(row)
+    for config in configs:
+        provider, nics, loop = config
+        for case in cases:
+            mode, size, window = case
+            keys = [50, 99] if mode in LATENCY else [size]
+            for k in keys:
+                p = py.get((config, case, k))
+                if not p:
+                    continue
+                c = cc.get((provider, nics, case, k), [])
+                row: dict[str, Any] = {
+                    "mode": mode,
+                    "size": k,
+                    "unit": "us" if mode in LATENCY else "GB/s",
+                    "provider": provider,
+                    "nics": list(nics) if nics else None,
+                    "loop": loop,
+                    "window": window or None,
+                    "py_gbps": statistics.median(p),
+                    "py_spread": [min(p), max(p)],
+                    "c_gbps": statistics.median(c) if c else None,
+                    "c_spread": [min(c), max(c)] if c else None,
+                }
+                row["ratio"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
+                rows.append(row)
     after = _cpu_busy()
-    print(
-        f"aiote bench: {args.provider}, window {args.window}, {args.loop}, median of {args.repeats} "
-        "(GB/s unless noted)"
-    )
-    print(f"{'case':24} {'C core':>16} {'aiote':>16} {'ratio':>6}")
-    for r in rows:
-        label = f"{r['mode']} {r['size'] // 1024} KiB"
-        if r["mode"] == "imm-latency":
-            label = f"one-way p{r['size']} (us, lower is better)"
-        cs = f"{r['c_gbps']:.2f} ({r['c_spread'][0]:.2f}-{r['c_spread'][1]:.2f})" if r["c_gbps"] else "-"
-        ps = f"{r['py_gbps']:.2f} ({r['py_spread'][0]:.2f}-{r['py_spread'][1]:.2f})"
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
-        print(f"{label:24} {cs:>16} {ps:>16} {ratio:>6}")
+    if after > 0.10:
+        sys.stderr.write(f"warning: the CPU was {after:.0%} busy after the run: figures may be noisy\n")
     result = {
-        "provider": args.provider,
-        "window": args.window,
-        "loop": args.loop,
+        "provider": providers[0] if len(providers) == 1 else providers,
+        "window": windows[0] if len(windows) == 1 else windows,
+        "loop": loops[0] if len(loops) == 1 else loops,
+        "nics": [list(n) if n else None for n in nic_sets],
         "repeats": args.repeats,
+        "connect": args.connect,
         "cpu_busy_before": busy,
         "cpu_busy_after": after,
         "c_baseline": why_no_c is None,
         "aiote": aiote.__version__,
+        "machine": _machine(),
+        "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
+    _benchout.print_table(result)
     if args.json_file:
         Path(args.json_file).write_text(json.dumps(result, indent=2))
+    if args.plot_file:
+        _benchout.plot(result, args.plot_file)
+        sys.stderr.write(f"plot: {args.plot_file}\n")
     print(json.dumps(result))
     return 0

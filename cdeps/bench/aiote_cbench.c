@@ -26,18 +26,39 @@
  *       core gathers adjacent destinations into one request; --no-gather posts page by
  *       page in the permuted order.
  *
+ *   read SIZE WINDOW TOTAL_BYTES
+ *       one-sided READs by the parent from the child's region, WINDOW in flight, each read
+ *       its own group (the child takes no part). Reports GB/s at the reader, from the first
+ *       post to the last completion.
+ *   sendrecv SIZE WINDOW TOTAL_BYTES
+ *       two-sided messages of SIZE bytes (aio_post_send into the core's registered send
+ *       slots; the receiver counts AIO_REC_RECV records and reposts each slot at once),
+ *       WINDOW sends in flight (at most --msg-slots, 16 like the engine's default). Reports
+ *       GB/s from the first send to the receiver's report that every message arrived (read
+ *       over the pipe/socket, so it holds across hosts too).
+ *   msgpingpong ITERS
+ *       8-byte send/recv ping-pong; one-way = RTT / 2, p50 / p99 in microseconds.
+ *
  * Options: --provider tcp|shm (tcp), --nic NAME (lo for tcp, none for shm),
  *          --spin-ns N (poller spin after activity, 50000), --busy-spin-ns N (poller
  *          spin while our work is in flight, 0 = core default), --busy (spin on
  *          aio_drain / aio_counter_take instead of aio_arm + poll on the eventfd),
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
- *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000).
+ *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000),
+ *          --msg-slots N (message slots per side: sendrecv, msgpingpong; 16),
+ *          --listen PORT (no fork: serve as the peer of one run on this TCP port, 0 = any;
+ *          prints {"listening":PORT} first), --connect HOST:PORT (no fork: run against a
+ *          --listen peer, possibly on another host; the addresses and region descriptors
+ *          are exchanged over that socket, the transfers go over libfabric).
  *
  * Output: one JSON object per line on stdout; diagnostics on stderr. */
 #define _GNU_SOURCE
 #include "../aiote_core.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -45,6 +66,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -56,6 +78,7 @@
 #define IMM_MAIN 0xB0
 #define IMM_PING 0xC0
 #define IMM_PONG 0xC1
+#define MSG_SLOTS 16 /* the engine's default message_slots */
 #define PAGED_BUDGET_NS 200000 /* as the engine's post_budget_us default */
 #define NREC 256
 
@@ -70,6 +93,9 @@ typedef struct opts {
     uint64_t iters, warmup;
     uint64_t page_size, npages, calls;
     int no_gather; /* paged: post page by page, in the given order */
+    uint64_t msg_slots;  /* sendrecv / msgpingpong: message slots per side */
+    int listen_port;     /* -1: fork the peer; else serve as the peer on this port */
+    const char *connect; /* HOST:PORT of a --listen peer, or NULL */
 } opts_t;
 
 typedef struct peer_info {
@@ -94,6 +120,7 @@ typedef struct side {
     uint64_t polls;   /* eventfd polls */
     int64_t post_ns, post_max_ns; /* time spent inside aio_post */
     uint64_t post_calls;
+    uint64_t msgs, msg_bytes; /* messages received (AIO_REC_RECV), their bytes */
 } side_t;
 
 static const char *g_role = "writer";
@@ -156,7 +183,13 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     cfg.sleep_ms = 100;
     int ret = aio_engine_create(&cfg, &s->e, err, sizeof(err));
     if (ret) die("aio_engine_create: %s %s", aio_strerror(ret), err);
-    ret = aio_engine_add_rail(s->e, o->provider, o->nic, 16, 4096, err, sizeof(err));
+    uint64_t slot_size = 4096;
+    uint32_t nslots = 16;
+    if (!strcmp(o->mode, "sendrecv") || !strcmp(o->mode, "msgpingpong")) {
+        nslots = (uint32_t)o->msg_slots;
+        if (o->size > slot_size) slot_size = o->size;
+    }
+    ret = aio_engine_add_rail(s->e, o->provider, o->nic, nslots, slot_size, err, sizeof(err));
     if (ret < 0) die("aio_engine_add_rail: %s %s", aio_strerror(ret), err);
     s->rail = ret;
     if ((ret = aio_engine_start(s->e))) die("aio_engine_start: %s", aio_strerror(ret));
@@ -213,6 +246,14 @@ static int side_drain(side_t *s, uint32_t imm, int *hit) {
             s->groups_done++;
         } else if (rec[i].kind == AIO_REC_COUNTER) {
             if (hit && rec[i].token == imm) *hit = 1;
+        } else if (rec[i].kind == AIO_REC_RECV) {
+            if (rec[i].status)
+                die("a receive failed: %s (prov_errno %d)", aio_strerror(rec[i].status),
+                    rec[i].prov_errno);
+            s->msgs++;
+            s->msg_bytes += rec[i].b;
+            int r = aio_recv_repost(s->e, rec[i].rail, (uint32_t)rec[i].a);
+            if (r) die("aio_recv_repost: %s", aio_strerror(r));
         }
     }
     return n;
@@ -244,6 +285,20 @@ static void side_wait_credit(side_t *s, uint32_t imm, uint64_t units) {
     while (!hit)
         if (side_drain(s, imm, &hit) == 0 && !hit) side_idle(s);
     if (!aio_counter_take(s->e, imm, units)) die("counter watch fired but take failed");
+}
+
+static aio_op_desc side_read(side_t *s, uint64_t loff, uint64_t roff, uint64_t len) {
+    aio_op_desc d;
+    memset(&d, 0, sizeof(d));
+    d.mr = s->mr;
+    d.offset = loff;
+    d.length = len;
+    d.peer = s->peer;
+    d.raddr = s->remote.base + roff;
+    d.rkey = s->remote.key;
+    d.rail = s->rail;
+    d.op = AIO_OP_READ;
+    return d;
 }
 
 static aio_op_desc side_write(side_t *s, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm) {
@@ -575,6 +630,269 @@ static void run_paged(side_t *s, const opts_t *o, int rank) {
     free(dst);
 }
 
+/* Runs READs of `size` bytes, `window` in flight, from the remote region; rank 1 only waits. */
+static void run_read(side_t *s, const opts_t *o, int rank) {
+    uint64_t n = o->total / o->size;
+    if (n == 0) n = 1;
+    uint64_t slots = o->slots;
+    char bye = 'x';
+    if (rank == 1) {
+        read_full(s->rfd, &bye, 1);
+        return;
+    }
+    uint64_t warm = n < o->window ? n : o->window;
+    for (uint64_t i = 0; i < warm; i++) {
+        aio_op_desc d = side_read(s, (i % slots) * o->size, (i % slots) * o->size, o->size);
+        side_post_blocking(s, 1ULL << 40 | i, &d);
+    }
+    while (s->groups_done < warm)
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    s->groups_done = 0;
+    s->polls = s->wakeups = 0;
+    s->post_ns = s->post_max_ns = 0;
+    s->post_calls = 0;
+    double c0 = cpu_s();
+    int64_t t0 = now_ns();
+    uint64_t posted = 0;
+    int64_t g = -1;
+    while (s->groups_done < n) {
+        int progressed = 0;
+        while (posted < n && posted - s->groups_done < o->window) {
+            uint64_t k = posted % slots;
+            aio_op_desc d = side_read(s, k * o->size, k * o->size, o->size);
+            if (!side_post_one(s, &g, posted, &d, 0)) break;
+            posted++;
+            progressed = 1;
+        }
+        if (side_drain(s, 0, NULL) == 0 && !progressed) side_idle(s);
+    }
+    int64_t t1 = now_ns();
+    double cpu = cpu_s() - c0;
+    write_full(s->wfd, &bye, 1);
+    double secs = (double)(t1 - t0) * 1e-9, bytes = (double)n * (double)o->size;
+    printf("{\"mode\":\"read\",\"provider\":\"%s\",\"nic\":\"%s\",\"size\":%llu,\"window\":%llu,"
+           "\"slots\":%llu,\"reads\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"seconds\":%.6f,"
+           "\"wait\":\"%s\",\"spin_ns\":%lld,\"reader_cpu_s\":%.3f,\"eventfd_polls\":%llu,"
+           "\"eventfd_wakeups\":%llu,\"post_calls\":%llu,\"post_us_mean\":%.2f}\n",
+           o->provider, o->nic ? o->nic : "", (unsigned long long)o->size,
+           (unsigned long long)o->window, (unsigned long long)slots, (unsigned long long)n, bytes,
+           bytes / secs / 1e9, secs, wait_name(o), (long long)o->spin_ns, cpu,
+           (unsigned long long)s->polls, (unsigned long long)s->wakeups,
+           (unsigned long long)s->post_calls,
+           s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0);
+}
+
+/* One message in a group of its own: 1 posted, 0 not now (no free send slot, connecting). */
+static int side_send_one(side_t *s, int64_t *g, uint64_t token, uint64_t len, int64_t budget_ns) {
+    if (*g < 0) {
+        *g = aio_group_open(s->e, token);
+        if (*g < 0) return 0;
+    }
+    int r = aio_post_send(s->e, *g, s->rail, s->peer, s->buf, len, budget_ns);
+    s->post_calls++;
+    if (r < 0) die("aio_post_send: %s", aio_strerror(r));
+    if (r == 0) return 0;
+    int ret = aio_group_seal(s->e, *g);
+    if (ret) die("aio_group_seal: %s", aio_strerror(ret));
+    *g = -1;
+    return 1;
+}
+
+static void side_send_blocking(side_t *s, uint64_t token, uint64_t len) {
+    int64_t g = -1, t0 = now_ns();
+    while (!side_send_one(s, &g, token, len, 1000000)) {
+        if (side_drain(s, 0, NULL) == 0) usleep(20);
+        if (now_ns() - t0 > 30000000000LL) die("a message could not be sent for 30 s");
+    }
+}
+
+static void side_wait_msgs(side_t *s, uint64_t n) {
+    while (s->msgs < n)
+        if (side_drain(s, 0, NULL) == 0 && s->msgs < n) side_idle(s);
+}
+
+/* Two-sided throughput: rank 0 sends, rank 1 counts messages and reposts its slots. */
+static void run_sendrecv(side_t *s, const opts_t *o, int rank) {
+    uint64_t n = o->total / o->size;
+    if (n == 0) n = 1;
+    uint64_t window = o->window < o->msg_slots ? o->window : o->msg_slots;
+    uint64_t warm = n < window ? n : window;
+    if (rank == 1) {
+        side_wait_msgs(s, warm);
+        double c0 = cpu_s();
+        side_wait_msgs(s, warm + n);
+        double cpu = cpu_s() - c0;
+        write_full(s->wfd, &cpu, sizeof(cpu));
+        uint64_t bytes = s->msg_bytes;
+        write_full(s->wfd, &bytes, sizeof(bytes));
+        char bye;
+        read_full(s->rfd, &bye, 1);
+        return;
+    }
+    for (uint64_t i = 0; i < warm; i++) side_send_blocking(s, 1ULL << 40 | i, o->size);
+    while (s->groups_done < warm)
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    s->groups_done = 0;
+    s->polls = s->wakeups = 0;
+    s->post_calls = 0;
+    double c0 = cpu_s();
+    int64_t t0 = now_ns();
+    uint64_t posted = 0;
+    int64_t g = -1;
+    while (s->groups_done < n) {
+        int progressed = 0;
+        while (posted < n && posted - s->groups_done < window) {
+            if (!side_send_one(s, &g, posted, o->size, 0)) break;
+            posted++;
+            progressed = 1;
+        }
+        if (side_drain(s, 0, NULL) == 0 && !progressed) side_idle(s);
+    }
+    int64_t t_sent = now_ns();
+    double cpu = cpu_s() - c0, rcpu;
+    uint64_t rbytes;
+    read_full(s->rfd, &rcpu, sizeof(rcpu)); /* the receiver saw every message */
+    int64_t t1 = now_ns();
+    read_full(s->rfd, &rbytes, sizeof(rbytes));
+    char bye = 'x';
+    write_full(s->wfd, &bye, 1);
+    double secs = (double)(t1 - t0) * 1e-9, bytes = (double)n * (double)o->size;
+    if (rbytes != (warm + n) * o->size)
+        die("the receiver got %llu bytes, want %llu", (unsigned long long)rbytes,
+            (unsigned long long)((warm + n) * o->size));
+    printf("{\"mode\":\"sendrecv\",\"provider\":\"%s\",\"nic\":\"%s\",\"size\":%llu,\"window\":%llu,"
+           "\"msg_slots\":%llu,\"messages\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"seconds\":%.6f,"
+           "\"send_gbps\":%.3f,\"wait\":\"%s\",\"spin_ns\":%lld,\"sender_cpu_s\":%.3f,"
+           "\"receiver_cpu_s\":%.3f,\"eventfd_polls\":%llu,\"eventfd_wakeups\":%llu,"
+           "\"post_calls\":%llu}\n",
+           o->provider, o->nic ? o->nic : "", (unsigned long long)o->size, (unsigned long long)window,
+           (unsigned long long)o->msg_slots, (unsigned long long)n, bytes, bytes / secs / 1e9, secs,
+           bytes / ((double)(t_sent - t0) * 1e-9) / 1e9, wait_name(o), (long long)o->spin_ns, cpu,
+           rcpu, (unsigned long long)s->polls, (unsigned long long)s->wakeups,
+           (unsigned long long)s->post_calls);
+}
+
+/* 8-byte send/recv ping-pong; rank 1 answers each message with one. */
+static void run_msgpingpong(side_t *s, const opts_t *o, int rank) {
+    uint64_t total = o->warmup + o->iters;
+    if (rank == 1) {
+        for (uint64_t i = 0; i < total; i++) {
+            side_wait_msgs(s, i + 1);
+            side_send_blocking(s, i, 8);
+        }
+        while (s->groups_done < total)
+            if (side_drain(s, 0, NULL) == 0) side_idle(s);
+        char bye;
+        read_full(s->rfd, &bye, 1);
+        return;
+    }
+    int64_t *rtt = calloc(o->iters ? o->iters : 1, sizeof(int64_t));
+    if (!rtt) die("out of memory");
+    double c0 = 0;
+    for (uint64_t i = 0; i < total; i++) {
+        if (i == o->warmup) c0 = cpu_s();
+        *(uint64_t *)s->buf = i;
+        int64_t t = now_ns();
+        side_send_blocking(s, i, 8);
+        side_wait_msgs(s, i + 1);
+        int64_t dt = now_ns() - t;
+        if (i >= o->warmup) rtt[i - o->warmup] = dt;
+    }
+    double cpu = cpu_s() - c0;
+    while (s->groups_done < total)
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    char bye = 'x';
+    write_full(s->wfd, &bye, 1);
+    uint64_t m = o->iters;
+    qsort(rtt, m, sizeof(int64_t), cmp_i64);
+    double sum = 0;
+    for (uint64_t i = 0; i < m; i++) sum += (double)rtt[i];
+    uint64_t i50 = m / 2, i99 = (m * 99) / 100;
+    if (i99 >= m) i99 = m - 1;
+    printf("{\"mode\":\"msgpingpong\",\"provider\":\"%s\",\"nic\":\"%s\",\"iters\":%llu,\"p50_us\":%.2f,"
+           "\"p99_us\":%.2f,\"mean_us\":%.2f,\"min_us\":%.2f,\"max_us\":%.2f,\"rtt_p50_us\":%.2f,"
+           "\"rtt_p99_us\":%.2f,\"wait\":\"%s\",\"spin_ns\":%lld,\"pinger_cpu_s\":%.3f}\n",
+           o->provider, o->nic ? o->nic : "", (unsigned long long)m, (double)rtt[i50] / 2e3,
+           (double)rtt[i99] / 2e3, sum / (double)m / 2e3, (double)rtt[0] / 2e3,
+           (double)rtt[m - 1] / 2e3, (double)rtt[i50] / 1e3, (double)rtt[i99] / 1e3, wait_name(o),
+           (long long)o->spin_ns, cpu);
+    free(rtt);
+}
+
+/* --listen: one connection on PORT (0: any), announced on stdout. */
+static int sock_listen(int port) {
+    int ls = socket(AF_INET6, SOCK_STREAM, 0), v6 = 1;
+    if (ls < 0) {
+        v6 = 0;
+        ls = socket(AF_INET, SOCK_STREAM, 0);
+    }
+    if (ls < 0) die("socket: %s", strerror(errno));
+    int one = 1, zero = 0;
+    setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    struct sockaddr_storage ss;
+    memset(&ss, 0, sizeof(ss));
+    socklen_t sl;
+    if (v6) {
+        setsockopt(ls, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
+        a->sin6_family = AF_INET6;
+        a->sin6_addr = in6addr_any;
+        a->sin6_port = htons((uint16_t)port);
+        sl = sizeof(*a);
+    } else {
+        struct sockaddr_in *a = (struct sockaddr_in *)&ss;
+        a->sin_family = AF_INET;
+        a->sin_addr.s_addr = htonl(INADDR_ANY);
+        a->sin_port = htons((uint16_t)port);
+        sl = sizeof(*a);
+    }
+    if (bind(ls, (struct sockaddr *)&ss, sl) || listen(ls, 1)) die("bind/listen: %s", strerror(errno));
+    sl = sizeof(ss);
+    getsockname(ls, (struct sockaddr *)&ss, &sl);
+    int got = ntohs(v6 ? ((struct sockaddr_in6 *)&ss)->sin6_port : ((struct sockaddr_in *)&ss)->sin_port);
+    printf("{\"listening\":%d}\n", got);
+    fflush(stdout);
+    int c;
+    while ((c = accept(ls, NULL, NULL)) < 0 && errno == EINTR) {}
+    if (c < 0) die("accept: %s", strerror(errno));
+    close(ls);
+    return c;
+}
+
+/* --connect HOST:PORT (HOST may be [v6]); retries for 10 s while the peer starts. */
+static int sock_connect(const char *spec) {
+    char host[256];
+    const char *colon = strrchr(spec, ':');
+    if (!colon || (size_t)(colon - spec) >= sizeof(host)) die("--connect wants HOST:PORT, got %s", spec);
+    memcpy(host, spec, (size_t)(colon - spec));
+    host[colon - spec] = 0;
+    char *h = host;
+    if (h[0] == '[') {
+        h++;
+        char *e = strchr(h, ']');
+        if (e) *e = 0;
+    }
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_socktype = SOCK_STREAM;
+    int rc = getaddrinfo(h, colon + 1, &hints, &res);
+    if (rc) die("getaddrinfo %s: %s", spec, gai_strerror(rc));
+    int64_t t0 = now_ns();
+    for (;;) {
+        for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+            int c = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+            if (c < 0) continue;
+            if (!connect(c, ai->ai_addr, ai->ai_addrlen)) {
+                freeaddrinfo(res);
+                return c;
+            }
+            close(c);
+        }
+        if (now_ns() - t0 > 10000000000LL) die("could not connect to %s: %s", spec, strerror(errno));
+        usleep(50000);
+    }
+}
+
 /* ------------------------------------------------------------------ main */
 
 static void usage(void) {
@@ -582,8 +900,12 @@ static void usage(void) {
             "usage: aiote_cbench write SIZE WINDOW TOTAL_BYTES [options]\n"
             "       aiote_cbench pingpong ITERS [options]\n"
             "       aiote_cbench paged PAGE_SIZE NPAGES CALLS [options]\n"
+            "       aiote_cbench read SIZE WINDOW TOTAL_BYTES [options]\n"
+            "       aiote_cbench sendrecv SIZE WINDOW TOTAL_BYTES [options]\n"
+            "       aiote_cbench msgpingpong ITERS [options]\n"
             "options: --provider tcp|shm  --nic NAME  --spin-ns N  --busy-spin-ns N  --busy\n"
-            "         --slots N  --warmup N  --no-gather (paged)\n"
+            "         --slots N  --warmup N  --no-gather (paged)  --msg-slots N\n"
+            "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
     exit(2);
 }
@@ -614,6 +936,8 @@ int main(int argc, char **argv) {
     o.nic = NULL;
     o.spin_ns = 50000;
     o.warmup = 1000;
+    o.msg_slots = MSG_SLOTS;
+    o.listen_port = -1;
     int nic_given = 0;
     const char *pos[5];
     int npos = 0;
@@ -627,6 +951,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--no-gather")) o.no_gather = 1;
         else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
+        else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);
+        else if (!strcmp(a, "--listen") && i + 1 < argc) o.listen_port = (int)parse_size(argv[++i]);
+        else if (!strcmp(a, "--connect") && i + 1 < argc) o.connect = argv[++i];
         else if (a[0] == '-' && a[1] == '-') usage();
         else if (npos < 5) pos[npos++] = a;
         else usage();
@@ -636,7 +963,9 @@ int main(int argc, char **argv) {
     if (!nic_given && !strcmp(o.provider, "tcp")) o.nic = "lo";
     if (o.nic && !*o.nic) o.nic = NULL;
     uint64_t region;
-    if (!strcmp(o.mode, "write")) {
+    if (o.msg_slots == 0 || o.msg_slots > 65536 || o.listen_port > 65535) usage();
+    if (o.listen_port >= 0 && o.connect) usage();
+    if (!strcmp(o.mode, "write") || !strcmp(o.mode, "read") || !strcmp(o.mode, "sendrecv")) {
         if (npos != 4) usage();
         o.size = parse_size(pos[1]);
         o.window = parse_size(pos[2]);
@@ -644,7 +973,8 @@ int main(int argc, char **argv) {
         if (o.size == 0 || o.window == 0) usage();
         if (o.slots == 0) o.slots = o.window;
         region = o.size * o.slots;
-    } else if (!strcmp(o.mode, "pingpong")) {
+        if (!strcmp(o.mode, "sendrecv")) region = o.size; /* messages go from the send slots */
+    } else if (!strcmp(o.mode, "pingpong") || !strcmp(o.mode, "msgpingpong")) {
         if (npos != 2) usage();
         o.iters = parse_size(pos[1]);
         if (o.iters == 0) usage();
@@ -661,33 +991,46 @@ int main(int argc, char **argv) {
         usage();
     }
 
-    int p2c[2], c2p[2];
-    if (pipe(p2c) || pipe(c2p)) die("pipe: %s", strerror(errno));
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork(); /* before any libfabric call in either process */
-    if (pid < 0) die("fork: %s", strerror(errno));
     side_t s;
     memset(&s, 0, sizeof(s));
-    int rank = pid == 0 ? 1 : 0;
-    if (rank == 1) {
-        g_role = "peer";
-        close(p2c[1]);
-        close(c2p[0]);
-        s.rfd = p2c[0];
-        s.wfd = c2p[1];
+    int rank;
+    pid_t pid = -1;
+    if (o.listen_port >= 0 || o.connect) {
+        g_role = o.connect ? "writer" : "peer";
+        int c = o.connect ? sock_connect(o.connect) : sock_listen(o.listen_port);
+        s.rfd = s.wfd = c;
+        rank = o.connect ? 0 : 1;
     } else {
-        close(p2c[0]);
-        close(c2p[1]);
-        s.rfd = c2p[0];
-        s.wfd = p2c[1];
+        int p2c[2], c2p[2];
+        if (pipe(p2c) || pipe(c2p)) die("pipe: %s", strerror(errno));
+        fflush(stdout);
+        fflush(stderr);
+        pid = fork(); /* before any libfabric call in either process */
+        if (pid < 0) die("fork: %s", strerror(errno));
+        rank = pid == 0 ? 1 : 0;
+        if (rank == 1) {
+            g_role = "peer";
+            close(p2c[1]);
+            close(c2p[0]);
+            s.rfd = p2c[0];
+            s.wfd = c2p[1];
+        } else {
+            close(p2c[0]);
+            close(c2p[1]);
+            s.rfd = c2p[0];
+            s.wfd = p2c[1];
+        }
     }
     side_init(&s, &o, region);
     side_exchange(&s);
     if (!strcmp(o.mode, "write")) run_write(&s, &o, rank);
     else if (!strcmp(o.mode, "paged")) run_paged(&s, &o, rank);
+    else if (!strcmp(o.mode, "read")) run_read(&s, &o, rank);
+    else if (!strcmp(o.mode, "sendrecv")) run_sendrecv(&s, &o, rank);
+    else if (!strcmp(o.mode, "msgpingpong")) run_msgpingpong(&s, &o, rank);
     else run_pingpong(&s, &o, rank);
     side_free(&s);
+    if (pid < 0) return 0; /* --listen / --connect */
     if (rank == 1) _exit(0);
     int status = 0;
     if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {

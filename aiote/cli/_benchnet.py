@@ -1,0 +1,268 @@
+"""The two sides of ``aiote bench``: the serving side (``aiote bench --listen``, also the
+process the command spawns for itself on one host) and the measuring side's view of it.
+
+Everything between the two goes over aiote messages (``Engine.send``/``recv``): a message
+whose payload starts with ``{`` is a JSON command answered with a JSON reply carrying the
+same ``id``; one starting with ``S`` is bulk data the server only counts (sendrecv
+throughput); one starting with ``E`` is sent straight back (sendrecv round trip). The server
+also starts the C bench's peer side (``aiote_cbench ... --listen 0``) on request, so the C
+core's baseline runs between the same two hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+
+import aiote
+from aiote import Engine, EngineAddress, MemoryDescriptor, MemoryRegion
+from aiote.testing import ready_line
+
+CDEPS = Path(__file__).resolve().parents[2] / "cdeps"
+CBENCH = CDEPS / "build" / "aiote_cbench"
+READY = "AIOTE_BENCH_LISTEN"
+BULK = ord("S")
+ECHO = ord("E")
+
+
+def build_cbench() -> str | None:
+    """Builds the C bench from the source tree; the reason when it cannot."""
+    if not (CDEPS / "Makefile").exists():
+        return "the C core's sources (cdeps/) are not next to this installation: run from a source checkout"
+    r = subprocess.run(["make", "-s", "-C", str(CDEPS), "bench"], capture_output=True, text=True)
+    if r.returncode and not CBENCH.exists():
+        return f"could not build the C bench: {r.stderr.strip()[-300:]}"
+    return None
+
+
+def c_run(*args: str) -> dict[str, Any]:
+    """Runs the C bench (both sides, or one with ``--connect``); its JSON result line."""
+    out = subprocess.run([str(CBENCH), *args], capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"aiote_cbench {' '.join(args)} failed: {out.stderr.strip()[-500:]}")
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+def c_provider_args(provider: str, nics: Sequence[str] | None) -> list[str]:
+    """The C bench's provider options for an engine on ``provider`` over ``nics`` (it drives
+    one NIC: the first)."""
+    args = ["--provider", provider]
+    if nics:
+        args += ["--nic", nics[0]]
+    elif provider == "tcp":
+        args += ["--nic", "lo"]
+    return args
+
+
+def host_of(address: bytes) -> str:
+    """The IP address in an engine address's first tcp NIC (where the C bench's peer of a
+    ``--listen`` side can be reached); ``127.0.0.1`` when it has none (shm)."""
+    for rail in EngineAddress.from_bytes(address).rails:
+        a = rail.address
+        if len(a) >= 8 and int.from_bytes(a[0:2], "little") == 2:  # sockaddr_in
+            ip4 = ipaddress.IPv4Address(a[4:8])
+            return "127.0.0.1" if ip4.is_unspecified else str(ip4)
+        if len(a) >= 24 and int.from_bytes(a[0:2], "little") == 10:  # sockaddr_in6
+            ip6 = ipaddress.IPv6Address(a[8:24])
+            return "::1" if ip6.is_unspecified else f"[{ip6}]"
+    return "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------- serving side
+
+
+class _Server:
+    def __init__(self, engine: Engine, tg: anyio.abc.TaskGroup) -> None:
+        self.engine = engine
+        self.tg = tg
+        self.regions: dict[str, MemoryRegion] = {}
+        self.sunk = 0
+        self.sink_waiter: tuple[bytes, Any, int] | None = None  # (sender, id, n)
+        self.c_procs: list[anyio.abc.Process] = []
+
+    async def reply(self, to: bytes, rid: Any, body: dict[str, Any]) -> None:
+        body["id"] = rid
+        await self.engine.send(to, json.dumps(body).encode(), timeout=60)
+
+    async def check_sink(self) -> None:
+        if self.sink_waiter and self.sunk >= self.sink_waiter[2]:
+            to, rid, n = self.sink_waiter
+            self.sink_waiter = None
+            self.sunk -= n
+            await self.reply(to, rid, {"ok": True})
+
+    async def clear(self) -> None:
+        for mr in self.regions.values():
+            await self.engine.unregister(mr)
+        self.regions.clear()
+        self.sunk = 0
+        self.sink_waiter = None
+
+    async def command(self, sender: bytes, cmd: dict[str, Any], max_message: int) -> bool:
+        """Runs one command; False when the server should stop."""
+        e = self.engine
+        op = cmd.get("op")
+        rid = cmd.get("id")
+        body: dict[str, Any] = {"ok": True}
+        try:
+            if op == "exit":
+                await self.clear()
+                if cmd.get("stop"):
+                    await self.reply(sender, rid, body)
+                    return False
+            elif op == "hello":  # a new measuring side: forget what an earlier one left
+                await self.clear()
+                for p in list(self.c_procs):
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+                body.update(aiote=aiote.__version__, max_message=max_message,
+                            provider=e.rails[0].provider, nics=[r.domain for r in e.rails])
+            elif op == "register":
+                name = cmd["name"]
+                if name in self.regions:
+                    await e.unregister(self.regions.pop(name))
+                arr = np.zeros(cmd["size"], np.uint8)
+                self.regions[name] = await e.register(arr, remote_write=True, remote_read=True)
+                body["desc"] = bytes(self.regions[name].descriptor).hex()
+            elif op == "wait":
+                await e.imm_counter(cmd["imm"]).wait(cmd["n"], timeout=cmd.get("wait_timeout", 120))
+            elif op == "sink":  # replies once n more bulk messages arrived
+                self.sink_waiter = (sender, rid, int(cmd["n"]))
+                await self.check_sink()
+                return True
+            elif op == "pong":  # answers each ping immediate with a pong immediate
+                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
+                ping = e.imm_counter(cmd["ping"])
+                for _ in range(cmd["iters"]):
+                    await ping.wait(1, timeout=30)
+                    await e.write_imm(remote, cmd["pong"])
+            elif op == "cbench":  # the C bench's peer side, for a client on another host
+                why = build_cbench()
+                if why:
+                    raise RuntimeError(why)
+                body["port"] = await self.start_c(cmd["args"])
+            else:
+                body = {"error": f"unknown op {op!r}"}
+        except Exception as exc:  # reported to the measuring side, which stops
+            body = {"error": f"{type(exc).__name__}: {exc}"}
+        await self.reply(sender, rid, body)
+        return True
+
+    async def start_c(self, args: list[str]) -> int:
+        nics = [r.domain for r in self.engine.rails]
+        prov = self.engine.rails[0].provider.split(";")[0]
+        own = c_provider_args(prov, nics if prov == "tcp" else None)
+        proc = await anyio.open_process([str(CBENCH), *args, *own, "--listen", "0"], stderr=None)
+        self.c_procs.append(proc)
+        line = await ready_line(proc, '{"listening"', 30)
+        self.tg.start_soon(self.reap, proc)
+        return int(json.loads(line)["listening"])
+
+    async def reap(self, proc: anyio.abc.Process) -> None:
+        assert proc.stdout is not None
+        async for _ in proc.stdout:  # keep its pipe drained
+            pass
+        await proc.wait()
+        self.c_procs.remove(proc)
+
+    async def run(self, once: bool, max_message: int) -> None:
+        e = self.engine
+        while True:
+            sender, payload = await e.recv()
+            if not payload:
+                continue
+            tag = payload[0]
+            if tag == BULK:
+                self.sunk += 1
+                await self.check_sink()
+            elif tag == ECHO:
+                await e.send(sender, payload, timeout=60)
+            else:
+                try:
+                    cmd = json.loads(payload)
+                except ValueError:
+                    continue
+                if not await self.command(sender, cmd, max_message) and once:
+                    return
+
+
+async def serve(provider: str, nics: Sequence[str] | None, *, port: int | None, once: bool,
+                max_message: int) -> None:
+    """The ``--listen`` side: opens an engine, prints ``AIOTE_BENCH_LISTEN <address hex>`` and
+    serves measuring sides one after the other (with ``once``: until the first one leaves)."""
+    same_host = None if provider == "tcp" else "shm"
+    async with aiote.open_engine(
+        provider, list(nics) if nics else None, same_host=same_host, port=port, max_message_size=max_message
+    ) as e:
+        sys.stdout.write(f"{READY} {e.address.hex()}\n")
+        sys.stdout.flush()
+        if not once:
+            nic = ",".join(r.domain for r in e.rails)
+            sys.stderr.write(
+                f"aiote bench: serving on {provider} ({nic}); on the other host run\n"
+                f"  aiote bench all --provider {provider} --connect {e.address.hex()}\n"
+            )
+        async with anyio.create_task_group() as tg:
+            server = _Server(e, tg)
+            try:
+                await server.run(once, max_message)
+            finally:
+                for p in list(server.c_procs):
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+                tg.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------- measuring side
+
+
+class Remote:
+    """The measuring side's handle on a serving side: JSON commands over aiote messages.
+    One command at a time (the benchmark is sequential)."""
+
+    def __init__(self, engine: Engine, address: bytes) -> None:
+        self.engine = engine
+        self.address = address
+        self._next = 0
+
+    async def call(self, timeout: float = 120.0, **cmd: Any) -> dict[str, Any]:
+        """Sends a command and returns its reply (``RuntimeError`` if it failed)."""
+        self._next += 1
+        rid = self._next
+        await self.engine.send(self.address, json.dumps({**cmd, "id": rid}).encode(), timeout=timeout)
+        with anyio.fail_after(timeout):
+            while True:
+                sender, payload = await self.engine.recv()
+                if sender != self.address or not payload.startswith(b"{"):
+                    continue
+                reply: dict[str, Any] = json.loads(payload)
+                if reply.get("id") == rid:
+                    break
+        if "error" in reply:
+            raise RuntimeError(f"the serving side failed {cmd.get('op')}: {reply['error']}")
+        return reply
+
+    async def register(self, name: str, nbytes: int) -> MemoryDescriptor:
+        """Registers a zeroed buffer there (remote write and read allowed); its descriptor."""
+        r = await self.call(op="register", name=name, size=nbytes)
+        return MemoryDescriptor.from_bytes(bytes.fromhex(r["desc"]))
+
+    async def wait(self, imm: int, n: int, timeout: float = 120.0) -> None:
+        """Returns once the serving side has taken ``n`` credits of ``imm``."""
+        await self.call(timeout + 10, op="wait", imm=imm, n=n, wait_timeout=timeout)
+
+    async def sink(self, n: int) -> None:
+        """Returns once the serving side has received ``n`` more bulk messages."""
+        await self.call(op="sink", n=n)

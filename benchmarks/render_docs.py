@@ -1,0 +1,148 @@
+"""Rewrites the generated part of docs/benchmarks.md (between ``<!-- bench:begin -->`` and
+``<!-- bench:end -->``) from the JSON of ``aiote bench --json`` and, when given, of the peer
+libraries' run (``benchmarks/peers/run.py --json``: a list of
+``{"library", "path", "mode", "size", "gbps" | "rtt_us", ...}``).
+
+    python benchmarks/render_docs.py --bench docs/bench.json [--peers docs/peers.json] \\
+        [--plot bench.png] [--doc docs/benchmarks.md]
+
+Run by scripts/bench-docs.sh; everything between the markers is replaced, the rest of the
+file is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+BEGIN = "<!-- bench:begin -->"
+END = "<!-- bench:end -->"
+LATENCY = {"imm-latency": "WriteImm", "sendrecv-latency": "send/recv"}
+
+
+def size_label(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _fig(v: float | None, spread: list[float] | None) -> str:
+    if v is None:
+        return "-"
+    if spread and spread[0] != spread[1]:
+        return f"{v:.2f} [{spread[0]:.2f}-{spread[1]:.2f}]"
+    return f"{v:.2f}"
+
+
+def _varies(rows: list[dict[str, Any]], key: str) -> bool:
+    return len({str(r.get(key)) for r in rows}) > 1
+
+
+def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
+    rows = b["rows"]
+    m = b.get("machine") or {}
+    out = [
+        f"Machine: {m.get('cpu') or '?'}, {m.get('cores') or '?'} cores, Python {m.get('python', '?')}, "
+        f"{m.get('platform', '?')}, libfabric {m.get('libfabric', '?')}; aiote {b.get('aiote', '?')}; "
+        f"{b.get('date', '?')}; the CPU was "
+        f"{b['cpu_busy_before']:.0%} busy before and {b['cpu_busy_after']:.0%} after the run (other "
+        f"processes). Median of {b['repeats']} (spread min-max in brackets); GB/s = 1e9 B/s; latency "
+        "rows are one-way µs (round trip / 2), lower is better; ratio = aiote / C core.",
+        "",
+        "| case | path | C core | aiote | ratio |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    if max(b["cpu_busy_before"], b["cpu_busy_after"]) > 0.10:
+        out[1:1] = ["", "**Noisy run**: other processes kept the CPU busy, so these figures are for shape, "
+                    "not scale; regenerate on a quiet machine."]
+    for r in rows:
+        if r.get("unit") == "us":
+            case = f"{LATENCY.get(r['mode'], r['mode'])} one-way p{r['size']} (µs)"
+        else:
+            case = f"{r['mode']} {size_label(r['size'])}" + (f" x{r['window']}" if r.get("window") else "")
+        path = [r.get("provider", "")]
+        if _varies(rows, "nics") and r.get("nics"):
+            path.append(",".join(r["nics"]))
+        if _varies(rows, "loop"):
+            path.append(r.get("loop", ""))
+        ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
+        out.append(f"| {case} | {' '.join(path)} | {_fig(r.get('c_gbps'), r.get('c_spread'))} | "
+                   f"{_fig(r['py_gbps'], r.get('py_spread'))} | {ratio} |")
+    if plot:
+        out += ["", f"![aiote bench: throughput against size, latency percentiles]({plot})"]
+    return out
+
+
+def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list[str]:
+    sizes = sorted({int(p["size"]) for p in peers if p.get("gbps") is not None and p.get("size")})
+    keys: list[tuple[str, str, str]] = []
+    tput: dict[tuple[str, str, str], dict[int, float]] = {}
+    rtt: dict[tuple[str, str, str], float] = {}
+    for p in peers:
+        k = (str(p.get("library", "?")), str(p.get("path", "?")), str(p.get("mode", "?")))
+        if k not in keys:
+            keys.append(k)
+        if p.get("gbps") is not None:
+            tput.setdefault(k, {})[int(p["size"])] = float(p["gbps"])
+        if p.get("rtt_us") is not None:
+            rtt[k] = float(p["rtt_us"])
+    out = [
+        "Peer libraries on the same loopback, same sizes and window (`benchmarks/peers/run.py`, "
+        "run by the same command; GB/s, round trip in µs):",
+        "",
+        "| library | path | mode | " + " | ".join(size_label(s) for s in sizes) + " | round trip (µs) |",
+        "| --- | --- | --- | " + " | ".join("---:" for _ in sizes) + " | ---: |",
+    ]
+    for k in keys:
+        cells = [f"{tput[k][s]:.2f}" if s in tput.get(k, {}) else "-" for s in sizes]
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + f" | {rtt[k]:.1f} |"
+                   if k in rtt else f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " | - |")
+    if b:  # aiote's writes against the best peer at each size, tcp against tcp paths
+        aiote = {r["size"]: r["py_gbps"] for r in b["rows"]
+                 if r["mode"] == "write" and r.get("provider") == "tcp" and r.get("unit") == "GB/s"}
+        parts = []
+        for s in sizes:
+            best = max(((v[s], k[0]) for k, v in tput.items() if s in v and "tcp" in k[1].lower()),
+                       default=None)
+            if best and s in aiote:
+                parts.append(f"{size_label(s)}: {aiote[s] / best[0]:.2f} (best: {best[1]})")
+        if parts:
+            out += ["", "aiote write (tcp) / best peer on a tcp path: " + "; ".join(parts) + "."]
+    return out
+
+
+def render(doc: str, bench: dict[str, Any] | None, peers: list[dict[str, Any]] | None,
+           plot: str | None) -> str:
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"the document has no {BEGIN} ... {END} section to rewrite")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    body = ["<!-- generated by scripts/bench-docs.sh (benchmarks/render_docs.py): edits are lost -->", ""]
+    if bench:
+        body += bench_section(bench, plot)
+    if peers:
+        body += ["", *peers_section(peers, bench)]
+    return head + BEGIN + "\n" + "\n".join(body) + "\n" + END + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", type=Path, help="aiote bench --json output")
+    ap.add_argument("--peers", type=Path, help="benchmarks/peers/run.py --json output")
+    ap.add_argument("--plot", help="the plot, relative to the document (e.g. bench.png)")
+    default_doc = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    ap.add_argument("--doc", type=Path, default=default_doc)
+    a = ap.parse_args(argv)
+    bench = json.loads(a.bench.read_text()) if a.bench else None
+    peers = json.loads(a.peers.read_text()) if a.peers and a.peers.exists() else None
+    a.doc.write_text(render(a.doc.read_text(), bench, peers, a.plot))
+    sys.stderr.write(f"rewrote the generated section of {a.doc}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

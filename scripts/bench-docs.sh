@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Regenerates the benchmark figures of docs/benchmarks.md in one command:
+#   aiote bench all (tcp and shm, Python beside the C core, same run) -> docs/bench.json, docs/bench.png
+#   benchmarks/peers/run.py (peer libraries), when it exists          -> docs/peers.json
+#   benchmarks/render_docs.py rewrites the section between <!-- bench:begin --> and <!-- bench:end -->.
+# Extra arguments go to `aiote bench` and override the defaults below, e.g. a smoke run:
+#   scripts/bench-docs.sh --repeats 1 --total 64MiB --iters 200
+# Run it on a quiet machine: `aiote bench` warns when other processes kept the CPU busy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+"$PY" -m aiote bench all --provider tcp,shm --sizes 4KiB,64KiB,1MiB --repeats 3 \
+    --json docs/bench.json --plot docs/bench.png "$@"
+peers=()
+if [ -f benchmarks/peers/run.py ]; then
+    rm -f docs/peers.json
+    if "$PY" benchmarks/peers/run.py --json docs/peers.json; then
+        peers=(--peers docs/peers.json)
+    else
+        echo "bench-docs: benchmarks/peers/run.py failed: the peers' table is left out" >&2
+    fi
+fi
+"$PY" benchmarks/render_docs.py --bench docs/bench.json "${peers[@]}" --plot bench.png --doc docs/benchmarks.md
