@@ -32,5 +32,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-echo "bootstrap: installing aiote[test] into .venv (builds the C core)"
-.venv/bin/python -m pip install -q -e ".[test]"
+echo "bootstrap: installing aiote[test,bench] into .venv (builds the C core)"
+.venv/bin/python -m pip install -q -e ".[test,bench]"

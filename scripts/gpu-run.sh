@@ -35,4 +35,5 @@ fi
 } 2>&1 | tee "$OUTDIR/gpu-env.txt"
 "$PY" setup.py -q build_ext --inplace >"$OUTDIR/build.txt" 2>&1 || { tail -30 "$OUTDIR/build.txt"; exit 1; }
 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py tests/test_gpu_host.py 2>&1 | tee "$OUTDIR/gpu-tests.txt"
+"$PY" examples/gpu_layers.py 2>&1 | tee -a "$OUTDIR/gpu-tests.txt"
 "$PY" benchmarks/bench_gpu.py --json "$OUTDIR/gpu-bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/gpu-bench.txt"
