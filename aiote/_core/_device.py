@@ -125,6 +125,9 @@ class _Backend:
         """Converts a user's stream argument into one of this backend's streams."""
         return s
 
+    def close_stream(self, s: Any) -> None:
+        """Releases a stream made by :meth:`stream` (its submitted work still runs)."""
+
 
 # ---------------------------------------------------------------------------------- CUDA
 
@@ -320,6 +323,9 @@ class _HostStream:
         self.t = threading.Thread(target=self._run, name=f"aiote-hoststream-{device}", daemon=True)
         self.t.start()
 
+    def close(self) -> None:
+        self.q.put(None)
+
     def _run(self) -> None:
         while True:
             fn = self.q.get()
@@ -363,6 +369,9 @@ class HostBackend(_Backend):
 
     def stream(self, device: int) -> Any:
         return _HostStream(device, self.delay)
+
+    def close_stream(self, s: Any) -> None:
+        s.close()
 
     def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         stream.submit(lambda: ctypes.memmove(dst, src, nbytes), slow=True)

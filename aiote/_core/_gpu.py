@@ -120,6 +120,7 @@ class _Line:
             lib.aio_watch_remove(self.gpu.e._h, self.watch)
             self.watch = -1
         self.gpu._lines.pop(self.token, None)
+        self.gpu.b.close_stream(self.stream)
 
 
 class UvmWatcher:

@@ -1045,13 +1045,21 @@ static int t_watch(fix_t *f) {
     pump(x);
     CHECK(count_rec(x, AIO_REC_WATCH, 77) == 0, "a removed watch still reported");
     CHECK(aio_word_load(&words[0]) == 1000, "aio_word_load");
-    /* an armed watch with no change keeps the poller asleep most of the time */
+    /* an armed watch with no change: the poller sleeps between reads (at most one read per
+     * watch interval, 100 us by default), it does not spin */
     sleep_us(300000);
+    aio_stats s0, s1;
+    aio_get_stats(x->e, &s0);
     double c0 = cpu_s(), w0 = now_s();
     sleep_us(1000000);
-    double pct = 100.0 * (cpu_s() - c0) / (now_s() - w0);
-    printf("    (engines with one armed watch, no change: %.2f%% CPU)\n", pct);
-    CHECK(pct < 10.0, "an armed watch cost %.2f%% CPU", pct);
+    double dt = now_s() - w0;
+    double pct = 100.0 * (cpu_s() - c0) / dt;
+    aio_get_stats(x->e, &s1);
+    double polls = (double)(s1.polls - s0.polls) / dt;
+    printf("    (one armed watch, no change: %.2f%% CPU, %.0f polls/s, %.0f sleeps/s)\n", pct, polls,
+           (double)(s1.sleeps - s0.sleeps) / dt);
+    CHECK(polls < 15000, "the poller read %.0f times a second: it spins", polls);
+    CHECK(pct < 40.0, "an armed watch cost %.2f%% CPU", pct);
     CHECK_OK(aio_watch_remove(x->e, id1));
     return 0;
 }
