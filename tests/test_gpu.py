@@ -58,6 +58,20 @@ async def test_register_cupy_descriptor() -> None:
         assert d.on_gpu and d.device_id == 0 and mr.device == 0
         assert d.gpu is not None and d.gpu.ipc_handle  # exported for same-host peers
         await e.unregister(mr)
+
+        class OnlyDLPack:  # no __cuda_array_interface__: registered through DLPack
+            def __init__(self, a: object) -> None:
+                self.a = a
+
+            def __dlpack__(self, **kw: object) -> object:
+                return self.a.__dlpack__(**kw)  # type: ignore[attr-defined]
+
+            def __dlpack_device__(self) -> object:
+                return self.a.__dlpack_device__()  # type: ignore[attr-defined]
+
+        md = await e.register(OnlyDLPack(arr))
+        assert md.on_gpu and md.nbytes == 1 << 20
+        await e.unregister(md)
         with pytest.raises(aiote.InvalidArgument, match="contiguous"):
             await e.register(cupy.zeros((64, 64), cupy.float32)[:, ::2])
 
