@@ -1055,8 +1055,22 @@ static int nic_address(const char *nic, char *out, size_t len) {
 }
 
 static int reg_local(aio_rail *r, void *buf, size_t len, uint64_t access, struct fid_mr **mr,
-                     void **desc, uint64_t key) {
-    int ret = fi_mr_reg(r->domain, buf, len, access, 0, key, 0, mr, NULL);
+                     void **desc, uint64_t key, int iface, int device) {
+    int ret;
+    if (iface == AIO_HMEM_SYSTEM) {
+        ret = fi_mr_reg(r->domain, buf, len, access, 0, key, 0, mr, NULL);
+    } else { /* device memory, on a provider with FI_HMEM */
+        struct iovec iov = {.iov_base = buf, .iov_len = len};
+        struct fi_mr_attr attr;
+        memset(&attr, 0, sizeof(attr));
+        attr.mr_iov = &iov;
+        attr.iov_count = 1;
+        attr.access = access;
+        attr.requested_key = key;
+        attr.iface = FI_HMEM_CUDA;
+        attr.device.cuda = device;
+        ret = fi_mr_regattr(r->domain, &attr, 0, mr);
+    }
     if (ret) return ret;
     if (r->mr_mode & FI_MR_ENDPOINT) {
         ret = fi_mr_bind(*mr, &r->ep->fid, 0);
@@ -1125,11 +1139,6 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     } else {
         atomic_store(&r->link_up, 1);
     }
-    struct fi_info *hints = make_hints(provider, by_addr ? NULL : nic);
-    if (!hints) {
-        free(r);
-        return -FI_ENOMEM;
-    }
     char service[16] = {0};
     if (by_addr && e->cfg.base_port) {
         int n = 0;
@@ -1138,9 +1147,30 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
         snprintf(service, sizeof(service), "%u", (unsigned)(e->cfg.base_port + (uint32_t)n));
     }
     r->by_addr = by_addr;
-    ret = fi_getinfo(FI_VERSION(1, 9), by_addr ? node : NULL, service[0] ? service : NULL,
-                     by_addr ? FI_SOURCE : 0, hints, &r->info);
-    fi_freeinfo(hints);
+    /* device memory (FI_HMEM) first where a provider may have it; Debian's socket-based and
+     * shared-memory providers are built without CUDA, so they are not asked (it costs a probe) */
+    const char *mp = map_provider(provider);
+    int try_hmem = strncmp(mp, "tcp", 3) && strcmp(mp, "shm") && strcmp(mp, "sockets") &&
+                   strncmp(mp, "udp", 3) && !getenv("AIOTE_NO_HMEM");
+    for (int pass = try_hmem ? 0 : 1; pass < 2; pass++) {
+        struct fi_info *hints = make_hints(provider, by_addr ? NULL : nic);
+        if (!hints) {
+            free(r);
+            return -FI_ENOMEM;
+        }
+        if (pass == 0) {
+            hints->caps |= FI_HMEM;
+            hints->domain_attr->mr_mode |= FI_MR_HMEM;
+        }
+        ret = fi_getinfo(FI_VERSION(1, 9), by_addr ? node : NULL, service[0] ? service : NULL,
+                         by_addr ? FI_SOURCE : 0, hints, &r->info);
+        fi_freeinfo(hints);
+        if (ret == 0 && r->info) break;
+        if (r->info) {
+            fi_freeinfo(r->info);
+            r->info = NULL;
+        }
+    }
     if (ret == 0 && r->info && nic && *nic && !by_addr) {
         /* keep only the entry of the NIC asked for */
         struct fi_info *keep = NULL, **pp = &r->info;
@@ -1255,10 +1285,10 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     uint64_t k1 = (r->mr_mode & FI_MR_PROV_KEY) ? 0 : random_key(r);
     uint64_t k2 = (r->mr_mode & FI_MR_PROV_KEY) ? 0 : random_key(r);
     CHECK(reg_local(r, r->recv_buf, (size_t)recv_slots * slot_size, FI_RECV, &r->recv_mr,
-                    &r->recv_desc, k1),
+                    &r->recv_desc, k1, AIO_HMEM_SYSTEM, 0),
           "registering receive slots");
     CHECK(reg_local(r, r->send_buf, (size_t)recv_slots * slot_size, FI_SEND, &r->send_mr,
-                    &r->send_desc, k2),
+                    &r->send_desc, k2, AIO_HMEM_SYSTEM, 0),
           "registering send slots");
     for (uint32_t i = 0; i < recv_slots; i++) CHECK(post_recv_locked(r, i), "posting receives");
 #undef CHECK
@@ -1383,6 +1413,27 @@ int aio_av_remove(aio_engine *e, int rail, uint64_t fi_addr) {
 
 int aio_mr_register(aio_engine *e, void *buf, uint64_t len, uint32_t access, aio_mr **out,
                     char *err, size_t errlen) {
+    return aio_mr_register_dev(e, buf, len, access, AIO_HMEM_SYSTEM, 0, out, err, errlen);
+}
+
+int aio_rail_hmem(aio_engine *e, int rail) {
+    if (rail < 0 || rail >= e->nrails) return 0;
+    return (e->rails[rail]->info->caps & FI_HMEM) ? 1 : 0;
+}
+
+int aio_mr_register_dev(aio_engine *e, void *buf, uint64_t len, uint32_t access, int iface,
+                        int device, aio_mr **out, char *err, size_t errlen) {
+    if (iface != AIO_HMEM_SYSTEM && iface != AIO_HMEM_CUDA) {
+        set_err(err, errlen, "unknown memory interface %d", iface);
+        return -FI_EINVAL;
+    }
+    if (iface != AIO_HMEM_SYSTEM)
+        for (int i = 0; i < e->nrails; i++)
+            if (!aio_rail_hmem(e, i)) {
+                set_err(err, errlen, "NIC %d (%s) cannot register device memory (no FI_HMEM)", i,
+                        e->rails[i]->info->domain_attr->name);
+                return -FI_EOPNOTSUPP;
+            }
     if (!buf || len == 0) {
         set_err(err, errlen, "cannot register an empty buffer");
         return -FI_EINVAL;
@@ -1401,7 +1452,7 @@ int aio_mr_register(aio_engine *e, void *buf, uint64_t len, uint32_t access, aio
         pthread_mutex_lock(&r->mu);
         for (int attempt = 0; attempt < 8 && ret == -FI_ENOKEY; attempt++) {
             uint64_t key = (r->mr_mode & FI_MR_PROV_KEY) ? 0 : random_key(r);
-            ret = reg_local(r, buf, len, acc, &m->mr[i], &m->desc[i], key);
+            ret = reg_local(r, buf, len, acc, &m->mr[i], &m->desc[i], key, iface, device);
         }
         pthread_mutex_unlock(&r->mu);
         if (ret) {

@@ -266,6 +266,16 @@ void aio_clear_eventfd(aio_engine *e);
 #define AIO_MAX_WATCHES 4096
 int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token);
 int aio_watch_remove(aio_engine *e, int id);
+/* Memory interfaces for aio_mr_register_dev. */
+#define AIO_HMEM_SYSTEM 0
+#define AIO_HMEM_CUDA 1
+/* Whether a rail's provider registers device memory (FI_HMEM: verbs/efa built with CUDA). */
+int aio_rail_hmem(aio_engine *e, int rail);
+/* aio_mr_register for memory of `iface` (AIO_HMEM_CUDA: a CUDA device pointer on GPU `device`),
+ * on every rail; -FI_EOPNOTSUPP unless every rail has FI_HMEM (AIO_HMEM_SYSTEM: host memory). */
+int aio_mr_register_dev(aio_engine *e, void *buf, uint64_t len, uint32_t access, int iface,
+                        int device, aio_mr **out, char *err, size_t errlen);
+
 /* Reads a watched word (or any 64-bit word) with acquire ordering. */
 uint64_t aio_word_load(const volatile uint64_t *word);
 /* Stores a 64-bit word with release ordering, then kicks the poller (host-side signal). */

@@ -42,6 +42,7 @@ def descriptors(draw) -> aiote.MemoryDescriptor:
             draw(st.sampled_from([1, 2])),
             draw(st.binary(max_size=64)),
             draw(st.integers(0, 2**64 - 1)),
+            draw(st.booleans()),
         )
     return aiote.MemoryDescriptor(
         length=length,

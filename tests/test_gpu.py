@@ -74,6 +74,10 @@ async def test_register_cupy_descriptor() -> None:
         await e.unregister(md)
         with pytest.raises(aiote.InvalidArgument, match="contiguous"):
             await e.register(cupy.zeros((64, 64), cupy.float32)[:, ::2])
+    # tcp has no FI_HMEM: asking the NICs to register GPU memory directly is refused clearly
+    async with aiote.open_engine(gpu_direct=True) as e:
+        with pytest.raises(aiote.RegistrationError, match="FI_HMEM"):
+            await e.register(cupy.zeros(4096, cupy.uint8))
 
 
 @pytest.mark.parametrize("n", [1, 4097, (9 << 20) + 3])

@@ -307,3 +307,55 @@ async def test_unregister_waits_for_device_copies() -> None:
         assert time.perf_counter() - start >= 0.15
         await e.imm_counter(1).wait(1, timeout=5)
         assert digest(host) == digest(src.host)
+
+
+async def test_direct_registration_no_staging() -> None:
+    """``gpu_direct=True``: the NICs register the (emulated) GPU memory itself, as providers
+    with FI_HMEM do: no shadow, the immediate rides with the data, and every mix with a staged
+    peer works."""
+    n = (1 << 20) + 77
+    async with spawn_peer(
+        peer_gpu_backend=SLOW, peer_gpu_direct=True, gpu_backend=SLOW, gpu_direct=True
+    ) as peer:
+        e = peer.engine
+        src = _device(n, seed=12)
+        mr = await e.register(src)
+        assert mr._shadow is None and mr.descriptor.gpu is not None and mr.descriptor.gpu.direct
+        dst = await peer.register("g", n, device="host")
+        assert dst.gpu is not None and dst.gpu.direct
+        await e.write(mr, dst, imm=1)
+        await peer.wait(imm=1, timeout=20)
+        assert await peer.digest("g") == digest(src.host)
+        sp, dp = np.array([3, 0, 2]), np.array([0, 1, 5])
+        await e.write_paged(mr, dst, page_size=65536, src_pages=sp, dst_pages=dp, imm=2)
+        await peer.wait(imm=2, n=3, timeout=20)
+        for s, d in zip(sp, dp, strict=True):
+            assert await peer.digest("g", int(d) * 65536, 65536) == digest(
+                src.host[s * 65536 : (s + 1) * 65536]
+            )
+        st = e.stats()
+        assert st["gpu_direct"] == 2 and st["gpu_staged"] == 0 and st["gpu_parts_in"] == 0
+    # a direct source into a staged destination, and a staged source into a direct one
+    async with spawn_peer(
+        peer_gpu_backend=SLOW, peer_gpu_direct=False, gpu_backend=SLOW, gpu_direct=True
+    ) as peer:
+        e = peer.engine
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="host")
+        assert dst.gpu is not None and not dst.gpu.direct
+        await e.write(mr, dst, imm=3)
+        await peer.wait(imm=3, timeout=20)
+        assert await peer.digest("g") == digest(src.host)
+    async with spawn_peer(
+        peer_gpu_backend=SLOW, peer_gpu_direct=True, gpu_backend=SLOW, gpu_direct=False
+    ) as peer:
+        e = peer.engine
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="host")
+        await e.write(mr, dst, imm=4)
+        await peer.wait(imm=4, timeout=20)
+        assert await peer.digest("g") == digest(src.host)
+        out = HostDeviceArray(4096)
+        mo = await e.register(out)
+        await e.read(mo, dst, length=4096, src_offset=100)  # a direct region can be READ
+        assert digest(out.host) == digest(src.host[100:4196])

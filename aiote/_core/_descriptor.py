@@ -161,17 +161,21 @@ class EngineAddress:
 
 GPU_BACKEND_CUDA = 1
 GPU_BACKEND_HOST = 2  # the host-memory emulation (tests on machines without a GPU)
+_DIRECT = 0x80  # in the backend byte: registered directly (FI_HMEM), not staged
 
 
 @dataclass(frozen=True, slots=True)
 class GpuExtent:
-    """What a GPU region's descriptor adds: the region's id, the owner's GPU backend, and
-    the IPC handle (empty when not exported) with the region's offset in its allocation."""
+    """What a GPU region's descriptor adds: the region's id, the owner's GPU backend, the
+    IPC handle (empty when not exported) with the region's offset in its allocation, and
+    ``direct``: the NICs registered the GPU memory itself (FI_HMEM), so bytes written there
+    land in GPU memory with no staging."""
 
     region_id: int
     backend: int
     ipc_handle: bytes
     ipc_offset: int
+    direct: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +223,8 @@ class MemoryDescriptor:
             body += _str(k.provider) + _blob(k.address) + struct.pack("<QQ", k.base, k.key)
         if self.device_kind == DEVICE_CUDA:
             g = self.gpu or GpuExtent(0, GPU_BACKEND_CUDA, b"", 0)
-            body += struct.pack("<QB", g.region_id, g.backend) + struct.pack("<B", len(g.ipc_handle))
+            flags = g.backend | (_DIRECT if g.direct else 0)
+            body += struct.pack("<QB", g.region_id, flags) + struct.pack("<B", len(g.ipc_handle))
             body += g.ipc_handle + struct.pack("<Q", g.ipc_offset)
         return _seal(body)
 
@@ -247,13 +252,14 @@ class MemoryDescriptor:
             keys.append(_RemoteKey(prov, addr, base, key))
         gpu = None
         if kind == DEVICE_CUDA:
-            rid, backend = r.unpack("<QB")
+            rid, flags = r.unpack("<QB")
+            backend = flags & ~_DIRECT
             if backend not in (GPU_BACKEND_CUDA, GPU_BACKEND_HOST):
                 raise DescriptorError(f"memory descriptor has unknown GPU backend {backend}")
             (hl,) = r.unpack("<B")
             handle = r.take(hl)
             (ipc_off,) = r.unpack("<Q")
-            gpu = GpuExtent(rid, backend, handle, ipc_off)
+            gpu = GpuExtent(rid, backend, handle, ipc_off, bool(flags & _DIRECT))
         if r.pos != len(r.data):
             raise DescriptorError("memory descriptor has trailing bytes")
         return cls(length, access, kind, dev, host, tuple(keys), gpu)

@@ -65,7 +65,7 @@ _U32 = 1 << 32
 _CREDIT = int(lib.AIO_CREDIT_UNIT)
 _MSG_HEADER = struct.Struct("<H")  # the sender's address length; the top bit marks internal messages
 _INTERNAL = 0x8000
-_GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_parts_in")
+_GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_direct", "gpu_parts_in")
 
 # libfabric error numbers (rdma/fi_errno.h)
 _FI_EINVAL = 22
@@ -218,10 +218,11 @@ class Engine:
         gpu_backend: str = "cuda",
         stage_chunk: int = 4 << 20,
         gpu_ipc: bool = True,
+        gpu_direct: bool | None = None,
     ) -> None:
         self._h = handle
         self._gpu: GpuSupport | None = None
-        self._gpu_cfg = (gpu_backend, stage_chunk, gpu_ipc)
+        self._gpu_cfg = (gpu_backend, stage_chunk, gpu_ipc, gpu_direct)
         self._retry = retry if retry is not None else RetryPolicy()
         self._stripe_min = stripe_min
         self._loop_spin_ns = loop_spin_ns
@@ -294,8 +295,9 @@ class Engine:
         operations and regions in flight, and ``peers``: peer NIC addresses resolved (each is
         resolved once and cached), ``failovers``: requests re-posted on another NIC after a link
         failure, ``stranded``: groups left on a failed link, still owned by the transport
-        (their bytes land again if the link recovers). GPU: ``gpu_ipc`` / ``gpu_staged``:
-        operations sent through CUDA IPC / staged through pinned host memory,
+        (their bytes land again if the link recovers). GPU: ``gpu_ipc`` / ``gpu_staged`` /
+        ``gpu_direct``: operations sent through CUDA IPC / staged through pinned host memory /
+        posted on GPU memory the NICs registered (FI_HMEM),
         ``gpu_parts_in``: staged parts this engine copied into its GPU memory.
         O(1) but ``stranded``: O(pending)."""
         st = ffi.new("aio_stats*")
@@ -588,14 +590,20 @@ class Engine:
         device_kind: int,
         device_id: int,
         gpu: GpuExtent | None,
+        dev: tuple[int, int] | None = None,
     ) -> MemoryRegion:
-        """Registers host memory ``host`` with every NIC; the region's buffer is ``owner``."""
+        """Registers host memory ``host`` with every NIC; the region's buffer is ``owner``.
+        ``dev``: (address, memory interface) of device memory the NICs register directly."""
         h = self._check_open()
-        cbuf = ffi.from_buffer("char[]", host, require_writable=remote_write)
         access = (ACCESS_REMOTE_WRITE if remote_write else 0) | (ACCESS_REMOTE_READ if remote_read else 0)
         out = ffi.new("aio_mr**")
         err = ffi.new("char[512]")
-        rc = lib.aio_mr_register(h, cbuf, nbytes, access, out, err, 512)
+        if dev is None:
+            cbuf = ffi.from_buffer("char[]", host, require_writable=remote_write)
+            rc = lib.aio_mr_register(h, cbuf, nbytes, access, out, err, 512)
+        else:
+            cbuf = ffi.cast("void*", dev[0])
+            rc = lib.aio_mr_register_dev(h, cbuf, nbytes, access, dev[1], device_id, out, err, 512)
         if rc != 0:
             raise RegistrationError(ffi.string(err).decode(errors="replace") or _strerror(-rc))
         mrh = out[0]
@@ -618,8 +626,10 @@ class Engine:
 
     def _gpu_support(self) -> GpuSupport:
         if self._gpu is None:
-            backend, chunk, ipc = self._gpu_cfg
-            self._gpu = GpuSupport(self, backend, chunk=chunk, ipc=ipc)
+            backend, chunk, ipc, direct = self._gpu_cfg
+            if direct is None:  # register GPU memory with the NICs when every NIC can
+                direct = backend == "cuda" and all(lib.aio_rail_hmem(self._h, r.index) for r in self._rails)
+            self._gpu = GpuSupport(self, backend, chunk=chunk, ipc=ipc, direct=direct)
         return self._gpu
 
     def uvm_watcher(self, *, initial: int = 0) -> UvmWatcher:
@@ -1161,13 +1171,13 @@ class Engine:
         if imm is None:
             raise InvalidArgument("write_imm needs an immediate")
         rdesc = self._remote(remote)
-        if stream is not None or rdesc.device_kind == DEVICE_CUDA:
+        if stream is not None or _staged(rdesc):
             assert self._scratch is not None
             self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
             await self._gpu_support().write(self._scratch, rdesc, 0, 0, 0, imm, timeout, retry, stream)
             return
         assert self._scratch is not None
-        rows, full = self._rows(self._scratch, remote, 0, 0, 0, imm, lib.AIO_OP_WRITE)
+        rows, full = self._rows(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE, gpu_ok=True)
         table = self._table(rows)
         await self._attempts(
             lambda t: self._run(table, None, t, "write_imm", full), timeout, retry, "write_imm"
@@ -1645,6 +1655,11 @@ class Engine:
         self._regions.clear()
 
 
+def _staged(rdesc: MemoryDescriptor) -> bool:
+    """Whether bytes for ``rdesc`` land in a pinned shadow its owner copies to GPU memory."""
+    return rdesc.device_kind == DEVICE_CUDA and not (rdesc.gpu is not None and rdesc.gpu.direct)
+
+
 def _is_gpu_buffer(obj: Any) -> bool:
     """Whether ``obj`` is GPU memory (CUDA array interface, or DLPack on a CUDA device)."""
     if hasattr(obj, "__cuda_array_interface__"):
@@ -1915,6 +1930,7 @@ async def open_engine(
     gpu_ipc: bool = True,
     watch_interval_us: int = 100,
     gpu_backend: str = "cuda",
+    gpu_direct: bool | None = None,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -1950,7 +1966,10 @@ async def open_engine(
     poller reads the watched words at least this often (it sleeps otherwise).
     ``gpu_backend``: ``"cuda"`` (CuPy); ``"host"`` emulates a GPU on host memory with the
     same stream semantics (for tests on machines without one, with
-    :class:`aiote.testing.HostDeviceArray`).
+    :class:`aiote.testing.HostDeviceArray`). ``gpu_direct``: register GPU memory with the
+    NICs themselves (no staging); ``None`` (default): when every NIC's provider has
+    ``FI_HMEM`` (verbs/efa built with CUDA; none of Debian's), ``True`` with a provider
+    without it fails at registration.
 
     Raises :class:`ProviderError` naming what is missing (unknown provider or NIC, no RMA).
     The engine closes when the block exits (see :meth:`Engine.aclose`). Opening costs a few
@@ -2017,6 +2036,7 @@ async def open_engine(
         gpu_backend=gpu_backend,
         stage_chunk=stage_chunk,
         gpu_ipc=bool(gpu_ipc),
+        gpu_direct=None if gpu_direct is None else bool(gpu_direct),
     )
     try:
         await engine._start()

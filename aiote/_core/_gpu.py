@@ -52,6 +52,11 @@ __all__ = ["GpuSupport", "UvmWatcher"]
 
 _log = get_logger(component="gpu")
 
+
+def _staged(rdesc: MemoryDescriptor) -> bool:
+    """Whether bytes for ``rdesc`` land in a pinned shadow its owner copies to GPU memory."""
+    return rdesc.on_gpu and not (rdesc.gpu is not None and rdesc.gpu.direct)
+
 _U32 = 1 << 32
 # internal message: kind, region id, region key, op, parts, flags, imm, weight, page, count
 _PART = struct.Struct("<BQQQIBIIQI")
@@ -250,12 +255,13 @@ class UvmWatcher:
 class GpuSupport:
     """The GPU side of one engine (created on first use)."""
 
-    def __init__(self, engine: Engine, backend: str, *, chunk: int, ipc: bool) -> None:
+    def __init__(self, engine: Engine, backend: str, *, chunk: int, ipc: bool, direct: bool) -> None:
         self.e = engine
         self.b: _Backend = device_backend(backend)
         self.code = GPU_BACKEND_CUDA if self.b.kind == "cuda" else GPU_BACKEND_HOST
         self.chunk = chunk
         self.ipc_enabled = ipc
+        self.direct = direct
         self._pages: list[np.ndarray] = []
         self._free_words: list[tuple[np.ndarray, int, int]] = []
         self._tokens = itertools.count(1)
@@ -267,7 +273,7 @@ class GpuSupport:
         self._parts: dict[tuple[bytes, int], int] = {}
         self._ipc: dict[tuple[bytes, bytes, int], int] = {}
         self._ops = itertools.count(1)
-        self.counts = {"gpu_ipc": 0, "gpu_staged": 0, "gpu_parts_in": 0}
+        self.counts = {"gpu_ipc": 0, "gpu_staged": 0, "gpu_direct": 0, "gpu_parts_in": 0}
 
     # ------------------------------------------------------------------ words and lines
 
@@ -323,7 +329,6 @@ class GpuSupport:
             raise InvalidArgument(
                 "the GPU array is read-only but was registered for remote write; pass remote_write=False"
             )
-        shadow = await anyio.to_thread.run_sync(self.b.pinned, buf.nbytes)
         handle, offset = b"", 0
         if self.ipc_enabled:
             try:
@@ -333,6 +338,23 @@ class GpuSupport:
                     "GPU region not exported over CUDA IPC; same-host peers use staging", reason=str(exc)
                 )
         rid = secrets.randbits(63) + 1
+        if self.direct:  # the NICs register the GPU memory itself (FI_HMEM): no shadow
+            iface = lib.AIO_HMEM_CUDA if self.b.kind == "cuda" else lib.AIO_HMEM_SYSTEM
+            mr = await self.e._register_native(
+                None,
+                obj,
+                buf.nbytes,
+                remote_write,
+                remote_read,
+                DEVICE_CUDA,
+                buf.device,
+                GpuExtent(rid, self.code, handle, offset, direct=True),
+                dev=(buf.ptr, int(iface)),
+            )
+            mr._dev = buf
+            mr.writable = not buf.readonly
+            return mr
+        shadow = await anyio.to_thread.run_sync(self.b.pinned, buf.nbytes)
         mr = await self.e._register_native(
             shadow,
             obj,
@@ -413,13 +435,19 @@ class GpuSupport:
                 if imm is not None:
                     await self.credit(rdesc, imm, 1, timeout, retry)
                 return
-        elif stream is not None:  # host source written by GPU work: start after that work
-            line = self._line(self._out, 0)
+        staged = _staged(rdesc)
+        src_direct = dev is not None and mr._shadow is None
+        if stream is not None and (dev is None or src_direct):  # start after that stream's work
+            line = self._line(self._out, 0 if dev is None else dev.device)
             self._user_stream(line, stream)
             await self._fenced(mr, line)
+        if not staged and (dev is None or src_direct) and length:  # the NICs reach both ends
+            self.counts["gpu_direct"] += 1
+            await e._write_host(mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry)
+            return
         if length == 0:
             if imm is not None:
-                if rdesc.on_gpu:
+                if staged:
                     await self.credit(rdesc, imm, 1, timeout, retry)
                 else:
                     await e.write_imm(rdesc, imm, timeout=timeout, retry=retry)
@@ -427,7 +455,7 @@ class GpuSupport:
         self.counts["gpu_staged"] += 1
         parts = [(o, min(self.chunk, length - o)) for o in range(0, length, self.chunk)]
         ready: list[Any] = []
-        if dev is not None:
+        if dev is not None and not src_direct:
             line = self._line(self._out, dev.device)
             self._user_stream(line, stream)
             shadow = int(mr._shadow.ctypes.data)
@@ -436,7 +464,6 @@ class GpuSupport:
                 ev = e._event()
                 self._track(mr, line, ev.set)
                 ready.append(ev)
-        staged = rdesc.on_gpu
         op = next(self._ops)
 
         async def part(o: int, n: int) -> None:
@@ -470,6 +497,7 @@ class GpuSupport:
         """``src_offs``/``dst_offs``: byte offsets of every page in each region (checked)."""
         dev = mr._dev
         n = len(src_offs)
+        staged = _staged(rdesc)
         if dev is not None:
             line = self._line(self._out, dev.device)
             self._user_stream(line, stream)
@@ -481,17 +509,19 @@ class GpuSupport:
                 if imm is not None:
                     await self.credit(rdesc, imm, n, timeout, retry)
                 return
-            shadow = int(mr._shadow.ctypes.data)
-            self.b.paged_copy(shadow, dev.ptr, src_offs, src_offs, page, line.stream)
+            if mr._shadow is not None:  # gather the pages into the shadow the NICs read
+                shadow = int(mr._shadow.ctypes.data)
+                self.b.paged_copy(shadow, dev.ptr, src_offs, src_offs, page, line.stream)
             await self._fenced(mr, line)
         elif stream is not None:
             line = self._line(self._out, 0)
             self._user_stream(line, stream)
             await self._fenced(mr, line)
-        self.counts["gpu_staged"] += 1
-        if not rdesc.on_gpu:
+        if not staged:
+            self.counts["gpu_direct" if dev is None or mr._shadow is None else "gpu_staged"] += 1
             await host_write(imm)
             return
+        self.counts["gpu_staged"] += 1
         await host_write(None)
         op = next(self._ops)
         per = max(1, (self.e._max_message - 256) // 8)
@@ -564,7 +594,11 @@ class GpuSupport:
         retry: Any,
     ) -> None:
         dev = mr._dev
-        if rdesc.on_gpu:
+        if not _staged(rdesc) and (dev is None or mr._shadow is None):  # the NICs reach both ends
+            self.counts["gpu_direct"] += 1
+            await self.e._read_host(mr, rdesc, length, src_offset, dst_offset, timeout, retry)
+            return
+        if _staged(rdesc):
             peer = self._ipc_ptr(rdesc, dev.device) if dev is not None else None
             if peer is None or dev is None:
                 raise InvalidArgument(

@@ -116,10 +116,15 @@ async def _serve(engine: Engine) -> None:
 
 
 async def _main(
-    provider: str, nics: list[str] | None, same_host: str | None, port: int | None, gpu_backend: str
+    provider: str,
+    nics: list[str] | None,
+    same_host: str | None,
+    port: int | None,
+    gpu_backend: str,
+    gpu_direct: bool | None,
 ) -> None:
     async with open_engine(
-        provider, nics or None, same_host=same_host, port=port, gpu_backend=gpu_backend
+        provider, nics or None, same_host=same_host, port=port, gpu_backend=gpu_backend, gpu_direct=gpu_direct
     ) as engine:
         sys.stdout.write(f"AIOTE_PEER {engine.address.hex()}\n")
         sys.stdout.flush()
@@ -135,9 +140,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=None, help="tcp: listen on this port (first NIC)")
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--gpu-backend", default="cuda", help="cuda, or host (GPU emulation for tests)")
+    ap.add_argument("--gpu-direct", choices=["auto", "yes", "no"], default="auto")
     a = ap.parse_args()
     same_host = None if a.same_host == "none" else a.same_host
-    anyio.run(_main, a.provider, a.nic, same_host, a.port, a.gpu_backend, backend=a.backend)
+    direct = {"auto": None, "yes": True, "no": False}[a.gpu_direct]
+    anyio.run(_main, a.provider, a.nic, same_host, a.port, a.gpu_backend, direct, backend=a.backend)
 
 
 if __name__ == "__main__":

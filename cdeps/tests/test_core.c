@@ -987,6 +987,25 @@ static int t_idle(fix_t *f) {
 }
 
 
+
+static int t_register_dev(fix_t *f) {
+    eng_t *x = &f->a;
+    char err[256] = "";
+    aio_mr *m = NULL;
+    static uint8_t buf[8192];
+    CHECK(aio_rail_hmem(x->e, 0) == 0, "a Debian provider reports FI_HMEM");
+    int ret = aio_mr_register_dev(x->e, buf, sizeof(buf), AIO_ACCESS_REMOTE_WRITE, AIO_HMEM_CUDA, 0, &m,
+                                  err, sizeof(err));
+    CHECK(ret == -FI_EOPNOTSUPP && m == NULL && strstr(err, "FI_HMEM"), "device memory accepted: %d %s",
+          ret, err);
+    CHECK(aio_mr_register_dev(x->e, buf, sizeof(buf), 0, 7, 0, &m, err, sizeof(err)) == -FI_EINVAL,
+          "unknown interface accepted");
+    CHECK_OK(aio_mr_register_dev(x->e, buf, sizeof(buf), AIO_ACCESS_REMOTE_WRITE, AIO_HMEM_SYSTEM, 0,
+                                 &m, err, sizeof(err)));
+    CHECK_OK(aio_mr_close(x->e, m));
+    return 0;
+}
+
 /* ------------------------------------------------------------------ watched words */
 
 typedef struct storer {
@@ -1246,6 +1265,7 @@ static const test_t TESTS[] = {
     {"mr_close_busy", t_mr_close_busy}, {"eventfd", t_eventfd},
     {"two_process", t_two_process},   {"remote_error", t_remote_error},
     {"idle_cpu", t_idle},             {"watch", t_watch},
+    {"register_dev", t_register_dev},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {
