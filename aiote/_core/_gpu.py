@@ -65,6 +65,31 @@ _F_IMM = 1
 _WORDS_PER_PAGE = 512
 
 
+class _Watch:
+    """One host word the native poller reads while armed (``AIO_REC_WATCH`` on a change)."""
+
+    __slots__ = ("addr", "engine", "id", "token")
+
+    def __init__(self, engine: Engine, addr: int, token: int) -> None:
+        self.engine = engine
+        self.addr = addr
+        self.token = token
+        self.id = -1
+
+    def arm(self, last: int) -> None:
+        """Starts watching (a no-op when watching); a value other than ``last`` is reported."""
+        if self.id < 0:
+            wid = int(lib.aio_watch_add(self.engine._h, ffi.cast("uint64_t*", self.addr), last, self.token))
+            if wid < 0:
+                raise AioteError(f"cannot watch a word ({wid}): too many watched words")
+            self.id = wid
+
+    def disarm(self) -> None:
+        if self.id >= 0:
+            lib.aio_watch_remove(self.engine._h, self.id)
+            self.id = -1
+
+
 class _Line:
     """A stream of the engine and the signal word its completions are reported through.
 
@@ -80,7 +105,7 @@ class _Line:
         self.seq = 0
         self.seen = 0
         self.waiters: deque[tuple[int, Callable[[], None]]] = deque()
-        self.watch = -1
+        self.watch = _Watch(gpu.e, self.word[1], self.token)
         gpu._lines[self.token] = self
 
     @property
@@ -91,21 +116,12 @@ class _Line:
         self.seq += 1
         self.gpu.b.signal(self.stream, self.word[2], self.seq)
         self.waiters.append((self.seq, cb))
-        self._arm()
+        self.watch.arm(self.seen)
 
     async def wait(self) -> None:
         ev = self.gpu.e._event()
         self.fence(ev.set)
         await ev.wait()
-
-    def _arm(self) -> None:
-        if self.watch < 0:
-            wid = int(
-                lib.aio_watch_add(self.gpu.e._h, ffi.cast("uint64_t*", self.word[1]), self.seen, self.token)
-            )
-            if wid < 0:
-                raise AioteError(f"cannot watch a GPU signal word ({wid}); too many watched words")
-            self.watch = wid
 
     def on_value(self, v: int) -> None:
         if v > self.seen:
@@ -116,14 +132,11 @@ class _Line:
                 cb()
             except Exception:  # pragma: no cover - a bug; the loop must go on
                 _log.exception("GPU completion callback failed")
-        if not self.waiters and self.watch >= 0:
-            lib.aio_watch_remove(self.gpu.e._h, self.watch)
-            self.watch = -1
+        if not self.waiters:
+            self.watch.disarm()
 
     def close(self) -> None:
-        if self.watch >= 0:
-            lib.aio_watch_remove(self.gpu.e._h, self.watch)
-            self.watch = -1
+        self.watch.disarm()
         self.gpu._lines.pop(self.token, None)
         self.gpu.b.close_stream(self.stream)
 
@@ -148,7 +161,7 @@ class UvmWatcher:
         self.host[0] = initial
         self.device_pointer: int = self._word[2]
         self._token = next(gpu._tokens)
-        self._watch = -1
+        self._watch = _Watch(gpu.e, self._word[1], self._token)
         self._seen = initial
         self._waiters: list[tuple[int, Any]] = []
         self._changed: Any = None
@@ -163,20 +176,11 @@ class UvmWatcher:
     def _arm(self) -> None:
         if self._closed:
             raise EngineClosed("the watcher is closed")
-        if self._watch < 0:
-            wid = int(
-                lib.aio_watch_add(
-                    self._gpu.e._h, ffi.cast("uint64_t*", self._word[1]), self._seen, self._token
-                )
-            )
-            if wid < 0:
-                raise AioteError(f"cannot watch the word ({wid}); too many watched words")
-            self._watch = wid
+        self._watch.arm(self._seen)
 
     def _disarm(self) -> None:
-        if self._watch >= 0 and not self._waiters and self._changed is None:
-            lib.aio_watch_remove(self._gpu.e._h, self._watch)
-            self._watch = -1
+        if not self._waiters and self._changed is None:
+            self._watch.disarm()
 
     def _on_value(self, v: int) -> None:
         self._seen = v
@@ -245,9 +249,7 @@ class UvmWatcher:
         self._waiters = []
         self._changed = None
         self._disarm()
-        if self._watch >= 0:
-            lib.aio_watch_remove(self._gpu.e._h, self._watch)
-            self._watch = -1
+        self._watch.disarm()
         self._gpu._watchers.pop(self._token, None)
         self._gpu._free_words.append(self._word)
 
