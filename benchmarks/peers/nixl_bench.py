@@ -219,7 +219,6 @@ def main(argv: list[str]) -> int:
         return c.run_each_path(
             os.path.abspath(__file__), argv, paths, {p: {**ENVS[p], "AIOTE_PEERS_PATH": p} for p in paths}
         )
-    threading.excepthook = lambda a: os._exit(1)
     return initiator(args)
 
 
