@@ -1,0 +1,362 @@
+"""Runs every peer benchmark (NIXL, Mooncake TE, UCXX, gloo) on this host, one after the other,
+each as a subprocess with a timeout, and prints one table. ``--json FILE`` writes the records;
+``--aiote FILE.json`` (what ``aiote bench ... --json FILE`` wrote; may be given twice, e.g. a tcp and
+an shm run) adds aiote's ratio to the best peer on the same path for each size, and aiote's WriteImm
+round trip against UCXX's asyncio round trip.
+
+    .venv-peers/bin/python benchmarks/peers/run.py --json peers.json --aiote aiote.json
+
+Records (one per figure)::
+
+    {"library", "path": "tcp"|"same-host", "mode": "write", "size", "gbps", "spread": [min, max], "window"}
+    {"library", "path", "mode": "rtt", "size": 8, "rtt_us_p50", "rtt_us_p99"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import _common as c  # noqa: E402
+
+LIBRARIES = ("nixl", "mooncake", "ucxx", "gloo")
+PEERS_VENV = HERE.parents[1] / ".venv-peers" / "bin" / "python"
+PATHS = ("tcp", "same-host")
+
+
+# ---------------------------------------------------------------- running the peers
+
+
+def run_one(
+    python: str, lib: str, passthrough: Sequence[str], timeout: float, echo: bool = True
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Runs ``<lib>_bench.py``; its records and, when it did not finish cleanly, why."""
+    cmd = [python, str(HERE / f"{lib}_bench.py"), *passthrough]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    records: list[dict[str, Any]] = []
+    err_tail: list[str] = []
+
+    def drain_err() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err_tail.append(line)
+            del err_tail[:-30]
+
+    def drain_out() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(c.RESULT_PREFIX):
+                with contextlib.suppress(ValueError):
+                    records.append(json.loads(line[len(c.RESULT_PREFIX) :]))
+            elif echo:
+                sys.stdout.write(f"  {line}")
+                sys.stdout.flush()
+
+    threads = [
+        threading.Thread(target=drain_out, daemon=True),
+        threading.Thread(target=drain_err, daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    why = None
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the bench and every process it started
+        proc.wait()
+        rc = None
+        why = f"timed out after {timeout:.0f} s"
+    for t in threads:
+        t.join(5)
+    if rc:
+        why = f"exit status {rc}: " + "".join(err_tail[-5:]).strip()[-600:]
+    elif rc == 0 and not records:
+        why = "no results"
+    return records, why
+
+
+# ---------------------------------------------------------------- aiote's own JSON
+
+
+_AIOTE_PATH = {
+    "tcp": "tcp",
+    "shm": "same-host",
+    "same-host": "same-host",
+    "sm2": "same-host",
+    "cma": "same-host",
+}
+_GBPS_KEYS = ("py_gbps", "aiote_gbps", "python_gbps", "gbps")
+_LATENCY_MODES = ("imm-latency", "write-imm-latency", "writeimm-latency", "imm_latency", "write_imm")
+
+
+def _path_of(provider: Any) -> str | None:
+    if isinstance(provider, str):
+        return _AIOTE_PATH.get(provider.lower().split(";")[0])
+    return None
+
+
+def _rows(node: Any, inherited: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    """Every dict with a ``mode`` anywhere in aiote's JSON, with provider/loop/window filled in from
+    the enclosing objects when the row has none (the format has moved; be tolerant)."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _rows(item, inherited)
+    elif isinstance(node, dict):
+        here = dict(inherited)
+        for k in ("provider", "path", "loop", "window"):
+            if k in node and not isinstance(node[k], (list, dict)):
+                here[k] = node[k]
+        if "mode" in node:
+            yield {**here, **node}
+        for v in node.values():
+            if isinstance(v, (list, dict)):
+                yield from _rows(v, here)
+
+
+def _preference(row: Mapping[str, Any], window: int | None) -> tuple[int, int, int]:
+    """Lower is better: asyncio first (UCXX is measured under asyncio), then the same window, then
+    no NIC list."""
+    return (
+        0 if row.get("loop", "asyncio") == "asyncio" else 1,
+        0 if window is None or row.get("window") in (None, window) else 1,
+        0 if not row.get("nics") else 1,
+    )
+
+
+def load_aiote(data: Any, window: int | None = None) -> dict[str, Any]:
+    """aiote's figures from ``aiote bench --json`` output (one dict, or a list of them):
+
+    ``{"write": {(path, size): gbps}, "rtt_us": {path: {"p50": us, "p99": us}}}``
+
+    ``rtt_us`` is the WriteImm round trip; aiote reports one-way latency (round trip / 2) in rows
+    of mode ``imm-latency`` whose ``size`` is the percentile, so it is doubled here. Fields named
+    ``rtt_us_p50`` / ``rtt_us_p99`` are taken as round trips already.
+    """
+    best: dict[tuple[str, str, int], tuple[tuple[int, int, int], float]] = {}
+
+    def offer(key: tuple[str, str, int], pref: tuple[int, int, int], value: float) -> None:
+        if key not in best or pref < best[key][0]:
+            best[key] = (pref, value)
+
+    for row in _rows(data, {}):
+        path = _path_of(row.get("path")) or _path_of(row.get("provider"))
+        if path is None:
+            continue
+        mode = str(row["mode"]).lower()
+        pref = _preference(row, window)
+        if mode == "write":
+            value = next((row[k] for k in _GBPS_KEYS if isinstance(row.get(k), (int, float))), None)
+            if value is not None and isinstance(row.get("size"), int):
+                offer(("write", path, int(row["size"])), pref, float(value))
+        elif mode in _LATENCY_MODES:
+            for pct in (50, 99):
+                rtt = row.get(f"rtt_us_p{pct}")
+                one_way = row.get(f"p{pct}_us", row.get(f"one_way_us_p{pct}"))
+                if rtt is None and one_way is None and row.get("size") == pct:
+                    one_way = next((row[k] for k in ("py_gbps", "py_us", "value") if k in row), None)
+                if isinstance(rtt, (int, float)):
+                    offer(("rtt", path, pct), pref, float(rtt))
+                elif isinstance(one_way, (int, float)):
+                    offer(("rtt", path, pct), pref, 2 * float(one_way))
+    out: dict[str, Any] = {"write": {}, "rtt_us": {}}
+    for (kind, path, n), (_, value) in best.items():
+        if kind == "write":
+            out["write"][(path, n)] = value
+        else:
+            out["rtt_us"].setdefault(path, {})[f"p{n}"] = value
+    return out
+
+
+def compare(
+    aiote: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """aiote beside the peers on the same path.
+
+    ``write``: for each (path, size) aiote has, the best peer's write figure on that path and size
+    and ``ratio`` = aiote / best (>= 1 meets the issue's target); ``rtt``: aiote's WriteImm round
+    trip p50 against UCXX's round trip p50 on the same path, ``ratio`` = aiote / UCXX (< 1 meets it).
+    """
+    writes = []
+    for (path, size), gbps in sorted(
+        aiote.get("write", {}).items(), key=lambda kv: (PATHS.index(kv[0][0]), kv[0][1])
+    ):
+        peers = [
+            r for r in records if r.get("mode") == "write" and r.get("path") == path and r.get("size") == size
+        ]
+        top = max(peers, key=lambda r: r["gbps"], default=None)
+        writes.append(
+            {
+                "path": path,
+                "size": size,
+                "aiote_gbps": gbps,
+                "best_peer": top["library"] if top else None,
+                "best_peer_gbps": top["gbps"] if top else None,
+                "ratio": gbps / top["gbps"] if top and top["gbps"] > 0 else None,
+            }
+        )
+    rtts = []
+    for path, pcts in sorted(aiote.get("rtt_us", {}).items(), key=lambda kv: PATHS.index(kv[0])):
+        if "p50" not in pcts:
+            continue
+        ucxx = next(
+            (
+                r
+                for r in records
+                if r.get("library") == "ucxx" and r.get("mode") == "rtt" and r.get("path") == path
+            ),
+            None,
+        )
+        rtts.append(
+            {
+                "path": path,
+                "aiote_rtt_us_p50": pcts["p50"],
+                "aiote_rtt_us_p99": pcts.get("p99"),
+                "ucxx_rtt_us_p50": ucxx["rtt_us_p50"] if ucxx else None,
+                "ucxx_rtt_us_p99": ucxx["rtt_us_p99"] if ucxx else None,
+                "ratio": pcts["p50"] / ucxx["rtt_us_p50"] if ucxx and ucxx["rtt_us_p50"] > 0 else None,
+            }
+        )
+    return {"write": writes, "rtt": rtts}
+
+
+# ---------------------------------------------------------------- printing
+
+
+def table(records: Sequence[Mapping[str, Any]], skipped: Mapping[str, str]) -> str:
+    sizes = sorted({int(r["size"]) for r in records if r.get("mode") == "write"})
+    head = f"{'library':9} {'path':9}" + "".join(f" {c.size_label(s):>18}" for s in sizes)
+    head += f" {'rtt p50 / p99 (us)':>20}"
+    lines = ["write GB/s (1e9 B/s): median (min-max); 8 B round trip", head]
+    keys = sorted(
+        {(r["library"], r["path"]) for r in records if "path" in r},
+        key=lambda k: (
+            LIBRARIES.index(k[0]) if k[0] in LIBRARIES else 99,
+            PATHS.index(k[1]) if k[1] in PATHS else 9,
+        ),
+    )
+    for lib, path in keys:
+        line = f"{lib:9} {path:9}"
+        for s in sizes:
+            r = next(
+                (
+                    r
+                    for r in records
+                    if (r["library"], r["path"], r["mode"], r["size"]) == (lib, path, "write", s)
+                ),
+                None,
+            )
+            cell = f"{r['gbps']:.2f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})" if r else "-"
+            line += f" {cell:>18}"
+        rt = next((r for r in records if (r["library"], r["path"], r["mode"]) == (lib, path, "rtt")), None)
+        rcell = f"{rt['rtt_us_p50']:.0f} / {rt['rtt_us_p99']:.0f}" if rt else "-"
+        lines.append(line + f" {rcell:>20}")
+    for lib, why in skipped.items():
+        lines.append(f"{lib:9} skipped: {why}")
+    return "\n".join(lines)
+
+
+def comparison_table(cmp: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    lines = ["aiote beside the best peer on the same path (ratio >= 1: aiote is ahead)"]
+    for w in cmp["write"]:
+        head = f"  write {w['path']:9} {c.size_label(w['size']):>7}: aiote {w['aiote_gbps']:.2f} GB/s, "
+        if w["best_peer"] is None:
+            lines.append(head + "no peer measured at this size on this path")
+            continue
+        ratio = f"{w['ratio']:.2f}" if w["ratio"] is not None else "-"
+        lines.append(head + f"best peer {w['best_peer']} {w['best_peer_gbps']:.2f} GB/s, ratio {ratio}")
+    for r in cmp["rtt"]:
+        ucxx = f"{r['ucxx_rtt_us_p50']:.1f}" if r["ucxx_rtt_us_p50"] is not None else "-"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        lines.append(
+            f"  round trip {r['path']:9} p50: aiote WriteImm {r['aiote_rtt_us_p50']:.1f} us, UCXX asyncio "
+            f"{ucxx} us, aiote/UCXX {ratio} (< 1: aiote is faster)"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated: " + ",".join(LIBRARIES))
+    ap.add_argument("--sizes", default=c.DEFAULT_SIZES)
+    ap.add_argument("--window", type=int, default=c.DEFAULT_WINDOW)
+    ap.add_argument("--repeats", type=int, default=c.DEFAULT_REPEATS)
+    ap.add_argument("--total", default=None, help="bytes per timed run (default: each bench's)")
+    ap.add_argument("--iters", type=int, default=None, help="round trips (default: each bench's)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per library before it is killed")
+    ap.add_argument(
+        "--python",
+        default=None,
+        help="interpreter for the benches (default: .venv-peers/bin/python when it exists, else this one)",
+    )
+    ap.add_argument("--json", dest="json_file", help="write the records (a JSON list) here")
+    ap.add_argument("--aiote", action="append", default=[], help="aiote bench --json output (repeatable)")
+    ap.add_argument("--quiet", action="store_true", help="don't echo each bench's lines")
+    args = ap.parse_args(argv)
+
+    python = args.python or (str(PEERS_VENV) if PEERS_VENV.exists() else sys.executable)
+    passthrough = ["--sizes", args.sizes, "--window", str(args.window), "--repeats", str(args.repeats)]
+    if args.total:
+        passthrough += ["--total", args.total]
+    if args.iters:
+        passthrough += ["--iters", str(args.iters)]
+    busy = c.cpu_busy()
+    print(
+        f"peers: {python}; sizes {args.sizes}, window {args.window}, {args.repeats} repeats; "
+        f"CPU busy {busy:.0%}"
+    )
+    if busy > 0.10:
+        print(f"warning: the CPU was {busy:.0%} busy before the run: figures will be noisy")
+    records: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    for lib in [x.strip() for x in args.only.split(",") if x.strip()]:
+        if lib not in LIBRARIES:
+            ap.error(f"unknown library {lib!r}")
+        t0 = time.monotonic()
+        print(f"== {lib}", flush=True)
+        got, why = run_one(python, lib, passthrough, args.timeout, echo=not args.quiet)
+        for r in got:
+            if "skipped" in r:
+                skipped[lib] = r["skipped"]
+            else:
+                records.append(r)
+        if why and lib not in skipped:
+            skipped[lib] = why if not got else f"partial: {why}"
+        print(f"   ({time.monotonic() - t0:.0f} s)", flush=True)
+    after = c.cpu_busy()
+    print()
+    print(table(records, skipped))
+    print(f"CPU busy before {busy:.0%}, after {after:.0%} (2-core machines: compare only within one run)")
+    if args.aiote:
+        merged: list[Any] = []
+        for f in args.aiote:
+            merged.append(json.loads(Path(f).read_text()))
+        cmp = compare(load_aiote(merged, args.window), records)
+        print()
+        print(comparison_table(cmp))
+    if args.json_file:
+        keep = ("library", "path", "mode", "size", "gbps", "spread", "window", "rtt_us_p50", "rtt_us_p99")
+        out = [{k: r[k] for k in keep if k in r} for r in records]
+        Path(args.json_file).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
