@@ -23,6 +23,7 @@ DEFAULT_SIZES = "64KiB,1MiB,16MiB"
 DEFAULT_WINDOW = 64
 DEFAULT_REPEATS = 3
 RESULT_PREFIX = "RESULT "
+SKIP_PREFIX = "skipped: "
 INSTALL_HINT = "pip install 'aiote[peers]' or scripts/setup-peers.sh"
 
 
@@ -67,8 +68,7 @@ def sizes_of(args: argparse.Namespace) -> list[int]:
 def skipped(library: str, why: str | None = None) -> int:
     """One clear line and exit status 0: the library is absent (or cannot run here)."""
     reason = why or f"{library} not installed ({INSTALL_HINT})"
-    print(f"skipped: {reason}")
-    emit({"library": library, "skipped": reason})
+    print(f"{SKIP_PREFIX}{reason}", flush=True)
     return 0
 
 

@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
     try:
         import_dist()
     except ImportError:
-        return c.skipped(LIB, f"gloo not installed: torch.distributed with gloo ({c.INSTALL_HINT})")
+        return c.skipped(LIB, f"gloo not installed (torch.distributed with gloo: {c.INSTALL_HINT})")
     c.paths_of(args, PATHS)
     args.path = "tcp"
     if args.role == "target":

@@ -60,7 +60,9 @@ def run_one(
     def drain_out() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith(c.RESULT_PREFIX):
+            if line.startswith(c.SKIP_PREFIX):
+                records.append({"skipped": line[len(c.SKIP_PREFIX) :].strip()})
+            elif line.startswith(c.RESULT_PREFIX):
                 with contextlib.suppress(ValueError):
                     records.append(json.loads(line[len(c.RESULT_PREFIX) :]))
             elif echo:

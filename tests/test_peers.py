@@ -1,0 +1,234 @@
+"""benchmarks/peers/: the comparison logic of run.py (always), the clear skip line of each bench
+when its library is absent (always), and a short real run of each bench where its library is
+importable (CI has none of them: those skip).
+
+The peer libraries usually live in .venv-peers (scripts/setup-peers.sh), not in the test
+interpreter: ``AIOTE_PEERS_PYTHON=.venv-peers/bin/python pytest tests/test_peers.py`` runs the
+real benches with that interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
+MODULES = {"nixl": "nixl_cu12", "mooncake": "mooncake.engine", "ucxx": "ucxx", "gloo": "torch.distributed"}
+
+
+def _load_run() -> ModuleType:
+    sys.path.insert(0, str(PEERS))
+    spec = importlib.util.spec_from_file_location("peers_run", PEERS / "run.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+run = _load_run()
+
+
+def _aiote_row(
+    mode: str, size: int, value: float, provider: str = "tcp", loop: str = "asyncio"
+) -> dict[str, Any]:
+    return {"mode": mode, "size": size, "provider": provider, "loop": loop, "window": 64, "py_gbps": value}
+
+
+def _write(lib: str, path: str, size: int, gbps: float) -> dict[str, Any]:
+    return {
+        "library": lib,
+        "path": path,
+        "mode": "write",
+        "size": size,
+        "gbps": gbps,
+        "spread": [gbps, gbps],
+        "window": 64,
+    }
+
+
+def _rtt(lib: str, path: str, p50: float, p99: float) -> dict[str, Any]:
+    return {"library": lib, "path": path, "mode": "rtt", "size": 8, "rtt_us_p50": p50, "rtt_us_p99": p99}
+
+
+KIB64, MIB1 = 64 << 10, 1 << 20
+
+AIOTE = {
+    "provider": ["tcp", "shm"],
+    "rows": [
+        _aiote_row("write", KIB64, 3.0),
+        _aiote_row("write", MIB1, 4.0),
+        _aiote_row("write", MIB1, 9.9, loop="trio"),  # another loop: asyncio is preferred
+        _aiote_row("read", MIB1, 7.0),  # not a write: ignored
+        _aiote_row("paged", KIB64, 8.0),  # ignored
+        _aiote_row("imm-latency", 50, 20.0),  # one-way µs: round trip 40
+        _aiote_row("imm-latency", 99, 50.0),
+        _aiote_row("write", MIB1, 8.0, provider="shm"),
+        _aiote_row("imm-latency", 50, 5.0, provider="shm"),
+    ],
+}
+
+PEER_RECORDS = [
+    _write("nixl", "tcp", KIB64, 2.0),
+    _write("gloo", "tcp", KIB64, 2.5),
+    _write("nixl", "tcp", MIB1, 5.0),
+    _write("mooncake", "tcp", MIB1, 1.0),
+    _write("nixl", "same-host", MIB1, 10.0),  # same-host never counts against tcp
+    _write("ucxx", "same-host", MIB1, 1.0),
+    _rtt("ucxx", "tcp", 80.0, 200.0),
+    _rtt("ucxx", "same-host", 20.0, 60.0),
+    _rtt("nixl", "tcp", 30.0, 90.0),  # not UCXX: not the round trip aiote is held to
+]
+
+
+def test_load_aiote_takes_writes_per_path_and_doubles_one_way_latency() -> None:
+    got = run.load_aiote(AIOTE, window=64)
+    assert got["write"] == {("tcp", KIB64): 3.0, ("tcp", MIB1): 4.0, ("same-host", MIB1): 8.0}
+    assert got["rtt_us"] == {"tcp": {"p50": 40.0, "p99": 100.0}, "same-host": {"p50": 10.0}}
+
+
+def test_compare_ratio_to_best_peer_on_the_same_path() -> None:
+    cmp = run.compare(run.load_aiote(AIOTE, window=64), PEER_RECORDS)
+    by = {(w["path"], w["size"]): w for w in cmp["write"]}
+    assert [(w["path"], w["size"]) for w in cmp["write"]] == [
+        ("tcp", KIB64),
+        ("tcp", MIB1),
+        ("same-host", MIB1),
+    ]
+    assert by[("tcp", KIB64)]["best_peer"] == "gloo"
+    assert by[("tcp", KIB64)]["ratio"] == pytest.approx(3.0 / 2.5)
+    assert by[("tcp", MIB1)]["best_peer"] == "nixl"
+    assert by[("tcp", MIB1)]["ratio"] == pytest.approx(4.0 / 5.0)
+    assert by[("same-host", MIB1)]["best_peer"] == "nixl"
+    assert by[("same-host", MIB1)]["ratio"] == pytest.approx(0.8)
+    rtt = {r["path"]: r for r in cmp["rtt"]}
+    assert rtt["tcp"]["ucxx_rtt_us_p50"] == 80.0
+    assert rtt["tcp"]["ratio"] == pytest.approx(40.0 / 80.0)
+    assert rtt["same-host"]["ratio"] == pytest.approx(10.0 / 20.0)
+    text = run.comparison_table(cmp)
+    assert "best peer gloo 2.50 GB/s, ratio 1.20" in text
+    assert "aiote/UCXX 0.50" in text
+
+
+def test_compare_without_a_peer_at_that_size_or_path() -> None:
+    aiote = {"rows": [_aiote_row("write", 4096, 1.0), _aiote_row("imm-latency", 50, 10.0, provider="shm")]}
+    cmp = run.compare(run.load_aiote(aiote), [_write("nixl", "tcp", KIB64, 2.0)])
+    assert cmp["write"] == [
+        {
+            "path": "tcp",
+            "size": 4096,
+            "aiote_gbps": 1.0,
+            "best_peer": None,
+            "best_peer_gbps": None,
+            "ratio": None,
+        }
+    ]
+    assert cmp["rtt"][0]["ucxx_rtt_us_p50"] is None and cmp["rtt"][0]["ratio"] is None
+    assert "no peer measured" in run.comparison_table(cmp)
+
+
+def test_load_aiote_is_tolerant_of_older_and_nested_formats() -> None:
+    # main's first format: provider only at the top, no loop in rows; two files given as a list
+    old_tcp = {
+        "provider": "tcp",
+        "rows": [
+            {"mode": "write", "size": MIB1, "py_gbps": 2.0},
+            {"mode": "imm-latency", "size": 50, "py_gbps": 7.5},
+        ],
+    }
+    old_shm = {"provider": "shm", "rows": [{"mode": "write", "size": MIB1, "py_gbps": 6.0}]}
+    # a hypothetical nested one with explicit round trips and a "path"
+    nested = {
+        "runs": [
+            {
+                "path": "same-host",
+                "results": [{"mode": "imm-latency", "rtt_us_p50": 12.0, "rtt_us_p99": 30.0}],
+            }
+        ]
+    }
+    got = run.load_aiote([old_tcp, old_shm, nested])
+    assert got["write"] == {("tcp", MIB1): 2.0, ("same-host", MIB1): 6.0}
+    assert got["rtt_us"] == {"tcp": {"p50": 15.0}, "same-host": {"p50": 12.0, "p99": 30.0}}
+    assert run.load_aiote({"nothing": 1}) == {"write": {}, "rtt_us": {}}
+
+
+def test_table_lists_figures_and_skips() -> None:
+    text = run.table(PEER_RECORDS, {"mooncake": "mooncake not installed"})
+    assert "nixl      tcp" in text and "5.00 (5.00-5.00)" in text
+    assert "80 / 200" in text
+    assert "mooncake  skipped: mooncake not installed" in text
+
+
+def _importable_here(mod: str) -> bool:
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.parametrize("lib", sorted(MODULES))
+def test_bench_prints_one_clear_line_when_its_library_is_absent(lib: str) -> None:
+    if _importable_here(MODULES[lib].split(".")[0]):
+        pytest.skip(f"{lib} is installed here")
+    out = subprocess.run(
+        [sys.executable, str(PEERS / f"{lib}_bench.py")], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith(f"skipped: {lib} not installed")
+    assert "aiote[peers]" in out.stdout.splitlines()[0]
+
+
+def _peers_python(lib: str) -> str:
+    """The interpreter that has ``lib``, or a skip."""
+    python = os.environ.get("AIOTE_PEERS_PYTHON")
+    mod = MODULES[lib]
+    if python:
+        ok = subprocess.run([python, "-c", f"import {mod}"], capture_output=True, timeout=120).returncode == 0
+        if ok:
+            return python
+        pytest.skip(f"{mod} not importable with {python}")
+    if not _importable_here(mod.split(".")[0]):
+        pytest.skip(
+            f"{mod} not installed (pip install 'aiote[peers]'; or AIOTE_PEERS_PYTHON=.venv-peers/bin/python)"
+        )
+    return sys.executable
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lib", sorted(MODULES))
+def test_bench_runs_both_sides_and_reports_records(lib: str) -> None:
+    python = _peers_python(lib)
+    cmd = [
+        python,
+        str(PEERS / f"{lib}_bench.py"),
+        "--sizes",
+        "64KiB",
+        "--window",
+        "8",
+        "--repeats",
+        "2",
+        "--total",
+        "4MiB",
+        "--iters",
+        "50",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    records = [json.loads(ln[len("RESULT ") :]) for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    writes = [r for r in records if r.get("mode") == "write"]
+    rtts = [r for r in records if r.get("mode") == "rtt"]
+    paths = {"nixl": {"tcp", "same-host"}, "ucxx": {"tcp", "same-host"}}.get(lib, {"tcp"})
+    assert {r["path"] for r in writes} == paths
+    assert {r["path"] for r in rtts} == paths
+    for r in writes:
+        assert r["library"] == lib and r["size"] == 64 << 10 and r["window"] == 8
+        assert 0 < r["spread"][0] <= r["gbps"] <= r["spread"][1] < 200
+    for r in rtts:
+        assert 0 < r["rtt_us_p50"] <= r["rtt_us_p99"] < 10_000_000
