@@ -232,3 +232,38 @@ def test_bench_runs_both_sides_and_reports_records(lib: str) -> None:
         assert 0 < r["spread"][0] <= r["gbps"] <= r["spread"][1] < 200
     for r in rtts:
         assert 0 < r["rtt_us_p50"] <= r["rtt_us_p99"] < 10_000_000
+
+
+def test_run_one_kills_a_hung_bench_and_its_children(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    hung = tmp_path / "hung_bench.py"
+    hung.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+        'print(\'RESULT {"library": "x", "path": "tcp", "mode": "write", "size": 1, "gbps": 1.0, '
+        '"spread": [1.0, 1.0], "window": 64}\', flush=True)\n'
+        "time.sleep(300)\n"
+    )
+    import time
+
+    t0 = time.monotonic()
+    records, why = run.run_one(sys.executable, "x", [], timeout=3, echo=False, script=hung)
+    assert time.monotonic() - t0 < 30
+    assert why == "timed out after 3 s"
+    assert records == [_write("x", "tcp", 1, 1.0)]
+    child = int(pidfile.read_text())
+    for _ in range(50):
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the bench's child outlived the timeout")
+
+
+def test_run_one_reads_the_skip_line(tmp_path: Path) -> None:
+    script = tmp_path / "absent_bench.py"
+    script.write_text("print('skipped: absent not installed (pip install x)')\n")
+    records, why = run.run_one(sys.executable, "absent", [], timeout=60, echo=False, script=script)
+    assert records == [{"skipped": "absent not installed (pip install x)"}]
+    assert why is None

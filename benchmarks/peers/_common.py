@@ -50,9 +50,14 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="operations in flight")
     ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed runs per size")
     ap.add_argument(
-        "--total", type=parse_size, default=256 << 20, help="bytes moved per timed run (at least one window)"
+        "--total",
+        type=parse_size,
+        default=1 << 30,
+        help="bytes moved per timed run (at least one window; aiote bench: 1 GiB)",
     )
-    ap.add_argument("--iters", type=int, default=1000, help="round trips for the 8 B latency")
+    ap.add_argument(
+        "--iters", type=int, default=2000, help="round trips for the 8 B latency (as aiote bench)"
+    )
     ap.add_argument("--no-rtt", action="store_true", help="skip the round-trip latency")
     ap.add_argument("--path", default=None, help="tcp, same-host or both (default: all this library has)")
     # internal: the second process
@@ -121,11 +126,6 @@ def percentiles_us(samples_s: Sequence[float]) -> tuple[float, float]:
     if not s:
         return float("nan"), float("nan")
     return s[len(s) // 2] * 1e6, s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6
-
-
-def rounds_for(size: int, window: int, total: int) -> int:
-    """Whole windows per timed run: at least 2, about ``total`` bytes."""
-    return max(2, total // (size * window))
 
 
 def spawn_self(

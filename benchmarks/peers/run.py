@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -41,10 +42,15 @@ PATHS = ("tcp", "same-host")
 
 
 def run_one(
-    python: str, lib: str, passthrough: Sequence[str], timeout: float, echo: bool = True
+    python: str,
+    lib: str,
+    passthrough: Sequence[str],
+    timeout: float,
+    echo: bool = True,
+    script: Path | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Runs ``<lib>_bench.py``; its records and, when it did not finish cleanly, why."""
-    cmd = [python, str(HERE / f"{lib}_bench.py"), *passthrough]
+    """Runs ``<lib>_bench.py`` (or ``script``); its records and, when it did not finish cleanly, why."""
+    cmd = [python, str(script or HERE / f"{lib}_bench.py"), *passthrough]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -90,6 +96,39 @@ def run_one(
     elif rc == 0 and not records:
         why = "no results"
     return records, why
+
+
+def run_aiote(python: str, args: argparse.Namespace, timeout: float) -> list[Any]:
+    """``aiote bench write`` and ``aiote bench imm-latency`` on tcp and shm with the peers' sizes,
+    window and repeats, right before the peers (same run); their JSON. Runs in a scratch directory
+    so that a source tree in the current directory (maybe not built) does not shadow the installed
+    aiote."""
+    out: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="aiote-peers-") as tmp:
+        common = ["--provider", "tcp,shm", "--repeats", str(args.repeats)]
+        jobs = {
+            "write": ["write", "--sizes", args.sizes, "--window", str(args.window), *common]
+            + (["--total", args.total] if args.total else []),
+            "imm-latency": ["imm-latency", *common] + (["--iters", str(args.iters)] if args.iters else []),
+        }
+        for name, argv in jobs.items():
+            target = Path(tmp) / f"{name}.json"
+            print(f"== aiote bench {' '.join(argv)}", flush=True)
+            try:
+                r = subprocess.run(
+                    [python, "-m", "aiote", "bench", *argv, "--json", str(target)],
+                    cwd=tmp,
+                    timeout=timeout,
+                    stdout=subprocess.DEVNULL,
+                )
+            except subprocess.TimeoutExpired:
+                print(f"   aiote bench {name}: timed out after {timeout:.0f} s", flush=True)
+                continue
+            if r.returncode or not target.exists():
+                print(f"   aiote bench {name}: exit status {r.returncode}", flush=True)
+                continue
+            out.append(json.loads(target.read_text()))
+    return out
 
 
 # ---------------------------------------------------------------- aiote's own JSON
@@ -310,6 +349,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--json", dest="json_file", help="write the records (a JSON list) here")
     ap.add_argument("--aiote", action="append", default=[], help="aiote bench --json output (repeatable)")
+    ap.add_argument(
+        "--run-aiote",
+        nargs="?",
+        const="auto",
+        metavar="PYTHON",
+        help="run `aiote bench` (write and imm-latency, tcp and shm) first, with this interpreter "
+        "(default: the repository's .venv/bin/python, else this one)",
+    )
     ap.add_argument("--quiet", action="store_true", help="don't echo each bench's lines")
     args = ap.parse_args(argv)
 
@@ -326,6 +373,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if busy > 0.10:
         print(f"warning: the CPU was {busy:.0%} busy before the run: figures will be noisy")
+    aiote_data: list[Any] = [json.loads(Path(f).read_text()) for f in args.aiote]
+    if args.run_aiote:
+        repo_venv = HERE.parents[1] / ".venv" / "bin" / "python"
+        aiote_py = (
+            args.run_aiote
+            if args.run_aiote != "auto"
+            else str(repo_venv if repo_venv.exists() else sys.executable)
+        )
+        aiote_data += run_aiote(aiote_py, args, args.timeout)
     records: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     for lib in [x.strip() for x in args.only.split(",") if x.strip()]:
@@ -346,11 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(table(records, skipped))
     print(f"CPU busy before {busy:.0%}, after {after:.0%} (2-core machines: compare only within one run)")
-    if args.aiote:
-        merged: list[Any] = []
-        for f in args.aiote:
-            merged.append(json.loads(Path(f).read_text()))
-        cmp = compare(load_aiote(merged, args.window), records)
+    if aiote_data:
+        cmp = compare(load_aiote(aiote_data, args.window), records)
         print()
         print(comparison_table(cmp))
     if args.json_file:
