@@ -73,6 +73,11 @@ def target(args) -> int:  # type: ignore[no-untyped-def]
     )
     sys.stdout.flush()
     peer = json.loads(sys.stdin.readline())
+    # Writes need nothing from us (the engine's own threads receive them): wait on stdin without
+    # using the CPU until the initiator asks for round trips, then poll notifications until it
+    # closes our stdin.
+    if sys.stdin.readline().strip() != "rtt":
+        os._exit(0)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     src = dst.ctypes.data + region + 8
@@ -146,6 +151,8 @@ def initiator(args) -> int:  # type: ignore[no-untyped-def]
             runs = throughput(e, info["session"], info["dst"], size, args)
             c.write_record(LIB, "tcp", size, args.window, runs, env=ENV)
         if not args.no_rtt:
+            proc.stdin.write("rtt\n")
+            proc.stdin.flush()
             rtts = []
             for i in range(args.iters + 50):  # 50 warm-up round trips
                 t0 = time.perf_counter()
