@@ -98,11 +98,12 @@ def run_one(
     return records, why
 
 
-def run_aiote(python: str, args: argparse.Namespace, timeout: float) -> list[Any]:
+def run_aiote(python: str, args: argparse.Namespace, timeout: float, keep: str | None = None) -> list[Any]:
     """``aiote bench write`` and ``aiote bench imm-latency`` on tcp and shm with the peers' sizes,
     window and repeats, right before the peers (same run); their JSON. Runs in a scratch directory
     so that a source tree in the current directory (maybe not built) does not shadow the installed
-    aiote."""
+    aiote. Its tables are echoed; with ``keep`` (the --json file), its JSON is kept beside it as
+    ``<keep stem>.aiote-write.json`` and ``.aiote-imm-latency.json``."""
     out: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="aiote-peers-") as tmp:
         common = ["--provider", "tcp,shm", "--repeats", str(args.repeats)]
@@ -119,15 +120,22 @@ def run_aiote(python: str, args: argparse.Namespace, timeout: float) -> list[Any
                     [python, "-m", "aiote", "bench", *argv, "--json", str(target)],
                     cwd=tmp,
                     timeout=timeout,
-                    stdout=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    text=True,
                 )
             except subprocess.TimeoutExpired:
                 print(f"   aiote bench {name}: timed out after {timeout:.0f} s", flush=True)
                 continue
+            for line in r.stdout.splitlines():
+                if not line.startswith("{"):  # its table; the last line repeats the JSON
+                    print(f"  {line}")
             if r.returncode or not target.exists():
                 print(f"   aiote bench {name}: exit status {r.returncode}", flush=True)
                 continue
-            out.append(json.loads(target.read_text()))
+            text = target.read_text()
+            if keep:
+                Path(keep).with_suffix(f".aiote-{name}.json").write_text(text)
+            out.append(json.loads(text))
     return out
 
 
@@ -381,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.run_aiote != "auto"
             else str(repo_venv if repo_venv.exists() else sys.executable)
         )
-        aiote_data += run_aiote(aiote_py, args, args.timeout)
+        aiote_data += run_aiote(aiote_py, args, args.timeout, keep=args.json_file)
     records: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     for lib in [x.strip() for x in args.only.split(",") if x.strip()]:
