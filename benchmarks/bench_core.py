@@ -112,13 +112,8 @@ class Peer:
 
 
 def lane_batches(
-    engine: aiote.Engine,
-    mr: aiote.MemoryRegion,
-    remote: aiote.MemoryDescriptor,
-    size: int,
-    lanes: int,
-    per_lane: int,
-    imm: int,
+    engine: aiote.Engine, mr: aiote.MemoryRegion, remote: aiote.MemoryDescriptor, size: int,
+    lanes: int, per_lane: int, imm: int,
 ) -> list[aiote.TransferBatch]:
     """``lanes`` reusable batches of ``per_lane`` writes of ``size`` bytes with ``imm``, each
     write to its own slot (the same offset on both sides): a window kept full from Python."""

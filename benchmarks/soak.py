@@ -159,11 +159,9 @@ class Soak:
 
 async def main(minutes: float, out: str | None) -> int:
     rows: list[dict[str, Any]] = []
-    async with (
-        aiote.open_engine() as e,
-        spawn_peer(engine=e, same_host=None) as p1,
-        spawn_peer(engine=e) as p2,
-    ):
+    async with aiote.open_engine() as e, spawn_peer(engine=e, same_host=None) as p1, spawn_peer(
+        engine=e
+    ) as p2:
         routes = [e.route(p.address).provider for p in (p1, p2)]
         soak = Soak(e, [p1, p2], minutes * 60)
         pids = {"this": os.getpid(), "peer_tcp": p1.pid, "peer_same_host": p2.pid}
@@ -180,21 +178,11 @@ async def main(minutes: float, out: str | None) -> int:
                 rss = {k: rss_kib(pid) for k, pid in pids.items()}
                 rate = (soak.ops - last_ops) / max(now - last_t, 1e-9)
                 last_t = now
-                rows.append(
-                    {
-                        "minute": minute,
-                        "ops_per_s": rate,
-                        "rss_kib": rss,
-                        "cancelled": soak.cancelled,
-                        "verified": soak.verified,
-                    }
-                )
+                rows.append({"minute": minute, "ops_per_s": rate, "rss_kib": rss,
+                             "cancelled": soak.cancelled, "verified": soak.verified})
                 last_ops = soak.ops
-                print(
-                    f"{minute:4d} {rows[-1]['ops_per_s']:9.0f} {soak.cancelled:9d} {soak.verified:9d} "
-                    + " ".join(f"{rss[k] / 1024:20.1f}" for k in pids),
-                    flush=True,
-                )
+                print(f"{minute:4d} {rows[-1]['ops_per_s']:9.0f} {soak.cancelled:9d} {soak.verified:9d} "
+                      + " ".join(f"{rss[k] / 1024:20.1f}" for k in pids), flush=True)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(monitor)
@@ -206,18 +194,9 @@ async def main(minutes: float, out: str | None) -> int:
             a, b = rows[0]["rss_kib"][k], rows[-1]["rss_kib"][k]
             growth[k] = (b - a) / a * 100 if a else 0.0
     ok = not soak.failures and all(g < 1.0 for g in growth.values())
-    result = {
-        "minutes": minutes,
-        "per_minute": rows,
-        "rss_growth_pct_after_minute_1": growth,
-        "failures": soak.failures,
-        "verified": soak.verified,
-        "ops": soak.ops,
-        "cancelled": soak.cancelled,
-        "engine_stats": stats,
-        "routes": routes,
-        "ok": ok,
-    }
+    result = {"minutes": minutes, "per_minute": rows, "rss_growth_pct_after_minute_1": growth,
+              "failures": soak.failures, "verified": soak.verified, "ops": soak.ops,
+              "cancelled": soak.cancelled, "engine_stats": stats, "routes": routes, "ok": ok}
     print("RSS growth after the first minute (%): " + ", ".join(f"{k} {v:+.2f}" for k, v in growth.items()))
     print(f"verification failures: {len(soak.failures)} {soak.failures[:3]}")
     print(json.dumps({k: v for k, v in result.items() if k != "per_minute"}))
