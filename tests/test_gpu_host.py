@@ -359,3 +359,36 @@ async def test_direct_registration_no_staging() -> None:
         mo = await e.register(out)
         await e.read(mo, dst, length=4096, src_offset=100)  # a direct region can be READ
         assert digest(out.host) == digest(src.host[100:4196])
+
+
+async def test_kv_flow_with_gpu_pools() -> None:
+    """The KV-cache flow with both pools in (emulated) GPU memory: each layer's credit comes
+    once its pages are in the decoder's GPU pool (its copies are slowed down)."""
+    from aiote import kv
+
+    layout = kv.KVLayout(layers=3, page_tokens=16, token_bytes=256, pool_pages=32)
+    ppool = HostDeviceArray(layout.pool_bytes)
+    dpool = HostDeviceArray(layout.pool_bytes)
+    async with (
+        aiote.open_engine(gpu_backend=SLOW, same_host=None) as pe,
+        kv.PrefillServer(pe, layout, pool=ppool) as prefill,  # type: ignore[arg-type]
+        aiote.open_engine(gpu_backend=SLOW, same_host=None) as de,
+        kv.DecodeWorker(de, layout, pe.address, pool=dpool) as worker,  # type: ignore[arg-type]
+    ):
+        await prefill.wait_for_decoders(1, timeout=10)
+        req = await prefill.start(100, timeout=10)  # 7 pages
+        got = await worker.admitted(timeout=10)
+        for layer in range(layout.layers):
+            for k in (0, 1):
+                for i, p in enumerate(req.pages):
+                    layout.page(ppool.host, layer, k, int(p))[:] = (layer * 64 + k * 32 + i) % 251
+            await req.send_layer(layer)
+            await got.layer_ready(layer, timeout=10)  # the layer is in the GPU pool now
+            for k in (0, 1):
+                for i, p in enumerate(got.pages):
+                    assert (
+                        layout.page(dpool.host, layer, k, int(p)) == (layer * 64 + k * 32 + i) % 251
+                    ).all()
+        await req.finish(timeout=10)
+        await got.wait_ready(timeout=10)
+        await got.release()
