@@ -371,9 +371,9 @@ async def test_kv_flow_with_gpu_pools() -> None:
     dpool = HostDeviceArray(layout.pool_bytes)
     async with (
         aiote.open_engine(gpu_backend=SLOW, same_host=None) as pe,
-        kv.PrefillServer(pe, layout, pool=ppool) as prefill,  # type: ignore[arg-type]
+        kv.PrefillServer(pe, layout, pool=ppool) as prefill,
         aiote.open_engine(gpu_backend=SLOW, same_host=None) as de,
-        kv.DecodeWorker(de, layout, pe.address, pool=dpool) as worker,  # type: ignore[arg-type]
+        kv.DecodeWorker(de, layout, pe.address, pool=dpool) as worker,
     ):
         await prefill.wait_for_decoders(1, timeout=10)
         req = await prefill.start(100, timeout=10)  # 7 pages

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -107,7 +108,8 @@ class DecodeWorker:
     """A decode worker: joins a prefill server, admits the requests it routes here into
     pages of this worker's pool, and yields them once their KV has fully arrived.
 
-    ``pool``: a NumPy array of ``layout.pool_bytes`` bytes (registered here), or None for a
+    ``pool``: a NumPy or GPU (CuPy) array of ``layout.pool_bytes`` bytes (registered here; a
+    layer of a GPU pool is ready once its pages are in GPU memory), or None for a
     new one. ``kv_timeout``: how long a request's KV may take from admission; after that the
     request fails and is cancelled at the prefill side. ``capacity``: how many requests it
     admits at once (pages permitting). ``failed`` counts the requests that failed here (a
@@ -124,7 +126,7 @@ class DecodeWorker:
         layout: KVLayout,
         prefill: bytes,
         *,
-        pool: np.ndarray | None = None,
+        pool: Any = None,
         kv_timeout: float = 60.0,
         capacity: int = 1 << 20,
         drain_timeout: float = 60.0,

@@ -67,7 +67,7 @@ class KVLayout:
         pool.fill(0)
         return pool
 
-    def pool_for(self, pool: np.ndarray | None) -> np.ndarray:
+    def pool_for(self, pool: Any) -> Any:
         """``pool`` checked against this layout (InvalidArgument if its size differs), or a
         new zeroed one when it is None."""
         if pool is None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -229,9 +230,9 @@ class PrefillServer:
     server's ``engine.address``), and :meth:`start` routes each new request to a live one
     with ``policy`` (:class:`RoundRobin` by default, or :class:`LeastLoaded`, or any callable).
 
-    ``pool``: a NumPy array of ``layout.pool_bytes`` bytes holding the prefill-side KV
-    (registered here), or None for a new one. ``write_timeout``: the deadline of each layer's
-    paged write; ``admit_timeout``: how long a decoder may take to answer an admission before
+    ``pool``: a NumPy or GPU (CuPy) array of ``layout.pool_bytes`` bytes holding the
+    prefill-side KV (registered here), or None for a new host one. ``write_timeout``: the
+    deadline of each layer's paged write; ``admit_timeout``: how long a decoder may take to answer an admission before
     the request is routed to another one. The server owns the engine's messages while it
     runs. A decoder that leaves gets no new request; one that dies fails its requests in
     flight (:class:`RequestFailed`), and the others go on.
@@ -242,7 +243,7 @@ class PrefillServer:
         engine: Engine,
         layout: KVLayout,
         *,
-        pool: np.ndarray | None = None,
+        pool: Any = None,
         policy: RoutingPolicy | None = None,
         write_timeout: float = 60.0,
         admit_timeout: float = 10.0,
