@@ -233,9 +233,9 @@ class PrefillServer:
     ``pool``: a NumPy or GPU (CuPy) array of ``layout.pool_bytes`` bytes holding the
     prefill-side KV (registered here), or None for a new host one. ``write_timeout``: the
     deadline of each layer's paged write; ``admit_timeout``: how long a decoder may take to
-    answer an admission before the request is routed to another one. The server owns the engine's messages while it
-    runs. A decoder that leaves gets no new request; one that dies fails its requests in
-    flight (:class:`RequestFailed`), and the others go on.
+    answer an admission before the request is routed to another one. The server owns the
+    engine's messages while it runs. A decoder that leaves gets no new request; one that dies
+    fails its requests in flight (:class:`RequestFailed`), and the others go on.
     """
 
     def __init__(
