@@ -35,9 +35,18 @@ def deadline(timeout: float | None, what: str) -> AbstractContextManager[None]:
     return _deadline(timeout, what)
 
 
+def deadline_at(end: float | None, timeout: float | None, what: str) -> AbstractContextManager[None]:
+    """:func:`deadline` at an absolute time ``end`` (``anyio.current_time()`` + ``timeout``,
+    computed once by the caller): for operations that enter a scope only around the awaits they
+    actually make, so that one completing without waiting pays no cancel scope or timer."""
+    if end is None or timeout is None:
+        return _NO_DEADLINE
+    return _deadline(timeout, what, end)
+
+
 @contextmanager
-def _deadline(timeout: float, what: str) -> Iterator[None]:
-    scope = anyio.fail_after(timeout)
+def _deadline(timeout: float, what: str, end: float | None = None) -> Iterator[None]:
+    scope = anyio.fail_after(timeout) if end is None else anyio.fail_at(end)
     try:
         with scope:
             yield
@@ -49,6 +58,8 @@ def _deadline(timeout: float, what: str) -> Iterator[None]:
 
 def as_index(value: Any, name: str, *, lo: int = 0, hi: int | None = None) -> int:
     """An integer argument in ``[lo, hi)``; InvalidArgument otherwise (bools refused)."""
+    if type(value) is int and value >= lo and (hi is None or value < hi):
+        return value  # the common case, on every operation's path: no further checks
     if isinstance(value, bool):
         raise InvalidArgument(f"{name} must be an integer, not a bool")
     try:

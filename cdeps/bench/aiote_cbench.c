@@ -490,10 +490,12 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
     if (i99 >= m) i99 = m - 1;
     printf("{\"mode\":\"pingpong\",\"provider\":\"%s\",\"nic\":\"%s\",\"iters\":%llu,\"p50_us\":%.2f,"
            "\"p99_us\":%.2f,\"mean_us\":%.2f,\"min_us\":%.2f,\"max_us\":%.2f,\"rtt_p50_us\":%.2f,"
-           "\"wait\":\"%s\",\"spin_ns\":%lld,\"pinger_cpu_s\":%.3f,\"seconds\":%.3f}\n",
+           "\"wait\":\"%s\",\"spin_ns\":%lld,\"pinger_cpu_s\":%.3f,\"seconds\":%.3f,"
+           "\"post_us_mean\":%.2f}\n",
            o->provider, o->nic ? o->nic : "", (unsigned long long)m, OW(rtt[i50]), OW(rtt[i99]),
            sum / (double)m / 2e3, OW(rtt[0]), OW(rtt[m - 1]), (double)rtt[i50] / 1e3, wait_name(o),
-           (long long)o->spin_ns, cpu, sum * 1e-9);
+           (long long)o->spin_ns, cpu, sum * 1e-9,
+           s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0);
     free(rtt);
 }
 

@@ -896,6 +896,77 @@ static int t_eventfd(fix_t *f) {
     return 0;
 }
 
+/* aio_poll_ring: the calling thread drives the CQs until a record waits (a group
+ * completion, a satisfied counter watch) or its budget runs out; the eventfd is not
+ * signalled meanwhile, and the poller resumes its work afterwards. */
+static int t_poll_ring(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    int aefd = aio_engine_eventfd(a->e), befd = aio_engine_eventfd(b->e);
+    sleep_us(10000);
+    while (pump(a)) {
+    }
+    while (pump(b)) {
+    }
+    a->ninbox = b->ninbox = 0;
+    aio_clear_eventfd(a->e);
+    aio_clear_eventfd(b->e);
+    uint64_t polls0 = aio_loop_polls(a->e);
+    /* nothing in flight: returns 0 after about its budget */
+    double t0 = now_s();
+    CHECK(aio_poll_ring(a->e, 2000000) == 0, "aio_poll_ring with nothing to wait for returned 1");
+    double dt = now_s() - t0;
+    CHECK(dt >= 0.0019 && dt < 1.0, "a 2 ms budget took %.6f s", dt);
+    CHECK(aio_loop_polls(a->e) == polls0 + 1, "loop polls %llu", (unsigned long long)aio_loop_polls(a->e));
+    aio_record r;
+    for (int round = 0; round < 200; round++) {
+        /* b waits for a credit (watch armed first), a for its write's completion */
+        uint32_t imm = 0x6400;
+        CHECK(aio_arm(a->e) == 0 && aio_arm(b->e) == 0, "arm");
+        /* a call (even of budget 0) disarms the eventfd: from here on the caller drains */
+        CHECK(aio_poll_ring(a->e, 0) == 0 && aio_poll_ring(b->e, 0) == 0, "nothing waiting yet");
+        CHECK(aio_counter_watch(b->e, imm, U) == 0, "watch");
+        aio_op_desc d = op_to(a, b, AIO_OP_WRITE, 0, 0, 8, AIO_F_DATA, imm);
+        uint64_t tok = g_token++;
+        int64_t g = aio_group_open(a->e, tok);
+        CHECK(g >= 0, "group");
+        CHECK(post_all(a, g, &d, 1, TIMEOUT) == 0, "post");
+        CHECK_OK(aio_group_seal(a->e, g));
+        int got = 0;
+        for (int k = 0; k < 100 && !got; k++) got = aio_poll_ring(a->e, 100000000);
+        CHECK(got == 1, "round %d: no group record within the budget", round);
+        CHECK(aio_drain(a->e, &r, 1) == 1 && r.kind == AIO_REC_GROUP && r.token == tok && r.status == 0,
+              "round %d: the group record", round);
+        got = 0;
+        for (int k = 0; k < 100 && !got; k++) got = aio_poll_ring(b->e, 100000000);
+        CHECK(got == 1, "round %d: no counter record within the budget", round);
+        CHECK(aio_drain(b->e, &r, 1) == 1 && r.kind == AIO_REC_COUNTER && r.token == imm,
+              "round %d: the counter record", round);
+        CHECK(aio_counter_take(b->e, imm, U) == 1, "round %d: take", round);
+        /* disarmed: nothing signalled either eventfd */
+        CHECK(!poll_fd(aefd, 0) && !poll_fd(befd, 0), "round %d: eventfd signalled during aio_poll_ring",
+              round);
+    }
+    /* afterwards the poller does the work again: a completion wakes an armed loop */
+    CHECK(aio_arm(a->e) == 0, "arm");
+    aio_op_desc d = op_to(a, b, AIO_OP_WRITE, 0, 0, 4096, 0, 0);
+    uint64_t tok = g_token++;
+    int64_t g = aio_group_open(a->e, tok);
+    CHECK(post_all(a, g, &d, 1, TIMEOUT) == 0, "post");
+    CHECK_OK(aio_group_seal(a->e, g));
+    CHECK(poll_fd(aefd, 10000), "the poller did not resume after aio_poll_ring");
+    aio_clear_eventfd(a->e);
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, NULL) == 0, "group after resume");
+    /* a record already waiting: returns 1 at once */
+    CHECK(aio_counter_watch(b->e, 0x6401, 0) == 1, "a watch of 0 is satisfied");
+    g = aio_group_open(a->e, g_token++);
+    CHECK_OK(aio_group_seal(a->e, g)); /* an empty group finishes at seal */
+    CHECK(aio_poll_ring(a->e, 0) == 1, "a waiting record must make aio_poll_ring return 1");
+    while (pump(a)) {
+    }
+    a->ninbox = 0;
+    return 0;
+}
+
 /* A write the target must refuse (wrong key): the target's bytes stay untouched and
  * no credit is counted; the initiator's group completes exactly once. Under the
  * providers' default completion semantics (transmit complete) the initiator may or
@@ -1266,6 +1337,7 @@ static const test_t TESTS[] = {
     {"two_process", t_two_process},   {"remote_error", t_remote_error},
     {"idle_cpu", t_idle},             {"watch", t_watch},
     {"register_dev", t_register_dev},
+    {"poll_ring", t_poll_ring},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {
