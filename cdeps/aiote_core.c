@@ -47,6 +47,8 @@
  * objects in steps of at most LOOP_POLL_BLOCK_MAX_NS: on a busy machine a thread that yields
  * may wait out another process's whole time slice, a thread that sleeps is woken at once */
 #define LOOP_POLL_SPIN_NS 30000LL
+/* a post waiting for room stops driving the rail itself after this long without a completion */
+#define POST_IDLE_NS 20000LL
 #define LOOP_POLL_BLOCK_MAX_NS 1000000LL
 
 typedef struct aio_op {
@@ -1661,6 +1663,19 @@ static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op) {
     return fi_write(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
 }
 
+/* While a post waits for room (queue full): drives the rail once. 0 when the caller should
+ * give up for now: the deadline passed, or no completion came back for POST_IDLE_NS (the
+ * queue frees only as completions return; spinning longer burns the CPU the peer and the
+ * kernel need, and the loop waits for room cheaply with aio_want_space). Caller holds r->mu. */
+static int post_progress(aio_engine *e, aio_rail *r, int64_t deadline, int64_t *idle) {
+    int got = progress_locked(e, r);
+    int64_t t = now_ns();
+    if (t >= deadline) return 0;
+    if (got > 0 || *idle == 0) *idle = t + POST_IDLE_NS;
+    else if (t >= *idle) return 0;
+    return 1;
+}
+
 /* Posts one request into group g: 1 posted, 0 no room before the deadline (nothing
  * posted), negative: an error for this request (nothing posted). */
 static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const uint64_t *gather,
@@ -1674,9 +1689,9 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     aio_rail *r = e->rails[it->rail];
     pthread_mutex_lock(&r->mu);
     aio_op *op;
+    int64_t idle = 0; /* when the self-driven progress found nothing for POST_IDLE_NS: give up */
     while (!(op = op_get(r))) {
-        progress_locked(e, r);
-        if (now_ns() >= deadline) break;
+        if (!post_progress(e, r, deadline, &idle)) break;
     }
     if (!op) {
         pthread_mutex_unlock(&r->mu);
@@ -1694,8 +1709,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     for (;;) {
         ret = ngather > 1 ? post_gather(r, it, gather, ngather, op) : post_one(r, it, op);
         if (ret != -FI_EAGAIN) break;
-        progress_locked(e, r);
-        if (now_ns() >= deadline) break;
+        if (!post_progress(e, r, deadline, &idle)) break;
     }
     if (ret) {
         atomic_fetch_sub(&m->inflight, 1);
@@ -1730,6 +1744,16 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
     if (i > 0) post_kick(e);
     if (i == 0 && rc < 0) return rc;
     return i;
+}
+
+int64_t aio_submit(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                   int64_t budget_ns, int64_t *group) {
+    int64_t g = aio_group_open(e, token);
+    *group = g;
+    if (g < 0) return g;
+    int64_t k = aio_post(e, g, items, n, budget_ns);
+    if (k == n) aio_group_seal(e, g);
+    return k;
 }
 
 /* a*b+c <= limit without overflow */

@@ -220,6 +220,12 @@ typedef struct aio_paged_desc {
 int64_t aio_post_paged(aio_engine *e, int64_t group, const aio_paged_desc *d, int64_t start,
                        int64_t n, int64_t budget_ns);
 int aio_group_seal(aio_engine *e, int64_t group);
+/* aio_group_open + aio_post + aio_group_seal in one call (one crossing from Python instead of
+ * three): *group is the group opened (negative: -FI_EAGAIN, every group slot in flight, and
+ * nothing else was done). Returns what aio_post returned; the group is sealed only when all
+ * n requests were posted, else it stays open for the caller to continue with aio_post and seal. */
+int64_t aio_submit(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                   int64_t budget_ns, int64_t *group);
 /* After a post returned short (queue or op table full): asks for one AIO_REC_SPACE record
  * once at most `below` requests of the engine are in flight, so the loop can wait for room
  * instead of a timer (and post a large part of a queue per wake-up). */

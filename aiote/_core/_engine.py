@@ -196,6 +196,11 @@ _OP_DTYPE = np.dtype(
 )
 assert _OP_DTYPE.itemsize == ffi.sizeof("aio_op_desc")
 _OP_STRUCT = struct.Struct("<QQQQQQQiiii")  # one row of _OP_DTYPE
+_REC_GROUP = int(lib.AIO_REC_GROUP)  # native constants on hot paths, as plain module ints
+_OP_WRITE = int(lib.AIO_OP_WRITE)
+_OP_READ = int(lib.AIO_OP_READ)
+_F_DATA = int(lib.AIO_F_DATA)
+_REC_COUNTER = int(lib.AIO_REC_COUNTER)
 assert _OP_STRUCT.size == _OP_DTYPE.itemsize
 
 
@@ -244,6 +249,7 @@ class Engine:
         self._inbox: deque[tuple[bytes, bytes]] = deque()
         self._recv_waiters: deque[_RecvWaiter] = deque()
         self._recs = ffi.new("aio_record[256]")
+        self._gout = ffi.new("int64_t[1]")  # aio_submit's group (the loop thread only)
         self._address = EngineAddress(tuple(RailAddress(r.provider, r.address) for r in rails), _host_id())
         self._address_bytes = bytes(self._address)
         self._router = Router(
@@ -476,20 +482,21 @@ class Engine:
     def _drain(self) -> None:
         h = self._h
         recs = self._recs
+        pending = self._pending
         while True:
             n = lib.aio_drain(h, recs, 256)
             for i in range(n):
                 r = recs[i]
                 kind = r.kind
-                if kind == lib.AIO_REC_GROUP:
-                    op = self._pending.pop(r.token, None)
+                if kind == _REC_GROUP:
+                    op = pending.pop(r.token, None)
                     if op is not None:
                         op.done = True
                         op.status = r.status
                         op.prov_errno = r.prov_errno
                         op.refs = None
                         op.event.set()
-                elif kind == lib.AIO_REC_COUNTER:
+                elif kind == _REC_COUNTER:
                     c = self._counters.get(r.token)
                     if c is not None:
                         c._serve()
@@ -765,7 +772,7 @@ class Engine:
         mr = self._region(mr)
         src_offset = as_index(src_offset, "src_offset")
         dst_offset = as_index(dst_offset, "dst_offset")
-        if op == lib.AIO_OP_WRITE:
+        if op == _OP_WRITE:
             local_name, remote_name, loc_off, rem_off = "source", "destination", src_offset, dst_offset
         else:
             local_name, remote_name, loc_off, rem_off = "destination", "source", dst_offset, src_offset
@@ -781,9 +788,9 @@ class Engine:
                 f"{remote_name} range [{rem_off}, {rem_off + length}) is past the remote region "
                 f"({rdesc.length} B)"
             )
-        if op == lib.AIO_OP_WRITE and not rdesc.remote_write:
+        if op == _OP_WRITE and not rdesc.remote_write:
             raise InvalidArgument("the remote region was registered without remote_write")
-        if op == lib.AIO_OP_READ:
+        if op == _OP_READ:
             if not rdesc.remote_read:
                 raise InvalidArgument("the remote region was registered without remote_read")
             if not mr.writable:
@@ -791,12 +798,12 @@ class Engine:
         flags = 0
         data = 0
         if imm is not None:
-            if op != lib.AIO_OP_WRITE:
+            if op != _OP_WRITE:
                 raise InvalidArgument("only writes carry an immediate")
             data = as_index(imm, "imm", hi=_U32)
-            flags = lib.AIO_F_DATA
+            flags = _F_DATA
         elif length == 0:
-            if op == lib.AIO_OP_READ:
+            if op == _OP_READ:
                 raise InvalidArgument("a READ must move at least one byte")
             raise InvalidArgument("a zero-length write must carry an immediate (imm=...)")
         return mr, rdesc, length, loc_off, rem_off, data, flags
@@ -956,14 +963,14 @@ class Engine:
         rails: set[int] | None = None,
         path: Any = None,
     ) -> bool:
-        ptr = ffi.cast("aio_op_desc*", ffi.from_buffer(table))
+        ptr = ffi.from_buffer("aio_op_desc[]", table)
         n = len(table)
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
             return int(lib.aio_post(h, g, ptr + posted, n - posted, budget))
 
-        return await self._run_group(post, n, (refs, table), timeout, what, rails, path)
+        return await self._run_group(post, n, (refs, table), timeout, what, rails, path, ptr)
 
     def _reroute(self, table: np.ndarray, full: Any) -> np.ndarray:
         """The rows of ``table`` moved to the live routes of ``full`` (same remote region:
@@ -991,11 +998,14 @@ class Engine:
         what: str,
         rails: set[int] | None = None,
         path: Any = None,
+        items: Any = None,
     ) -> bool:
         """The life of one group of ``n`` work requests: open it (waiting while every group
         slot is in flight), post through ``post(handle, group, posted_so_far)`` (returns how
         many it posted, or a negative error) with back-off while the transport pushes back,
         seal, wait for the completion record, and map its status to an exception.
+        ``items``: the rows as an ``aio_op_desc`` array, when ``post`` posts them with
+        ``aio_post``: opening, the first post and sealing then take one native call.
 
         On cancellation what was posted cannot be taken back: ``refs`` (buffers, tables) stay
         owned until the completion, with a bounded shielded wait before the cancellation
@@ -1013,7 +1023,14 @@ class Engine:
         if path is not None:
             op.alts = frozenset(h[0] for h in path)
         token = next(self._tokens)
-        g = lib.aio_group_open(h, token)
+        first: int | None = None  # what aio_submit posted (it opened, posted, sealed if all went)
+        if items is not None and not self._router.down:
+            k = int(lib.aio_submit(h, token, items, n, self._budget_ns, self._gout))
+            g = int(self._gout[0])
+            if g >= 0:
+                first = k
+        else:
+            g = lib.aio_group_open(h, token)
         attempt = 0
         if g < 0:
             try:
@@ -1035,13 +1052,16 @@ class Engine:
             self._seal(g)
             return True
         posted = 0
-        sealed = False
+        sealed = first == n  # aio_submit posted everything and sealed the group
         error = 0
         stalled_since = -1.0
         try:
             attempt = 0
             while posted < n:
-                k = post(h, g, posted)
+                if first is not None:  # aio_submit's post
+                    k, first = first, None
+                else:
+                    k = post(h, g, posted)
                 if k < 0:
                     error = k
                     break
@@ -1060,8 +1080,9 @@ class Engine:
                             break
                     with deadline_at(end, timeout, what):
                         h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01))
-            self._seal(g)
-            sealed = True
+            if not sealed:
+                self._seal(g)
+                sealed = True
             if self._loop_spin_ns:
                 self._spin_until(op.event.is_set)
             if not op.event.is_set():

@@ -96,6 +96,9 @@ typedef struct opts {
     uint64_t msg_slots;  /* sendrecv / msgpingpong: message slots per side */
     int listen_port;     /* -1: fork the peer; else serve as the peer on this port */
     const char *connect; /* HOST:PORT of a --listen peer, or NULL */
+    int await_write; /* pingpong: each side waits for its write's completion before going on */
+    int64_t loop_poll_ns; /* --loop-poll-ns N: wait as aiote's low-latency setting does */
+    int64_t think_ns;     /* --think-ns N: pingpong: busy work after each wait (an application's) */
 } opts_t;
 
 typedef struct peer_info {
@@ -115,6 +118,7 @@ typedef struct side {
     peer_info remote;
     int rfd, wfd;
     int busy;
+    int64_t loop_poll_ns; /* > 0: wait with aio_poll_ring (the loop thread drives the CQs) */
     uint64_t groups_done;
     uint64_t wakeups; /* eventfd polls that returned readable */
     uint64_t polls;   /* eventfd polls */
@@ -195,6 +199,7 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     if ((ret = aio_engine_start(s->e))) die("aio_engine_start: %s", aio_strerror(ret));
     s->efd = aio_engine_eventfd(s->e);
     s->busy = o->busy;
+    s->loop_poll_ns = o->loop_poll_ns;
     void *b = NULL;
     if (posix_memalign(&b, 4096, region)) die("out of memory for %llu bytes", (unsigned long long)region);
     s->buf = b;
@@ -262,6 +267,7 @@ static int side_drain(side_t *s, uint32_t imm, int *hit) {
 /* Nothing was ready: sleep on the eventfd (the event-loop protocol) or spin. */
 static void side_idle(side_t *s) {
     if (s->busy) return;
+    if (s->loop_poll_ns > 0 && aio_poll_ring(s->e, s->loop_poll_ns)) return;
     if (aio_arm(s->e)) return; /* records arrived meanwhile: drain again */
     struct pollfd p = {.fd = s->efd, .events = POLLIN};
     s->polls++;
@@ -453,8 +459,13 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
     if (rank == 1) {
         for (uint64_t i = 0; i < total; i++) {
             side_wait_credit(s, IMM_PING, U);
+            for (int64_t t0 = now_ns(); now_ns() - t0 < o->think_ns;) {
+            }
             aio_op_desc d = side_write(s, 8, 8, 8, IMM_PONG);
             side_post_blocking(s, i, &d);
+            if (o->await_write)
+                while (s->groups_done < i + 1)
+                    if (side_drain(s, 0, NULL) == 0) side_idle(s);
         }
         while (s->groups_done < total)
             if (side_drain(s, 0, NULL) == 0) side_idle(s);
@@ -471,7 +482,12 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
         aio_op_desc d = side_write(s, 0, 0, 8, IMM_PING);
         int64_t t = now_ns();
         side_post_blocking(s, i, &d);
+        if (o->await_write) /* as `await engine.write(...)` does */
+            while (s->groups_done < i + 1)
+                if (side_drain(s, 0, NULL) == 0) side_idle(s);
         side_wait_credit(s, IMM_PONG, U);
+        for (int64_t t0 = now_ns(); now_ns() - t0 < o->think_ns;) {
+        }
         int64_t dt = now_ns() - t;
         if (i >= o->warmup) rtt[i - o->warmup] = dt;
     }
@@ -908,6 +924,7 @@ static void usage(void) {
             "options: --provider tcp|shm  --nic NAME  --spin-ns N  --busy-spin-ns N  --busy\n"
             "         --slots N  --warmup N  --no-gather (paged)  --msg-slots N\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
+            "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
     exit(2);
 }
@@ -951,6 +968,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--busy-spin-ns") && i + 1 < argc) o.busy_spin_ns = strtoll(argv[++i], NULL, 10);
         else if (!strcmp(a, "--busy")) o.busy = 1;
         else if (!strcmp(a, "--no-gather")) o.no_gather = 1;
+        else if (!strcmp(a, "--await-write")) o.await_write = 1;
+        else if (!strcmp(a, "--think-ns") && i + 1 < argc) o.think_ns = parse_size(argv[++i]);
+        else if (!strcmp(a, "--loop-poll-ns") && i + 1 < argc) o.loop_poll_ns = parse_size(argv[++i]);
         else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);

@@ -896,6 +896,43 @@ static int t_eventfd(fix_t *f) {
     return 0;
 }
 
+/* aio_submit: open + post + seal in one call. */
+static int t_submit(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    uint32_t imm = 0x6500;
+    aio_op_desc d = op_to(a, b, AIO_OP_WRITE, 0, 0, 0, AIO_F_DATA, imm);
+    aio_op_desc ds[3] = {d, d, d};
+    aio_record r;
+    uint64_t tok = g_token++;
+    int64_t g = -7;
+    int64_t k = aio_submit(a->e, tok, ds, 3, 1000000000LL, &g);
+    CHECK(g >= 0, "aio_submit opened no group: %lld", (long long)g);
+    if (k < 3) { /* a new connection may push back: finish by hand */
+        CHECK(k >= 0, "aio_submit: %s", aio_strerror((int)k));
+        CHECK(post_all(a, g, ds + k, 3 - k, TIMEOUT) == 0, "post the rest");
+        CHECK_OK(aio_group_seal(a->e, g));
+    } else {
+        CHECK(aio_group_seal(a->e, g) == -FI_EINVAL, "a fully posted submit must be sealed already");
+    }
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.status == 0 && r.a == 3,
+          "group record of the submit");
+    CHECK(wait_take(b, imm, 3 * U, TIMEOUT) == 0, "credits of the submit");
+    /* nothing to post: the group finishes at once */
+    tok = g_token++;
+    CHECK(aio_submit(a->e, tok, ds, 0, 0, &g) == 0 && g >= 0, "empty submit");
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.a == 0, "empty submit's record");
+    /* a bad request: the error comes back and the group stays open for the caller */
+    aio_op_desc bad = d;
+    bad.rail = -1;
+    tok = g_token++;
+    k = aio_submit(a->e, tok, &bad, 1, 0, &g);
+    CHECK(k == -FI_EINVAL && g >= 0, "bad submit returned %lld, group %lld", (long long)k, (long long)g);
+    CHECK(count_rec(a, AIO_REC_GROUP, tok) == 0, "an unsealed group finished");
+    CHECK_OK(aio_group_seal(a->e, g));
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.a == 0, "bad submit's record after seal");
+    return 0;
+}
+
 /* aio_poll_ring: the calling thread drives the CQs until a record waits (a group
  * completion, a satisfied counter watch) or its budget runs out; the eventfd is not
  * signalled meanwhile, and the poller resumes its work afterwards. */
@@ -1337,7 +1374,7 @@ static const test_t TESTS[] = {
     {"two_process", t_two_process},   {"remote_error", t_remote_error},
     {"idle_cpu", t_idle},             {"watch", t_watch},
     {"register_dev", t_register_dev},
-    {"poll_ring", t_poll_ring},
+    {"poll_ring", t_poll_ring},       {"submit", t_submit},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {
