@@ -58,8 +58,11 @@ class ImmCounter:
         """Waits until ``n`` credits are available and consumes them.
 
         Cancellable: a cancelled or timed-out wait consumes nothing (credits already granted
-        to it are returned), so credits are never lost nor counted twice. Never spins: the
-        C poller wakes the loop when the counter reaches the first waiter's demand.
+        to it are returned), so credits are never lost nor counted twice. By default it never
+        spins: the C poller wakes the loop when the counter reaches the first waiter's demand.
+        With the engine's low-latency setting (``loop_spin_us``) it first drives the completion
+        queues from the loop thread for up to that long, and credits already there are taken
+        without a trip through the event loop.
 
         Raises :class:`~aiote.TransferTimeout` after ``timeout`` seconds,
         :class:`~aiote.EngineClosed` if the engine closes, :class:`~aiote.InvalidArgument`
@@ -72,7 +75,7 @@ class ImmCounter:
         eng = self._engine
         h = eng._handle()
         units = n * CREDIT_UNIT
-        await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller takes nothing
+        await eng._checkpoint_if_cancelled()  # a cancelled caller takes nothing
         if not self._waiters and lib.aio_counter_take(h, self.imm, units):
             if eng._loop_spin_ns:  # low-latency setting: no trip through the event loop
                 return
@@ -100,7 +103,8 @@ class ImmCounter:
             eng._spin_until(w.event.is_set)
         try:
             # no deadline scope (a few microseconds) when the credits are already granted
-            with deadline(None if w.event.is_set() else timeout, f"waiting for {n} credits of imm {self.imm}"):
+            what = f"waiting for {n} credits of imm {self.imm}"
+            with deadline(None if w.event.is_set() else timeout, what):
                 await w.event.wait()
         except BaseException:
             if w.granted and not self._engine._closed:

@@ -250,6 +250,7 @@ class Engine:
         self._recv_waiters: deque[_RecvWaiter] = deque()
         self._recs = ffi.new("aio_record[256]")
         self._gout = ffi.new("int64_t[1]")  # aio_submit's group (the loop thread only)
+        self._checkpoint_if_cancelled: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint_if_cancelled
         self._address = EngineAddress(tuple(RailAddress(r.provider, r.address) for r in rails), _host_id())
         self._address_bytes = bytes(self._address)
         self._router = Router(
@@ -300,7 +301,8 @@ class Engine:
         return self._max_message
 
     def stats(self) -> dict[str, int]:
-        """Counters of the native poller (polls, sleeps, wake-ups, completions, errors), the
+        """Counters of the native poller (polls, sleeps, wake-ups, completions, errors;
+        ``loop_polls``: low-latency waits that drove the completion queues from the loop thread), the
         operations and regions in flight, and ``peers``: peer NIC addresses resolved (each is
         resolved once and cached), ``failovers``: requests re-posted on another NIC after a link
         failure, ``stranded``: groups left on a failed link, still owned by the transport
@@ -318,6 +320,7 @@ class Engine:
             "completions": st.completions,
             "remote_data": st.remote_data,
             "errors": st.errors,
+            "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._pending),
             "regions": len(self._regions),
@@ -902,6 +905,8 @@ class Engine:
     def _table(rows: list[tuple[int, ...]]) -> np.ndarray:
         # packed by struct and viewed by numpy: ~3x cheaper than assigning records one by one
         # into np.zeros (this is on every write's path)
+        if len(rows) == 1:
+            return np.frombuffer(bytearray(_OP_STRUCT.pack(*rows[0])), _OP_DTYPE)
         return np.frombuffer(bytearray(b"".join([_OP_STRUCT.pack(*r) for r in rows])), _OP_DTYPE)
 
     # ------------------------------------------------------------------ posting
@@ -1222,6 +1227,11 @@ class Engine:
         assert self._scratch is not None
         rows, full = self._rows(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE, gpu_ok=True)
         table = self._table(rows)
+        if len(full) == 1:  # one NIC each side: no failover to arrange
+            await self._attempts(
+                lambda t: self._run_table(table, None, t, "write_imm"), timeout, retry, "write_imm"
+            )
+            return
         await self._attempts(
             lambda t: self._run(table, None, t, "write_imm", full), timeout, retry, "write_imm"
         )
@@ -1659,6 +1669,7 @@ class Engine:
         self._bridge = LoopBridge(int(lib.aio_engine_eventfd(self._h)), self._on_ready)
         self._bridge.start()
         self._event = self._bridge.event_class
+        self._checkpoint_if_cancelled = _checkpoint_if_cancelled_fn()
         self._space = self._event()
         self._scratch = await self.register(bytearray(64), remote_write=False, remote_read=False)
 
@@ -1714,6 +1725,19 @@ def _is_gpu_buffer(obj: Any) -> bool:
         return int(dev()[0]) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
     except Exception:
         return False
+
+
+def _checkpoint_if_cancelled_fn() -> Callable[[], Awaitable[None]]:
+    """``anyio.lowlevel.checkpoint_if_cancelled`` of the running backend, looked up once per
+    engine: the public function finds the backend (sniffio) on every call, a third of its cost
+    on a counter wait's path."""
+    try:
+        from anyio._core._eventloop import get_async_backend
+
+        fn: Callable[[], Awaitable[None]] = get_async_backend().checkpoint_if_cancelled
+        return fn
+    except Exception:  # pragma: no cover - another anyio layout: the public function
+        return anyio.lowlevel.checkpoint_if_cancelled
 
 
 def _end(timeout: float | None) -> float | None:
@@ -1985,10 +2009,16 @@ async def open_engine(
     ``spin_us``: how long the native poller busy-polls after the last activity before it
     sleeps on the provider's wait object; raise it (e.g. ``1000``) for lower latency at the
     price of CPU, ``0`` to never spin. ``loop_spin_us``: the low-latency setting of the event-loop
-    side: an operation or counter wait that is not complete right after posting drains the
-    completion ring from the loop thread for up to this long before it sleeps (saves the
-    eventfd wake-up, about 20-50 us; blocks the loop for at most that long, so keep it small
-    and use it where latency matters more than other tasks' fairness; default 0: off).
+    side (default 0: off): an operation or counter wait that is not complete right after
+    posting drives the completion queues from the loop thread itself (a native call, GIL
+    released: it polls for ~30 us, yielding the core between polls, then sleeps on the NICs'
+    wait objects) for up to this long, and only then sleeps on the event loop. Meanwhile the
+    poller thread stands aside, and it does not spin for 20 ms after such a wait (one spinner
+    per engine, not two, on a small machine): no hand-off through the ring and the eventfd,
+    and a completed operation or an available credit returns without a trip through the
+    event loop. It blocks the loop for at most ``loop_spin_us`` per wait, so use it where
+    latency matters more than other tasks' fairness (e.g. ``500``); an idle engine still
+    sleeps.
     ``sleep_ms``: the timed fallback of the sleeping poller.
     ``same_host``: an extra provider (one rail) for peers on this host, chosen automatically
     when both engines carry it (default ``"shm"``: shared memory, about 2.5x tcp loopback here);
