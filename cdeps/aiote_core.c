@@ -41,11 +41,10 @@
 #define OPK_RECV 4
 
 #define CQ_BATCH 64
-/* after a low-latency wait of the loop thread, the poller skips its spin for this long */
-#define LOOP_POLL_QUIET_NS 20000000LL
 /* aio_poll_ring polls (yielding the CPU in between) this long, then sleeps on the rails' wait
- * objects in steps of at most LOOP_POLL_BLOCK_MAX_NS: on a busy machine a thread that yields
- * may wait out another process's whole time slice, a thread that sleeps is woken at once */
+ * objects and the eventfd in steps of at most LOOP_POLL_BLOCK_MAX_NS: on a busy machine a
+ * thread that yields may wait out another process's whole time slice, one that sleeps is
+ * woken at once */
 #define LOOP_POLL_SPIN_NS 30000LL
 /* a post waiting for room stops driving the rail itself after this long without a completion */
 #define POST_IDLE_NS 20000LL
@@ -190,12 +189,7 @@ struct aio_engine {
     int64_t nl_checked;  /* last time the poller drained it while spinning */
     _Atomic int64_t ops_in_flight;
     _Atomic int64_t want_below; /* a poster waits for queue space: report when in flight <= it (-1: none) */
-    /* low-latency waits (aio_poll_ring): the event-loop thread drives the CQs itself and the
-     * poller stands aside (parked on kick_fd) meanwhile; after one, the poller does not spin
-     * for a while (one spinner per engine: the loop) but sleeps on the wait objects */
-    _Atomic int loop_polling;
-    _Atomic int parked;
-    _Atomic int64_t loop_polled_ns; /* when the last aio_poll_ring ended */
+    /* low-latency waits (aio_poll_ring) made by the loop thread */
     _Atomic uint64_t st_loop_polls;
 
     /* watched words */
@@ -213,7 +207,6 @@ struct aio_engine {
 static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int iface_up(int ifindex);
 static int progress_locked(aio_engine *e, struct aio_rail *r);
-static void kick(aio_engine *e);
 static int poll_watches(aio_engine *e);
 static void set_err(char *err, size_t errlen, const char *fmt, ...) {
     if (!err || errlen == 0) return;
@@ -596,7 +589,6 @@ static void complete_op(aio_engine *e, aio_rail *r, aio_op *op, int status, int 
 
 void aio_want_space(aio_engine *e, int64_t below) {
     atomic_store(&e->want_below, below < 0 ? 0 : below);
-    kick(e); /* the poller drives the requests in flight while the loop waits for room */
     /* everything may have completed meanwhile: nobody would report it */
     int64_t w = atomic_load(&e->want_below);
     if (w >= 0 && atomic_load(&e->ops_in_flight) <= w && atomic_compare_exchange_strong(&e->want_below, &w, -1)) {
@@ -605,11 +597,12 @@ void aio_want_space(aio_engine *e, int64_t below) {
     }
 }
 
-/* The blocking half of aio_poll_ring: sleeps on the rails' wait objects (not the poller's
- * epoll set: its kick fd is not ours to clear) for at most `ns`. 0 if some rail has no wait
- * object or has work ready (fi_trywait refused): the caller polls again instead. */
+/* The blocking half of aio_poll_ring: sleeps for at most `ns` on the rails' wait objects and
+ * on the engine's eventfd, armed, so that a record the poller pushes meanwhile (it keeps
+ * polling too) wakes it. 0 if some rail has no wait object or has work ready (fi_trywait
+ * refused), or a record is already waiting: the caller polls again instead. */
 static int loop_block(aio_engine *e, int64_t ns) {
-    struct pollfd p[AIO_MAX_RAILS];
+    struct pollfd p[AIO_MAX_RAILS + 1];
     for (int i = 0; i < e->nrails; i++) {
         aio_rail *r = e->rails[i];
         if (r->wait_fd < 0) return 0;
@@ -622,11 +615,22 @@ static int loop_block(aio_engine *e, int64_t ns) {
         p[i].events = POLLIN;
         p[i].revents = 0;
     }
+    p[e->nrails].fd = e->efd;
+    p[e->nrails].events = POLLIN;
+    p[e->nrails].revents = 0;
+    if (aio_arm(e)) { /* a record came in meanwhile (the missed-wakeup check) */
+        atomic_store(&e->armed, 0);
+        return 0;
+    }
     if (ns > LOOP_POLL_BLOCK_MAX_NS) ns = LOOP_POLL_BLOCK_MAX_NS;
     if (atomic_load(&e->nwatch) > 0 && ns > (int64_t)e->cfg.watch_us * 1000) /* read them again soon */
         ns = (int64_t)e->cfg.watch_us * 1000;
     struct timespec ts = {.tv_sec = ns / 1000000000LL, .tv_nsec = ns % 1000000000LL};
-    ppoll(p, (nfds_t)e->nrails, &ts, NULL);
+    ppoll(p, (nfds_t)e->nrails + 1, &ts, NULL);
+    /* disarm, then clear: a push in between wrote the eventfd, which this read empties, so the
+     * event loop is not woken later for records its caller drains now */
+    atomic_store(&e->armed, 0);
+    aio_clear_eventfd(e);
     return 1;
 }
 
@@ -635,45 +639,26 @@ int aio_poll_ring(aio_engine *e, int64_t budget_ns) {
     /* records pushed from now on must not signal the eventfd: the caller drains them (and
      * re-arms with aio_arm) right after this returns */
     atomic_store(&e->armed, 0);
-    atomic_store(&e->loop_polling, 1);
     atomic_fetch_add_explicit(&e->st_loop_polls, 1, memory_order_relaxed);
     int64_t start = now_ns();
     int64_t deadline = start + (budget_ns > 0 ? budget_ns : 0);
-    int ready = 0;
     for (;;) {
         for (int i = 0; i < e->nrails; i++) {
             aio_rail *r = e->rails[i];
-            /* busy: the poller is in it (it parks at its next turn) and pushes what it reads */
+            /* busy: the poller is reading it (and pushes what it reads) */
             if (pthread_mutex_trylock(&r->mu) != 0) continue;
             progress_locked(e, r);
             pthread_mutex_unlock(&r->mu);
         }
-        poll_watches(e); /* the poller, which reads them otherwise, stands aside */
-        if (ring_ready(e)) {
-            ready = 1;
-            break;
-        }
+        poll_watches(e);
+        if (ring_ready(e)) return 1;
         int64_t t = now_ns();
-        if (t >= deadline) break;
+        if (t >= deadline) return 0;
         if (t - start < LOOP_POLL_SPIN_NS || !loop_block(e, deadline - t)) {
             /* the peer process or the kernel's network work may need this very core */
             sched_yield();
         }
     }
-    atomic_store(&e->loop_polled_ns, now_ns());
-    atomic_store(&e->loop_polling, 0);
-    if (!ready) {
-        /* giving up (the loop will sleep on the eventfd): the poller takes over whatever is
-         * in flight, spinning as usual (posts skipped their kick meanwhile) */
-        atomic_store(&e->loop_polled_ns, 0);
-        kick(e);
-    }
-    if (atomic_load(&e->parked)) {
-        uint64_t one = 1;
-        ssize_t w = write(e->kick_fd, &one, sizeof(one));
-        (void)w;
-    }
-    return ready;
 }
 
 static void handle_remote_data(aio_engine *e, aio_rail *r, uint64_t data) {
@@ -827,17 +812,6 @@ static int poll_watches(aio_engine *e) {
     return got;
 }
 
-/* After a successful post: wakes a sleeping poller to drive the new requests, unless the
- * loop thread does that itself (it is in low-latency mode: its last aio_poll_ring ended
- * moments ago, and it polls right after posting; when it gives up, aio_poll_ring kicks). */
-static void post_kick(aio_engine *e) {
-    if (now_ns() - atomic_load(&e->loop_polled_ns) < LOOP_POLL_QUIET_NS) {
-        atomic_fetch_add(&e->post_seq, 1);
-        return;
-    }
-    kick(e);
-}
-
 /* ------------------------------------------------------------------ link monitor */
 
 static int iface_up(int ifindex) {
@@ -926,22 +900,6 @@ static void *poller_main(void *arg) {
     for (int i = 0; i < e->nrails; i++)
         if (e->rails[i]->wait_fd < 0) all_fd = 0;
     while (!atomic_load(&e->stop)) {
-        if (atomic_load(&e->loop_polling)) {
-            /* the loop thread drives the CQs (aio_poll_ring): stand aside until it is done
-             * (it kicks us when it sees `parked`; the timeout is only a safety net) */
-            atomic_store(&e->parked, 1);
-            if (atomic_load(&e->loop_polling)) {
-                struct pollfd p = {.fd = e->kick_fd, .events = POLLIN};
-                atomic_fetch_add_explicit(&e->st_sleeps, 1, memory_order_relaxed);
-                if (poll(&p, 1, e->cfg.sleep_ms) > 0) {
-                    uint64_t v;
-                    ssize_t rr = read(e->kick_fd, &v, sizeof(v));
-                    (void)rr;
-                }
-            }
-            atomic_store(&e->parked, 0);
-            continue;
-        }
         int got = 0;
         for (int i = 0; i < e->nrails; i++) {
             aio_rail *r = e->rails[i];
@@ -969,10 +927,6 @@ static void *poller_main(void *arg) {
         int64_t inflight = atomic_load(&e->ops_in_flight);
         int64_t spin = e->cfg.spin_ns;
         if (inflight > 0 && spin < e->cfg.busy_spin_ns) spin = e->cfg.busy_spin_ns;
-        /* the loop thread polled the CQs itself a moment ago (low-latency waits): it is the
-         * spinner; this thread only sleeps on the wait objects, woken by activity, so that
-         * two spinning threads do not share the cores */
-        if (now_ns() - atomic_load(&e->loop_polled_ns) < LOOP_POLL_QUIET_NS) spin = 0;
         if (now_ns() - last_active < spin) {
             /* yield rather than only pause: with few cores, the thread this spin
              * waits for (the loop that posts the next request, a peer process) may
@@ -1741,7 +1695,7 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
         rc = post_item(e, g, &items[i], deadline);
         if (rc <= 0) break;
     }
-    if (i > 0) post_kick(e);
+    if (i > 0) kick(e);
     if (i == 0 && rc < 0) return rc;
     return i;
 }
@@ -1819,7 +1773,7 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
         k += cnt;
         req++;
     }
-    if (k > start) post_kick(e);
+    if (k > start) kick(e);
     if (k == start && rc < 0) return rc;
     return k - start;
 }

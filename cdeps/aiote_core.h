@@ -260,12 +260,14 @@ int aio_drain(aio_engine *e, aio_record *out, int max);
  * drain again instead of sleeping), 0 if the next record will signal the eventfd. */
 int aio_arm(aio_engine *e);
 /* Low-latency wait of the event-loop thread (call it with the GIL released): drives every
- * rail's completion queue itself, yielding the CPU between polls, until a record is waiting
- * in the ring or `budget_ns` passed; the poller thread stands aside meanwhile (and skips its
- * own spin for a while after, sleeping on the wait objects instead). Returns 1 if records are
- * waiting, 0 after the budget. The eventfd is disarmed: the caller must aio_drain and aio_arm
- * (as after any wake-up) before it sleeps. A counter waiter arms its watch first
- * (aio_counter_watch), so that the counter reaching it pushes a record. */
+ * rail's completion queue itself (a rail the poller holds at that moment is skipped: the
+ * poller pushes what it reads) and reads the watched words, until a record is waiting in the
+ * ring or `budget_ns` passed. It polls for 30 us, yielding the CPU between polls, then sleeps
+ * on the rails' wait objects and the (armed) eventfd in steps of at most 1 ms. Returns 1 if
+ * records are waiting, 0 after the budget. The poller thread is not affected. On return the
+ * eventfd is disarmed and clear: the caller must aio_drain and aio_arm (as after any
+ * wake-up) before it sleeps. A counter waiter arms its watch first (aio_counter_watch), so
+ * that the counter reaching it pushes a record. */
 int aio_poll_ring(aio_engine *e, int64_t budget_ns);
 /* How many aio_poll_ring calls the engine has seen. */
 uint64_t aio_loop_polls(aio_engine *e);

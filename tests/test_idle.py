@@ -16,7 +16,7 @@ import anyio
 import aiote
 
 async def main():
-    # the low-latency setting: the loop thread drove the CQs, the poller stood aside; idle, both sleep
+    # the low-latency setting: the loop thread drove the CQs itself; idle, the poller and the loop sleep
     settings = {} if sys.argv[2] == "default" else {"spin_us": 1000.0, "loop_spin_us": 500.0}
     async with aiote.open_engine(**settings) as engine:
         mr = await engine.register(bytearray(1 << 20))

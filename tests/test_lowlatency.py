@@ -43,8 +43,8 @@ async def test_loop_spin_waits_are_driven_by_the_loop_thread() -> None:
 
 
 async def test_loop_spin_gives_up_and_the_poller_takes_over() -> None:
-    """A wait whose credit comes after the spin budget still wakes (the poller resumes), and a
-    write posted meanwhile completes."""
+    """A wait whose credit comes after the spin budget still wakes (through the poller and the
+    eventfd), and posting and completions go on after a given-up spin."""
     async with aiote.open_engine(loop_spin_us=50) as a, aiote.open_engine() as b:
         ma, mb = await a.register(np.zeros(4096, np.uint8)), await b.register(np.zeros(4096, np.uint8))
 

@@ -465,9 +465,9 @@ class Engine:
 
     def _spin_until(self, done: Any) -> None:
         """Low-latency mode (``loop_spin_us``): the loop thread drives the completion queues
-        itself (``aio_poll_ring``, GIL released, yielding the CPU between polls; the poller
-        thread stands aside meanwhile) until ``done()`` or the spin budget runs out, instead
-        of a hand-off through the ring and the eventfd. Every record is dispatched by
+        itself (``aio_poll_ring``, GIL released: polls for 30 us yielding the CPU, then sleeps
+        on the NICs' wait objects) until ``done()`` or the spin budget runs out, instead of a
+        hand-off through the ring and the eventfd. Every record is dispatched by
         :meth:`_drain` as usual, which also re-arms the eventfd before the loop may sleep.
         Blocks the event loop for at most ``loop_spin_us``."""
         h = self._h
@@ -2012,13 +2012,11 @@ async def open_engine(
     side (default 0: off): an operation or counter wait that is not complete right after
     posting drives the completion queues from the loop thread itself (a native call, GIL
     released: it polls for ~30 us, yielding the core between polls, then sleeps on the NICs'
-    wait objects) for up to this long, and only then sleeps on the event loop. Meanwhile the
-    poller thread stands aside, and it does not spin for 20 ms after such a wait (one spinner
-    per engine, not two, on a small machine): no hand-off through the ring and the eventfd,
-    and a completed operation or an available credit returns without a trip through the
-    event loop. It blocks the loop for at most ``loop_spin_us`` per wait, so use it where
-    latency matters more than other tasks' fairness (e.g. ``500``); an idle engine still
-    sleeps.
+    wait objects) for up to this long, and only then sleeps on the event loop: no hand-off
+    through the ring and the eventfd, and a completed operation or an available credit
+    returns without a trip through the event loop (the poller thread works as usual). It
+    blocks the loop for at most ``loop_spin_us`` per wait, so use it where latency matters
+    more than other tasks' fairness (e.g. ``500``); an idle engine still sleeps.
     ``sleep_ms``: the timed fallback of the sleeping poller.
     ``same_host``: an extra provider (one rail) for peers on this host, chosen automatically
     when both engines carry it (default ``"shm"``: shared memory, about 2.5x tcp loopback here);

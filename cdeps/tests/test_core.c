@@ -934,11 +934,11 @@ static int t_submit(fix_t *f) {
 }
 
 /* aio_poll_ring: the calling thread drives the CQs until a record waits (a group
- * completion, a satisfied counter watch) or its budget runs out; the eventfd is not
- * signalled meanwhile, and the poller resumes its work afterwards. */
+ * completion, a satisfied counter watch) or its budget runs out; the poller keeps working,
+ * and an armed loop is woken by the eventfd afterwards as usual. */
 static int t_poll_ring(fix_t *f) {
     eng_t *a = &f->a, *b = &f->b;
-    int aefd = aio_engine_eventfd(a->e), befd = aio_engine_eventfd(b->e);
+    int aefd = aio_engine_eventfd(a->e);
     sleep_us(10000);
     while (pump(a)) {
     }
@@ -979,18 +979,20 @@ static int t_poll_ring(fix_t *f) {
         CHECK(aio_drain(b->e, &r, 1) == 1 && r.kind == AIO_REC_COUNTER && r.token == imm,
               "round %d: the counter record", round);
         CHECK(aio_counter_take(b->e, imm, U) == 1, "round %d: take", round);
-        /* disarmed: nothing signalled either eventfd */
-        CHECK(!poll_fd(aefd, 0) && !poll_fd(befd, 0), "round %d: eventfd signalled during aio_poll_ring",
-              round);
+        /* while it sleeps aio_poll_ring arms the eventfd and clears it on waking; a producer
+         * that raced with that may still signal it once: spurious, harmless (the event loop
+         * drains an empty ring) */
+        aio_clear_eventfd(a->e);
+        aio_clear_eventfd(b->e);
     }
-    /* afterwards the poller does the work again: a completion wakes an armed loop */
+    /* afterwards: a completion wakes an armed loop through the eventfd */
     CHECK(aio_arm(a->e) == 0, "arm");
     aio_op_desc d = op_to(a, b, AIO_OP_WRITE, 0, 0, 4096, 0, 0);
     uint64_t tok = g_token++;
     int64_t g = aio_group_open(a->e, tok);
     CHECK(post_all(a, g, &d, 1, TIMEOUT) == 0, "post");
     CHECK_OK(aio_group_seal(a->e, g));
-    CHECK(poll_fd(aefd, 10000), "the poller did not resume after aio_poll_ring");
+    CHECK(poll_fd(aefd, 10000), "no eventfd wake-up after aio_poll_ring");
     aio_clear_eventfd(a->e);
     CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, NULL) == 0, "group after resume");
     /* a record already waiting: returns 1 at once */
