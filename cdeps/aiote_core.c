@@ -189,6 +189,7 @@ struct aio_engine {
     int64_t nl_checked;  /* last time the poller drained it while spinning */
     _Atomic int64_t ops_in_flight;
     _Atomic int64_t want_below; /* a poster waits for queue space: report when in flight <= it (-1: none) */
+    _Atomic int32_t nwant;      /* counters with an armed watch (a task awaits an immediate) */
     /* low-latency waits (aio_poll_ring) made by the loop thread */
     _Atomic uint64_t st_loop_polls;
 
@@ -444,6 +445,7 @@ static void counter_credit(aio_engine *e, uint32_t imm, uint64_t units, int rece
         if (received) s->total += units;
         if (s->want && s->avail >= s->want) {
             s->want = 0;
+            atomic_fetch_sub(&e->nwant, 1);
             fire = 1;
         }
     }
@@ -510,9 +512,11 @@ int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units) {
     cslot *s = counter_find(e, imm, 1);
     if (!s) ready = -FI_ENOMEM;
     else if (s->avail >= units) {
+        if (s->want) atomic_fetch_sub(&e->nwant, 1);
         s->want = 0;
         ready = 1;
     } else {
+        if (!s->want) atomic_fetch_add(&e->nwant, 1);
         s->want = units;
     }
     pthread_mutex_unlock(&e->cnt_mu);
@@ -960,8 +964,13 @@ static void *poller_main(void *arg) {
                 timeout = (now_ns() - last_active > 200000000LL) ? 5 : 1;
             atomic_fetch_add_explicit(&e->st_sleeps, 1, memory_order_relaxed);
             int ne;
-            if (atomic_load(&e->nwatch) > 0) { /* watched words: read them again soon */
-                struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)e->cfg.watch_us * 1000L};
+            /* a rail without a wait object (shm) tells nobody that an immediate arrived: while
+             * a task awaits one, poll it every 50 us rather than every millisecond */
+            long short_us = (!all_fd && atomic_load(&e->nwant) > 0) ? 50 : 0;
+            if (atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
+                short_us = e->cfg.watch_us; /* watched words: read them again soon */
+            if (short_us) {
+                struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};
                 ne = epoll_pwait2(e->epfd, evs, AIO_MAX_RAILS + 1, &ts, NULL);
             } else {
                 ne = epoll_wait(e->epfd, evs, AIO_MAX_RAILS + 1, timeout);
