@@ -2,7 +2,9 @@
 #define _GNU_SOURCE
 #include "aiote_core.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <poll.h>
 #include <pthread.h>
@@ -1205,6 +1207,30 @@ static void rail_free(aio_rail *r) {
     free(r);
 }
 
+/* libfabric's shm provider names its region /dev/shm/<pid>:<n>:<m> and leaves it behind when
+ * a process is killed; a later process that gets the same pid then fails to open its
+ * endpoint (EBUSY). Before this process's first shm endpoint: remove the regions of its own
+ * pid (all stale: it has created none yet) and of processes that no longer exist. */
+static void shm_sweep_stale(void) {
+    static atomic_int done;
+    if (atomic_exchange(&done, 1)) return;
+    DIR *d = opendir("/dev/shm");
+    if (!d) return;
+    pid_t me = getpid();
+    struct dirent *ent;
+    while ((ent = readdir(d)) != NULL) {
+        char *end = NULL;
+        long pid = strtol(ent->d_name, &end, 10);
+        if (end == ent->d_name || *end != ':' || pid <= 0) continue;
+        int mine = pid == (long)me;
+        if (!mine && !(kill((pid_t)pid, 0) != 0 && errno == ESRCH)) continue;
+        char path[300];
+        snprintf(path, sizeof(path), "/dev/shm/%s", ent->d_name);
+        unlink(path);
+    }
+    closedir(d);
+}
+
 int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, uint32_t recv_slots,
                         uint64_t slot_size, char *err, size_t errlen) {
     if (e->started) {
@@ -1217,6 +1243,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     }
     if (recv_slots == 0) recv_slots = 1;
     if (slot_size < 64) slot_size = 64;
+    if (!strcmp(map_provider(provider), "shm")) shm_sweep_stale();
     int ret;
     aio_rail *r = calloc(1, sizeof(*r));
     if (!r) return -FI_ENOMEM;
