@@ -101,17 +101,26 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
         cells = [f"{tput[k][s]:.2f}" if s in tput.get(k, {}) else "-" for s in sizes]
         out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + f" | {rtt[k]:.1f} |"
                    if k in rtt else f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " | - |")
-    if b:  # aiote's writes against the best peer at each size, tcp against tcp paths
-        aiote = {r["size"]: r["py_gbps"] for r in b["rows"]
-                 if r["mode"] == "write" and r.get("provider") == "tcp" and r.get("unit") == "GB/s"}
-        parts = []
-        for s in sizes:
-            best = max(((v[s], k[0]) for k, v in tput.items() if s in v and "tcp" in k[1].lower()),
-                       default=None)
-            if best and s in aiote:
-                parts.append(f"{size_label(s)}: {aiote[s] / best[0]:.2f} (best: {best[1]})")
-        if parts:
-            out += ["", "aiote write (tcp) / best peer on a tcp path: " + "; ".join(parts) + "."]
+    if b:  # aiote's writes against the best peer at each size and path (tcp: tcp, shm: same-host)
+        for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
+            aiote = {r["size"]: r["py_gbps"] for r in b["rows"]
+                     if r["mode"] == "write" and r.get("provider") == prov and r.get("unit") == "GB/s"}
+            parts = []
+            for s in sizes:
+                best = max(((v[s], k[0]) for k, v in tput.items() if s in v and k[1].lower() == label),
+                           default=None)
+                if best and s in aiote:
+                    parts.append(f"{size_label(s)}: {aiote[s] / best[0]:.2f} (best: {best[1]})")
+            if parts:
+                out += ["", f"aiote write ({prov}) / best peer on a {label} path: " + "; ".join(parts) + "."]
+        # WriteImm round trip (2 x the one-way p50) against UCXX's asyncio round trip
+        for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
+            one = [r["py_gbps"] for r in b["rows"]
+                   if r["mode"] == "imm-latency" and r.get("provider") == prov and r.get("size") == 50]
+            ux = rtt.get(("ucxx", label, "rtt"))
+            if one and ux:
+                out += ["", f"aiote WriteImm round trip ({prov}) {2 * one[0]:.1f} µs against UCXX asyncio "
+                            f"({label}) {ux:.1f} µs: ratio {2 * one[0] / ux:.2f} (target < 1)."]
     return out
 
 

@@ -525,6 +525,12 @@ int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units) {
     return ready;
 }
 
+static void kick(aio_engine *e);
+
+void aio_waiters_add(aio_engine *e, int32_t delta) {
+    if (atomic_fetch_add(&e->nwant, delta) + delta > 0) kick(e); /* a sleeping poller: shorter steps now */
+}
+
 void aio_counter_refund(aio_engine *e, uint32_t imm, uint64_t units) {
     counter_credit(e, imm, units, 0);
 }

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-"$PY" -m aiote bench all --provider tcp,shm --sizes 4KiB,64KiB,1MiB --repeats 3 \
+"$PY" -m aiote bench all --provider tcp,shm --sizes 4KiB,64KiB,1MiB,16MiB --repeats 3 \
     --json docs/bench.json --plot docs/bench.png "$@"
 peers=()
 if [ -f benchmarks/peers/run.py ]; then

@@ -1645,9 +1645,14 @@ class Engine:
             return item
         w = _RecvWaiter(self._event())
         self._recv_waiters.append(w)
+        lib.aio_waiters_add(self._h, 1)  # a shm rail is polled more often while we wait
         try:
-            with deadline(timeout, "recv"):
-                await w.event.wait()
+            try:
+                with deadline(timeout, "recv"):
+                    await w.event.wait()
+            finally:
+                if not self._closed:
+                    lib.aio_waiters_add(self._h, -1)
         except BaseException:
             if w.item is not None:
                 self._inbox.appendleft(w.item)
