@@ -340,23 +340,12 @@ class GpuSupport:
                     "GPU region not exported over CUDA IPC; same-host peers use staging", reason=str(exc)
                 )
         rid = secrets.randbits(63) + 1
+        shadow: np.ndarray | None = None
+        dev: tuple[int, int] | None = None
         if self.direct:  # the NICs register the GPU memory itself (FI_HMEM): no shadow
-            iface = lib.AIO_HMEM_CUDA if self.b.kind == "cuda" else lib.AIO_HMEM_SYSTEM
-            mr = await self.e._register_native(
-                None,
-                obj,
-                buf.nbytes,
-                remote_write,
-                remote_read,
-                DEVICE_CUDA,
-                buf.device,
-                GpuExtent(rid, self.code, handle, offset, direct=True),
-                dev=(buf.ptr, int(iface)),
-            )
-            mr._dev = buf
-            mr.writable = not buf.readonly
-            return mr
-        shadow = await anyio.to_thread.run_sync(self.b.pinned, buf.nbytes)
+            dev = (buf.ptr, int(lib.AIO_HMEM_CUDA if self.b.kind == "cuda" else lib.AIO_HMEM_SYSTEM))
+        else:
+            shadow = await anyio.to_thread.run_sync(self.b.pinned, buf.nbytes)
         mr = await self.e._register_native(
             shadow,
             obj,
@@ -365,12 +354,14 @@ class GpuSupport:
             remote_read,
             DEVICE_CUDA,
             buf.device,
-            GpuExtent(rid, self.code, handle, offset),
+            GpuExtent(rid, self.code, handle, offset, direct=self.direct),
+            dev=dev,
         )
         mr._dev = buf
-        mr._shadow = shadow
         mr.writable = not buf.readonly
-        self._regions[rid] = mr
+        if shadow is not None:
+            mr._shadow = shadow
+            self._regions[rid] = mr
         return mr
 
     def forget(self, mr: MemoryRegion) -> None:
