@@ -454,6 +454,33 @@ static int cmp_i64(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* The pinger's end of a ping-pong (both kinds): waits for its own sends, lets the
+ * answering side go, and prints the one-way (RTT / 2) percentiles as one JSON line. */
+static void pingpong_report(side_t *s, const opts_t *o, const char *mode, int64_t *rtt,
+                            uint64_t total, double cpu) {
+    while (s->groups_done < total)
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    char bye = 'x';
+    write_full(s->wfd, &bye, 1);
+    uint64_t m = o->iters;
+    qsort(rtt, m, sizeof(int64_t), cmp_i64);
+    double sum = 0;
+    for (uint64_t i = 0; i < m; i++) sum += (double)rtt[i];
+    uint64_t i50 = m / 2, i99 = (m * 99) / 100;
+    if (i99 >= m) i99 = m - 1;
+#define OW(ns) ((double)(ns) / 2e3)
+    printf("{\"mode\":\"%s\",\"provider\":\"%s\",\"nic\":\"%s\",\"iters\":%llu,\"p50_us\":%.2f,"
+           "\"p99_us\":%.2f,\"mean_us\":%.2f,\"min_us\":%.2f,\"max_us\":%.2f,\"rtt_p50_us\":%.2f,"
+           "\"rtt_p99_us\":%.2f,\"wait\":\"%s\",\"spin_ns\":%lld,\"pinger_cpu_s\":%.3f,"
+           "\"seconds\":%.3f,\"post_us_mean\":%.2f}\n",
+           mode, o->provider, o->nic ? o->nic : "", (unsigned long long)m, OW(rtt[i50]), OW(rtt[i99]),
+           sum / (double)m / 2e3, OW(rtt[0]), OW(rtt[m - 1]), (double)rtt[i50] / 1e3,
+           (double)rtt[i99] / 1e3, wait_name(o), (long long)o->spin_ns, cpu, sum * 1e-9,
+           s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0);
+#undef OW
+    free(rtt);
+}
+
 static void run_pingpong(side_t *s, const opts_t *o, int rank) {
     uint64_t total = o->warmup + o->iters;
     if (rank == 1) {
@@ -491,28 +518,7 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
         int64_t dt = now_ns() - t;
         if (i >= o->warmup) rtt[i - o->warmup] = dt;
     }
-    double cpu = cpu_s() - c0;
-    while (s->groups_done < total)
-        if (side_drain(s, 0, NULL) == 0) side_idle(s);
-    char bye = 'x';
-    write_full(s->wfd, &bye, 1);
-    uint64_t m = o->iters;
-    qsort(rtt, m, sizeof(int64_t), cmp_i64);
-    double sum = 0;
-    for (uint64_t i = 0; i < m; i++) sum += (double)rtt[i];
-    /* one-way = RTT / 2, in microseconds */
-#define OW(ns) ((double)(ns) / 2e3)
-    uint64_t i50 = m / 2, i99 = (m * 99) / 100;
-    if (i99 >= m) i99 = m - 1;
-    printf("{\"mode\":\"pingpong\",\"provider\":\"%s\",\"nic\":\"%s\",\"iters\":%llu,\"p50_us\":%.2f,"
-           "\"p99_us\":%.2f,\"mean_us\":%.2f,\"min_us\":%.2f,\"max_us\":%.2f,\"rtt_p50_us\":%.2f,"
-           "\"wait\":\"%s\",\"spin_ns\":%lld,\"pinger_cpu_s\":%.3f,\"seconds\":%.3f,"
-           "\"post_us_mean\":%.2f}\n",
-           o->provider, o->nic ? o->nic : "", (unsigned long long)m, OW(rtt[i50]), OW(rtt[i99]),
-           sum / (double)m / 2e3, OW(rtt[0]), OW(rtt[m - 1]), (double)rtt[i50] / 1e3, wait_name(o),
-           (long long)o->spin_ns, cpu, sum * 1e-9,
-           s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0);
-    free(rtt);
+    pingpong_report(s, o, "pingpong", rtt, total, cpu_s() - c0);
 }
 
 /* One paged call: a group of every page, posted from `start` until all are in, sealed,
@@ -816,25 +822,7 @@ static void run_msgpingpong(side_t *s, const opts_t *o, int rank) {
         int64_t dt = now_ns() - t;
         if (i >= o->warmup) rtt[i - o->warmup] = dt;
     }
-    double cpu = cpu_s() - c0;
-    while (s->groups_done < total)
-        if (side_drain(s, 0, NULL) == 0) side_idle(s);
-    char bye = 'x';
-    write_full(s->wfd, &bye, 1);
-    uint64_t m = o->iters;
-    qsort(rtt, m, sizeof(int64_t), cmp_i64);
-    double sum = 0;
-    for (uint64_t i = 0; i < m; i++) sum += (double)rtt[i];
-    uint64_t i50 = m / 2, i99 = (m * 99) / 100;
-    if (i99 >= m) i99 = m - 1;
-    printf("{\"mode\":\"msgpingpong\",\"provider\":\"%s\",\"nic\":\"%s\",\"iters\":%llu,\"p50_us\":%.2f,"
-           "\"p99_us\":%.2f,\"mean_us\":%.2f,\"min_us\":%.2f,\"max_us\":%.2f,\"rtt_p50_us\":%.2f,"
-           "\"rtt_p99_us\":%.2f,\"wait\":\"%s\",\"spin_ns\":%lld,\"pinger_cpu_s\":%.3f}\n",
-           o->provider, o->nic ? o->nic : "", (unsigned long long)m, (double)rtt[i50] / 2e3,
-           (double)rtt[i99] / 2e3, sum / (double)m / 2e3, (double)rtt[0] / 2e3,
-           (double)rtt[m - 1] / 2e3, (double)rtt[i50] / 1e3, (double)rtt[i99] / 1e3, wait_name(o),
-           (long long)o->spin_ns, cpu);
-    free(rtt);
+    pingpong_report(s, o, "msgpingpong", rtt, total, cpu_s() - c0);
 }
 
 /* --listen: one connection on PORT (0: any), announced on stdout. */
