@@ -250,6 +250,44 @@ async def test_wait_timeout_raises_transfer_timeout(aiote_engine_pair) -> None:
     assert c.available == 0
 
 
+async def test_timed_waits_served_cancelled_or_expired(aiote_engine_pair) -> None:
+    # a timed wait is a timer on the waiter's event (no cancel scope): a wait cancelled from
+    # outside or timed out consumes nothing, and its timer firing later touches nothing
+    a, b = aiote_engine_pair
+    md = await b.register(zeros(16))
+    c = b.imm_counter(18)
+    async with anyio.create_task_group() as tg:
+        cs = anyio.CancelScope()
+
+        async def cancelled() -> None:
+            with cs:
+                await c.wait(1, timeout=0.2)
+
+        tg.start_soon(cancelled)
+        await anyio.wait_all_tasks_blocked()
+        cs.cancel()
+    assert cs.cancelled_caught
+    with pytest.raises(aiote.TransferTimeout, match="credits of imm 18"):
+        await c.wait(1, timeout=0.05)
+    await anyio.sleep(0.3)  # past the cancelled wait's deadline
+    served = []
+
+    async def timed(k: int) -> None:
+        await c.wait(1, timeout=10)
+        served.append(k)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timed, 1)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(timed, 2)
+        await anyio.wait_all_tasks_blocked()
+        await a.write_imm(md.descriptor, 18)
+        await a.write_imm(md.descriptor, 18)
+    assert served == [1, 2]  # FIFO, each before its deadline
+    assert c.available == 0
+    assert c.total == 2
+
+
 async def test_wait_rejects_bad_arguments(aiote_engine_pair) -> None:
     _, b = aiote_engine_pair
     c = b.imm_counter(17)

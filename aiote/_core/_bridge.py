@@ -15,6 +15,7 @@ from typing import Any
 import sniffio
 
 from ._log import get_logger
+from ._util import LoopEvent
 
 _log = get_logger(component="bridge")
 
@@ -32,13 +33,14 @@ class LoopBridge:
 
     @property
     def event_class(self) -> Any:
-        """The event loop's own Event class (``asyncio.Event`` or ``trio.Event``): created on
-        every operation, so the backend lookup of ``anyio.Event()`` is paid once per engine."""
+        """The event class of the engine's waits (:class:`LoopEvent` under asyncio, with a
+        cheap timed wait; ``trio.Event``): created on every operation, so the backend lookup
+        of ``anyio.Event()`` is paid once per engine."""
         if self._backend == "trio":
             import trio
 
             return trio.Event
-        return asyncio.Event
+        return LoopEvent
 
     @property
     def backend(self) -> str:

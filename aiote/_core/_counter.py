@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +10,7 @@ import anyio
 
 from .._native import lib
 from ._errors import EngineClosed, InvalidArgument
-from ._util import deadline
+from ._util import check_timeout, timeout_error, wait_until
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -70,8 +69,7 @@ class ImmCounter:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"credits to wait for must be an int >= 0, not {n!r}")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or math.isnan(timeout)):
-            raise InvalidArgument(f"timeout must be a number of seconds or None, not {timeout!r}")
+        check_timeout(timeout)
         eng = self._engine
         h = eng._handle()
         units = n * CREDIT_UNIT
@@ -102,10 +100,11 @@ class ImmCounter:
         if eng._loop_spin_ns and not w.event.is_set():
             eng._spin_until(w.event.is_set)
         try:
-            # no deadline scope (a few microseconds) when the credits are already granted
-            what = f"waiting for {n} credits of imm {self.imm}"
-            with deadline(None if w.event.is_set() else timeout, what):
+            # a timed wait is a timer on the event, not a cancel scope (see LoopEvent)
+            if timeout is None:
                 await w.event.wait()
+            elif not await wait_until(w.event, anyio.current_time() + timeout):
+                raise timeout_error(f"waiting for {n} credits of imm {self.imm}", timeout)
         except BaseException:
             if w.granted and not self._engine._closed:
                 lib.aio_counter_refund(h, self.imm, w.units)

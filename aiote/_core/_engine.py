@@ -51,7 +51,7 @@ from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
 from ._retry import RetryPolicy
 from ._routing import DomainGroup, Route, Router, addr_ends
-from ._util import as_index, check_timeout, deadline, deadline_at
+from ._util import as_index, check_timeout, deadline_at, timeout_error, wait_until
 
 __all__ = ["Engine", "RailInfo", "ScatterTarget", "TransferBatch", "open_engine"]
 
@@ -434,16 +434,18 @@ class Engine:
                 ev = op.event = self._event()
             await ev.wait()
 
-    async def _wait_space(self, fallback: float) -> Any:
+    async def _wait_space(self, fallback: float, end: float | None = None) -> Any:
         """Waits until half of this engine's requests in flight completed (room in the
-        queues) or ``fallback`` seconds pass; returns the handle (EngineClosed if closing meanwhile)."""
+        queues) or ``fallback`` seconds pass, or the deadline ``end``; returns the handle
+        (EngineClosed if closing meanwhile)."""
+        now = anyio.current_time()
+        when = now + fallback if end is None else min(now + fallback, end)
         inflight = int(lib.aio_ops_in_flight(self._h))
         if inflight == 0:  # nothing will complete (a peer still connecting): the timer only
-            return await self._pause(fallback)
+            return await self._pause(max(0.0, when - now))
         ev = self._space
         lib.aio_want_space(self._h, inflight // 2)
-        with anyio.move_on_after(fallback):
-            await ev.wait()
+        await wait_until(ev, when)
         return self._check_open()
 
     def _seal(self, g: int) -> None:
@@ -1083,16 +1085,18 @@ class Engine:
                         elif now - stalled_since > self._connect_timeout():
                             error = _STALLED
                             break
-                    with deadline_at(end, timeout, what):
-                        h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01))
+                    h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01), end)
+                    if end is not None and anyio.current_time() >= end:
+                        assert timeout is not None
+                        raise timeout_error(what, timeout)
             if not sealed:
                 self._seal(g)
                 sealed = True
             if self._loop_spin_ns:
                 self._spin_until(op.event.is_set)
-            if not op.event.is_set():
-                with deadline_at(end, timeout, what):
-                    await op.event.wait()
+            if not op.event.is_set() and not await wait_until(op.event, end):
+                assert timeout is not None
+                raise timeout_error(what, timeout)
         except TransferTimeout as timed_out:
             if not sealed:
                 self._seal(g)
@@ -1648,8 +1652,9 @@ class Engine:
         lib.aio_waiters_add(self._h, 1)  # a shm rail is polled more often while we wait
         try:
             try:
-                with deadline(timeout, "recv"):
-                    await w.event.wait()
+                if not await wait_until(w.event, _end(timeout)):
+                    assert timeout is not None
+                    raise timeout_error("recv", timeout)
             finally:
                 if not self._closed:
                     lib.aio_waiters_add(self._h, -1)

@@ -42,7 +42,7 @@ from ._descriptor import (
 from ._device import _Backend, device_backend
 from ._errors import AioteError, EngineClosed, InvalidArgument
 from ._log import get_logger
-from ._util import check_timeout, deadline
+from ._util import check_timeout, deadline, timeout_error, wait_until
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -208,8 +208,9 @@ class UvmWatcher:
         self._waiters.append(entry)
         try:
             self._arm()
-            with deadline(timeout, "UVM watcher wait"):
-                await ev.wait()
+            if not await wait_until(ev, None if timeout is None else anyio.current_time() + timeout):
+                assert timeout is not None
+                raise timeout_error("UVM watcher wait", timeout)
         finally:
             if entry in self._waiters:
                 self._waiters.remove(entry)
