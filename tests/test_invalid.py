@@ -77,6 +77,33 @@ async def test_region_of_another_engine(s: Setup) -> None:
         await _refused(s, aiote.InvalidArgument, lambda r=not_a_region: s.a.write(r, s.md.descriptor, imm=1))
 
 
+async def test_repeated_call_is_still_validated(s: Setup) -> None:
+    # an engine reuses the request of a repeated identical write (a memo): arguments that only
+    # compare equal to the memoized ones, a region unregistered since, or another engine's
+    # region must still be refused before anything is posted
+    await s.a.write(s.ms, s.md.descriptor, length=0, src_offset=1, imm=2)
+    await s.a.write_imm(s.md.descriptor, 2)
+    await s.b.imm_counter(2).wait(2, timeout=30)
+    await _refused(
+        s, aiote.InvalidArgument, lambda: s.a.write(s.ms, s.md.descriptor, length=0, src_offset=True, imm=2)
+    )
+    await _refused(
+        s, aiote.InvalidArgument, lambda: s.a.write(s.ms, s.md.descriptor, length=0.0, src_offset=1, imm=2)
+    )
+    await _refused(s, aiote.InvalidArgument, lambda: s.a.write_imm(s.md.descriptor, 2.0))
+    await _refused(
+        s, aiote.InvalidArgument, lambda: s.b.write(s.ms, s.md.descriptor, length=0, src_offset=1, imm=2)
+    )
+    await s.a.unregister(s.ms)
+    await _refused(
+        s,
+        aiote.InvalidArgument,
+        lambda: s.a.write(s.ms, s.md.descriptor, length=0, src_offset=1, imm=2),
+        "unregistered",
+    )
+    assert s.b.imm_counter(2).total == 2
+
+
 RANGES = [
     # (length, src_offset, dst_offset, message)
     (SIZE + 1, 0, 0, "past the local region"),

@@ -108,6 +108,33 @@ async def test_write_imm_only_counts(aiote_engine_pair) -> None:
     assert not dst.any()  # zero-byte writes carry no data
 
 
+async def test_repeated_identical_writes_send_current_bytes(aiote_engine_pair) -> None:
+    # a repeated identical call reuses its validated request: it must still move what the
+    # source holds now, to the same place, and a changed argument must go where it says
+    a, b = aiote_engine_pair
+    src = zeros(256)
+    dst = zeros(512)
+    ms = await a.register(src)
+    md = await b.register(dst)
+    desc = md.descriptor
+    c = b.imm_counter(78)
+    for k in range(1, 6):
+        src[:] = k
+        await a.write(ms, desc, length=128, src_offset=64, dst_offset=256, imm=78)
+        await c.wait(1, timeout=30)
+        assert (dst[256:384] == k).all()
+        assert not dst[:256].any() and not dst[384:].any()
+    await a.write(ms, desc, length=128, src_offset=64, dst_offset=0, imm=78)
+    await c.wait(1, timeout=30)
+    assert (dst[:128] == 5).all()
+    for _ in range(3):
+        await a.write_imm(desc, 78)
+    await a.write_imm(desc, 79)
+    await c.wait(3, timeout=30)
+    await b.imm_counter(79).wait(1, timeout=30)
+    assert c.total == 9
+
+
 async def test_write_without_imm_is_not_counted(aiote_engine_pair) -> None:
     a, b = aiote_engine_pair
     src = pattern(4096, seed=2)
