@@ -62,6 +62,8 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
     for r in rows:
         if r.get("unit") == "us":
             case = f"{LATENCY.get(r['mode'], r['mode'])} one-way p{r['size']} (µs)"
+            if r.get("setting") == "low-latency":
+                case += ", low-latency setting"
         else:
             case = f"{r['mode']} {size_label(r['size'])}" + (f" x{r['window']}" if r.get("window") else "")
         path = [r.get("provider", "")]
@@ -115,12 +117,15 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
                 out += ["", f"aiote write ({prov}) / best peer on a {label} path: " + "; ".join(parts) + "."]
         # WriteImm round trip (2 x the one-way p50) against UCXX's asyncio round trip
         for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
-            one = [r["py_gbps"] for r in b["rows"]
-                   if r["mode"] == "imm-latency" and r.get("provider") == prov and r.get("size") == 50]
-            ux = rtt.get(("ucxx", label, "rtt"))
-            if one and ux:
-                out += ["", f"aiote WriteImm round trip ({prov}) {2 * one[0]:.1f} µs against UCXX asyncio "
-                            f"({label}) {ux:.1f} µs: ratio {2 * one[0] / ux:.2f} (target < 1)."]
+            for setting in ("default", "low-latency"):
+                one = [r["py_gbps"] for r in b["rows"]
+                       if r["mode"] == "imm-latency" and r.get("provider") == prov and r.get("size") == 50
+                       and r.get("setting", "default") == setting]
+                ux = rtt.get(("ucxx", label, "rtt"))
+                if one and ux:
+                    how = "" if setting == "default" else ", low-latency setting"
+                    out += ["", f"aiote WriteImm round trip ({prov}{how}) {2 * one[0]:.1f} µs against UCXX "
+                                f"asyncio ({label}) {ux:.1f} µs: ratio {2 * one[0] / ux:.2f} (target < 1)."]
     return out
 
 
@@ -140,13 +145,22 @@ def render(doc: str, bench: dict[str, Any] | None, peers: list[dict[str, Any]] |
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bench", type=Path, help="aiote bench --json output")
+    ap.add_argument("--bench", type=Path, action="append",
+                    help="aiote bench --json output (repeatable: the rows of later runs are appended)")
     ap.add_argument("--peers", type=Path, help="benchmarks/peers/run.py --json output")
     ap.add_argument("--plot", help="the plot, relative to the document (e.g. bench.png)")
     default_doc = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
     ap.add_argument("--doc", type=Path, default=default_doc)
     a = ap.parse_args(argv)
-    bench = json.loads(a.bench.read_text()) if a.bench else None
+    bench = None
+    for path in a.bench or []:
+        got = json.loads(path.read_text())
+        if bench is None:
+            bench = got
+        else:
+            bench["rows"] += got["rows"]
+            bench["cpu_busy_before"] = max(bench["cpu_busy_before"], got["cpu_busy_before"])
+            bench["cpu_busy_after"] = max(bench["cpu_busy_after"], got["cpu_busy_after"])
     peers = json.loads(a.peers.read_text()) if a.peers and a.peers.exists() else None
     a.doc.write_text(render(a.doc.read_text(), bench, peers, a.plot))
     sys.stderr.write(f"rewrote the generated section of {a.doc}\n")

@@ -124,6 +124,49 @@ def test_aiote_bench_all_beside_the_c_core_with_plot(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_aiote_bench_low_latency_setting_and_its_docs_rows(tmp_path: Path) -> None:
+    out_file = tmp_path / "lowlat.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "aiote", "bench", "imm-latency", "--low-latency", *BENCH_QUICK,
+         "--provider", "tcp,shm", "--json", str(out_file)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["setting"] == "low-latency" and "low-latency setting" in out.stdout
+    assert [(r["provider"], r["size"], r["setting"]) for r in result["rows"]] == [
+        (p, k, "low-latency") for p in ("tcp", "shm") for k in (50, 99)
+    ]
+    _check_rows(result["rows"])
+    # the docs renderer merges a default run and a low-latency run, and puts each round trip
+    # beside UCXX's
+    default = json.loads(out_file.read_text())
+    default["setting"] = "default"
+    for r in default["rows"]:
+        r["setting"] = "default"
+        r["py_gbps"] *= 2
+    (tmp_path / "default.json").write_text(json.dumps(default))
+    peers = [{"library": "ucxx", "path": p, "mode": "rtt", "size": 8, "rtt_us": 100.0}
+             for p in ("tcp", "same-host")]
+    (tmp_path / "peers.json").write_text(json.dumps(peers))
+    doc = tmp_path / "doc.md"
+    doc.write_text("head\n<!-- bench:begin -->\nold\n<!-- bench:end -->\ntail\n")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "render_docs.py"),
+         "--bench", str(tmp_path / "default.json"), "--bench", str(out_file),
+         "--peers", str(tmp_path / "peers.json"), "--doc", str(doc)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    text = doc.read_text()
+    assert "old" not in text and text.startswith("head") and text.endswith("tail\n")
+    assert text.count("WriteImm one-way p50 (µs), low-latency setting") == 2  # tcp and shm
+    for prov in ("tcp", "shm"):
+        low = next(x["py_gbps"] for x in result["rows"] if x["provider"] == prov and x["size"] == 50)
+        assert f"aiote WriteImm round trip ({prov}, low-latency setting) {2 * low:.1f} µs" in text
+        assert f"aiote WriteImm round trip ({prov}) {4 * low:.1f} µs" in text
+
+
 def test_aiote_bench_sweeps_sendrecv_over_loops_and_windows(tmp_path: Path) -> None:
     out_file = tmp_path / "bench.json"
     out = subprocess.run(

@@ -104,6 +104,8 @@ def table_lines(result: dict[str, Any]) -> list[str]:
         f"aiote bench: {result['provider']}, window {result['window']}, {result['loop']}, "
         f"median of {result['repeats']} (GB/s unless noted; spread min-max)"
     )
+    if result.get("setting") == "low-latency":
+        head += "; low-latency setting (spin_us=1000, loop_spin_us=500)"
     lines = [head, f"{'case':30} {'path':14} {'C core':>24} {'aiote':>24} {'ratio':>6}"]
     for r in rows:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"

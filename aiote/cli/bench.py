@@ -49,6 +49,7 @@ from ._benchnet import (
     c_run,
     host_of,
     serve,
+    tuning,
 )
 
 __all__ = ["CBENCH", "add_arguments", "main", "parse_size"]
@@ -56,6 +57,7 @@ __all__ = ["CBENCH", "add_arguments", "main", "parse_size"]
 WINDOW = 64
 THROUGHPUT = ("write", "read", "sendrecv", "paged")
 LATENCY = ("imm-latency", "sendrecv-latency")
+WARM = 1000  # latency: warm-up round trips, not counted (the C bench's pingpong warms up as long)
 ORDER = ("write", "read", "sendrecv", "paged", "imm-latency", "sendrecv-latency")
 WINDOWED = ("write", "read", "sendrecv")
 MSG_SLOTS = 16  # the engine's default message_slots: sends in flight at most
@@ -167,14 +169,14 @@ async def py_msg_latency(remote: Remote, iters: int) -> dict[int, float]:
     e, to = remote.engine, remote.address
     msg = bytes([ECHO]) + bytes(7)
     rtts: list[float] = []
-    for i in range(iters + 50):  # 50 warm-up round trips
+    for i in range(iters + WARM):  # warm-up round trips first
         t0 = time.perf_counter()
         await e.send(to, msg, timeout=30)
         while True:
             sender, _ = await e.recv(timeout=30)
             if sender == to:
                 break
-        if i >= 50:
+        if i >= WARM:
             rtts.append(time.perf_counter() - t0)
     return _percentiles(rtts)
 
@@ -216,14 +218,14 @@ async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(
                 lambda: remote.call(
-                    120, op="pong", remote=bytes(mine.descriptor).hex(), iters=iters + 50, ping=4, pong=5
+                    120, op="pong", remote=bytes(mine.descriptor).hex(), iters=iters + WARM, ping=4, pong=5
                 )
             )
-            for i in range(iters + 50):  # 50 warm-up round trips
+            for i in range(iters + WARM):  # warm-up round trips first
                 t0 = time.perf_counter()
                 await e.write_imm(theirs, 4)
                 await pong.wait(1, timeout=30)
-                if i >= 50:
+                if i >= WARM:
                     rtts.append(time.perf_counter() - t0)
         return _percentiles(rtts)
     finally:
@@ -253,7 +255,8 @@ def c_args(args: argparse.Namespace, case: Case) -> list[str]:
         return [mode, str(size), str(window), str(max(args.total, size * min(window, MSG_SLOTS)))]
     if mode == "paged":
         return ["paged", str(size), str(args.pages), str(args.calls)]
-    return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters)]
+    low = ["--spin-ns", "1000000", "--loop-poll-ns", "500000", "--await-write"] if args.low_latency else []
+    return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters), *low]
 
 
 def _c_values(mode: str, r: dict[str, Any], size: int) -> dict[int, float]:
@@ -280,13 +283,14 @@ async def run_config(
             address = bytes.fromhex(args.connect)
         else:
             cmd = [sys.executable, "-m", "aiote", "bench", "--listen", "--once", "--provider", provider,
-                   "--max-message", str(args.max_message)]
+                   "--max-message", str(args.max_message)] + (["--low-latency"] if args.low_latency else [])
             if nics:
                 cmd += ["--nics", ",".join(nics)]
             proc = await anyio.open_process(cmd, stdin=None, stderr=None)
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
-            provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message
+            provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
+            **tuning(args.low_latency),
         ) as e:
             remote = Remote(e, address)
             hello = await remote.call(op="hello")
@@ -357,6 +361,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     net.add_argument("--connect", metavar="ADDRESS",
                      help="run against an `aiote bench --listen` (the address it printed)")
     ap.add_argument("--port", type=int, default=None, help="--listen on tcp: listen on this port")
+    ap.add_argument("--low-latency", action="store_true",
+                    help="both sides' engines in aiote's low-latency setting (spin_us=1000, "
+                         "loop_spin_us=500: the loop thread polls while it waits); the C core "
+                         "waits the same way")
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -429,7 +437,7 @@ def main(args: argparse.Namespace) -> int:
     if args.listen:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends serving
             anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
-                                    max_message=args.max_message))
+                                    max_message=args.max_message, low_latency=args.low_latency))
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
@@ -482,6 +490,7 @@ def main(args: argparse.Namespace) -> int:
                     "provider": provider,
                     "nics": list(nics) if nics else None,
                     "loop": loop,
+                    "setting": "low-latency" if args.low_latency else "default",
                     "window": window or None,
                     "py_gbps": statistics.median(p),
                     "py_spread": [min(p), max(p)],
@@ -499,6 +508,7 @@ def main(args: argparse.Namespace) -> int:
         "loop": loops[0] if len(loops) == 1 else loops,
         "nics": [list(n) if n else None for n in nic_sets],
         "repeats": args.repeats,
+        "setting": "low-latency" if args.low_latency else "default",
         "connect": args.connect,
         "cpu_busy_before": busy,
         "cpu_busy_after": after,
