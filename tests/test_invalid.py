@@ -177,6 +177,9 @@ async def test_numpy_integers_are_accepted(s: Setup) -> None:
     await s.b.imm_counter(1).wait(1, timeout=30)
     assert np.array_equal(s.dst[16:24], s.src[8:16])
     assert not s.dst[:16].any() and not s.dst[24:].any()
+    for imm in (np.int64(0), np.int64(0), 0, np.uint32(0)):  # NumPy imms are never memoized
+        await s.a.write_imm(s.md.descriptor, imm)
+    await s.b.imm_counter(0).wait(4, timeout=30)
 
 
 @pytest.mark.parametrize("imm", [-1, 2**32, 2**64, True, False, 1.0, "1"])

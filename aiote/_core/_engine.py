@@ -1279,9 +1279,13 @@ class Engine:
         table = self._table(rows)
         if len(full) == 1:  # one NIC each side: no failover to arrange
             m = self._memo(imm, rdesc, table)
+            if m is None:  # an imm that is not a plain int (a NumPy integer): no memo
+                await self._attempts(
+                    lambda t: self._run_table(table, None, t, "write_imm"), timeout, retry, "write_imm"
+                )
+                return
             if not self._router.down:
                 self._imm_memo = m
-            assert m is not None
             await self._memo_post(m, None, timeout, retry, "write_imm")
             return
         await self._attempts(
@@ -1803,8 +1807,7 @@ def _plain(key: tuple[Any, ...] | int) -> bool:
     ``==``, which would let ``True`` or ``1.0`` pass for ``1``."""
     if type(key) is int:
         return True
-    assert isinstance(key, tuple)
-    return all(v is None or type(v) is int for v in key)
+    return type(key) is tuple and all(v is None or type(v) is int for v in key)
 
 
 def _end(timeout: float | None) -> float | None:
