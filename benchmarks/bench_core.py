@@ -33,6 +33,7 @@ import anyio
 import numpy as np
 
 import aiote
+from aiote.testing import answer_pings
 
 ROOT = Path(__file__).resolve().parents[1]
 CBENCH = ROOT / "cdeps" / "build" / "aiote_cbench"
@@ -65,11 +66,8 @@ async def _peer(provider: str, region: int, spin_us: float, loop_spin_us: float)
                 await engine.send(sender, bytes(mr.descriptor))
             elif cmd["op"] == "pong":
                 remote = aiote.MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
-                ping = engine.imm_counter(IMM_PING)
                 await engine.send(sender, b"ready")
-                for _ in range(cmd["n"]):
-                    await ping.wait(1)
-                    await engine.write_imm(remote, IMM_PONG)
+                await answer_pings(engine, remote, IMM_PING, IMM_PONG, cmd["n"], timeout=None)
             elif cmd["op"] == "credits":
                 await engine.imm_counter(IMM_DATA).wait(cmd["n"], timeout=120)
                 await engine.send(sender, b"done")

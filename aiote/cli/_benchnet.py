@@ -26,7 +26,7 @@ import numpy as np
 
 import aiote
 from aiote import Engine, EngineAddress, MemoryDescriptor, MemoryRegion
-from aiote.testing import ready_line
+from aiote.testing import answer_pings, ready_line
 
 CDEPS = Path(__file__).resolve().parents[2] / "cdeps"
 CBENCH = CDEPS / "build" / "aiote_cbench"
@@ -144,10 +144,7 @@ class _Server:
                 return True
             elif op == "pong":  # answers each ping immediate with a pong immediate
                 remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
-                ping = e.imm_counter(cmd["ping"])
-                for _ in range(cmd["iters"]):
-                    await ping.wait(1, timeout=30)
-                    await e.write_imm(remote, cmd["pong"])
+                await answer_pings(e, remote, cmd["ping"], cmd["pong"], cmd["iters"])
             elif op == "cbench":  # the C bench's peer side, for a client on another host
                 why = build_cbench()
                 if why:

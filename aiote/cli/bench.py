@@ -35,7 +35,7 @@ import anyio
 import numpy as np
 
 import aiote
-from aiote.testing import ready_line
+from aiote.testing import ready_line, stop_process
 
 from . import _benchout
 from ._benchnet import (
@@ -321,13 +321,7 @@ async def run_config(
                     await remote.call(10, op="exit", stop=proc is not None)
     finally:
         if proc is not None:
-            with anyio.CancelScope(shield=True):
-                with anyio.move_on_after(10):
-                    await proc.wait()
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-                await proc.aclose()
+            await stop_process(proc)
     return py, cc
 
 

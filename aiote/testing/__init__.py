@@ -39,11 +39,13 @@ __all__ = [
     "HostStream",
     "PeerError",
     "PeerProcess",
+    "answer_pings",
     "digest",
     "engine_pair",
     "pattern",
     "ready_line",
     "spawn_peer",
+    "stop_process",
 ]
 
 
@@ -251,14 +253,32 @@ async def spawn_peer(
             finally:
                 await _stop(peer)
     finally:
-        with anyio.CancelScope(shield=True):
+        await stop_process(proc)
+
+
+async def stop_process(proc: anyio.abc.Process, grace: float = 10.0) -> None:
+    """Lets a child process exit on its own for up to ``grace`` seconds, kills it after
+    that, and closes its pipes. Shielded: runs to the end inside a cancelled scope."""
+    with anyio.CancelScope(shield=True):
+        if proc.returncode is None:
+            with anyio.move_on_after(grace):
+                await proc.wait()
             if proc.returncode is None:
-                with anyio.move_on_after(10):
-                    await proc.wait()
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-            await proc.aclose()
+                proc.kill()
+                await proc.wait()
+        await proc.aclose()
+
+
+async def answer_pings(
+    engine: Engine, remote: MemoryDescriptor, ping: int, pong: int, iters: int, timeout: float | None = 30.0
+) -> None:
+    """The answering side of a WriteImm ping-pong: ``iters`` times, waits for one credit of
+    ``ping`` and answers with a ``write_imm`` of ``pong`` to ``remote``. Raises
+    :class:`~aiote.TransferTimeout` when a ping does not come within ``timeout``."""
+    counter = engine.imm_counter(ping)
+    for _ in range(iters):
+        await counter.wait(1, timeout=timeout)
+        await engine.write_imm(remote, pong)
 
 
 async def ready_line(proc: anyio.abc.Process, marker: str, timeout: float = 60.0) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine, open_engine
 from .._core._memory import MemoryRegion
+from . import answer_pings
 from ._hostgpu import HostDeviceArray
 
 
@@ -93,10 +94,7 @@ async def _serve(engine: Engine) -> None:
                 )
             elif op == "pong":  # answers each ping immediate with a pong immediate
                 remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
-                ping = engine.imm_counter(cmd["ping"])
-                for _ in range(cmd["iters"]):
-                    await ping.wait(1, timeout=30)
-                    await engine.write_imm(remote, cmd["pong"])
+                await answer_pings(engine, remote, cmd["ping"], cmd["pong"], cmd["iters"])
             elif op == "route":
                 r = engine.route(bytes.fromhex(cmd["peer"]))
                 reply["provider"] = r.provider

@@ -278,6 +278,12 @@ static void side_idle(side_t *s) {
     }
 }
 
+/* Waits until `n` groups of this side have completed. */
+static void side_wait_groups(side_t *s, uint64_t n) {
+    while (s->groups_done < n)
+        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+}
+
 /* Waits until `units` of counter `imm` can be taken, and takes them. */
 static void side_wait_credit(side_t *s, uint32_t imm, uint64_t units) {
     if (aio_counter_take(s->e, imm, units)) return;
@@ -398,8 +404,7 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
         aio_op_desc d = side_write(s, (i % slots) * o->size, (i % slots) * o->size, o->size, IMM_WARM);
         side_post_blocking(s, 1ULL << 40 | i, &d);
     }
-    while (s->groups_done < warm)
-        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    side_wait_groups(s, warm);
     s->groups_done = 0;
     s->polls = s->wakeups = 0;
     s->post_ns = s->post_max_ns = 0;
@@ -458,8 +463,7 @@ static int cmp_i64(const void *a, const void *b) {
  * answering side go, and prints the one-way (RTT / 2) percentiles as one JSON line. */
 static void pingpong_report(side_t *s, const opts_t *o, const char *mode, int64_t *rtt,
                             uint64_t total, double cpu) {
-    while (s->groups_done < total)
-        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    side_wait_groups(s, total);
     char bye = 'x';
     write_full(s->wfd, &bye, 1);
     uint64_t m = o->iters;
@@ -491,11 +495,9 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
             aio_op_desc d = side_write(s, 8, 8, 8, IMM_PONG);
             side_post_blocking(s, i, &d);
             if (o->await_write)
-                while (s->groups_done < i + 1)
-                    if (side_drain(s, 0, NULL) == 0) side_idle(s);
+                side_wait_groups(s, i + 1);
         }
-        while (s->groups_done < total)
-            if (side_drain(s, 0, NULL) == 0) side_idle(s);
+        side_wait_groups(s, total);
         char bye;
         read_full(s->rfd, &bye, 1);
         return;
@@ -510,8 +512,7 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
         int64_t t = now_ns();
         side_post_blocking(s, i, &d);
         if (o->await_write) /* as `await engine.write(...)` does */
-            while (s->groups_done < i + 1)
-                if (side_drain(s, 0, NULL) == 0) side_idle(s);
+            side_wait_groups(s, i + 1);
         side_wait_credit(s, IMM_PONG, U);
         for (int64_t t0 = now_ns(); now_ns() - t0 < o->think_ns;) {
         }
@@ -669,8 +670,7 @@ static void run_read(side_t *s, const opts_t *o, int rank) {
         aio_op_desc d = side_read(s, (i % slots) * o->size, (i % slots) * o->size, o->size);
         side_post_blocking(s, 1ULL << 40 | i, &d);
     }
-    while (s->groups_done < warm)
-        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    side_wait_groups(s, warm);
     s->groups_done = 0;
     s->polls = s->wakeups = 0;
     s->post_ns = s->post_max_ns = 0;
@@ -754,8 +754,7 @@ static void run_sendrecv(side_t *s, const opts_t *o, int rank) {
         return;
     }
     for (uint64_t i = 0; i < warm; i++) side_send_blocking(s, 1ULL << 40 | i, o->size);
-    while (s->groups_done < warm)
-        if (side_drain(s, 0, NULL) == 0) side_idle(s);
+    side_wait_groups(s, warm);
     s->groups_done = 0;
     s->polls = s->wakeups = 0;
     s->post_calls = 0;
@@ -804,8 +803,7 @@ static void run_msgpingpong(side_t *s, const opts_t *o, int rank) {
             side_wait_msgs(s, i + 1);
             side_send_blocking(s, i, 8);
         }
-        while (s->groups_done < total)
-            if (side_drain(s, 0, NULL) == 0) side_idle(s);
+        side_wait_groups(s, total);
         char bye;
         read_full(s->rfd, &bye, 1);
         return;
