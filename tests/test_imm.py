@@ -288,6 +288,51 @@ async def test_timed_waits_served_cancelled_or_expired(aiote_engine_pair) -> Non
     assert c.total == 2
 
 
+async def test_timed_waits_share_one_timer(aiote_engine_pair) -> None:
+    # every timed wait of a loop is served by one timer set for the earliest deadline: a wait
+    # added later with an earlier deadline still expires on time, a long one outlives short
+    # ones, and thousands of waits that finished early (timed writes, timed counter waits)
+    # leave the timer working
+    a, b = aiote_engine_pair
+    src = zeros(64)
+    ms = await a.register(src)
+    md = await b.register(zeros(64))
+    outcome: dict[str, object] = {}
+
+    async def timed(name: str, imm: int, timeout: float) -> None:
+        t0 = anyio.current_time()
+        try:
+            await b.imm_counter(imm).wait(1, timeout=timeout)
+            outcome[name] = "served"
+        except aiote.TransferTimeout:
+            outcome[name] = anyio.current_time() - t0
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timed, "long", 40, 20.0)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(timed, "mid", 41, 0.4)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(timed, "short", 42, 0.1)
+        await anyio.wait_all_tasks_blocked()
+        with anyio.fail_after(10):
+            while "mid" not in outcome:  # noqa: ASYNC110 (waits for the tasks above)
+                await anyio.sleep(0.01)
+        await a.write_imm(md.descriptor, 40)
+    assert outcome["long"] == "served"
+    for name, timeout in (("short", 0.1), ("mid", 0.4)):
+        elapsed = outcome[name]
+        assert isinstance(elapsed, float) and timeout <= elapsed + 0.01 < timeout + 5, (name, elapsed)
+    c = b.imm_counter(43)
+    for _ in range(1500):  # each a timed write and a timed wait finishing long before its deadline
+        await a.write(ms, md.descriptor, length=8, imm=43, timeout=30)
+        await c.wait(1, timeout=30)
+    t0 = anyio.current_time()
+    with pytest.raises(aiote.TransferTimeout):
+        await c.wait(1, timeout=0.05)
+    assert anyio.current_time() - t0 < 5
+    assert c.total == 1500
+
+
 async def test_wait_rejects_bad_arguments(aiote_engine_pair) -> None:
     _, b = aiote_engine_pair
     c = b.imm_counter(17)

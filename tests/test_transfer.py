@@ -135,6 +135,47 @@ async def test_repeated_identical_writes_send_current_bytes(aiote_engine_pair) -
     assert c.total == 9
 
 
+async def test_interleaved_repeated_writes_each_go_to_their_slot(aiote_engine_pair) -> None:
+    # several repeated writes in turn (a ring of slots, each written again and again, from
+    # concurrent tasks too): each reused request moves its own slot's current bytes to its own
+    # place; more distinct writes than the engine keeps requests for are still right
+    a, b = aiote_engine_pair
+    slots, size = 8, 64
+    src = zeros(slots * size)
+    dst = zeros(slots * size)
+    ms = await a.register(src)
+    md = await b.register(dst)
+    desc = md.descriptor
+    c = b.imm_counter(80)
+
+    async def one(slot: int) -> None:
+        off = slot * size
+        await a.write(ms, desc, length=size, src_offset=off, dst_offset=off, imm=80)
+
+    for round_ in range(1, 5):
+        for slot in range(slots):
+            src[slot * size : (slot + 1) * size] = round_ * 16 + slot
+        async with anyio.create_task_group() as tg:
+            for slot in reversed(range(slots)):
+                tg.start_soon(one, slot)
+        await c.wait(slots, timeout=30)
+        for slot in range(slots):
+            assert (dst[slot * size : (slot + 1) * size] == round_ * 16 + slot).all()
+    assert len(ms._memos) == slots  # every slot's request was kept and reused
+    # 300 distinct one-byte writes (more than are kept), then the slots again
+    for i in range(300):
+        src[i] = (i % 250) + 1
+        await a.write(ms, desc, length=1, src_offset=i, dst_offset=i)
+    await a.write_imm(desc, 80)
+    await c.wait(1, timeout=30)
+    assert (dst[:300] == (np.arange(300) % 250) + 1).all()
+    await one(3)
+    await c.wait(1, timeout=30)
+    assert (dst[3 * size : 4 * size] == src[3 * size : 4 * size]).all()
+    await a.unregister(ms)
+    assert not ms._memos  # unregistering drops the kept requests
+
+
 async def test_write_without_imm_is_not_counted(aiote_engine_pair) -> None:
     a, b = aiote_engine_pair
     src = pattern(4096, seed=2)

@@ -15,7 +15,7 @@ from typing import Any
 import sniffio
 
 from ._log import get_logger
-from ._util import LoopEvent
+from ._util import LoopEvent, TrioEvent
 
 _log = get_logger(component="bridge")
 
@@ -34,12 +34,10 @@ class LoopBridge:
     @property
     def event_class(self) -> Any:
         """The event class of the engine's waits (:class:`LoopEvent` under asyncio, with a
-        cheap timed wait; ``trio.Event``): created on every operation, so the backend lookup
+        cheap timed wait; :class:`TrioEvent`): created on every operation, so the backend lookup
         of ``anyio.Event()`` is paid once per engine."""
         if self._backend == "trio":
-            import trio
-
-            return trio.Event
+            return TrioEvent
         return LoopEvent
 
     @property

@@ -10,7 +10,7 @@ import anyio
 
 from .._native import lib
 from ._errors import EngineClosed, InvalidArgument
-from ._util import check_timeout, timeout_error, wait_until
+from ._util import check_timeout, now, timeout_error, wait_until
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -103,7 +103,7 @@ class ImmCounter:
             # a timed wait is a timer on the event, not a cancel scope (see LoopEvent)
             if timeout is None:
                 await w.event.wait()
-            elif not await wait_until(w.event, anyio.current_time() + timeout):
+            elif not await wait_until(w.event, now() + timeout):
                 raise timeout_error(f"waiting for {n} credits of imm {self.imm}", timeout)
         except BaseException:
             if w.granted and not self._engine._closed:

@@ -51,7 +51,7 @@ from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
 from ._retry import RetryPolicy
 from ._routing import DomainGroup, Route, Router, addr_ends
-from ._util import as_index, check_timeout, deadline_at, timeout_error, wait_until
+from ._util import as_index, check_timeout, deadline_at, now, timeout_error, wait_until
 
 __all__ = ["Engine", "RailInfo", "ScatterTarget", "TransferBatch", "open_engine"]
 
@@ -246,7 +246,7 @@ class Engine:
         self._regions: set[MemoryRegion] = set()
         self._peers: dict[tuple[int, bytes], int] = {}
         self._desc_paths: dict[int, tuple[MemoryDescriptor, tuple[tuple[int, int, int, int], ...]]] = {}
-        self._imm_memo: Any = None  # the last single-route write_imm (see _memo_post)
+        self._imm_memos: dict[tuple[int, int], Any] = {}  # single-route write_imms (see _memo_post)
         self._inbox: deque[tuple[bytes, bytes]] = deque()
         self._recv_waiters: deque[_RecvWaiter] = deque()
         self._recs = ffi.new("aio_record[256]")
@@ -379,15 +379,15 @@ class Engine:
         ``connect_timeout`` (in :meth:`_run_group`), so a dead peer is reported within about
         ``connect_timeout`` plus the pauses; an attempt that is moving data has the
         operation's whole remaining time."""
-        peer_end = anyio.current_time() + policy.connect_timeout
+        peer_end = now() + policy.connect_timeout
         n = 0
         while True:
             if getattr(exc, "_final", False) or n >= policy.attempts:
                 raise exc
             n += 1
             pause = policy.delay(n)
-            now = anyio.current_time()
-            if now + pause >= peer_end or (end is not None and now + pause >= end):
+            t = now()
+            if t + pause >= peer_end or (end is not None and t + pause >= end):
                 raise exc
             self._log.info("posting again after a broken connection", op=what, attempt=n, error=str(exc))
             await self._pause(pause)
@@ -439,11 +439,11 @@ class Engine:
         """Waits until half of this engine's requests in flight completed (room in the
         queues) or ``fallback`` seconds pass, or the deadline ``end``; returns the handle
         (EngineClosed if closing meanwhile)."""
-        now = anyio.current_time()
-        when = now + fallback if end is None else min(now + fallback, end)
+        t = now()
+        when = t + fallback if end is None else min(t + fallback, end)
         inflight = int(lib.aio_ops_in_flight(self._h))
         if inflight == 0:  # nothing will complete (a peer still connecting): the timer only
-            return await self._pause(max(0.0, when - now))
+            return await self._pause(max(0.0, when - t))
         ev = self._space
         lib.aio_want_space(self._h, inflight // 2)
         await wait_until(ev, when)
@@ -673,10 +673,10 @@ class Engine:
             raise InvalidArgument("not a memory region of this engine")
         if mr._handle is None:
             raise InvalidArgument("the region is already unregistered")
-        start = anyio.current_time()
+        start = now()
         delay = 0.0005
         while lib.aio_mr_inflight(mr._handle) > 0 or mr._dev_pending > 0:
-            if timeout is not None and anyio.current_time() - start >= timeout:
+            if timeout is not None and now() - start >= timeout:
                 raise RegionBusy(
                     f"{int(lib.aio_mr_inflight(mr._handle))} work requests and {mr._dev_pending} GPU copies "
                     "on the region are still in flight; wait for them or retry unregister later"
@@ -692,6 +692,7 @@ class Engine:
             mr._handle = handle
             raise RegionBusy(f"unregister failed: {_strerror(-rc)}")
         self._regions.discard(mr)
+        mr._memos.clear()
         if self._gpu is not None:
             self._gpu.forget(mr)
         await anyio.lowlevel.checkpoint()
@@ -1084,14 +1085,14 @@ class Engine:
                     # asyncio), with a back-off timer as the fallback
                     attempt = attempt + 1 if k == 0 else 0
                     if posted == 0:  # nothing goes out: is the peer answering at all?
-                        now = anyio.current_time()
+                        t = now()
                         if stalled_since < 0:
-                            stalled_since = now
-                        elif now - stalled_since > self._connect_timeout():
+                            stalled_since = t
+                        elif t - stalled_since > self._connect_timeout():
                             error = _STALLED
                             break
                     h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01), end)
-                    if end is not None and anyio.current_time() >= end:
+                    if end is not None and now() >= end:
                         assert timeout is not None
                         raise timeout_error(what, timeout)
             if not sealed:
@@ -1172,12 +1173,14 @@ class Engine:
         for a peer on this host. ``stream`` (a CuPy/torch CUDA stream): the write starts only
         after the work submitted to it so far, without blocking the loop.
         """
-        if type(mr) is MemoryRegion and (m := mr._memo) is not None and m[0] is remote and stream is None:
-            # the same write as the last one from this region (a loop re-sending a slot, a
-            # ping-pong): its validated request is reused (see _memo_post)
-            key = (length, src_offset, dst_offset, imm)
+        key = (id(remote), length, src_offset, dst_offset, imm)
+        # plain ints only (hashable, and no True or 1.0 standing in for 1)
+        if type(mr) is MemoryRegion and stream is None and _plain(key) and (m := mr._memos.get(key)):
+            # a write made before from this region with the same arguments to the same
+            # descriptor object (a loop re-sending its slots, a ping-pong): its validated
+            # request is reused (see _memo_post)
             live = mr._engine is self and mr._handle is not None and not self._router.down
-            if m[1] == key and live and _plain(key):
+            if m[0] is remote and live:
                 await self._memo_post(m, mr, timeout, retry, "write")
                 return
         rdesc = self._remote(remote)
@@ -1188,16 +1191,26 @@ class Engine:
             gpu = self._gpu_support()
             await gpu.write(mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, stream)
             return
-        key = (length, src_offset, dst_offset, imm)
-        await self._write_host(mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, key)
+        await self._write_host(
+            mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, key if rdesc is remote else None
+        )
 
-    def _memo(self, key: Any, rdesc: MemoryDescriptor, table: np.ndarray) -> tuple[Any, ...] | None:
-        """What :meth:`_memo_post` needs to post ``table`` again for the same arguments
-        ``key`` to the same descriptor object: (rdesc, key, table, post, items)."""
+    def _memo(
+        self, memos: dict[Any, Any], key: Any, rdesc: MemoryDescriptor, table: np.ndarray
+    ) -> tuple[Any, ...] | None:
+        """Keeps in ``memos`` under ``key`` (the arguments, the descriptor's ``id`` first) what
+        :meth:`_memo_post` needs to post ``table`` again: (rdesc, key, table, post, items).
+        The entry holds ``rdesc``, so its ``id`` names no other object while it lives. At most
+        ``_MEMO_MAX`` entries: a full dict starts again empty. None (nothing kept) for
+        arguments that are not plain ints."""
         if not _plain(key):
             return None
         ptr = ffi.from_buffer("aio_op_desc[]", table)
-        return (rdesc, key, table, self._poster(ptr, len(table)), ptr)
+        m = (rdesc, key, table, self._poster(ptr, len(table)), ptr)
+        if len(memos) >= _MEMO_MAX:
+            memos.clear()
+        memos[key] = m
+        return m
 
     async def _memo_post(
         self, m: tuple[Any, ...], refs: Any, timeout: float | None, retry: Any, what: str
@@ -1234,7 +1247,7 @@ class Engine:
         )
         table = self._table(rows)
         if key is not None and len(full) == 1 and mr._dev is None and not self._router.down:
-            mr._memo = self._memo(key, remote, table)
+            self._memo(mr._memos, key, remote, table)
         end = _end(timeout)
 
         async def attempt(t: float | None) -> None:
@@ -1261,9 +1274,8 @@ class Engine:
         owner's copies of earlier writes into GPU memory; ``stream``: sent only after the work
         submitted to that CUDA stream so far (e.g. the kernel that produced the data). Raises
         as :meth:`write`."""
-        m = self._imm_memo
-        hit = m is not None and m[0] is remote and m[1] == imm and type(imm) is int
-        if hit and stream is None and not self._router.down:
+        m = self._imm_memos.get((id(remote), imm)) if type(imm) is int else None
+        if m is not None and m[0] is remote and stream is None and not self._router.down:
             await self._memo_post(m, None, timeout, retry, "write_imm")
             return
         if imm is None:
@@ -1278,14 +1290,13 @@ class Engine:
         rows, full = self._rows(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE, gpu_ok=True)
         table = self._table(rows)
         if len(full) == 1:  # one NIC each side: no failover to arrange
-            m = self._memo(imm, rdesc, table)
-            if m is None:  # an imm that is not a plain int (a NumPy integer): no memo
+            keep = rdesc is remote and not self._router.down
+            m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if keep else None
+            if m is None:  # bytes, a link down, or an imm that is not a plain int: no memo
                 await self._attempts(
                     lambda t: self._run_table(table, None, t, "write_imm"), timeout, retry, "write_imm"
                 )
                 return
-            if not self._router.down:
-                self._imm_memo = m
             await self._memo_post(m, None, timeout, retry, "write_imm")
             return
         await self._attempts(
@@ -1768,6 +1779,7 @@ class Engine:
             self._recv_waiters.popleft().event.set()
         for mr in self._regions:
             mr._handle = None
+            mr._memos.clear()
         self._regions.clear()
 
 
@@ -1802,22 +1814,28 @@ def _checkpoint_if_cancelled_fn() -> Callable[[], Awaitable[None]]:
         return anyio.lowlevel.checkpoint_if_cancelled
 
 
+_MEMO_MAX = 256  # memoized requests per region (writes) and per engine (write_imm)
+
+
 def _plain(key: tuple[Any, ...] | int) -> bool:
     """True when every argument of a memo key is an int (or None): a memo is compared with
     ``==``, which would let ``True`` or ``1.0`` pass for ``1``."""
     if type(key) is int:
         return True
-    return type(key) is tuple and all(v is None or type(v) is int for v in key)
+    return type(key) is tuple and _PLAIN_TYPES.issuperset(map(type, key))
+
+
+_PLAIN_TYPES = frozenset((int, type(None)))
 
 
 def _end(timeout: float | None) -> float | None:
     """The deadline of an operation (InvalidArgument for a bad timeout, before any work)."""
     check_timeout(timeout)
-    return None if timeout is None else anyio.current_time() + timeout
+    return None if timeout is None else now() + timeout
 
 
 def _left(end: float | None) -> float | None:
-    return None if end is None else max(0.0, end - anyio.current_time())
+    return None if end is None else max(0.0, end - now())
 
 
 def _paged_rows(

@@ -42,7 +42,7 @@ from ._descriptor import (
 from ._device import _Backend, device_backend
 from ._errors import AioteError, EngineClosed, InvalidArgument
 from ._log import get_logger
-from ._util import check_timeout, deadline, timeout_error, wait_until
+from ._util import check_timeout, deadline, now, timeout_error, wait_until
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -56,6 +56,7 @@ _log = get_logger(component="gpu")
 def _staged(rdesc: MemoryDescriptor) -> bool:
     """Whether bytes for ``rdesc`` land in a pinned shadow its owner copies to GPU memory."""
     return rdesc.on_gpu and not (rdesc.gpu is not None and rdesc.gpu.direct)
+
 
 _U32 = 1 << 32
 # internal message: kind, region id, region key, op, parts, flags, imm, weight, page, count
@@ -208,7 +209,7 @@ class UvmWatcher:
         self._waiters.append(entry)
         try:
             self._arm()
-            if not await wait_until(ev, None if timeout is None else anyio.current_time() + timeout):
+            if not await wait_until(ev, None if timeout is None else now() + timeout):
                 assert timeout is not None
                 raise timeout_error("UVM watcher wait", timeout)
         finally:

@@ -53,7 +53,7 @@ class MemoryRegion:
         "_dev_pending",
         "_engine",
         "_handle",
-        "_memo",
+        "_memos",
         "_obj",
         "_ptr",
         "_shadow",
@@ -83,7 +83,7 @@ class MemoryRegion:
         self._dev: Any = None  # GPU regions: the device buffer (the native region is its shadow)
         self._shadow: Any = None  # GPU regions: the pinned host shadow registered with the NICs
         self._dev_pending = 0  # GPU regions: device copies in flight on it
-        self._memo: Any = None  # the engine's last single-route host write from it (Engine.write)
+        self._memos: dict[Any, Any] = {}  # the engine's single-route host writes from it (Engine.write)
         self.nbytes = nbytes
         self.descriptor = descriptor
         self.remote_write = remote_write
