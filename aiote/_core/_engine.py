@@ -1818,8 +1818,9 @@ _MEMO_MAX = 256  # memoized requests per region (writes) and per engine (write_i
 
 
 def _plain(key: tuple[Any, ...] | int) -> bool:
-    """True when every argument of a memo key is an int (or None): a memo is compared with
-    ``==``, which would let ``True`` or ``1.0`` pass for ``1``."""
+    """True when every argument of a memo key is an int (or None): kept requests are found by
+    hash and ``==``, which would let ``True`` or ``1.0`` pass for ``1`` (and an unhashable
+    argument raise ``TypeError`` instead of failing validation)."""
     if type(key) is int:
         return True
     return type(key) is tuple and _PLAIN_TYPES.issuperset(map(type, key))
