@@ -3,14 +3,17 @@ exact consumption, cancellation and timeouts."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import anyio
 import numpy as np
 import pytest
+import sniffio
 from _util import landed, pattern, zeros
 
 import aiote
+from aiote._core import _util as aiote_util
 
 pytestmark = pytest.mark.anyio
 
@@ -292,7 +295,7 @@ async def test_timed_waits_share_one_timer(aiote_engine_pair) -> None:
     # every timed wait of a loop is served by one timer set for the earliest deadline: a wait
     # added later with an earlier deadline still expires on time, a long one outlives short
     # ones, and thousands of waits that finished early (timed writes, timed counter waits)
-    # leave the timer working
+    # leave the timer working and its heap compacted
     a, b = aiote_engine_pair
     src = zeros(64)
     ms = await a.register(src)
@@ -323,14 +326,23 @@ async def test_timed_waits_share_one_timer(aiote_engine_pair) -> None:
         elapsed = outcome[name]
         assert isinstance(elapsed, float) and timeout <= elapsed + 0.01 < timeout + 5, (name, elapsed)
     c = b.imm_counter(43)
-    for _ in range(1500):  # each a timed write and a timed wait finishing long before its deadline
+    for _ in range(3000):  # each a timed write and a timed wait finishing long before its deadline
         await a.write(ms, md.descriptor, length=8, imm=43, timeout=30)
         await c.wait(1, timeout=30)
+    # the waits among those that finished early did not stay in the timer's heap: compacted
+    assert _timed_wait_entries() <= 2 * aiote_util._COMPACT_MIN
     t0 = anyio.current_time()
     with pytest.raises(aiote.TransferTimeout):
         await c.wait(1, timeout=0.05)
     assert anyio.current_time() - t0 < 5
-    assert c.total == 1500
+    assert c.total == 3000
+
+
+def _timed_wait_entries() -> int:
+    """How many entries the running loop's timed-wait heap holds (aiote internals)."""
+    if sniffio.current_async_library() == "trio":
+        return len(aiote_util._Trio.timed_waits.get()._heap)
+    return len(aiote_util._LOOP_TIMED_WAITS[asyncio.get_running_loop()]._heap)
 
 
 async def test_wait_rejects_bad_arguments(aiote_engine_pair) -> None:

@@ -152,6 +152,15 @@ async def test_interleaved_repeated_writes_each_go_to_their_slot(aiote_engine_pa
         off = slot * size
         await a.write(ms, desc, length=size, src_offset=off, dst_offset=off, imm=80)
 
+    built = 0  # requests built by full validation (the engine's _rows), counted
+    rows = a._rows
+
+    def counting_rows(*args: object, **kwargs: object) -> object:
+        nonlocal built
+        built += 1
+        return rows(*args, **kwargs)
+
+    a._rows = counting_rows  # type: ignore[method-assign]
     for round_ in range(1, 5):
         for slot in range(slots):
             src[slot * size : (slot + 1) * size] = round_ * 16 + slot
@@ -161,7 +170,11 @@ async def test_interleaved_repeated_writes_each_go_to_their_slot(aiote_engine_pa
         await c.wait(slots, timeout=30)
         for slot in range(slots):
             assert (dst[slot * size : (slot + 1) * size] == round_ * 16 + slot).all()
-    assert len(ms._memos) == slots  # every slot's request was kept and reused
+        if round_ == 1:
+            built_first = built
+    del a._rows
+    assert built_first == slots and built == slots  # rounds 2-4 reused every slot's request
+    assert len(ms._memos) == slots
     # 300 distinct one-byte writes (more than are kept), then the slots again
     for i in range(300):
         src[i] = (i % 250) + 1
