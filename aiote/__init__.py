@@ -11,7 +11,7 @@ from . import kv  # the KV-cache flow (prefill/decode), built on the core
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._core._device import GpuUnavailable
-from ._core._engine import Engine, RailInfo, ScatterTarget, TransferBatch, open_engine
+from ._core._engine import Engine, RailInfo, ScatterTarget, Transfer, TransferBatch, open_engine
 from ._core._errors import (
     AioteError,
     DescriptorError,
@@ -55,6 +55,7 @@ __all__ = [
     "RetryPolicy",
     "Route",
     "ScatterTarget",
+    "Transfer",
     "TransferBatch",
     "TransferError",
     "TransferTimeout",

@@ -197,8 +197,9 @@ async def py_pingpong(provider: str, iters: int, spin_us: float, loop_spin_us: f
             rtt = []
             for i in range(iters + warm):
                 t = time.perf_counter_ns()
-                await engine.write(mr, remote, length=8, imm=IMM_PING)
+                ping = engine.post_write(mr, remote, length=8, imm=IMM_PING)
                 await pong.wait(1, timeout=30)
+                await ping  # done by now (the pong answers it): no wait of its own
                 if i >= warm:
                     rtt.append(time.perf_counter_ns() - t)
             await engine.send(peer.address, json.dumps({"op": "exit"}).encode(), timeout=30)

@@ -125,6 +125,7 @@ typedef struct aio_group {
     _Atomic int32_t prov_errno;
     _Atomic int32_t sealed;
     _Atomic int32_t finished;
+    int32_t quiet; /* set before anything is posted: the completion record does not signal */
     int32_t next_free;
     int32_t in_use;
 } aio_group;
@@ -192,6 +193,7 @@ struct aio_engine {
     _Atomic int64_t ops_in_flight;
     _Atomic int64_t want_below; /* a poster waits for queue space: report when in flight <= it (-1: none) */
     _Atomic int32_t nwant;      /* counters with an armed watch (a task awaits an immediate) */
+    _Atomic int32_t quiet_waiters; /* tasks awaiting a quiet group's record (aio_quiet_waiters) */
     /* low-latency waits (aio_poll_ring) made by the loop thread */
     _Atomic uint64_t st_loop_polls;
 
@@ -242,7 +244,7 @@ uint32_t aio_fabric_version(void) { return fi_version(); }
 
 /* ------------------------------------------------------------------ ring */
 
-static void ring_push(aio_engine *e, const aio_record *r) {
+static void ring_put(aio_engine *e, const aio_record *r, int quiet) {
     pthread_mutex_lock(&e->ring_mu);
     uint64_t tail = atomic_load_explicit(&e->ring_tail, memory_order_relaxed);
     uint64_t head = atomic_load_explicit(&e->ring_head, memory_order_acquire);
@@ -261,6 +263,15 @@ static void ring_push(aio_engine *e, const aio_record *r) {
         }
     }
     pthread_mutex_unlock(&e->ring_mu);
+    if (quiet) {
+        /* signal only if a task waits for a quiet record (it counted itself in before it
+         * looked at the ring: one of the two sees the other), or the ring fills up */
+        atomic_thread_fence(memory_order_seq_cst);
+        uint64_t used = atomic_load(&e->ring_tail) - atomic_load(&e->ring_head);
+        if (atomic_load(&e->quiet_waiters) == 0 && used <= (e->ring_mask >> 1) &&
+            atomic_load(&e->ovf_count) == 0)
+            return;
+    }
     if (atomic_exchange(&e->armed, 0)) {
         uint64_t one = 1;
         ssize_t w = write(e->efd, &one, sizeof(one));
@@ -268,6 +279,8 @@ static void ring_push(aio_engine *e, const aio_record *r) {
         atomic_fetch_add_explicit(&e->st_wakeups, 1, memory_order_relaxed);
     }
 }
+
+static void ring_push(aio_engine *e, const aio_record *r) { ring_put(e, r, 0); }
 
 int aio_drain(aio_engine *e, aio_record *out, int max) {
     int n = 0;
@@ -313,6 +326,12 @@ static inline int ring_ready(aio_engine *e) {
            atomic_load_explicit(&e->ovf_count, memory_order_relaxed) > 0;
 }
 
+int aio_quiet_waiters(aio_engine *e, int delta) {
+    atomic_fetch_add(&e->quiet_waiters, delta);
+    atomic_thread_fence(memory_order_seq_cst);
+    return ring_ready(e);
+}
+
 void aio_clear_eventfd(aio_engine *e) {
     uint64_t v;
     ssize_t r = read(e->efd, &v, sizeof(v));
@@ -338,6 +357,7 @@ int64_t aio_group_open(aio_engine *e, uint64_t token) {
         atomic_store(&gr->prov_errno, 0);
         atomic_store(&gr->sealed, 0);
         atomic_store(&gr->finished, 0);
+        gr->quiet = 0;
     }
     pthread_mutex_unlock(&e->groups_mu);
     return g >= 0 ? (int64_t)g : -FI_EAGAIN;
@@ -358,8 +378,9 @@ static void group_finish(aio_engine *e, int64_t g) {
     gr->in_use = 0;
     gr->next_free = e->groups_free;
     e->groups_free = (int32_t)g;
+    int quiet = gr->quiet;
     pthread_mutex_unlock(&e->groups_mu);
-    ring_push(e, &r);
+    ring_put(e, &r, quiet);
 }
 
 static void group_op_done(aio_engine *e, int64_t g, int status, int prov_errno) {
@@ -1742,14 +1763,32 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
     return i;
 }
 
-int64_t aio_submit(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
-                   int64_t budget_ns, int64_t *group) {
+static int64_t submit(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                      int64_t budget_ns, int64_t *group, int quiet) {
     int64_t g = aio_group_open(e, token);
     *group = g;
     if (g < 0) return g;
+    e->groups[g].quiet = quiet; /* read when the group finishes, after it was posted */
     int64_t k = aio_post(e, g, items, n, budget_ns);
     if (k == n) aio_group_seal(e, g);
     return k;
+}
+
+int64_t aio_submit(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                   int64_t budget_ns, int64_t *group) {
+    return submit(e, token, items, n, budget_ns, group, 0);
+}
+
+int aio_group_quiet(aio_engine *e, int64_t g, int quiet) {
+    if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use || atomic_load(&e->groups[g].sealed))
+        return -FI_EINVAL;
+    e->groups[g].quiet = quiet ? 1 : 0;
+    return 0;
+}
+
+int64_t aio_submit_quiet(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                         int64_t budget_ns, int64_t *group) {
+    return submit(e, token, items, n, budget_ns, group, 1);
 }
 
 /* a*b+c <= limit without overflow */

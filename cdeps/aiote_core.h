@@ -226,6 +226,20 @@ int aio_group_seal(aio_engine *e, int64_t group);
  * n requests were posted, else it stays open for the caller to continue with aio_post and seal. */
 int64_t aio_submit(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
                    int64_t budget_ns, int64_t *group);
+/* aio_submit, the group's completion quiet: its record goes into the ring without waking the
+ * event loop (the next drain, whatever woke it, reads it), unless a task waits for a quiet
+ * record (aio_quiet_waiters) or the ring is half full. For work posted now and awaited later:
+ * no wake-up for a completion nobody waits for yet. */
+int64_t aio_submit_quiet(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                         int64_t budget_ns, int64_t *group);
+/* Makes an open, unsealed group's completion quiet (1) or not (0); -FI_EINVAL for a sealed
+ * or free group. */
+int aio_group_quiet(aio_engine *e, int64_t group, int quiet);
+/* Adds `delta` (1: a task starts waiting for a quiet group's record, -1: it stopped) to the
+ * engine's quiet waiters, while some are counted every quiet record signals as usual.
+ * Returns 1 when records are waiting in the ring: the caller drains them before it sleeps
+ * (one pushed before the count went up did not signal). */
+int aio_quiet_waiters(aio_engine *e, int delta);
 /* After a post returned short (queue or op table full): asks for one AIO_REC_SPACE record
  * once at most `below` requests of the engine are in flight, so the loop can wait for room
  * instead of a timer (and post a large part of a queue per wake-up). */

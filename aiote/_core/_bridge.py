@@ -9,7 +9,8 @@ not raise.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import sniffio
@@ -30,6 +31,7 @@ class LoopBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scope: Any = None
         self._stopped: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def event_class(self) -> Any:
@@ -65,6 +67,21 @@ class LoopBridge:
         else:  # pragma: no cover
             raise RuntimeError(f"aiote runs under asyncio or trio, not {self._backend}")
         self._safe()
+
+    def spawn(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Runs ``fn()`` in a background task of the event loop (the engine's work that goes
+        on whoever awaits it), in a copy of the caller's context. ``fn`` must not raise
+        (cancellation aside: a loop or run that ends cancels it). asyncio: a task the bridge
+        holds until it ends; trio: a system task."""
+        if self._backend == "asyncio":
+            loop = self._loop or asyncio.get_running_loop()
+            task = loop.create_task(fn())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            import trio
+
+            trio.lowlevel.spawn_system_task(fn, name="aiote-transfer", context=contextvars.copy_context())
 
     async def _trio_watch(self) -> None:
         import trio

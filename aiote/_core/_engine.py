@@ -53,7 +53,7 @@ from ._retry import RetryPolicy
 from ._routing import DomainGroup, Route, Router, addr_ends
 from ._util import as_index, check_timeout, deadline_at, now, timeout_error, wait_until
 
-__all__ = ["Engine", "RailInfo", "ScatterTarget", "TransferBatch", "open_engine"]
+__all__ = ["Engine", "RailInfo", "ScatterTarget", "Transfer", "TransferBatch", "open_engine"]
 
 # libfabric probes every provider it knows at start-up (0.2-0.5 s of CPU); restrict it to the
 # ones aiote can use unless the user chose otherwise.
@@ -168,6 +168,20 @@ class _Op:
         self.rails: set[int] | None = None
         self.alts: frozenset[int] = frozenset()  # every rail of its peer's path
         self.failover = False  # woken because a rail of it lost its link
+
+
+class _Group:
+    """A group of work requests begun by :meth:`Engine._begin`: its operation, token, native
+    group (``-1``: no slot was free yet) and how many requests ``aio_submit`` posted (None:
+    not submitted that way)."""
+
+    __slots__ = ("first", "g", "op", "token")
+
+    def __init__(self, op: _Op, token: int, g: int, first: int | None) -> None:
+        self.op = op
+        self.token = token
+        self.g = g
+        self.first = first
 
 
 class _RecvWaiter:
@@ -352,8 +366,7 @@ class Engine:
         """Runs ``attempt(time_left)``, re-running it after a broken connection as the retry
         policy says (see :class:`RetryPolicy`). The policy is checked before anything is
         posted, and is in force (``connect_timeout`` included) for every group it posts."""
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise InvalidArgument(f"retry must be an aiote.RetryPolicy, not {type(retry).__name__}")
+        _check_retry(retry)
         end = _end(timeout)
         token = _POLICY.set(retry) if retry is not None else None
         try:
@@ -1030,20 +1043,52 @@ class Engine:
         # the deadline scope (a cancel scope and a timer: several microseconds) is entered only
         # around the awaits this makes, at the absolute deadline `end`
         end = _end(timeout)
+        return await self._finish(self._begin(n, refs, rails, path, items), post, n, end, timeout, what)
+
+    def _begin(
+        self, n: int, refs: Any, rails: set[int] | None, path: Any, items: Any, quiet: bool = False
+    ) -> _Group:
+        """The synchronous start of a group's life (see :meth:`_run_group`): opens the group
+        and, with ``items``, posts what the transport takes at once and seals the group if
+        that was everything (one native call, ``aio_submit``). The group is in ``_pending``
+        (its completion record will find it) unless no group slot was free (``g < 0``).
+        ``quiet`` (with ``items``): its completion record wakes nobody (``aio_submit_quiet``);
+        who waits for it counts itself in with ``aio_quiet_waiters``."""
         h = self._check_open()
         op = _Op(refs, self._event())
         op.rails = rails
         if path is not None:
-            op.alts = frozenset(h[0] for h in path)
+            op.alts = frozenset(hop[0] for hop in path)
         token = next(self._tokens)
         first: int | None = None  # what aio_submit posted (it opened, posted, sealed if all went)
         if items is not None and not self._router.down:
-            k = int(lib.aio_submit(h, token, items, n, self._budget_ns, self._gout))
+            submit = lib.aio_submit_quiet if quiet else lib.aio_submit
+            k = int(submit(h, token, items, n, self._budget_ns, self._gout))
             g = int(self._gout[0])
             if g >= 0:
                 first = k
         else:
-            g = lib.aio_group_open(h, token)
+            g = int(lib.aio_group_open(h, token))
+        if g >= 0:
+            self._pending[token] = op
+        return _Group(op, token, g, first)
+
+    async def _finish(
+        self,
+        st: _Group,
+        post: Callable[[Any, int, int], int],
+        n: int,
+        end: float | None,
+        timeout: float | None,
+        what: str,
+    ) -> bool:
+        """The rest of a group's life after :meth:`_begin`: a free group slot, posting what is
+        left, sealing, the completion and its status (see :meth:`_run_group`)."""
+        if self._closed:  # begun by post_write, finished by a background task: too late
+            raise EngineClosed(f"{what}: the engine closed before the operation was posted")
+        op, token, g, first = st.op, st.token, st.g, st.first
+        rails = op.rails
+        h = self._h
         attempt = 0
         if g < 0:
             try:
@@ -1056,7 +1101,7 @@ class Engine:
                 if g >= 0:
                     self._seal(g)
                 raise
-        self._pending[token] = op
+            self._pending[token] = op
         down = self._router.down
         if rails and down and rails & down and op.alts - down:
             # a link went down before this group posted anything (while it waited for a slot,
@@ -1130,6 +1175,13 @@ class Engine:
             raise stalled
         if error:
             raise _post_error(error, what, posted)
+        return self._outcome(op, what)
+
+    @staticmethod
+    def _outcome(op: _Op, what: str) -> bool:
+        """What the completed (or failover-woken) group ``op`` means: True when its work must
+        be re-posted on other NICs (the group stays owned until the transport lets go),
+        False when it succeeded; raises its error."""
         if op.failover and op.done is False:
             stranded = _STRANDED.get()
             if stranded is not None:
@@ -1302,6 +1354,136 @@ class Engine:
         await self._attempts(
             lambda t: self._run(table, None, t, "write_imm", full), timeout, retry, "write_imm"
         )
+
+    def post_write(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor | bytes,
+        *,
+        length: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        retry: RetryPolicy | None = None,
+        stream: Any = None,
+    ) -> Transfer:
+        """:meth:`write`, posted now and awaited later: returns a :class:`Transfer` to await
+        when the source buffer's reuse (or the error) matters, so that a task can post a
+        write and go on (wait for the peer's answer, post the next) without an event-loop
+        round trip for the write's own completion.
+
+        Guarantees: arguments are validated before this returns (:class:`InvalidArgument`,
+        nothing posted). Host memory over one NIC to the peer (the common case) is handed to
+        the transport before this returns; GPU memory, a ``stream``, several NICs to the
+        peer, or a transport pushing back (full queues, a peer still connecting) continue in
+        a background task of the engine, started at once. Either way the write proceeds
+        whether or not the :class:`Transfer` is awaited, and the engine keeps the source
+        region's request alive until the transport's completion. Errors (and the retries of
+        ``retry``, as :meth:`write` does them) surface when the :class:`Transfer` is awaited;
+        one never awaited that failed is logged when it is dropped. Must be called in the
+        event-loop thread (like every engine method). Cost: as :meth:`write` minus its
+        awaits (a kept request: ~5 us of Python here)."""
+        self._check_open()
+        _check_retry(retry)
+        key = (id(remote), length, src_offset, dst_offset, imm)
+        if type(mr) is MemoryRegion and stream is None and _plain(key) and (m := mr._memos.get(key)):
+            live = mr._engine is self and mr._handle is not None and not self._router.down
+            if m[0] is remote and live:  # a kept request (see write)
+                return self._post_now(m[2], m[3], m[4], mr, "write", retry)
+        rdesc = self._remote(remote)
+        if stream is not None or rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None:
+            self._span(mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
+            return self._background(
+                lambda: self.write(
+                    mr, rdesc, length=length, src_offset=src_offset, dst_offset=dst_offset, imm=imm,
+                    retry=retry, stream=stream,
+                ),
+                "write",
+            )
+        credits: dict[tuple[Any, int], int] = {}
+        rows, full = self._rows(
+            mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits, gpu_ok=True
+        )
+        if len(full) != 1 or self._router.down:  # several NICs: striping, failover, credits
+            return self._background(
+                lambda: self._write_host(mr, rdesc, length, src_offset, dst_offset, imm, None, retry),
+                "write",
+            )
+        table = self._table(rows)
+        m = self._memo(mr._memos, key, remote, table) if rdesc is remote else None
+        if m is not None:
+            return self._post_now(m[2], m[3], m[4], mr, "write", retry)
+        ptr = ffi.from_buffer("aio_op_desc[]", table)
+        return self._post_now(table, self._poster(ptr, len(table)), ptr, mr, "write", retry)
+
+    def post_write_imm(
+        self,
+        remote: MemoryDescriptor | bytes,
+        imm: int,
+        *,
+        retry: RetryPolicy | None = None,
+        stream: Any = None,
+    ) -> Transfer:
+        """:meth:`write_imm`, posted now and awaited later (see :meth:`post_write`): the
+        immediate is handed to the transport before this returns (one NIC to the peer, no
+        ``stream``, room in the queues; otherwise a background task of the engine posts it at
+        once). Raises :class:`InvalidArgument` at once for a bad immediate or descriptor."""
+        self._check_open()
+        _check_retry(retry)
+        m = self._imm_memos.get((id(remote), imm)) if type(imm) is int else None
+        if m is not None and m[0] is remote and stream is None and not self._router.down:
+            return self._post_now(m[2], m[3], m[4], None, "write_imm", retry)
+        if imm is None:
+            raise InvalidArgument("write_imm needs an immediate")
+        rdesc = self._remote(remote)
+        assert self._scratch is not None
+        gpu = stream is not None or _staged(rdesc)
+        if gpu:
+            self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)  # validation only
+        else:
+            rows, full = self._rows(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE, gpu_ok=True)
+        if gpu or len(full) != 1 or self._router.down:  # GPU staging, several NICs: as write_imm
+            again = partial(self.write_imm, rdesc, imm, retry=retry, stream=stream)
+            return self._background(again, "write_imm")
+        table = self._table(rows)
+        m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if rdesc is remote else None
+        if m is not None:
+            return self._post_now(m[2], m[3], m[4], None, "write_imm", retry)
+        ptr = ffi.from_buffer("aio_op_desc[]", table)
+        return self._post_now(table, self._poster(ptr, len(table)), ptr, None, "write_imm", retry)
+
+    def _post_now(
+        self, table: np.ndarray, post: Any, items: Any, refs: Any, what: str, retry: RetryPolicy | None
+    ) -> Transfer:
+        """Begins the group of ``table`` (one route, no failover) in this call; when the
+        transport did not take all of it at once, a background task finishes it exactly as
+        :meth:`_run_group` would (waiting for room, back-off, the stalled-peer check, retries)."""
+        n = len(table)
+        own = (refs, table)
+
+        def again(t: float | None) -> Awaitable[bool]:
+            return self._run_group(post, n, own, t, what, None, None, items)
+
+        st = self._begin(n, own, None, None, items, quiet=True)
+        if st.first == n:  # posted and sealed: only the completion is left (a quiet one)
+            return Transfer(self, what, st.op, again, retry)
+        if st.g >= 0:  # not sealed: the task finishing it waits as usual, woken as usual
+            lib.aio_group_quiet(self._h, st.g, 0)
+        begun = [st]
+
+        async def attempt(t: float | None) -> None:
+            if begun:
+                await self._finish(begun.pop(), post, n, _end(t), t, what)
+            else:
+                await again(t)
+
+        return self._background(lambda: self._attempts(attempt, None, retry, what), what)
+
+    def _background(self, run: Callable[[], Awaitable[Any]], what: str) -> Transfer:
+        """A :class:`Transfer` whose work ``run()`` goes on in a background task of the engine."""
+        t = Transfer(self, what)
+        t._go(run)
+        return t
 
     async def read(
         self,
@@ -1756,8 +1938,13 @@ class Engine:
         self._closing = True
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(timeout):
-                for op in list(self._pending.values()):
-                    await op.event.wait()
+                lib.aio_quiet_waiters(self._h, 1)  # posted transfers' completions wake it too
+                self._drain()
+                try:
+                    for op in list(self._pending.values()):
+                        await op.event.wait()
+                finally:
+                    lib.aio_quiet_waiters(self._h, -1)
                 while any(mr._dev_pending for mr in self._regions):  # noqa: ASYNC110 - GPU copies
                     await anyio.sleep(0.001)
             if self._pending:
@@ -1827,6 +2014,11 @@ def _plain(key: tuple[Any, ...] | int) -> bool:
 
 
 _PLAIN_TYPES = frozenset((int, type(None)))
+
+
+def _check_retry(retry: Any) -> None:
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise InvalidArgument(f"retry must be an aiote.RetryPolicy, not {type(retry).__name__}")
 
 
 def _end(timeout: float | None) -> float | None:
@@ -1984,6 +2176,174 @@ class TransferBatch:
                 await eng._send_credits(self._credits, end, what)
 
         await eng._attempts(attempt, timeout, retry, what)
+
+    def post(self, *, retry: RetryPolicy | None = None) -> Transfer:
+        """:meth:`submit`, posted now and awaited later (see :meth:`Engine.post_write`): every
+        request is handed to the transport before this returns when it takes them at once
+        (otherwise a background task of the engine posts the rest, as :meth:`submit`
+        would); the returned :class:`Transfer` completes when all of them did. Raises
+        :class:`InvalidArgument` at once if a region of the batch was unregistered."""
+        eng = self._engine
+        eng._check_open()
+        _check_retry(retry)
+        for mr in self._refs:
+            if mr._handle is None:
+                raise InvalidArgument("a region of this batch was unregistered since it was added")
+        what = f"batch of {self._n}"
+        if self._n == 0:
+            return Transfer(eng, what)
+        if self._credits:  # multi-NIC peers: credits follow the data
+            return eng._background(lambda: self.submit(retry=retry), what)
+        table = self._table[: self._n]
+        ptr = ffi.from_buffer("aio_op_desc[]", table)
+        return eng._post_now(table, eng._poster(ptr, self._n), ptr, self._refs, what, retry)
+
+
+class Transfer:
+    """A write posted by :meth:`Engine.post_write`, :meth:`Engine.post_write_imm` or
+    :meth:`TransferBatch.post`: already on its way; ``await transfer`` (or
+    :meth:`wait`) returns once the transport is done with the source buffers, or raises the
+    operation's error.
+
+    Awaiting only observes: cancelling the awaiting task, or a :meth:`wait` timing out,
+    leaves the transfer going (a posted request is never taken back; the engine holds its
+    buffers until the completion), and it may be awaited again, from any task of the loop,
+    any number of times (each await of a failed transfer raises the same exception). An
+    awaited transfer that finished costs no event-loop round trip."""
+
+    __slots__ = ("__weakref__", "_again", "_bg", "_engine", "_exc", "_finished", "_observed", "_op",
+                 "_retry", "_what")
+
+    def __init__(
+        self,
+        engine: Engine,
+        what: str,
+        op: _Op | None = None,
+        again: Callable[[float | None], Awaitable[bool]] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self._engine = engine
+        self._what = what
+        self._op = op  # a group posted in the caller's call: its completion is awaited
+        self._again = again  # posts the work anew (a retry after a broken connection)
+        self._retry = retry
+        self._bg: Any = None  # the event of the background task carrying the work, if any
+        self._exc: BaseException | None = None
+        self._finished = op is None  # until _go starts a task (an empty batch: done)
+        self._observed = False
+
+    def _go(self, run: Callable[[], Awaitable[Any]]) -> None:
+        """Hands the rest of the work to a background task of the engine's event loop."""
+        self._finished = False
+        self._op = None
+        ev = self._bg = self._engine._event()
+
+        async def carry() -> None:
+            try:
+                await run()
+            except Exception as exc:
+                self._exc = exc
+            finally:
+                ev.set()
+
+        bridge = self._engine._bridge
+        assert bridge is not None
+        bridge.spawn(carry)
+
+    @property
+    def done(self) -> bool:
+        """True once the operation finished, successfully or not: awaiting it then returns
+        (or raises) without waiting."""
+        if self._finished:
+            return True
+        op = self._op
+        if op is not None:
+            eng = self._engine
+            if not op.event.is_set() and not eng._closed and lib.aio_quiet_waiters(eng._h, 0):
+                eng._drain()  # its completion may have come in quietly
+            return op.event.is_set() is True
+        return self._bg.is_set() is True
+
+    def __await__(self) -> Any:
+        return self.wait().__await__()
+
+    async def wait(self, *, timeout: float | None = None) -> None:
+        """Waits until the transfer finished; raises its error (:class:`TransferError`
+        subclasses, :class:`EngineClosed`), or :class:`TransferTimeout` when ``timeout``
+        seconds pass first (the transfer goes on; await it again). Cancellable without
+        affecting the transfer."""
+        end = _end(timeout)
+        eng = self._engine
+        waited = False
+        while not self._finished:
+            op = self._op
+            if op is not None:
+                if not op.event.is_set():
+                    # its completion record wakes the loop only while someone waits for it
+                    # (a closing engine sets every pending event itself)
+                    h = None if eng._closed else eng._h
+                    if h is not None and lib.aio_quiet_waiters(h, 1):
+                        eng._drain()  # records (perhaps its own) came in quietly
+                    try:
+                        if eng._loop_spin_ns and not op.event.is_set():
+                            eng._spin_until(op.event.is_set)
+                        if not op.event.is_set():
+                            waited = True
+                            if not await wait_until(op.event, end):
+                                assert timeout is not None
+                                raise timeout_error(self._what, timeout)
+                    finally:
+                        if h is not None and not eng._closed:
+                            lib.aio_quiet_waiters(h, -1)
+                self._op = None
+                self._finished = True
+                try:
+                    eng._outcome(op, self._what)
+                except PeerUnreachable as exc:
+                    self._retry_later(exc)
+                except Exception as exc:
+                    self._exc = exc
+                continue
+            if not self._bg.is_set():
+                waited = True
+                if not await wait_until(self._bg, end):
+                    assert timeout is not None
+                    raise timeout_error(self._what, timeout)
+            self._finished = True
+        if not waited:
+            await eng._checkpoint_if_cancelled()
+        self._observed = True
+        if self._exc is not None:
+            raise self._exc
+
+    def _retry_later(self, exc: PeerUnreachable) -> None:
+        """The posted group failed with a broken connection: re-post as the retry policy
+        says, in a background task (so that the work goes on whoever awaits it)."""
+        eng, again, retry, what = self._engine, self._again, self._retry, self._what
+        if again is None or getattr(exc, "_final", False):
+            self._exc = exc
+            return
+
+        async def run() -> None:
+            token = _POLICY.set(retry) if retry is not None else None
+            try:
+                await eng._retry_after(exc, again, None, retry or eng._retry, what)
+            finally:
+                if token is not None:
+                    _POLICY.reset(token)
+
+        self._go(run)
+
+    def __del__(self) -> None:
+        try:
+            if self._observed:
+                return
+            op = self._op
+            failed = self._exc is not None or (op is not None and op.done and op.status != 0)
+            if failed:
+                _log.warning("a posted transfer failed and was never awaited", op=self._what)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
 
 def _open_native(

@@ -933,6 +933,65 @@ static int t_submit(fix_t *f) {
     return 0;
 }
 
+/* aio_submit_quiet: the completion record goes into the ring without signalling the armed
+ * eventfd, unless a quiet waiter is counted in; aio_quiet_waiters reports waiting records;
+ * aio_group_quiet changes an open group only. */
+static int t_submit_quiet(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    int efd = aio_engine_eventfd(a->e);
+    sleep_us(10000);
+    while (pump(a)) {
+    }
+    a->ninbox = 0;
+    aio_clear_eventfd(a->e);
+    uint32_t imm = 0x6600;
+    aio_op_desc d = op_to(a, b, AIO_OP_WRITE, 0, 0, 64, AIO_F_DATA, imm);
+    aio_record r;
+    CHECK(aio_arm(a->e) == 0, "arm");
+    uint64_t tok = g_token++;
+    int64_t g = -1;
+    int64_t k = aio_submit_quiet(a->e, tok, &d, 1, 1000000000LL, &g);
+    CHECK(k == 1 && g >= 0, "quiet submit: %lld, group %lld", (long long)k, (long long)g);
+    CHECK(wait_take(b, imm, U, TIMEOUT) == 0, "credit of the quiet write");
+    double t0 = now_s();
+    while (!aio_quiet_waiters(a->e, 0) && now_s() - t0 < TIMEOUT) sleep_us(100);
+    CHECK(aio_quiet_waiters(a->e, 0) == 1, "the quiet record never reached the ring");
+    CHECK(!poll_fd(efd, 20), "a quiet completion signalled the armed eventfd");
+    CHECK(aio_drain(a->e, &r, 1) == 1 && r.kind == AIO_REC_GROUP && r.token == tok && r.status == 0,
+          "the quiet group's record");
+    /* a waiter counted in: the next quiet record signals as usual */
+    CHECK(aio_arm(a->e) == 0, "arm 2");
+    CHECK(aio_quiet_waiters(a->e, 1) == 0, "no record should be waiting");
+    tok = g_token++;
+    k = aio_submit_quiet(a->e, tok, &d, 1, 1000000000LL, &g);
+    CHECK(k == 1 && g >= 0, "quiet submit 2");
+    CHECK(poll_fd(efd, 10000), "a quiet completion with a waiter did not signal");
+    aio_clear_eventfd(a->e);
+    CHECK(aio_drain(a->e, &r, 1) == 1 && r.kind == AIO_REC_GROUP && r.token == tok, "record 2");
+    CHECK(aio_quiet_waiters(a->e, -1) == 0, "waiters back to none");
+    CHECK(wait_take(b, imm, U, TIMEOUT) == 0, "credit 2");
+    /* an open group may be made quiet (or loud again) until it is sealed */
+    CHECK(aio_arm(a->e) == 0, "arm 3");
+    tok = g_token++;
+    g = aio_group_open(a->e, tok);
+    CHECK(g >= 0, "group");
+    CHECK_OK(aio_group_quiet(a->e, g, 1));
+    CHECK_OK(aio_group_seal(a->e, g)); /* empty: finishes now, quietly */
+    CHECK(aio_group_quiet(a->e, g, 0) == -FI_EINVAL, "a finished group must refuse aio_group_quiet");
+    CHECK(!poll_fd(efd, 20), "an empty quiet group signalled");
+    CHECK(aio_drain(a->e, &r, 1) == 1 && r.token == tok && r.a == 0, "record 3");
+    tok = g_token++;
+    g = aio_group_open(a->e, tok);
+    CHECK_OK(aio_group_quiet(a->e, g, 1));
+    CHECK_OK(aio_group_quiet(a->e, g, 0));
+    CHECK(aio_arm(a->e) == 0, "arm 4");
+    CHECK_OK(aio_group_seal(a->e, g));
+    CHECK(poll_fd(efd, 10000), "a group made loud again did not signal");
+    aio_clear_eventfd(a->e);
+    CHECK(aio_drain(a->e, &r, 1) == 1 && r.token == tok, "record 4");
+    return 0;
+}
+
 /* aio_poll_ring: the calling thread drives the CQs until a record waits (a group
  * completion, a satisfied counter watch) or its budget runs out; the poller keeps working,
  * and an armed loop is woken by the eventfd afterwards as usual. */
@@ -1377,6 +1436,7 @@ static const test_t TESTS[] = {
     {"idle_cpu", t_idle},             {"watch", t_watch},
     {"register_dev", t_register_dev},
     {"poll_ring", t_poll_ring},       {"submit", t_submit},
+    {"submit_quiet", t_submit_quiet},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {

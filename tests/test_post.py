@@ -1,0 +1,227 @@
+"""Posted now, awaited later: ``post_write``, ``post_write_imm`` and ``TransferBatch.post``
+return a :class:`aiote.Transfer` after handing the work to the transport (or to a background
+task of the engine); the work goes on whether or not it is awaited, awaiting only observes."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import anyio
+import numpy as np
+import pytest
+from _util import digest, nothing_posted, pattern, zeros
+
+import aiote
+from aiote.testing import spawn_peer
+
+pytestmark = pytest.mark.anyio
+
+TCP = {"same_host": None}
+
+
+async def test_post_write_is_posted_before_it_returns(aiote_engine_pair) -> None:
+    a, b = aiote_engine_pair
+    src = pattern(64 * 4096, seed=5)
+    dst = zeros(64 * 4096)
+    ms, md = await a.register(src), await b.register(dst)
+    before = a.stats()["pending"]
+    transfers = [
+        a.post_write(ms, md.descriptor, length=4096, src_offset=4096 * k, dst_offset=4096 * k, imm=11)
+        for k in range(64)
+    ]
+    # no await yet: every request is already with the transport (the completions are read by
+    # the loop thread, which has not run since)
+    assert a.stats()["pending"] == before + 64
+    assert all(isinstance(t, aiote.Transfer) for t in transfers)
+    # the peer sees all of it although none of the transfers was awaited
+    await b.imm_counter(11).wait(64, timeout=30)
+    assert np.array_equal(dst, src)
+    for t in transfers:
+        await t
+        assert t.done
+    await transfers[0]  # awaiting again: same outcome, at once
+    assert a.stats()["pending"] == before
+
+
+async def test_post_write_imm_ping_pong_between_tasks(aiote_engine_pair) -> None:
+    a, b = aiote_engine_pair
+    ma, mb = await a.register(zeros(64)), await b.register(zeros(64))
+    rounds = 200
+
+    async def pong() -> None:
+        prev = None
+        for _ in range(rounds):
+            await b.imm_counter(21).wait(1, timeout=30)
+            if prev is not None:
+                await prev
+            prev = b.post_write_imm(ma.descriptor, 22)
+        assert prev is not None
+        await prev
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pong)
+        for _ in range(rounds):
+            t = a.post_write_imm(mb.descriptor, 21)
+            await a.imm_counter(22).wait(1, timeout=30)
+            await t
+    assert a.imm_counter(22).total == rounds
+    assert b.imm_counter(21).total == rounds
+
+
+async def test_batch_post(aiote_engine_pair) -> None:
+    a, b = aiote_engine_pair
+    src = pattern(1 << 20, seed=9)
+    dst = zeros(1 << 20)
+    ms, md = await a.register(src), await b.register(dst)
+    batch = a.batch()
+    for k in range(16):
+        batch.write(ms, md.descriptor, length=65536, src_offset=65536 * k, dst_offset=65536 * k, imm=31)
+    t = batch.post()
+    await b.imm_counter(31).wait(16, timeout=30)
+    await t
+    assert digest(dst) == digest(src)
+    # posted again (a static schedule), with new bytes
+    src[:] = pattern(1 << 20, seed=10)
+    await batch.post()
+    await b.imm_counter(31).wait(16, timeout=30)
+    assert np.array_equal(dst, src)
+    empty = a.batch().post()
+    assert empty.done
+    await empty
+
+
+async def test_bad_input_raises_at_once_and_posts_nothing(aiote_engine_pair) -> None:
+    a, b = aiote_engine_pair
+    ms = await a.register(zeros(4096))
+    md = await b.register(zeros(4096))
+    before = a.stats()
+    with pytest.raises(aiote.InvalidArgument):
+        a.post_write(ms, md.descriptor, length=4097)
+    with pytest.raises(aiote.InvalidArgument):
+        a.post_write(ms, md.descriptor, length=16, dst_offset=4090)
+    with pytest.raises(aiote.InvalidArgument):
+        a.post_write(ms, md.descriptor, length=16, imm=1 << 32)
+    with pytest.raises(aiote.InvalidArgument):
+        a.post_write_imm(md.descriptor, -1)
+    with pytest.raises(aiote.InvalidArgument):
+        a.post_write_imm(md.descriptor, None)  # type: ignore[arg-type]
+    with pytest.raises(aiote.DescriptorError):
+        a.post_write_imm(bytes(md.descriptor)[:-3], 1)
+    with pytest.raises(aiote.InvalidArgument, match="RetryPolicy"):
+        a.post_write(ms, md.descriptor, retry=3)  # type: ignore[arg-type]
+    gone = await a.register(zeros(4096))
+    await a.unregister(gone)
+    with pytest.raises(aiote.InvalidArgument):
+        a.post_write(gone, md.descriptor, length=16)
+    batch = a.batch().write(ms, md.descriptor, length=16)
+    other = await a.register(zeros(64))
+    batch.write(other, md.descriptor, length=16)
+    await a.unregister(other)
+    with pytest.raises(aiote.InvalidArgument, match="unregistered"):
+        batch.post()
+    nothing_posted(a, before)
+
+
+async def test_awaiting_only_observes(aiote_peer) -> None:
+    e = aiote_peer.engine
+    size = 64 << 20
+    src = pattern(size, seed=12)
+    ms = await e.register(src)
+    desc = await aiote_peer.register("big", size)
+    t = e.post_write(ms, desc, imm=41)
+    # a timed wait that runs out, and an await that is cancelled, leave the transfer going
+    with pytest.raises(aiote.TransferTimeout):
+        await t.wait(timeout=0.0001)
+    with anyio.move_on_after(0.001):
+        await t
+    await t.wait(timeout=120)
+    assert t.done
+    await aiote_peer.wait(imm=41, n=1, timeout=120)
+    assert await aiote_peer.digest("big") == digest(src)
+
+
+async def test_transport_pushback_goes_on_in_the_background() -> None:
+    # 16 requests in flight at most: most of 300 posted at once wait for room, in a
+    # background task of the engine, and land in order of nothing in particular but all land
+    async with aiote.open_engine(max_in_flight=16, **TCP) as a, aiote.open_engine(**TCP) as b:
+        n, slot = 300, 4096
+        src = pattern(n * slot, seed=13)
+        dst = zeros(n * slot)
+        ms, md = await a.register(src), await b.register(dst)
+        transfers = [
+            a.post_write(ms, md.descriptor, length=slot, src_offset=slot * k, dst_offset=slot * k, imm=51)
+            for k in range(n)
+        ]
+        # (internal: the transfers the transport did not take at once went to a background task)
+        assert sum(t._bg is not None for t in transfers) > n // 2
+        await b.imm_counter(51).wait(n, timeout=60)
+        for t in transfers:
+            await t.wait(timeout=30)
+        assert np.array_equal(dst, src)
+        assert b.imm_counter(51).total == n
+
+
+async def test_several_nics_are_posted_by_a_background_task() -> None:
+    async with (
+        aiote.open_engine(nics=["lo", "lo"], **TCP) as a,
+        aiote.open_engine(nics=["lo", "lo"], **TCP) as b,
+    ):
+        size = 8 << 20  # above stripe_min: split over both NICs, one credit
+        src = pattern(size, seed=14)
+        dst = zeros(size)
+        ms, md = await a.register(src), await b.register(dst)
+        t = a.post_write(ms, md.descriptor, imm=61)
+        imm = a.post_write_imm(md.descriptor, 62)
+        assert t._bg is not None and imm._bg is not None  # (internal: striped, failover: a task)
+        await b.imm_counter(61).wait(1, timeout=30)
+        await b.imm_counter(62).wait(1, timeout=30)
+        await t
+        await imm
+        assert digest(dst) == digest(src)
+        assert b.imm_counter(61).total == 1
+
+
+async def test_errors_surface_when_awaited_and_unawaited_failures_are_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with aiote.open_engine(retry=aiote.RetryPolicy(connect_timeout=0.5), **TCP) as e:
+        async with aiote.open_engine(**TCP) as gone:
+            d = (await gone.register(zeros(4096))).descriptor
+        ms = await e.register(pattern(4096))
+        t = e.post_write(ms, d, length=64, imm=1)
+        with pytest.raises(aiote.PeerUnreachable):
+            await t.wait(timeout=10)
+        with pytest.raises(aiote.PeerUnreachable):  # the same outcome every time
+            await t
+        caplog.set_level(logging.WARNING, logger="aiote")
+        lost = e.post_write_imm(d, 2)
+        with anyio.fail_after(10):
+            while not lost.done:  # noqa: ASYNC110 - waits without awaiting the transfer
+                await anyio.sleep(0.01)
+        del lost
+        gc.collect()
+        assert "never awaited" in caplog.text
+    with pytest.raises(aiote.EngineClosed):
+        e.post_write_imm(d, 3)
+
+
+async def test_post_write_imm_to_a_peer_process() -> None:
+    async with aiote.open_engine(**TCP) as e, spawn_peer(engine=e, **TCP) as p:
+        desc = await p.register("buf", 4096)
+        ts = [e.post_write_imm(desc, 71) for _ in range(100)]
+        await p.wait(imm=71, n=100)
+        for t in ts:
+            await t
+
+
+async def test_engine_closed_under_a_transfer() -> None:
+    async with aiote.open_engine(**TCP) as b:
+        dst = await b.register(zeros(256 << 20))
+        async with aiote.open_engine(**TCP) as a:
+            ms = await a.register(pattern(256 << 20, seed=15))
+            t = a.post_write(ms, dst.descriptor, imm=81)
+            await a.aclose(timeout=0)  # does not wait for the 256 MiB in flight
+            assert t.done
+            with pytest.raises(aiote.EngineClosed):
+                await t
