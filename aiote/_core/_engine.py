@@ -318,7 +318,9 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Counters of the native poller (polls, sleeps, wake-ups, completions, errors;
         ``loop_polls``: low-latency waits that drove the completion queues from the loop thread), the
-        operations and regions in flight, and ``peers``: peer NIC addresses resolved (each is
+        operations and regions in flight (``pending``: groups whose completion record the loop
+        has not read yet; a posted transfer's quiet record is read at the next wake-up), and
+        ``peers``: peer NIC addresses resolved (each is
         resolved once and cached), ``failovers``: requests re-posted on another NIC after a link
         failure, ``stranded``: groups left on a failed link, still owned by the transport
         (their bytes land again if the link recovers). GPU: ``gpu_ipc`` / ``gpu_staged`` /

@@ -223,9 +223,8 @@ async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
             )
             for i in range(iters + WARM):  # warm-up round trips first
                 t0 = time.perf_counter()
-                ping = e.post_write_imm(theirs, 4)
+                await e.write_imm(theirs, 4)
                 await pong.wait(1, timeout=30)
-                await ping  # done by now (the pong answers it): no wait of its own
                 if i >= WARM:
                     rtts.append(time.perf_counter() - t0)
         return _percentiles(rtts)
@@ -256,7 +255,7 @@ def c_args(args: argparse.Namespace, case: Case) -> list[str]:
         return [mode, str(size), str(window), str(max(args.total, size * min(window, MSG_SLOTS)))]
     if mode == "paged":
         return ["paged", str(size), str(args.pages), str(args.calls)]
-    low = ["--spin-ns", "1000000", "--loop-poll-ns", "500000"] if args.low_latency else []
+    low = ["--spin-ns", "1000000", "--loop-poll-ns", "500000", "--await-write"] if args.low_latency else []
     return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters), *low]
 
 
