@@ -10,7 +10,7 @@ import logging
 import anyio
 import numpy as np
 import pytest
-from _util import digest, nothing_posted, pattern, zeros
+from _util import digest, eventually, nothing_posted, pattern, zeros
 
 import aiote
 from aiote.testing import spawn_peer
@@ -42,6 +42,30 @@ async def test_post_write_is_posted_before_it_returns(aiote_engine_pair) -> None
         assert t.done
     await transfers[0]  # awaiting again: same outcome, at once
     assert a.stats()["pending"] == before
+
+
+async def test_posted_completions_do_not_wake_the_loop(aiote_engine_pair) -> None:
+    a, b = aiote_engine_pair
+    ms, md = await a.register(pattern(8 * 4096, seed=6)), await b.register(zeros(8 * 4096))
+    await a.write(ms, md.descriptor, length=64)  # connected: the posts below go out at once
+    before = a.stats()
+    transfers = [
+        a.post_write(ms, md.descriptor, length=4096, src_offset=4096 * k, dst_offset=4096 * k, imm=12)
+        for k in range(8)
+    ]
+    assert all(t._bg is None for t in transfers)  # (internal: posted in the call, no task)
+    await b.imm_counter(12).wait(8, timeout=30)
+    await eventually(lambda: a.stats()["ops_in_flight"] == 0, "the writes' completions")
+    await anyio.sleep(0.05)
+    # nobody waited for them: the completions came in quietly, a's loop was not woken and has
+    # not read them yet (still pending)
+    assert a.stats()["wakeups_sent"] == before["wakeups_sent"]
+    assert a.stats()["pending"] == before["pending"] + 8
+    assert transfers[0].done  # reading `done` reads them
+    assert a.stats()["pending"] == before["pending"]
+    for t in transfers:
+        await t
+    assert a.stats()["wakeups_sent"] == before["wakeups_sent"]  # done already: no wait
 
 
 async def test_post_write_imm_ping_pong_between_tasks(aiote_engine_pair) -> None:
