@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import signal
+import time
 
 import anyio
 import numpy as np
@@ -249,3 +252,29 @@ async def test_engine_closed_under_a_transfer() -> None:
             assert t.done
             with pytest.raises(aiote.EngineClosed):
                 await t
+
+
+async def test_a_broken_connection_under_a_posted_write_is_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="aiote")
+    async with (
+        aiote.open_engine(retry=aiote.RetryPolicy(connect_timeout=1.0), **TCP) as e,
+        spawn_peer(engine=e, **TCP) as p,
+    ):
+        size = 256 << 20
+        d = await p.register("buf", size)
+        ms = await e.register(pattern(size, seed=16))
+        await e.write(ms, d, length=64, imm=1)  # connected
+        t = e.post_write(ms, d, imm=1)
+        assert t._bg is None  # (internal: posted in the call)
+        os.kill(p.pid, signal.SIGKILL)  # the connection breaks under the 256 MiB
+        t0 = time.monotonic()
+        with pytest.raises(aiote.PeerUnreachable, match="did not answer"):
+            await t.wait(timeout=30)
+        # the broken connection was answered with a new attempt (the retry policy), which
+        # gave up after connect_timeout since nothing listens there any more
+        assert "posting again after a broken connection" in caplog.text
+        assert time.monotonic() - t0 < 1.0 + 5.0
+        with pytest.raises(aiote.PeerUnreachable):
+            await t
