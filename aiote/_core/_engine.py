@@ -1228,17 +1228,12 @@ class Engine:
         after the work submitted to it so far, without blocking the loop.
         """
         key = (id(remote), length, src_offset, dst_offset, imm)
-        # plain ints only (hashable, and no True or 1.0 standing in for 1)
-        if type(mr) is MemoryRegion and stream is None and _plain(key) and (m := mr._memos.get(key)):
-            # a write made before from this region with the same arguments to the same
-            # descriptor object (a loop re-sending its slots, a ping-pong): its validated
-            # request is reused (see _memo_post)
-            live = mr._engine is self and mr._handle is not None and not self._router.down
-            if m[0] is remote and live:
-                await self._memo_post(m, mr, timeout, retry, "write")
-                return
+        m = self._kept_write(mr, remote, key, stream)
+        if m is not None:
+            await self._memo_post(m, mr, timeout, retry, "write")
+            return
         rdesc = self._remote(remote)
-        if stream is not None or rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None:
+        if self._via_gpu(mr, rdesc, stream):
             mr, rdesc, length, src_offset, dst_offset, _, _ = self._span(
                 mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE
             )
@@ -1248,6 +1243,30 @@ class Engine:
         await self._write_host(
             mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, key if rdesc is remote else None
         )
+
+    def _kept_write(self, mr: Any, remote: Any, key: tuple[Any, ...], stream: Any) -> tuple[Any, ...] | None:
+        """The request kept for a write made before from ``mr`` with the same arguments
+        ``key`` to the same descriptor object (a loop re-sending its slots, a ping-pong), if
+        it may be posted again (see :meth:`_memo_post`), else None. Plain ints only: hashable,
+        and no True or 1.0 standing in for 1."""
+        if type(mr) is MemoryRegion and stream is None and _plain(key) and (m := mr._memos.get(key)):
+            live = mr._engine is self and mr._handle is not None and not self._router.down
+            if m[0] is remote and live:
+                return m  # type: ignore[no-any-return]
+        return None
+
+    def _kept_imm(self, remote: Any, imm: Any, stream: Any) -> tuple[Any, ...] | None:
+        """The request kept for a ``write_imm`` of ``imm`` to the same descriptor object, if
+        it may be posted again, else None."""
+        m = self._imm_memos.get((id(remote), imm)) if type(imm) is int else None
+        if m is not None and m[0] is remote and stream is None and not self._router.down:
+            return m  # type: ignore[no-any-return]
+        return None
+
+    @staticmethod
+    def _via_gpu(mr: Any, rdesc: MemoryDescriptor, stream: Any) -> bool:
+        """Whether a write goes through the GPU support (a stream, or GPU memory either side)."""
+        return stream is not None or rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None
 
     def _memo(
         self, memos: dict[Any, Any], key: Any, rdesc: MemoryDescriptor, table: np.ndarray
@@ -1328,8 +1347,8 @@ class Engine:
         owner's copies of earlier writes into GPU memory; ``stream``: sent only after the work
         submitted to that CUDA stream so far (e.g. the kernel that produced the data). Raises
         as :meth:`write`."""
-        m = self._imm_memos.get((id(remote), imm)) if type(imm) is int else None
-        if m is not None and m[0] is remote and stream is None and not self._router.down:
+        m = self._kept_imm(remote, imm, stream)
+        if m is not None:
             await self._memo_post(m, None, timeout, retry, "write_imm")
             return
         if imm is None:
@@ -1388,12 +1407,11 @@ class Engine:
         self._check_open()
         _check_retry(retry)
         key = (id(remote), length, src_offset, dst_offset, imm)
-        if type(mr) is MemoryRegion and stream is None and _plain(key) and (m := mr._memos.get(key)):
-            live = mr._engine is self and mr._handle is not None and not self._router.down
-            if m[0] is remote and live:  # a kept request (see write)
-                return self._post_now(m[2], m[3], m[4], mr, "write", retry)
+        m = self._kept_write(mr, remote, key, stream)
+        if m is not None:
+            return self._post_now(m[2], mr, "write", retry, m)
         rdesc = self._remote(remote)
-        if stream is not None or rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None:
+        if self._via_gpu(mr, rdesc, stream):
             self._span(mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
             return self._background(
                 lambda: self.write(
@@ -1413,10 +1431,7 @@ class Engine:
             )
         table = self._table(rows)
         m = self._memo(mr._memos, key, remote, table) if rdesc is remote else None
-        if m is not None:
-            return self._post_now(m[2], m[3], m[4], mr, "write", retry)
-        ptr = ffi.from_buffer("aio_op_desc[]", table)
-        return self._post_now(table, self._poster(ptr, len(table)), ptr, mr, "write", retry)
+        return self._post_now(table, mr, "write", retry, m)
 
     def post_write_imm(
         self,
@@ -1432,9 +1447,9 @@ class Engine:
         once). Raises :class:`InvalidArgument` at once for a bad immediate or descriptor."""
         self._check_open()
         _check_retry(retry)
-        m = self._imm_memos.get((id(remote), imm)) if type(imm) is int else None
-        if m is not None and m[0] is remote and stream is None and not self._router.down:
-            return self._post_now(m[2], m[3], m[4], None, "write_imm", retry)
+        m = self._kept_imm(remote, imm, stream)
+        if m is not None:
+            return self._post_now(m[2], None, "write_imm", retry, m)
         if imm is None:
             raise InvalidArgument("write_imm needs an immediate")
         rdesc = self._remote(remote)
@@ -1449,17 +1464,20 @@ class Engine:
             return self._background(again, "write_imm")
         table = self._table(rows)
         m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if rdesc is remote else None
-        if m is not None:
-            return self._post_now(m[2], m[3], m[4], None, "write_imm", retry)
-        ptr = ffi.from_buffer("aio_op_desc[]", table)
-        return self._post_now(table, self._poster(ptr, len(table)), ptr, None, "write_imm", retry)
+        return self._post_now(table, None, "write_imm", retry, m)
 
     def _post_now(
-        self, table: np.ndarray, post: Any, items: Any, refs: Any, what: str, retry: RetryPolicy | None
+        self, table: np.ndarray, refs: Any, what: str, retry: RetryPolicy | None, kept: Any = None
     ) -> Transfer:
         """Begins the group of ``table`` (one route, no failover) in this call; when the
         transport did not take all of it at once, a background task finishes it exactly as
-        :meth:`_run_group` would (waiting for room, back-off, the stalled-peer check, retries)."""
+        :meth:`_run_group` would (waiting for room, back-off, the stalled-peer check, retries).
+        ``kept``: the memo of ``table`` (see :meth:`_memo`), whose poster it reuses."""
+        if kept is not None:
+            post, items = kept[3], kept[4]
+        else:
+            items = ffi.from_buffer("aio_op_desc[]", table)
+            post = self._poster(items, len(table))
         n = len(table)
         own = (refs, table)
 
@@ -2196,9 +2214,7 @@ class TransferBatch:
             return Transfer(eng, what)
         if self._credits:  # multi-NIC peers: credits follow the data
             return eng._background(lambda: self.submit(retry=retry), what)
-        table = self._table[: self._n]
-        ptr = ffi.from_buffer("aio_op_desc[]", table)
-        return eng._post_now(table, eng._poster(ptr, self._n), ptr, self._refs, what, retry)
+        return eng._post_now(self._table[: self._n], self._refs, what, retry)
 
 
 class Transfer:
