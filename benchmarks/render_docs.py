@@ -84,6 +84,8 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
     keys: list[tuple[str, str, str]] = []
     tput: dict[tuple[str, str, str], dict[int, float]] = {}
     rtt: dict[tuple[str, str, str], float] = {}
+    versus = [p for p in peers if p.get("mode") == "versus"]
+    peers = [p for p in peers if p.get("mode") != "versus"]
     for p in peers:
         k = (str(p.get("library", "?")), str(p.get("path", "?")), str(p.get("mode", "?")))
         if k not in keys:
@@ -92,9 +94,12 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
             tput.setdefault(k, {})[int(p["size"])] = float(p["gbps"])
         if p.get("rtt_us") is not None:
             rtt[k] = float(p["rtt_us"])
+    rounds = max((int(p.get("rounds", 1)) for p in peers), default=1)
+    how = (f"run by the same command in {rounds} rounds, each library and aiote once per round; median of "
+           "the rounds" if rounds > 1 else "run by the same command")
     out = [
-        "Peer libraries on the same loopback, same sizes and window (`benchmarks/peers/run.py`, "
-        "run by the same command; GB/s, round trip in µs):",
+        f"Peer libraries on the same loopback, same sizes and window (`benchmarks/peers/run.py`, {how}; "
+        "GB/s, round trip in µs):",
         "",
         "| library | path | mode | " + " | ".join(size_label(s) for s in sizes) + " | round trip (µs) |",
         "| --- | --- | --- | " + " | ".join("---:" for _ in sizes) + " | ---: |",
@@ -103,13 +108,16 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
         cells = [f"{tput[k][s]:.2f}" if s in tput.get(k, {}) else "-" for s in sizes]
         out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + f" | {rtt[k]:.1f} |"
                    if k in rtt else f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " | - |")
-    if b:  # aiote's writes against the best peer at each size and path (tcp: tcp, shm: same-host)
+    if versus:  # aiote against the peers round by round (benchmarks/peers/run.py --rounds)
+        out += versus_lines(versus)
+    elif b:  # aiote's writes against the best peer at each size and path (tcp: tcp, shm: same-host)
         for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
             aiote = {r["size"]: r["py_gbps"] for r in b["rows"]
                      if r["mode"] == "write" and r.get("provider") == prov and r.get("unit") == "GB/s"}
             parts = []
             for s in sizes:
-                best = max(((v[s], k[0]) for k, v in tput.items() if s in v and k[1].lower() == label),
+                best = max(((v[s], k[0]) for k, v in tput.items()
+                            if s in v and k[1].lower() == label and k[0] != "aiote"),
                            default=None)
                 if best and s in aiote:
                     parts.append(f"{size_label(s)}: {aiote[s] / best[0]:.2f} (best: {best[1]})")
@@ -126,6 +134,29 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
                     how = "" if setting == "default" else ", low-latency setting"
                     out += ["", f"aiote WriteImm round trip ({prov}{how}) {2 * one[0]:.1f} µs against UCXX "
                                 f"asyncio ({label}) {ux:.1f} µs: ratio {2 * one[0] / ux:.2f} (target < 1)."]
+    return out
+
+
+def versus_lines(versus: list[dict[str, Any]]) -> list[str]:
+    """The head-to-head lines: aiote against the best peer (writes) and against UCXX (round
+    trip), each the median over the rounds of that round's ratio."""
+    out: list[str] = []
+    for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
+        ws = [v for v in versus if v["kind"] == "write" and v["path"] == label]
+        if ws:
+            parts = [f"{size_label(v['size'])}: {v['ratio']:.2f} (best: {'/'.join(v['best_peers'])}; "
+                     f"ahead in {v['ahead']} of {v['rounds']})" for v in sorted(ws, key=lambda v: v["size"])]
+            out += ["", f"aiote write ({prov}) / best peer on a {label} path, median of the rounds' ratios: "
+                        + "; ".join(parts) + "."]
+    for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
+        for setting in ("default", "low-latency"):
+            for v in versus:
+                if v["kind"] == "rtt" and v["path"] == label and v["setting"] == setting:
+                    how = "" if setting == "default" else ", low-latency setting"
+                    out += ["", f"aiote WriteImm round trip ({prov}{how}) {v['aiote_rtt_us']:.1f} µs against "
+                                f"UCXX asyncio ({label}) {v['ucxx_rtt_us']:.1f} µs (medians): ratio "
+                                f"{v['ratio']:.2f}, median of the rounds' ratios (target < 1; faster in "
+                                f"{v['ahead']} of {v['rounds']} rounds)."]
     return out
 
 

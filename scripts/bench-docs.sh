@@ -3,6 +3,8 @@
 #   aiote bench all (tcp and shm, Python beside the C core, same run) -> docs/bench.json, docs/bench.png
 #   aiote bench imm-latency --low-latency (the same, low-latency setting) -> docs/bench-lowlat.json
 #   benchmarks/peers/run.py (peer libraries), when it exists          -> docs/peers.json
+#     in 5 rounds: each round runs aiote (write, imm-latency, both settings) and every peer once,
+#     and aiote is compared with the peers round by round (the machine's speed drifts over minutes)
 #   benchmarks/render_docs.py rewrites the section between <!-- bench:begin --> and <!-- bench:end -->.
 # Extra arguments go to `aiote bench` and override the defaults below, e.g. a smoke run:
 #   scripts/bench-docs.sh --repeats 1 --total 64MiB --iters 200
@@ -19,7 +21,7 @@ PY=${PYTHON:-.venv/bin/python}
 peers=()
 if [ -f benchmarks/peers/run.py ]; then
     rm -f docs/peers.json
-    if "$PY" benchmarks/peers/run.py --json docs/peers.json; then
+    if "$PY" benchmarks/peers/run.py --rounds "${PEER_ROUNDS:-5}" --run-aiote "$PY" --json docs/peers.json; then
         peers=(--peers docs/peers.json)
     else
         echo "bench-docs: benchmarks/peers/run.py failed: the peers' table is left out" >&2

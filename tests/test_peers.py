@@ -134,6 +134,87 @@ def test_compare_without_a_peer_at_that_size_or_path() -> None:
     assert "no peer measured" in run.comparison_table(cmp)
 
 
+def _round(aiote_64k: float, nixl_64k: float, gloo_64k: float, one_way: float, ucxx: float,
+           low_one_way: float | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One round of ``run.py --rounds``: the peers' records and aiote's jobs (JSON by job)."""
+    recs = [_write("nixl", "tcp", KIB64, nixl_64k), _write("gloo", "tcp", KIB64, gloo_64k),
+            _rtt("ucxx", "tcp", ucxx, 2 * ucxx)]
+    jobs: dict[str, Any] = {
+        "write": {"provider": "tcp", "rows": [_aiote_row("write", KIB64, aiote_64k)]},
+        "imm-latency": {"provider": "tcp", "rows": [_aiote_row("imm-latency", 50, one_way),
+                                                     _aiote_row("imm-latency", 99, 2 * one_way)]},
+    }
+    if low_one_way is not None:
+        jobs["imm-latency-low"] = {"provider": "tcp", "setting": "low-latency",
+                                   "rows": [_aiote_row("imm-latency", 50, low_one_way)]}
+    return recs, jobs
+
+
+def test_head_to_head_compares_within_each_round_then_takes_the_median() -> None:
+    # the machine drifts: round 2 is twice as fast for everyone. Compared across rounds (aiote's
+    # fast round against the peers' slow one) aiote would look 2x ahead; round by round it is not.
+    rounds = [
+        _round(1.0, 1.1, 0.5, one_way=50.0, ucxx=80.0, low_one_way=20.0),
+        _round(2.0, 2.2, 1.0, one_way=25.0, ucxx=40.0, low_one_way=10.0),
+        _round(1.2, 1.0, 0.9, one_way=60.0, ucxx=100.0),  # no low-latency run this round
+    ]
+    got = run.head_to_head(rounds, window=64)
+    w = next(v for v in got if v["kind"] == "write")
+    assert (w["path"], w["size"], w["rounds"]) == ("tcp", KIB64, 3)
+    assert w["ratios"] == pytest.approx([1.0 / 1.1, 2.0 / 2.2, 1.2])
+    assert w["ratio"] == pytest.approx(1.0 / 1.1)  # the median of the three
+    assert w["ahead"] == 1 and w["best_peers"] == ["nixl"]
+    assert w["aiote_gbps"] == pytest.approx(1.2) and w["best_peer_gbps"] == pytest.approx(1.1)
+    rtt = {v["setting"]: v for v in got if v["kind"] == "rtt"}
+    # aiote's round trip is twice its one-way figure
+    assert rtt["default"]["ratios"] == pytest.approx([100 / 80, 50 / 40, 120 / 100])
+    assert rtt["default"]["ahead"] == 0 and rtt["default"]["rounds"] == 3
+    assert rtt["low-latency"]["ratios"] == pytest.approx([40 / 80, 20 / 40])
+    assert rtt["low-latency"]["ahead"] == 2 and rtt["low-latency"]["rounds"] == 2
+    text = run.versus_table(got)
+    assert "ratio 0.91 (ahead in 1 of 3 rounds" in text
+    assert "low-latency: aiote 30.0 us, UCXX asyncio 60.0 us, ratio 0.50 (faster in 2 of 2 rounds" in text
+
+
+def test_merge_rounds_takes_medians_and_spreads_over_every_run() -> None:
+    recs = [
+        {**_write("nixl", "tcp", KIB64, 1.0), "runs": [0.9, 1.0, 1.1], "round": 0},
+        {**_write("nixl", "tcp", KIB64, 3.0), "runs": [3.0], "round": 1},
+        {**_write("nixl", "tcp", KIB64, 2.0), "round": 2},
+        {**_rtt("ucxx", "tcp", 80.0, 200.0), "round": 0},
+        {**_rtt("ucxx", "tcp", 120.0, 100.0), "round": 1},
+    ]
+    got = {(r["library"], r["mode"]): r for r in run.merge_rounds(recs)}
+    w = got[("nixl", "write")]
+    assert w["gbps"] == 2.0 and w["spread"] == [0.9, 3.0] and w["rounds"] == 3 and "round" not in w
+    r = got[("ucxx", "rtt")]
+    assert r["rtt_us_p50"] == 100.0 and r["rtt_us_p99"] == 150.0 and r["rounds"] == 2
+
+
+def test_render_docs_prints_the_head_to_head_of_the_rounds(tmp_path: Path) -> None:
+    rounds = [_round(1.0, 1.1, 0.5, 50.0, 80.0, 20.0), _round(2.0, 1.5, 1.0, 25.0, 40.0, 10.0)]
+    got = run.head_to_head(rounds, 64)
+    peers = [*run.merge_rounds([{**r, "round": 0} for r in _round(1.0, 1.1, 0.5, 50.0, 80.0)[0]]), *got,
+             {"library": "aiote", "path": "tcp", "mode": "write", "size": KIB64, "gbps": 9.0, "rounds": 2}]
+    (tmp_path / "peers.json").write_text(json.dumps(peers))
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
+    r = subprocess.run(
+        [sys.executable, str(PEERS.parent / "render_docs.py"), "--peers", str(tmp_path / "peers.json"),
+         "--doc", str(doc)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    text = doc.read_text()
+    assert "in 2 rounds, each library and aiote once per round" in text
+    assert "| aiote | tcp | write | 9.00 |" in text  # aiote's row beside the peers'
+    ratio = (1.0 / 1.1 + 2.0 / 1.5) / 2
+    assert f"64 KiB: {ratio:.2f} (best: nixl; ahead in 1 of 2)" in text
+    assert ("aiote WriteImm round trip (tcp, low-latency setting) 30.0 µs against UCXX asyncio (tcp) 60.0 µs "
+            "(medians): ratio 0.50") in text
+    assert "faster in 0 of 2 rounds" in text  # the default round trips: 100/80 and 50/40
+
+
 def test_load_aiote_is_tolerant_of_older_and_nested_formats() -> None:
     # main's first format: provider only at the top, no loop in rows; two files given as a list
     old_tcp = {

@@ -2,9 +2,12 @@
 each as a subprocess with a timeout, and prints one table. ``--json FILE`` writes the records;
 ``--aiote FILE.json`` (what ``aiote bench ... --json FILE`` wrote; may be given twice, e.g. a tcp and
 an shm run) adds aiote's ratio to the best peer on the same path for each size, and aiote's WriteImm
-round trip against UCXX's asyncio round trip.
+round trip against UCXX's asyncio round trip. ``--rounds N --run-aiote`` runs aiote and every
+library once per round, N rounds, and compares them round by round (what scripts/bench-docs.sh
+does: on a machine whose speed drifts over minutes only a comparison within one round is fair).
 
     .venv-peers/bin/python benchmarks/peers/run.py --json peers.json --aiote aiote.json
+    .venv/bin/python benchmarks/peers/run.py --rounds 5 --run-aiote --json peers.json
 
 Records (one per figure)::
 
@@ -19,6 +22,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,19 +102,25 @@ def run_one(
     return records, why
 
 
-def run_aiote(python: str, args: argparse.Namespace, timeout: float, keep: str | None = None) -> list[Any]:
-    """``aiote bench write`` and ``aiote bench imm-latency`` on tcp and shm with the peers' sizes,
-    window and repeats, right before the peers (same run); their JSON. Runs in a scratch directory
-    so that a source tree in the current directory (maybe not built) does not shadow the installed
-    aiote. Its tables are echoed; with ``keep`` (the --json file), its JSON is kept beside it as
-    ``<keep stem>.aiote-write.json`` and ``.aiote-imm-latency.json``."""
-    out: list[Any] = []
+def run_aiote(
+    python: str, args: argparse.Namespace, timeout: float, keep: str | None = None, repeats: int | None = None
+) -> dict[str, Any]:
+    """``aiote bench write``, ``aiote bench imm-latency`` and ``aiote bench imm-latency
+    --low-latency`` on tcp and shm with the peers' sizes, window and repeats (``repeats``
+    overrides them), right before the peers (same run); their JSON by job name (``write``,
+    ``imm-latency``, ``imm-latency-low``; a job that failed is missing). Runs in a scratch
+    directory so that a source tree in the current directory (maybe not built) does not shadow
+    the installed aiote. Its tables are echoed; with ``keep`` (the --json file), its JSON is kept
+    beside it as ``<keep stem>.aiote-<job>.json``."""
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="aiote-peers-") as tmp:
-        common = ["--provider", "tcp,shm", "--repeats", str(args.repeats)]
+        common = ["--provider", "tcp,shm", "--repeats", str(repeats or args.repeats)]
+        iters = ["--iters", str(args.iters)] if args.iters else []
         jobs = {
             "write": ["write", "--sizes", args.sizes, "--window", str(args.window), *common]
             + (["--total", args.total] if args.total else []),
-            "imm-latency": ["imm-latency", *common] + (["--iters", str(args.iters)] if args.iters else []),
+            "imm-latency": ["imm-latency", *common, *iters],
+            "imm-latency-low": ["imm-latency", "--low-latency", *common, *iters],
         }
         for name, argv in jobs.items():
             target = Path(tmp) / f"{name}.json"
@@ -135,7 +145,7 @@ def run_aiote(python: str, args: argparse.Namespace, timeout: float, keep: str |
             text = target.read_text()
             if keep:
                 Path(keep).with_suffix(f".aiote-{name}.json").write_text(text)
-            out.append(json.loads(text))
+            out[name] = json.loads(text)
     return out
 
 
@@ -283,6 +293,113 @@ def compare(
     return {"write": writes, "rtt": rtts}
 
 
+# ---------------------------------------------------------------- rounds
+
+
+def merge_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (library, path, mode, size) from the records of every round: the median
+    of the rounds' figures, ``spread`` over every timed run of every round, ``rounds`` the count."""
+    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r.get("library"), r.get("path"), r.get("mode"), r.get("size")), []).append(r)
+    med = statistics.median
+    out = []
+    for rs in groups.values():
+        m: dict[str, Any] = {k: v for k, v in rs[0].items() if k != "round"}
+        m["rounds"] = len(rs)
+        if all(isinstance(r.get("gbps"), (int, float)) for r in rs):
+            m["gbps"] = med(float(r["gbps"]) for r in rs)
+            runs = [float(x) for r in rs for x in (r.get("runs") or [r["gbps"]])]
+            m["runs"] = runs
+            m["spread"] = [min(runs), max(runs)]
+        for k in ("rtt_us_p50", "rtt_us_p99"):
+            if all(isinstance(r.get(k), (int, float)) for r in rs):
+                m[k] = med(float(r[k]) for r in rs)
+        out.append(m)
+    return out
+
+
+def _aiote_records(data: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+    """aiote's figures of round ``n`` (see :func:`load_aiote`) as peer-style records (library
+    "aiote"), so that the table shows aiote among the peers measured in the same rounds."""
+    out: list[dict[str, Any]] = []
+    for (path, size), gbps in data.get("write", {}).items():
+        out.append({"library": "aiote", "path": path, "mode": "write", "size": size, "gbps": gbps,
+                    "round": n})
+    for path, pcts in data.get("rtt_us", {}).items():
+        if "p50" in pcts:
+            out.append({"library": "aiote", "path": path, "mode": "rtt", "size": 8, "round": n,
+                        "rtt_us_p50": pcts["p50"], "rtt_us_p99": pcts.get("p99", pcts["p50"])})
+    return out
+
+
+def head_to_head(
+    per_round: Sequence[tuple[Sequence[Mapping[str, Any]], Mapping[str, Any]]], window: int | None
+) -> list[dict[str, Any]]:
+    """aiote against the peers round by round (each round's aiote run against the same round's
+    peers), then the median over the rounds. Records of mode ``versus``:
+
+    - ``kind: write``: per (path, size), ``ratio`` = median of aiote / best peer of the round
+      (>= 1 meets the target), ``ratios`` (one per round), ``ahead`` (rounds with ratio >= 1);
+    - ``kind: rtt``: per (path, setting: default or low-latency), ``ratio`` = median of aiote's
+      WriteImm round trip / UCXX asyncio's round trip of the round (< 1 meets the target),
+      ``ahead`` (rounds with ratio < 1).
+    """
+    med = statistics.median
+    writes: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    rtts: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for recs, jobs in per_round:
+        base = load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs], window)
+        for w in compare(base, recs)["write"]:
+            if w["ratio"] is not None:
+                writes.setdefault((w["path"], w["size"]), []).append(w)
+        for setting, job in (("default", "imm-latency"), ("low-latency", "imm-latency-low")):
+            if job not in jobs:
+                continue
+            got = load_aiote([jobs[job]], window)
+            for r in compare({"write": {}, "rtt_us": got["rtt_us"]}, recs)["rtt"]:
+                if r["ratio"] is not None:
+                    rtts.setdefault((r["path"], setting), []).append(r)
+    out: list[dict[str, Any]] = []
+    for (path, size), ws in sorted(writes.items(), key=lambda kv: (PATHS.index(kv[0][0]), kv[0][1])):
+        ratios = [float(w["ratio"]) for w in ws]
+        out.append({
+            "mode": "versus", "kind": "write", "path": path, "size": size, "rounds": len(ws),
+            "ratio": med(ratios), "ratios": ratios, "ahead": sum(x >= 1 for x in ratios),
+            "aiote_gbps": med(float(w["aiote_gbps"]) for w in ws),
+            "best_peer_gbps": med(float(w["best_peer_gbps"]) for w in ws),
+            "best_peers": sorted({str(w["best_peer"]) for w in ws}),
+        })
+    for (path, setting), rs in sorted(rtts.items(), key=lambda kv: (PATHS.index(kv[0][0]), kv[0][1])):
+        ratios = [float(r["ratio"]) for r in rs]
+        out.append({
+            "mode": "versus", "kind": "rtt", "path": path, "setting": setting, "rounds": len(rs),
+            "ratio": med(ratios), "ratios": ratios, "ahead": sum(x < 1 for x in ratios),
+            "aiote_rtt_us": med(float(r["aiote_rtt_us_p50"]) for r in rs),
+            "ucxx_rtt_us": med(float(r["ucxx_rtt_us_p50"]) for r in rs),
+        })
+    return out
+
+
+def versus_table(versus: Sequence[Mapping[str, Any]]) -> str:
+    lines = ["aiote against the peers, round by round (median of the rounds' ratios)"]
+    for v in versus:
+        n = v["rounds"]
+        if v["kind"] == "write":
+            lines.append(
+                f"  write {v['path']:9} {c.size_label(v['size']):>7}: aiote {v['aiote_gbps']:.2f} GB/s, "
+                f"best peer ({'/'.join(v['best_peers'])}) {v['best_peer_gbps']:.2f} GB/s, "
+                f"ratio {v['ratio']:.2f} (ahead in {v['ahead']} of {n} rounds; >= 1: aiote is ahead)"
+            )
+        else:
+            lines.append(
+                f"  round trip {v['path']:9} {v['setting']:11}: aiote {v['aiote_rtt_us']:.1f} us, "
+                f"UCXX asyncio {v['ucxx_rtt_us']:.1f} us, ratio {v['ratio']:.2f} "
+                f"(faster in {v['ahead']} of {n} rounds; < 1: aiote is faster)"
+            )
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- printing
 
 
@@ -347,6 +464,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sizes", default=c.DEFAULT_SIZES)
     ap.add_argument("--window", type=int, default=c.DEFAULT_WINDOW)
     ap.add_argument("--repeats", type=int, default=c.DEFAULT_REPEATS)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every library (and aiote, with --run-aiote) once per round, this many rounds, "
+        "and compare aiote with the peers round by round: on a machine whose speed drifts, a "
+        "comparison within one round is fair where one across minutes is not",
+    )
     ap.add_argument("--total", default=None, help="bytes per timed run (default: each bench's)")
     ap.add_argument("--iters", type=int, default=None, help="round trips (default: each bench's)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per library before it is killed")
@@ -369,19 +494,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     python = args.python or (str(PEERS_VENV) if PEERS_VENV.exists() else sys.executable)
-    passthrough = ["--sizes", args.sizes, "--window", str(args.window), "--repeats", str(args.repeats)]
+    rounds = max(1, args.rounds)
+    repeats = 1 if rounds > 1 else args.repeats  # in rounds, the rounds are the repeats
+    passthrough = ["--sizes", args.sizes, "--window", str(args.window), "--repeats", str(repeats)]
     if args.total:
         passthrough += ["--total", args.total]
     if args.iters:
         passthrough += ["--iters", str(args.iters)]
+    libs = [x.strip() for x in args.only.split(",") if x.strip()]
+    for lib in libs:
+        if lib not in LIBRARIES:
+            ap.error(f"unknown library {lib!r}")
     busy = c.cpu_busy()
-    print(
-        f"peers: {python}; sizes {args.sizes}, window {args.window}, {args.repeats} repeats; "
-        f"CPU busy {busy:.0%}"
-    )
+    how = f"{rounds} rounds (each library and aiote once per round)" if rounds > 1 else f"{repeats} repeats"
+    print(f"peers: {python}; sizes {args.sizes}, window {args.window}, {how}; CPU busy {busy:.0%}")
     if busy > 0.10:
         print(f"warning: the CPU was {busy:.0%} busy before the run: figures will be noisy")
     aiote_data: list[Any] = [json.loads(Path(f).read_text()) for f in args.aiote]
+    aiote_py = None
     if args.run_aiote:
         repo_venv = HERE.parents[1] / ".venv" / "bin" / "python"
         aiote_py = (
@@ -389,40 +519,61 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.run_aiote != "auto"
             else str(repo_venv if repo_venv.exists() else sys.executable)
         )
-        aiote_data += run_aiote(aiote_py, args, args.timeout, keep=args.json_file)
-    records: list[dict[str, Any]] = []
+    per_round: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
+    all_records: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
-    for lib in [x.strip() for x in args.only.split(",") if x.strip()]:
-        if lib not in LIBRARIES:
-            ap.error(f"unknown library {lib!r}")
-        t0 = time.monotonic()
-        print(f"== {lib}", flush=True)
-        got, why = run_one(python, lib, passthrough, args.timeout, echo=not args.quiet)
-        for r in got:
-            if "skipped" in r:
-                skipped[lib] = r["skipped"]
-            else:
-                records.append(r)
-        if why and lib not in skipped:
-            skipped[lib] = why if not got else f"partial: {why}"
-        print(f"   ({time.monotonic() - t0:.0f} s)", flush=True)
+    for n in range(rounds):
+        if rounds > 1:
+            print(f"=== round {n + 1} of {rounds}", flush=True)
+        jobs: dict[str, Any] = {}
+        if aiote_py:
+            keep = args.json_file if n == rounds - 1 else None
+            jobs = run_aiote(aiote_py, args, args.timeout, keep=keep, repeats=repeats)
+        got_round: list[dict[str, Any]] = []
+        for lib in libs:
+            if lib in skipped and n:  # absent, or failed in an earlier round: not again
+                continue
+            t0 = time.monotonic()
+            print(f"== {lib}", flush=True)
+            got, why = run_one(python, lib, passthrough, args.timeout, echo=not args.quiet)
+            for r in got:
+                if "skipped" in r:
+                    skipped[lib] = r["skipped"]
+                else:
+                    got_round.append({**r, "round": n})
+            if why and lib not in skipped:
+                skipped[lib] = why if not got else f"partial: {why}"
+            print(f"   ({time.monotonic() - t0:.0f} s)", flush=True)
+        if jobs:
+            got_round += _aiote_records(load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs],
+                                                   args.window), n)
+        per_round.append(([r for r in got_round if r["library"] != "aiote"], jobs))
+        all_records += got_round
+    records = merge_rounds(all_records)
     after = c.cpu_busy()
     print()
     print(table(records, skipped))
     print(f"CPU busy before {busy:.0%}, after {after:.0%} (2-core machines: compare only within one run)")
-    if aiote_data:
+    versus: list[dict[str, Any]] = []
+    if aiote_py:
+        versus = head_to_head(per_round, args.window)
+        print()
+        print(versus_table(versus))
+    elif aiote_data:
         cmp = compare(load_aiote(aiote_data, args.window), records)
         print()
         print(comparison_table(cmp))
     if args.json_file:
-        keep = ("library", "path", "mode", "size", "gbps", "spread", "window", "rtt_us_p50", "rtt_us_p99")
-        out = [{k: r[k] for k in keep if k in r} for r in records]
+        keep_keys = (
+            "library", "path", "mode", "size", "gbps", "spread", "window", "rtt_us_p50", "rtt_us_p99",
+            "rounds",
+        )
+        out = [{k: r[k] for k in keep_keys if k in r} for r in records]
         for r in out:  # benchmarks/render_docs.py reads one round-trip figure as "rtt_us"
             if r.get("mode") == "rtt":
                 r["rtt_us"] = r["rtt_us_p50"]
-        Path(args.json_file).write_text(json.dumps(out, indent=2) + "\n")
+        Path(args.json_file).write_text(json.dumps(out + versus, indent=2) + "\n")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
