@@ -137,6 +137,10 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
     return out
 
 
+def _ratios(v: dict[str, Any]) -> str:
+    return ", ".join(f"{x:.2f}" for x in v.get("ratios", []))
+
+
 def versus_lines(versus: list[dict[str, Any]]) -> list[str]:
     """The head-to-head lines: aiote against the best peer (writes) and against UCXX (round
     trip), each the median over the rounds of that round's ratio."""
@@ -145,7 +149,8 @@ def versus_lines(versus: list[dict[str, Any]]) -> list[str]:
         ws = [v for v in versus if v["kind"] == "write" and v["path"] == label]
         if ws:
             parts = [f"{size_label(v['size'])}: {v['ratio']:.2f} (best: {'/'.join(v['best_peers'])}; "
-                     f"ahead in {v['ahead']} of {v['rounds']})" for v in sorted(ws, key=lambda v: v["size"])]
+                     f"ahead in {v['ahead']} of {v['rounds']}; rounds: {_ratios(v)})"
+                     for v in sorted(ws, key=lambda v: v["size"])]
             out += ["", f"aiote write ({prov}) / best peer on a {label} path, median of the rounds' ratios: "
                         + "; ".join(parts) + "."]
     for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
@@ -153,10 +158,12 @@ def versus_lines(versus: list[dict[str, Any]]) -> list[str]:
             for v in versus:
                 if v["kind"] == "rtt" and v["path"] == label and v["setting"] == setting:
                     how = "" if setting == "default" else ", low-latency setting"
-                    out += ["", f"aiote WriteImm round trip ({prov}{how}) {v['aiote_rtt_us']:.1f} µs against "
-                                f"UCXX asyncio ({label}) {v['ucxx_rtt_us']:.1f} µs (medians): ratio "
-                                f"{v['ratio']:.2f}, median of the rounds' ratios (target < 1; faster in "
-                                f"{v['ahead']} of {v['rounds']} rounds)."]
+                    out += ["", f"aiote WriteImm round trip ({prov}{how}) against UCXX asyncio ({label}): "
+                                f"median of the rounds' ratios **{v['ratio']:.2f}** (target < 1; faster in "
+                                f"{v['ahead']} of {v['rounds']} rounds; rounds: {_ratios(v)}). Medians of "
+                                f"the round trips: {v['aiote_rtt_us']:.1f} µs against "
+                                f"{v['ucxx_rtt_us']:.1f} µs (ratio "
+                                f"{v['aiote_rtt_us'] / v['ucxx_rtt_us']:.2f})."]
     return out
 
 

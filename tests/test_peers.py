@@ -209,9 +209,10 @@ def test_render_docs_prints_the_head_to_head_of_the_rounds(tmp_path: Path) -> No
     assert "in 2 rounds, each library and aiote once per round" in text
     assert "| aiote | tcp | write | 9.00 |" in text  # aiote's row beside the peers'
     ratio = (1.0 / 1.1 + 2.0 / 1.5) / 2
-    assert f"64 KiB: {ratio:.2f} (best: nixl; ahead in 1 of 2)" in text
-    assert ("aiote WriteImm round trip (tcp, low-latency setting) 30.0 µs against UCXX asyncio (tcp) 60.0 µs "
-            "(medians): ratio 0.50") in text
+    assert f"64 KiB: {ratio:.2f} (best: nixl; ahead in 1 of 2; rounds: 0.91, 1.33)" in text
+    assert ("aiote WriteImm round trip (tcp, low-latency setting) against UCXX asyncio (tcp): median of the "
+            "rounds' ratios **0.50** (target < 1; faster in 2 of 2 rounds; rounds: 0.50, 0.50)") in text
+    assert "Medians of the round trips: 30.0 µs against 60.0 µs (ratio 0.50)" in text
     assert "faster in 0 of 2 rounds" in text  # the default round trips: 100/80 and 50/40
 
 

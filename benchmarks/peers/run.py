@@ -519,6 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.run_aiote != "auto"
             else str(repo_venv if repo_venv.exists() else sys.executable)
         )
+        if os.sep in aiote_py:  # aiote runs in a scratch directory: a relative path would not be found
+            aiote_py = os.path.abspath(aiote_py)  # (not resolved: a venv's python is a symlink)
     per_round: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
     all_records: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
