@@ -23,6 +23,7 @@ if [ -f benchmarks/peers/run.py ]; then
     rm -f docs/peers.json
     if "$PY" benchmarks/peers/run.py --rounds "${PEER_ROUNDS:-5}" --run-aiote "$PY" --json docs/peers.json; then
         peers=(--peers docs/peers.json)
+        rm -f docs/peers.aiote-*.json  # the last round's aiote JSON, kept beside it by run.py
     else
         echo "bench-docs: benchmarks/peers/run.py failed: the peers' table is left out" >&2
     fi
