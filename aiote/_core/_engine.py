@@ -240,12 +240,17 @@ class Engine:
         stage_chunk: int = 4 << 20,
         gpu_ipc: bool = True,
         gpu_direct: bool | None = None,
+        streams: int = 1,
     ) -> None:
         self._h = handle
         self._gpu: GpuSupport | None = None
         self._gpu_cfg = (gpu_backend, stage_chunk, gpu_ipc, gpu_direct)
         self._retry = retry if retry is not None else RetryPolicy()
         self._stripe_min = stripe_min
+        # streams > 1: the main provider's rails come in runs of `streams` on one NIC; a
+        # transfer that is not striped takes one of them like a single-NIC engine (see _rows)
+        self._streams = streams
+        self._one_nic: dict[int, tuple[Any, bool]] = {}
         self._loop_spin_ns = loop_spin_ns
         self._rails = rails
         self._closed = False
@@ -303,6 +308,7 @@ class Engine:
             same_host=next((r.provider for r in self._rails if r.provider != main), None),
             stripe_min=self._stripe_min,
             down=tuple(self._rails[i].domain for i in sorted(self._router.down)),
+            streams=self._streams,
         )
 
     @property
@@ -864,6 +870,12 @@ class Engine:
         n = len(path)
         start = self._router.start(full)
         ptr = mr._ptr
+        if n > 1 and self._streams > 1 and length < self._stripe_min and self._on_one_nic(path):
+            # streams of one NIC, not striped: as over a single NIC (the immediate travels with
+            # the data; the streams take turns). A link failure takes every stream of the NIC.
+            hop = path[start % n]
+            rail, fa, base, key = hop
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], (hop,)
         if len(full) > 1 and flags and length:
             if credits is None:
                 raise AssertionError("a multi-NIC write with an immediate needs a credit list")
@@ -881,6 +893,18 @@ class Engine:
             ln = min(chunk, length - o)
             rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, 0))
         return rows, full
+
+    def _on_one_nic(self, path: tuple[tuple[int, int, int, int], ...]) -> bool:
+        """Whether every route of ``path`` leaves through the streams of one local NIC."""
+        hit = self._one_nic.get(id(path))
+        if hit is not None and hit[0] is path:
+            return hit[1]
+        k = self._streams
+        one = len({h[0] // k for h in path}) == 1
+        if len(self._one_nic) >= 1024:
+            self._one_nic.clear()
+        self._one_nic[id(path)] = (path, one)  # holds path: its id cannot be reused meanwhile
+        return one
 
     async def _send_credits(self, credits: dict[tuple[Any, int], int], end: float | None, what: str) -> None:
         """Sends deferred credits (see :meth:`_rows`): one zero-byte write per (peer, imm)
@@ -2465,6 +2489,7 @@ async def open_engine(
     watch_interval_us: int = 100,
     gpu_backend: str = "cuda",
     gpu_direct: bool | None = None,
+    streams: int = 1,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -2508,6 +2533,13 @@ async def open_engine(
     NICs themselves (no staging); ``None`` (default): when every NIC's provider has
     ``FI_HMEM`` (verbs/efa built with CUDA; none of Debian's), ``True`` with a provider
     without it fails at registration.
+    ``streams``: connections per NIC (1 to 8; each is one more rail on the same NIC, so a
+    peer opened with the same ``streams`` is reached over that many connections per NIC).
+    A write or read of at least ``stripe_min`` bytes is split across them (its immediate, if
+    any, follows as one credit once every piece landed); smaller ones take the streams in
+    turn and carry their immediate themselves, as over a single NIC. On tcp two streams move
+    large writes faster where one TCP connection's receive path is the limit (loopback here:
+    see docs/benchmarks.md); the price is a rail's memory and poller work per stream.
 
     Raises :class:`ProviderError` naming what is missing (unknown provider or NIC, no RMA).
     The engine closes when the block exits (see :meth:`Engine.aclose`). Opening costs a few
@@ -2525,6 +2557,10 @@ async def open_engine(
             raise InvalidArgument("nics must name at least one NIC")
         if len(nic_list) > 16:
             raise InvalidArgument("at most 16 NICs per engine")
+    streams = as_index(streams, "streams", lo=1, hi=9)
+    if len(nic_list) * streams > 16:
+        raise InvalidArgument(f"at most 16 rails per engine: {len(nic_list)} NICs x {streams} streams")
+    nic_list = [nic for nic in nic_list for _ in range(streams)]
     max_message_size = as_index(max_message_size, "max_message_size", lo=0, hi=1 << 31)
     message_slots = as_index(message_slots, "message_slots", lo=1, hi=1 << 16)
     max_in_flight = as_index(max_in_flight, "max_in_flight", lo=16, hi=1 << 24)
@@ -2575,6 +2611,7 @@ async def open_engine(
         stage_chunk=stage_chunk,
         gpu_ipc=bool(gpu_ipc),
         gpu_direct=None if gpu_direct is None else bool(gpu_direct),
+        streams=streams,
     )
     try:
         await engine._start()

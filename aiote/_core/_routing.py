@@ -62,13 +62,15 @@ class DomainGroup:
     that reaches it (:meth:`Engine.route`): a write or read of at least ``stripe_min`` bytes
     is split into one shard per pair, a paged write deals its pages round robin, smaller
     operations take turns. ``down`` lists NICs out of rotation because their link is down;
-    they come back when it is up again."""
+    they come back when it is up again. ``streams``: connections per NIC (each NIC appears
+    that many times in ``nics``)."""
 
     provider: str
     nics: tuple[str, ...]
     same_host: str | None
     stripe_min: int
     down: tuple[str, ...]
+    streams: int = 1
 
 
 class Router:

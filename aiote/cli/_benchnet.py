@@ -195,21 +195,24 @@ class _Server:
                     return
 
 
-def tuning(low_latency: bool) -> dict[str, Any]:
+def tuning(low_latency: bool, streams: int = 1) -> dict[str, Any]:
     """``open_engine`` arguments of ``--low-latency`` (aiote's documented low-latency setting:
     the poller spins 1 ms after activity and the loop thread polls up to 500 us while it
-    waits), or none (the defaults)."""
-    return {"spin_us": 1000.0, "loop_spin_us": 500.0} if low_latency else {}
+    waits) and ``--streams`` (connections per NIC), or none (the defaults)."""
+    out: dict[str, Any] = {"spin_us": 1000.0, "loop_spin_us": 500.0} if low_latency else {}
+    if streams != 1:
+        out["streams"] = streams
+    return out
 
 
 async def serve(provider: str, nics: Sequence[str] | None, *, port: int | None, once: bool,
-                max_message: int, low_latency: bool = False) -> None:
+                max_message: int, low_latency: bool = False, streams: int = 1) -> None:
     """The ``--listen`` side: opens an engine, prints ``AIOTE_BENCH_LISTEN <address hex>`` and
     serves measuring sides one after the other (with ``once``: until the first one leaves)."""
     same_host = None if provider == "tcp" else "shm"
     async with aiote.open_engine(
         provider, list(nics) if nics else None, same_host=same_host, port=port, max_message_size=max_message,
-        **tuning(low_latency),
+        **tuning(low_latency, streams),
     ) as e:
         sys.stdout.write(f"{READY} {e.address.hex()}\n")
         sys.stdout.flush()

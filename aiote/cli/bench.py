@@ -283,14 +283,15 @@ async def run_config(
             address = bytes.fromhex(args.connect)
         else:
             cmd = [sys.executable, "-m", "aiote", "bench", "--listen", "--once", "--provider", provider,
-                   "--max-message", str(args.max_message)] + (["--low-latency"] if args.low_latency else [])
+                   "--max-message", str(args.max_message), "--streams", str(args.streams)] + (
+                       ["--low-latency"] if args.low_latency else [])
             if nics:
                 cmd += ["--nics", ",".join(nics)]
             proc = await anyio.open_process(cmd, stdin=None, stderr=None)
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
-            **tuning(args.low_latency),
+            **tuning(args.low_latency, args.streams),
         ) as e:
             remote = Remote(e, address)
             hello = await remote.call(op="hello")
@@ -359,6 +360,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="both sides' engines in aiote's low-latency setting (spin_us=1000, "
                          "loop_spin_us=500: the loop thread polls while it waits); the C core "
                          "waits the same way")
+    ap.add_argument("--streams", type=int, default=1,
+                    help="connections per NIC of both sides' engines (open_engine(streams=N)): writes "
+                         "of at least 1 MiB are split across them; the C core keeps one")
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -408,6 +412,8 @@ def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> 
             return f"unknown event loop {lp!r} (asyncio, uvloop, trio)"
         if lp != "asyncio" and importlib.util.find_spec(lp) is None:
             return f"--loop {lp} needs {lp}: pip install {lp}"
+    if not 1 <= args.streams <= 8:
+        return f"--streams must be between 1 and 8, not {args.streams}"
     if args.connect and (len(providers) > 1 or len(args.nics or []) > 1):
         return "--connect measures one provider and one set of NICs (the serving side's)"
     if args.connect:
@@ -431,7 +437,8 @@ def main(args: argparse.Namespace) -> int:
     if args.listen:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends serving
             anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
-                                    max_message=args.max_message, low_latency=args.low_latency))
+                                    max_message=args.max_message, low_latency=args.low_latency,
+                                    streams=args.streams))
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
@@ -485,6 +492,7 @@ def main(args: argparse.Namespace) -> int:
                     "nics": list(nics) if nics else None,
                     "loop": loop,
                     "setting": "low-latency" if args.low_latency else "default",
+                    "streams": args.streams,
                     "window": window or None,
                     "py_gbps": statistics.median(p),
                     "py_spread": [min(p), max(p)],
@@ -503,6 +511,7 @@ def main(args: argparse.Namespace) -> int:
         "nics": [list(n) if n else None for n in nic_sets],
         "repeats": args.repeats,
         "setting": "low-latency" if args.low_latency else "default",
+        "streams": args.streams,
         "connect": args.connect,
         "cpu_busy_before": busy,
         "cpu_busy_after": after,

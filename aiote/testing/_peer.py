@@ -120,9 +120,11 @@ async def _main(
     port: int | None,
     gpu_backend: str,
     gpu_direct: bool | None,
+    streams: int = 1,
 ) -> None:
     async with open_engine(
-        provider, nics or None, same_host=same_host, port=port, gpu_backend=gpu_backend, gpu_direct=gpu_direct
+        provider, nics or None, same_host=same_host, port=port, gpu_backend=gpu_backend,
+        gpu_direct=gpu_direct, streams=streams,
     ) as engine:
         sys.stdout.write(f"AIOTE_PEER {engine.address.hex()}\n")
         sys.stdout.flush()
@@ -139,10 +141,13 @@ def main() -> None:
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--gpu-backend", default="cuda", help="cuda, or host (GPU emulation for tests)")
     ap.add_argument("--gpu-direct", choices=["auto", "yes", "no"], default="auto")
+    ap.add_argument("--streams", type=int, default=1, help="connections per NIC")
     a = ap.parse_args()
     same_host = None if a.same_host == "none" else a.same_host
     direct = {"auto": None, "yes": True, "no": False}[a.gpu_direct]
-    anyio.run(_main, a.provider, a.nic, same_host, a.port, a.gpu_backend, direct, backend=a.backend)
+    anyio.run(
+        _main, a.provider, a.nic, same_host, a.port, a.gpu_backend, direct, a.streams, backend=a.backend
+    )
 
 
 if __name__ == "__main__":

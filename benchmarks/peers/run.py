@@ -118,7 +118,8 @@ def run_aiote(
         iters = ["--iters", str(args.iters)] if args.iters else []
         jobs = {
             "write": ["write", "--sizes", args.sizes, "--window", str(args.window), *common]
-            + (["--total", args.total] if args.total else []),
+            + (["--total", args.total] if args.total else [])
+            + (["--streams", str(args.aiote_streams)] if args.aiote_streams != 1 else []),
             "imm-latency": ["imm-latency", *common, *iters],
             "imm-latency-low": ["imm-latency", "--low-latency", *common, *iters],
         }
@@ -489,6 +490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PYTHON",
         help="run `aiote bench` (write and imm-latency, tcp and shm) first, with this interpreter "
         "(default: the repository's .venv/bin/python, else this one)",
+    )
+    ap.add_argument(
+        "--aiote-streams",
+        type=int,
+        default=1,
+        help="with --run-aiote: aiote's writes over this many connections per NIC (aiote bench --streams)",
     )
     ap.add_argument("--quiet", action="store_true", help="don't echo each bench's lines")
     args = ap.parse_args(argv)

@@ -1,0 +1,94 @@
+"""Several connections per NIC (``open_engine(streams=N)``): the rails, the validation, small
+transfers carrying their own immediate over one stream at a time (as over a single NIC), large
+ones split across the streams and counted once, and a peer process on the other end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _util import digest, pattern, zeros
+
+import aiote
+from aiote.testing import spawn_peer
+
+pytestmark = pytest.mark.anyio
+
+TCP = {"same_host": None}
+
+
+async def test_streams_are_rails_of_one_nic() -> None:
+    async with aiote.open_engine(nics=["lo"], streams=3, **TCP) as e:
+        assert [r.domain for r in e.rails] == ["lo"] * 3
+        assert len({r.address for r in e.rails}) == 3  # three endpoints, three connections per peer
+        d = e.domains
+        assert d.streams == 3 and d.nics == ("lo", "lo", "lo")
+    async with aiote.open_engine(**TCP) as e:
+        assert len(e.rails) == 1 and e.domains.streams == 1
+
+
+@pytest.mark.parametrize("bad", [0, 9, True, 1.5, "2"])
+async def test_bad_streams_raise_before_opening(bad: object) -> None:
+    with pytest.raises(aiote.InvalidArgument, match="streams"):
+        async with aiote.open_engine(streams=bad, **TCP):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(aiote.InvalidArgument, match="at most 16 rails"):
+        async with aiote.open_engine(nics=["lo"] * 5, streams=4, **TCP):
+            pass
+
+
+async def test_small_writes_carry_their_immediate_and_large_ones_are_split_and_counted_once() -> None:
+    async with (
+        aiote.open_engine(streams=2, **TCP) as a,
+        aiote.open_engine(streams=2, **TCP) as b,
+    ):
+        size = 8 << 20
+        src = pattern(size, seed=7)
+        dst = zeros(size)
+        ms, md = await a.register(src), await b.register(dst)
+        assert len(a.route(md.descriptor).pairs) == 2
+        # below stripe_min: one work request each, immediate included (no credit message after
+        # it, as a multi-NIC write would send): one completion per write at the writer
+        c0 = a.stats()["completions"]
+        for k in range(32):
+            off = k * 65536
+            await a.write(ms, md.descriptor, length=65536, src_offset=off, dst_offset=off, imm=5)
+        await b.imm_counter(5).wait(32, timeout=30)
+        assert a.stats()["completions"] - c0 == 32
+        assert b.imm_counter(5).available == 0 and b.imm_counter(5).total == 32
+        assert np.array_equal(dst[: 32 * 65536], src[: 32 * 65536])
+        # posted the same way
+        t = a.post_write(ms, md.descriptor, length=65536, imm=5)
+        await t
+        await b.imm_counter(5).wait(1, timeout=30)
+        # at or above stripe_min: one piece per stream, then one credit once both landed
+        dst[:] = 0
+        c0 = a.stats()["completions"]
+        await a.write(ms, md.descriptor, length=size, imm=6)
+        await b.imm_counter(6).wait(1, timeout=30)
+        assert a.stats()["completions"] - c0 == 3  # two pieces and the credit
+        assert b.imm_counter(6).available == 0 and b.imm_counter(6).total == 1
+        assert digest(dst) == digest(src)
+        # a zero-byte immediate, a READ across both streams
+        await a.write_imm(md.descriptor, imm=7)
+        await b.imm_counter(7).wait(1, timeout=30)
+        back = zeros(size)
+        mb = await a.register(back)
+        await a.read(mb, md.descriptor)
+        assert digest(back) == digest(src)
+
+
+async def test_streams_to_a_peer_process() -> None:
+    async with (
+        aiote.open_engine(streams=2, **TCP) as e,
+        spawn_peer(engine=e, same_host=None, peer_streams=2) as peer,
+    ):
+        size = 4 << 20
+        src = pattern(size, seed=3)
+        ms = await e.register(src)
+        desc = await peer.register("buf", size)
+        assert len(e.route(desc).pairs) == 2
+        assert len((await peer.route(e.address))["pairs"]) == 2
+        await e.write(ms, desc, imm=9)  # split across both connections
+        await e.write(ms, desc, length=4096, imm=9)  # one of them, immediate included
+        await peer.wait(imm=9, n=2)
+        assert await peer.digest("buf") == digest(src)
