@@ -51,6 +51,11 @@ async def test_posted_completions_do_not_wake_the_loop(aiote_engine_pair) -> Non
     a, b = aiote_engine_pair
     ms, md = await a.register(pattern(8 * 4096, seed=6)), await b.register(zeros(8 * 4096))
     await a.write(ms, md.descriptor, length=64)  # connected: the posts below go out at once
+    # the poller pushes a record, then signals the eventfd (when armed) and counts the wake-up:
+    # the loop may read the record in between, so this write's wake-up can be counted after it
+    # returned. Two more full polls and the poller is past it.
+    polls = a.stats()["polls"]
+    await eventually(lambda: a.stats()["polls"] >= polls + 2, "two more polls")
     before = a.stats()
     transfers = [
         a.post_write(ms, md.descriptor, length=4096, src_offset=4096 * k, dst_offset=4096 * k, imm=12)

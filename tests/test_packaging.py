@@ -1,0 +1,74 @@
+"""The built wheel is what `pip install .` gives a user: every subpackage in it, importable and
+runnable from outside the source checkout (an editable install would hide a missing package)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # from a copy of the source tree as a clean clone has it (a build/ folder left in the
+    # checkout by an earlier build would otherwise supply packages the configuration omits)
+    src = tmp_path_factory.mktemp("src")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    out = tmp_path_factory.mktemp("wheel")
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (whl,) = out.glob("aiote-*.whl")
+    return whl
+
+
+def test_wheel_holds_every_package(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    packages = sorted(
+        p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "aiote").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    )
+    assert "aiote/kv" in packages
+    missing = [p for p in packages if f"{p}/__init__.py" not in names]
+    assert not missing, f"subpackages left out of the wheel: {missing}"
+    assert "aiote/py.typed" in names
+    assert any(n.startswith("aiote/_native/_core") and n.endswith(".so") for n in names), (
+        "the compiled C core is not in the wheel"
+    )
+
+
+def test_wheel_imports_and_runs_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    # -S: without the site module, so the editable install's import hook (a .pth file) cannot
+    # serve aiote's subpackages from the checkout; the dependencies come from site-packages,
+    # after the wheel's files
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *deps]))
+    code = (
+        "import aiote, aiote.kv, aiote.cli, aiote.testing;"
+        f"assert aiote.__file__.startswith({str(site)!r}), aiote.__file__;"
+        "print(sorted(aiote.__all__)[:3])"
+    )
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-S", "-m", "aiote", "info", "--json"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert '"providers"' in r.stdout
