@@ -2,16 +2,49 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 import numpy as np
+import pytest
 
 import aiote
 from aiote.testing import digest, pattern
 
-__all__ = ["digest", "eventually", "landed", "nothing_posted", "pattern", "snapshot", "zeros"]
+__all__ = [
+    "anyio_backend_with_uvloop",
+    "digest",
+    "eventually",
+    "landed",
+    "nothing_posted",
+    "pattern",
+    "snapshot",
+    "zeros",
+]
+
+HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
+
+
+@pytest.fixture(
+    scope="module",
+    name="anyio_backend",
+    params=[
+        pytest.param("asyncio", id="asyncio"),
+        pytest.param("trio", id="trio"),
+        pytest.param(
+            ("asyncio", {"use_uvloop": True}),
+            id="uvloop",
+            marks=pytest.mark.skipif(not HAS_UVLOOP, reason="uvloop not installed (pip install uvloop)"),
+        ),
+    ],
+)
+def anyio_backend_with_uvloop(request: pytest.FixtureRequest) -> Any:
+    """asyncio, trio and asyncio on uvloop's event loop (which serving frameworks often run):
+    a module imports it to run its tests under all three (``anyio_backend_name`` is "asyncio"
+    under uvloop)."""
+    return request.param
 
 
 def zeros(n: int) -> np.ndarray:

@@ -10,6 +10,7 @@ import anyio
 import numpy as np
 import pytest
 import sniffio
+from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
 from _util import landed, pattern, zeros
 
 import aiote

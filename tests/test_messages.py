@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
 from _util import eventually, nothing_posted, pattern
 
 import aiote

@@ -13,6 +13,7 @@ import time
 import anyio
 import numpy as np
 import pytest
+from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
 from _util import digest, eventually, nothing_posted, pattern, zeros
 
 import aiote
