@@ -48,6 +48,14 @@
  * thread that yields may wait out another process's whole time slice, one that sleeps is
  * woken at once */
 #define LOOP_POLL_SPIN_NS 30000LL
+/* the poller's adaptive spin (see poller_main): a wake-up by I/O within ADAPT_DENSE_NS of going
+ * to sleep doubles the spin window, up to ADAPT_MAX_NS */
+#ifndef ADAPT_DENSE_NS
+#define ADAPT_DENSE_NS 100000LL
+#endif
+#ifndef ADAPT_MAX_NS
+#define ADAPT_MAX_NS 500000LL
+#endif
 /* a post waiting for room stops driving the rail itself after this long without a completion */
 #define POST_IDLE_NS 20000LL
 #define LOOP_POLL_BLOCK_MAX_NS 1000000LL
@@ -928,6 +936,17 @@ static void *poller_main(void *arg) {
     /* short timed sleeps (watched words) must not be stretched by the default 50 us slack */
     prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
     int64_t last_active = now_ns();
+    /* Adaptive spin. The spin window after the last activity (spin_ns, or busy_spin_ns with
+     * work of ours in flight) grows while activity keeps resuming soon after we went to
+     * sleep: a stream of data arrives in many pieces (a large write's bytes come long before
+     * its completion), and a sleep plus a wake-up per piece costs this side and the sender
+     * (an IPI on a VM) far more than spinning through the gaps. Activity that resumes within
+     * ADAPT_DENSE_NS of the poller going to sleep (counted from its first sleep since the last
+     * activity, so short timed steps do not look dense) doubles the window, up to ADAPT_MAX_NS;
+     * a longer sleep resets it. Traffic sparser than that, and an idle engine, never spin more. */
+    int64_t adapt = 0;
+    int64_t asleep_since = -1; /* when the poller first slept after its last activity */
+    int io_wake = 0;           /* the last sleep ended on a rail's wait object */
     uint64_t seen_seq = atomic_load(&e->post_seq);
     int all_fd = 1;
     for (int i = 0; i < e->nrails; i++)
@@ -950,9 +969,20 @@ static void *poller_main(void *arg) {
             }
         }
         uint64_t seq = atomic_load(&e->post_seq);
-        if (got || seq != seen_seq) {
+        if (got || seq != seen_seq || io_wake) {
+            int64_t t = now_ns();
+            if (asleep_since >= 0) { /* activity again after sleeping: dense traffic, or a new start */
+                if (t - asleep_since < ADAPT_DENSE_NS) {
+                    adapt = adapt ? adapt * 2 : e->cfg.spin_ns * 2;
+                    if (adapt > ADAPT_MAX_NS) adapt = ADAPT_MAX_NS;
+                } else {
+                    adapt = 0;
+                }
+                asleep_since = -1;
+            }
+            io_wake = 0;
             seen_seq = seq;
-            last_active = now_ns();
+            last_active = t;
             continue;
         }
         /* spin a short budget after the last activity; longer while work of ours
@@ -960,6 +990,7 @@ static void *poller_main(void *arg) {
         int64_t inflight = atomic_load(&e->ops_in_flight);
         int64_t spin = e->cfg.spin_ns;
         if (inflight > 0 && spin < e->cfg.busy_spin_ns) spin = e->cfg.busy_spin_ns;
+        if (spin < adapt) spin = adapt;
         if (now_ns() - last_active < spin) {
             /* yield rather than only pause: with few cores, the thread this spin
              * waits for (the loop that posts the next request, a peer process) may
@@ -998,6 +1029,7 @@ static void *poller_main(void *arg) {
             long short_us = (!all_fd && atomic_load(&e->nwant) > 0) ? 50 : 0;
             if (atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
                 short_us = e->cfg.watch_us; /* watched words: read them again soon */
+            if (asleep_since < 0) asleep_since = now_ns();
             if (short_us) {
                 struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};
                 ne = epoll_pwait2(e->epfd, evs, AIO_MAX_RAILS + 1, &ts, NULL);
@@ -1011,6 +1043,10 @@ static void *poller_main(void *arg) {
                     (void)rr;
                 } else if (evs[k].data.fd == e->nl_fd) {
                     drain_netlink(e);
+                } else {
+                    /* a rail's wait object: data is moving even before any completion
+                     * (a large message arrives in many pieces): activity */
+                    io_wake = 1;
                 }
             }
         }

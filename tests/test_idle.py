@@ -1,5 +1,6 @@
 """An open, idle engine costs (almost) no CPU: its poller sleeps on the provider's wait
-object and the event loop sleeps on the engine's eventfd."""
+object and the event loop sleeps on the engine's eventfd. A busy one does not sleep and wake
+for every piece of a stream (the poller's adaptive spin), and sleeps again once it ends."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import subprocess
 import sys
 import time
 
+import anyio
+import numpy as np
 import pytest
+
+from aiote.testing import engine_pair
 
 IDLE_SCRIPT = r"""
 import sys
@@ -20,9 +25,13 @@ async def main():
     settings = {} if sys.argv[2] == "default" else {"spin_us": 1000.0, "loop_spin_us": 500.0}
     async with aiote.open_engine(**settings) as engine:
         mr = await engine.register(bytearray(1 << 20))
-        # one transfer and one message first, so the poller has been busy once
-        await engine.write(mr, mr.descriptor, length=4096, imm=1)
-        await engine.imm_counter(1).wait(1, timeout=30)
+        # a stream of 64 writes of 1 MiB first (its poller's spin window grows while data keeps
+        # coming: it must shrink back once the stream ends), then a message
+        batch = engine.batch()
+        for _ in range(64):
+            batch.write(mr, mr.descriptor, imm=1)
+        await batch.submit(timeout=60)
+        await engine.imm_counter(1).wait(64, timeout=30)
         await engine.send(engine.address, b"ping", timeout=30)
         assert await engine.recv(timeout=30) == (engine.address, b"ping")
         print("READY", flush=True)
@@ -70,3 +79,35 @@ def test_idle_engine_uses_under_2_percent_of_a_core(backend: str, setting: str) 
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.anyio
+async def test_a_stream_keeps_the_receiving_poller_awake_then_it_sleeps_again() -> None:
+    """A 1 MiB write arrives as many socket reads before its completion: a poller that slept
+    50 us after the last completion woke and slept again about 3.4 times per write (one
+    wake-up of a sleeping thread per piece, paid by the sender too). With the adaptive spin it
+    sleeps less than once per write, and once the stream ends it sleeps on the provider's wait
+    object again (a poll per 100 ms fallback, not a spin)."""
+    size, slots, writes = 1 << 20, 64, 256
+    async with engine_pair(same_host=None) as (a, b):
+        src, dst = np.full(slots * size, 7, np.uint8), np.zeros(slots * size, np.uint8)
+        ms, md = await a.register(src), await b.register(dst)
+        await a.write(ms, md.descriptor, length=size, imm=1)  # connected
+        await b.imm_counter(1).wait(1, timeout=30)
+        before = b.stats()
+        for r in range(writes // 16):
+            batch = a.batch()
+            for k in range(16):
+                off = ((r * 16 + k) % slots) * size
+                batch.write(ms, md.descriptor, length=size, src_offset=off, dst_offset=off, imm=1)
+            await batch.submit(timeout=60)
+        await b.imm_counter(1).wait(writes, timeout=60)
+        during = b.stats()
+        assert np.array_equal(dst, src)
+        per_write = (during["sleeps"] - before["sleeps"]) / writes
+        assert per_write < 1.0, f"the receiving poller slept {per_write:.2f} times per 1 MiB write"
+        await anyio.sleep(0.1)  # past the longest spin window (0.5 ms)
+        p0 = b.stats()["polls"]
+        await anyio.sleep(0.5)
+        polls = b.stats()["polls"] - p0
+        assert polls <= 25, f"{polls} polls in 0.5 s after the stream ended: the poller did not sleep"

@@ -1151,7 +1151,8 @@ static int t_idle(fix_t *f) {
            t1 - t0, (unsigned long long)(sa1.polls - sa0.polls),
            (unsigned long long)(sb1.polls - sb0.polls), (unsigned long long)(sa1.sleeps - sa0.sleeps),
            (unsigned long long)(sb1.sleeps - sb0.sleeps));
-    CHECK(pct < 2.0, "idle engines used %.2f%% CPU", pct);
+    /* the requirement is under 2% of a core per idle engine; this process holds two */
+    CHECK(pct < 4.0, "two idle engines used %.2f%% CPU (more than 2%% each)", pct);
     return 0;
 }
 
