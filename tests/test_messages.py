@@ -32,6 +32,25 @@ async def test_send_to_parsed_engine_address(aiote_engine_pair) -> None:
     assert await b.recv(timeout=30) == (a.address, b"typed address")
 
 
+async def test_replies_to_address_bytes_parse_them_once(aiote_engine_pair) -> None:
+    """A reply goes to the sender's address bytes that recv returned (a new bytes object each
+    time): equal bytes are parsed once, and bytes that differ in one bit are still refused."""
+    a, b = aiote_engine_pair
+    from aiote._core._engine import Engine
+
+    for i in range(3):
+        await a.send(b.address, b"ping %d" % i, timeout=30)
+        sender, _ = await b.recv(timeout=30)
+        await b.send(sender, b"pong %d" % i, timeout=30)
+        assert await a.recv(timeout=30) == (b.address, b"pong %d" % i)
+    first, again = Engine._engine_address(bytes(a.address)), Engine._engine_address(bytearray(a.address))
+    assert first is again and first == aiote.EngineAddress.from_bytes(a.address)
+    flipped = bytearray(a.address)
+    flipped[len(flipped) // 2] ^= 1
+    with pytest.raises(aiote.DescriptorError):
+        await b.send(bytes(flipped), b"x")
+
+
 async def test_payload_over_max_message_size_is_refused(aiote_engine_pair) -> None:
     a, b = aiote_engine_pair
     before = a.stats()

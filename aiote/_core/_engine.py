@@ -210,6 +210,7 @@ _OP_DTYPE = np.dtype(
 )
 assert _OP_DTYPE.itemsize == ffi.sizeof("aio_op_desc")
 _OP_STRUCT = struct.Struct("<QQQQQQQiiii")  # one row of _OP_DTYPE
+_PARSED_ADDRESSES: dict[bytes, EngineAddress] = {}  # engine address bytes -> parsed (immutable)
 _REC_GROUP = int(lib.AIO_REC_GROUP)  # native constants on hot paths, as plain module ints
 _OP_WRITE = int(lib.AIO_OP_WRITE)
 _OP_READ = int(lib.AIO_OP_READ)
@@ -762,7 +763,16 @@ class Engine:
     def _engine_address(peer: Any) -> EngineAddress:
         if isinstance(peer, EngineAddress):
             return peer
-        return EngineAddress.from_bytes(_as_bytes(peer, "peer"))
+        raw = _as_bytes(peer, "peer")
+        # parsed once per distinct address (a reply goes to the sender's address bytes that
+        # recv returned: parsing and checking them costs microseconds every time)
+        addr = _PARSED_ADDRESSES.get(raw)
+        if addr is None:
+            addr = EngineAddress.from_bytes(raw)
+            if len(_PARSED_ADDRESSES) >= 4096:
+                _PARSED_ADDRESSES.clear()
+            _PARSED_ADDRESSES[raw] = addr
+        return addr
 
     def _region(self, mr: Any, name: str = "mr") -> MemoryRegion:
         if not isinstance(mr, MemoryRegion):
