@@ -79,6 +79,9 @@ def test_aiote_info_reports_providers_and_the_default_choice() -> None:
     for n in tcp["nics"]:
         assert n["rma"] is True and n["remote_cq_data_bytes"] >= 4 and n["max_msg_size"] > 0
         assert n["iov_limit"] >= 1 and n["provider"].startswith("tcp")
+        assert n["hmem"] is False  # Debian's libfabric: no CUDA memory on tcp
+        assert isinstance(n["mr_mode"], list) and all(isinstance(m, str) for m in n["mr_mode"])
+        assert n["link_speed_bps"] is None or n["link_speed_bps"] > 0
     d = info["default"]
     assert d["provider"] == "tcp" and d["nics"] == ["lo"] and d["usable"] is True and d["why"]
     text = subprocess.run([sys.executable, "-m", "aiote", "info"], capture_output=True, text=True, timeout=60)
@@ -246,6 +249,14 @@ def test_aiote_bench_connect_across_a_veth_pair_between_namespaces(tmp_path: Pat
         finally:
             server.terminate()
             server.wait(timeout=30)
+
+
+def test_aiote_bench_refuses_a_provider_not_usable_here_naming_those_that_are() -> None:
+    out = subprocess.run([sys.executable, "-m", "aiote", "bench", "write", "--provider", "tcp,efa"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    # (this kind of machine has no RDMA NIC: tcp and shm are what libfabric offers)
+    assert "'efa' is not usable here" in out.stderr and "available: tcp, shm" in out.stderr
 
 
 def test_aiote_bench_plot_without_matplotlib_says_so(tmp_path: Path) -> None:

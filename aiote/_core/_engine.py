@@ -2130,6 +2130,17 @@ def _page_indices(v: Any, name: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
+KNOWN_PROVIDERS = ("tcp", "shm", "verbs", "efa")
+
+
+def available_providers(names: Sequence[str] = KNOWN_PROVIDERS) -> list[str]:
+    """Which of ``names`` libfabric offers here with what aiote needs (RDM endpoints, RMA,
+    remote CQ data). Costs one provider query each (milliseconds; the first also pays
+    libfabric's start-up)."""
+    entries = ffi.new("aio_probe_entry[64]")
+    return [n for n in names if int(lib.aio_probe(n.encode(), entries, 64)) > 0]
+
+
 def _as_bytes(v: Any, name: str) -> bytes:
     if isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v)
@@ -2447,6 +2458,11 @@ def _open_native(
                         reason=why,
                     )
                     continue
+                if "offers no provider" in why:
+                    have = available_providers()
+                    why += (
+                        f"; available here: {', '.join(have)}" if have else "; no provider is usable here"
+                    ) + " (`aiote info` lists them with their NICs)"
                 raise ProviderError(why)
             info = ffi.new("aio_rail_info*")
             lib.aio_rail_get_info(h, rc, info)

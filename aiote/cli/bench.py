@@ -35,6 +35,7 @@ import anyio
 import numpy as np
 
 import aiote
+from aiote._core._engine import KNOWN_PROVIDERS, available_providers
 from aiote.testing import ready_line, stop_process
 
 from . import _benchout
@@ -341,7 +342,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pages", type=int, default=10_000, help="pages per paged call")
     ap.add_argument("--calls", type=int, default=3, help="paged calls per case")
     ap.add_argument("--iters", type=int, default=2000, help="ping-pong round trips (latency)")
-    ap.add_argument("--provider", default="tcp", help="tcp, shm, or a sweep: tcp,shm")
+    ap.add_argument("--provider", default="tcp",
+                    help="tcp, shm, verbs, efa (what `aiote info` lists), or a sweep: tcp,shm")
     ap.add_argument("--nics", action="append", default=None,
                     help="comma-separated NICs of one engine (default lo for tcp); repeat to sweep")
     ap.add_argument("--loop", default="asyncio", help="asyncio, uvloop, trio, or a sweep: asyncio,trio")
@@ -404,9 +406,11 @@ def _machine() -> dict[str, Any]:
 
 
 def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> str | None:
+    have = available_providers(tuple(dict.fromkeys([*KNOWN_PROVIDERS, *providers])))
     for p in providers:
-        if p not in ("tcp", "shm"):
-            return f"unknown provider {p!r} (tcp, shm)"
+        if p not in have:
+            return (f"provider {p!r} is not usable here (libfabric offers no RDM endpoint with RMA and "
+                    f"remote CQ data for it); available: {', '.join(have) or 'none'} (see `aiote info`)")
     for lp in loops:
         if lp not in ("asyncio", "uvloop", "trio"):
             return f"unknown event loop {lp!r} (asyncio, uvloop, trio)"

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import aiote
+from aiote._core._engine import KNOWN_PROVIDERS
 from aiote._native import ffi, lib
 
-PROVIDERS = ("tcp", "shm", "verbs", "efa")
+PROVIDERS = KNOWN_PROVIDERS
 
 # libfabric capability and MR-mode bits worth showing (rdma/fabric.h)
 _CAPS = {"RMA": 1 << 2, "MSG": 1 << 1, "READ": 1 << 8, "WRITE": 1 << 9, "HMEM": 1 << 47}
