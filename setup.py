@@ -1,5 +1,27 @@
-"""Build hook: compiles the C core through cffi (see aiote/_native/_build.py)."""
+"""Build hooks: compiles the C core through cffi (see aiote/_native/_build.py), and ships the
+C core's and the C bench's sources in the package (aiote/_native/csrc), so that an installed
+`aiote bench` can build its C baseline from the very code the extension was built from."""
+
+from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
-setup(cffi_modules=["aiote/_native/_build.py:ffibuilder"])
+_CSRC = {  # source in the checkout -> place in the package
+    "cdeps/aiote_core.h": "aiote/_native/csrc/aiote_core.h",
+    "cdeps/aiote_core.c": "aiote/_native/csrc/aiote_core.c",
+    "cdeps/bench/aiote_cbench.c": "aiote/_native/csrc/bench/aiote_cbench.c",
+}
+
+
+class _BuildPyWithCSources(build_py):
+    def run(self) -> None:
+        super().run()
+        here = Path(__file__).resolve().parent
+        for src, dst in _CSRC.items():
+            out = Path(self.build_lib) / dst
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self.copy_file(str(here / src), str(out))
+
+
+setup(cffi_modules=["aiote/_native/_build.py:ffibuilder"], cmdclass={"build_py": _BuildPyWithCSources})

@@ -37,10 +37,10 @@ import anyio
 import numpy as np
 
 import aiote
+from aiote.cli._benchnet import build_cbench as _build_cbench
+from aiote.cli._benchnet import c_run
 from aiote.testing import answer_pings
 
-ROOT = Path(__file__).resolve().parents[1]
-CBENCH = ROOT / "cdeps" / "build" / "aiote_cbench"
 IMM_DATA, IMM_PING, IMM_PONG = 1, 2, 3
 WINDOW = 64
 
@@ -237,15 +237,10 @@ async def py_pingpong(provider: str, iters: int, spin_us: float, loop_spin_us: f
 
 
 def build_cbench() -> None:
-    if not CBENCH.exists():
-        subprocess.run(["make", "-s", "-C", str(ROOT / "cdeps"), "bench"], check=True)
-
-
-def c_run(*args: str) -> dict[str, Any]:
-    out = subprocess.run([str(CBENCH), *args], check=True, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    """Builds the C bench (make -C cdeps bench), or stops saying why it cannot."""
+    why = _build_cbench()
+    if why:
+        raise SystemExit(why)
 
 
 def c_write(provider: str, size: int, total: int) -> float:

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,13 +39,13 @@ import anyio
 import numpy as np
 
 import aiote
+from aiote.cli._benchnet import build_cbench as _build_cbench
+from aiote.cli._benchnet import c_run
 from aiote.testing import PeerProcess, spawn_peer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import lane_batches  # the same window of batches as the core benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-CBENCH = ROOT / "cdeps" / "build" / "aiote_cbench"
 IMM_WARM, IMM_PAGED, IMM_DATA = 21, 22, 23
 WINDOW = 64
 WRITE_SIZE = 1 << 20
@@ -187,19 +186,10 @@ async def py_write_with(write_total: int, **kw: Any) -> tuple[float, dict[str, A
 
 
 def build_cbench() -> None:
-    """Rebuilds the C bench when its sources changed (it compiles cdeps/aiote_core.c itself)."""
-    r = subprocess.run(["make", "-s", "-C", str(ROOT / "cdeps"), "bench"], check=False)
-    if r.returncode:
-        if not CBENCH.exists():
-            raise SystemExit("could not build cdeps/build/aiote_cbench")
-        print("warning: cdeps/build/aiote_cbench could not be rebuilt; using the existing binary")
-
-
-def c_run(*args: str) -> dict[str, Any]:
-    out = subprocess.run([str(CBENCH), *args], check=True, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    """Builds the C bench (make -C cdeps bench), or stops saying why it cannot."""
+    why = _build_cbench()
+    if why:
+        raise SystemExit(why)
 
 
 def c_paged(page: int, npages: int, calls: int, provider: str = "tcp") -> tuple[float, float]:

@@ -3,6 +3,7 @@ runnable from outside the source checkout (an editable install would hide a miss
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -50,16 +51,26 @@ def test_wheel_holds_every_package(wheel: Path) -> None:
     assert any(n.startswith("aiote/_native/_core") and n.endswith(".so") for n in names), (
         "the compiled C core is not in the wheel"
     )
+    # the C core's and the C bench's sources, for aiote bench's C baseline
+    for src in ("aiote_core.h", "aiote_core.c", "bench/aiote_cbench.c"):
+        assert f"aiote/_native/csrc/{src}" in names
+
+
+def _installed(wheel: Path, tmp_path: Path) -> dict[str, str]:
+    """The wheel unpacked in ``tmp_path/site``: the environment that imports aiote from there."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    # -S (see the callers): without the site module, so the editable install's import hook (a
+    # .pth file) cannot serve aiote's subpackages from the checkout; the dependencies come from
+    # site-packages, after the wheel's files
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    path = os.pathsep.join([str(site), *deps])
+    return dict(os.environ, PYTHONPATH=path, XDG_CACHE_HOME=str(tmp_path / "cache"))
 
 
 def test_wheel_imports_and_runs_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
+    env = _installed(wheel, tmp_path)
     site = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(site)
-    # -S: without the site module, so the editable install's import hook (a .pth file) cannot
-    # serve aiote's subpackages from the checkout; the dependencies come from site-packages,
-    # after the wheel's files
-    deps = [p for p in sys.path if p.endswith("site-packages")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *deps]))
     code = (
         "import aiote, aiote.kv, aiote.cli, aiote.testing;"
         f"assert aiote.__file__.startswith({str(site)!r}), aiote.__file__;"
@@ -72,3 +83,19 @@ def test_wheel_imports_and_runs_outside_the_checkout(wheel: Path, tmp_path: Path
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert '"providers"' in r.stdout
+
+
+def test_installed_bench_builds_its_c_baseline_from_the_shipped_sources(wheel: Path, tmp_path: Path) -> None:
+    env = _installed(wheel, tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-S", "-m", "aiote", "bench", "write", "--sizes", "64KiB", "--total", "8MiB",
+         "--repeats", "1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["c_baseline"] is True, r.stderr[-2000:]
+    (row,) = result["rows"]
+    assert row["c_gbps"] > 0 and row["py_gbps"] > 0
+    built = list((tmp_path / "cache" / "aiote").glob("aiote_cbench-*"))
+    assert len(built) == 1 and os.access(built[0], os.X_OK)  # compiled once, into the user's cache

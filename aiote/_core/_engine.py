@@ -130,7 +130,8 @@ def _host_id() -> bytes:
 
 @dataclass(frozen=True)
 class RailInfo:
-    """What one NIC (rail) of an engine is: its provider, domain and capabilities."""
+    """What one NIC (rail) of an engine is: its provider, domain and capabilities. A frozen
+    record (``engine.rails``): reading it costs nothing and raises nothing."""
 
     index: int
     provider: str
@@ -148,7 +149,9 @@ class RailInfo:
 @dataclass(frozen=True, slots=True)
 class ScatterTarget:
     """One destination of :meth:`Engine.scatter`: ``length`` bytes from the source region at
-    ``src_offset`` to ``desc``'s region at ``dst_offset`` (``None``: as much as fits in both)."""
+    ``src_offset`` to ``desc``'s region at ``dst_offset`` (``None``: as much as fits in both).
+    Building one checks nothing and raises nothing: :meth:`Engine.scatter` validates it
+    (:class:`InvalidArgument`)."""
 
     desc: MemoryDescriptor | bytes
     length: int | None
@@ -222,7 +225,8 @@ assert _OP_STRUCT.size == _OP_DTYPE.itemsize
 class Engine:
     """A transfer engine: one or more NICs (rails), a native completion poller, and the
     operations, each an awaitable. Open it with :func:`open_engine`; use it from the event
-    loop (task) that opened it.
+    loop (task) that opened it. What opening raises and costs, and what an open engine holds
+    (a native poller thread, registered message slots per NIC), is in :func:`open_engine`.
     """
 
     def __init__(
@@ -291,17 +295,19 @@ class Engine:
 
     @property
     def address(self) -> bytes:
-        """This engine's address as bytes: hand it to peers out of band (``send`` targets it)."""
+        """This engine's address as bytes: hand it to peers out of band (``send`` targets it).
+        Built once at open: O(1), raises nothing (also after close)."""
         return self._address_bytes
 
     @property
     def rails(self) -> tuple[RailInfo, ...]:
-        """The NICs of this engine, in order."""
+        """The NICs of this engine, in order. O(NICs) (a new tuple), no native call; raises nothing."""
         return tuple(self._rails)
 
     @property
     def domains(self) -> DomainGroup:
-        """The engine's NICs as a :class:`DomainGroup` (which are out of rotation now)."""
+        """The engine's NICs as a :class:`DomainGroup` (which are out of rotation now). O(NICs),
+        no native call; raises nothing."""
         main = self._rails[0].provider
         return DomainGroup(
             provider=main,
@@ -314,12 +320,14 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        """True once the engine is closed."""
+        """True once the engine is closed (still False while :meth:`aclose` waits for work in
+        flight). O(1), raises nothing."""
         return self._closed
 
     @property
     def max_message_size(self) -> int:
-        """The largest payload :meth:`send` accepts (peers must use the same or larger)."""
+        """The largest payload :meth:`send` accepts (peers must use the same or larger). O(1),
+        raises nothing."""
         return self._max_message
 
     def stats(self) -> dict[str, int]:
@@ -334,7 +342,7 @@ class Engine:
         ``gpu_direct``: operations sent through CUDA IPC / staged through pinned host memory /
         posted on GPU memory the NICs registered (FI_HMEM),
         ``gpu_parts_in``: staged parts this engine copied into its GPU memory.
-        O(1) but ``stranded``: O(pending)."""
+        O(1) but ``stranded``: O(pending). Raises :class:`EngineClosed` once the engine closed."""
         st = ffi.new("aio_stats*")
         lib.aio_get_stats(self._handle(), st)
         return {
@@ -437,7 +445,9 @@ class Engine:
     async def wait_stranded(self) -> None:
         """Waits until no request that a failover left on a failed link is still owned by the
         transport (``stats()["stranded"]`` is 0): after it, none of them can land any more.
-        Returns at once when there is none; waits as long as the link stays down."""
+        Returns at once when there is none (or the engine is closed); waits as long as the link
+        stays down. Raises nothing of its own; cancellable. Costs an O(pending) scan per stranded
+        group, no native call; the task sleeps until each one's completion wakes it."""
         while True:
             op = next((o for o in self._pending.values() if o.failover and not o.done), None)
             if op is None or self._closed:
@@ -689,7 +699,9 @@ class Engine:
         """Unregisters a region. Waits while work requests that touch it are in flight (they
         keep the buffer alive); raises :class:`RegionBusy` if they are still in flight after
         ``timeout`` seconds (``timeout=0``: raise at once), :class:`InvalidArgument` if it is not
-        a registered region of this engine. Peers' later accesses fail at their side."""
+        a registered region of this engine, :class:`EngineClosed`. Peers' later accesses fail at
+        their side. Costs one native call that closes the provider registration on each NIC
+        (O(NICs)); while the region is busy it polls with back-off from 0.5 ms to 20 ms."""
         h = self._handle()
         if not isinstance(mr, MemoryRegion) or mr._engine is not self:
             raise InvalidArgument("not a memory region of this engine")
@@ -753,7 +765,9 @@ class Engine:
         regions): the provider (``shm`` for a same-host peer when both engines carry it, else
         the main provider), and the (local NIC, remote NIC) pairs transfers are striped over.
         Force a provider by opening the engine with ``same_host=None`` (never shm) or with
-        ``provider="shm"``. Raises :class:`InvalidArgument` when no provider is common."""
+        ``provider="shm"``. Raises :class:`InvalidArgument` when no provider is common,
+        :class:`DescriptorError` for corrupt address bytes. Costs O(NICs): the first call for a
+        peer resolves its NIC addresses (one native call each, cached), later ones hit the cache."""
         if isinstance(peer, MemoryDescriptor):
             return self._router.describe(peer.keys, peer.host_id)
         addr = self._engine_address(peer)
@@ -1380,7 +1394,9 @@ class Engine:
         ``imm_counter(imm)`` gains one credit. For a GPU region the credit comes after the
         owner's copies of earlier writes into GPU memory; ``stream``: sent only after the work
         submitted to that CUDA stream so far (e.g. the kernel that produced the data). Raises
-        as :meth:`write`."""
+        as :meth:`write`. Cost: one zero-byte work request, no payload (a repeat to the same
+        descriptor object reuses the kept request, skipping validation); to a staged GPU region,
+        one internal message to its owner instead."""
         m = self._kept_imm(remote, imm, stream)
         if m is not None:
             await self._memo_post(m, None, timeout, retry, "write_imm")
@@ -1427,8 +1443,8 @@ class Engine:
         write and go on (wait for the peer's answer, post the next) without an event-loop
         round trip for the write's own completion.
 
-        Guarantees: arguments are validated before this returns (:class:`InvalidArgument`,
-        nothing posted). Host memory over one NIC to the peer (the common case) is handed to
+        Guarantees: arguments are validated before this returns (raises :class:`InvalidArgument`,
+        :class:`DescriptorError` or :class:`EngineClosed`; nothing posted). Host memory over one NIC to the peer (the common case) is handed to
         the transport before this returns; GPU memory, a ``stream``, several NICs to the
         peer, or a transport pushing back (full queues, a peer still connecting) continue in
         a background task of the engine, started at once. Either way the write proceeds
@@ -1478,7 +1494,10 @@ class Engine:
         """:meth:`write_imm`, posted now and awaited later (see :meth:`post_write`): the
         immediate is handed to the transport before this returns (one NIC to the peer, no
         ``stream``, room in the queues; otherwise a background task of the engine posts it at
-        once). Raises :class:`InvalidArgument` at once for a bad immediate or descriptor."""
+        once). Raises :class:`InvalidArgument` (or :class:`DescriptorError`) at once for a bad
+        immediate or descriptor, :class:`EngineClosed`. Cost: as :meth:`write_imm` minus its
+        awaits; when posted in this call, its completion is quiet (read at the loop's next
+        wake-up)."""
         self._check_open()
         _check_retry(retry)
         m = self._kept_imm(remote, imm, stream)
@@ -1556,7 +1575,11 @@ class Engine:
 
         Into a GPU region: read into its shadow, then copied to GPU memory before this
         returns. From a peer's GPU region: only from a peer on this host (CUDA IPC) into a GPU
-        region; otherwise :class:`InvalidArgument` (its owner must write it)."""
+        region; otherwise :class:`InvalidArgument` (its owner must write it).
+
+        Cost: one work request (one per NIC when at least ``stripe_min`` bytes are striped over
+        several), no copy; into a staged GPU region, one more host-to-GPU copy; from a GPU
+        region on this host, one device-to-device copy and no work request."""
         rdesc = self._remote(remote)
         if rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None:
             mr, rdesc, length, dst_offset, src_offset, _, _ = self._span(
@@ -1853,12 +1876,17 @@ class Engine:
 
     def batch(self) -> TransferBatch:
         """A batch of writes/reads validated as they are added and posted by one native call
-        on :meth:`TransferBatch.submit`, awaited as one."""
+        on :meth:`TransferBatch.submit`, awaited as one. Costs one small empty table, no native
+        call; raises nothing (a closed engine is reported when requests are added)."""
         return TransferBatch(self)
 
     def imm_counter(self, imm: int) -> ImmCounter:
         """The counter of immediate ``imm`` (same object for the same imm). Credits accumulate
-        from the engine's start, whether or not anybody waits."""
+        from the engine's start, whether or not anybody waits.
+
+        Raises :class:`InvalidArgument` unless ``imm`` is an integer in [0, 2**32); on a closed
+        engine the counter's own calls raise :class:`EngineClosed`, not this one. Costs a dict
+        lookup, no native call (the first call for an ``imm`` creates the object)."""
         imm = as_index(imm, "imm", hi=_U32)
         c = self._counters.get(imm)
         if c is None:
@@ -1897,7 +1925,10 @@ class Engine:
         says, so a peer whose connection was reset (not restarted) may receive it twice.
 
         Raises :class:`InvalidArgument` (bad address, payload too large),
-        :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`."""
+        :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`. Costs two
+        copies of the payload (prefixed with the sender's address, then into a registered send
+        slot) and one send work request, awaited to completion; with no send slot free it waits
+        (back-off) instead of failing."""
         check_timeout(timeout)
         self._check_open()
         await self._send_msg(peer, payload, timeout, retry)
@@ -1938,7 +1969,10 @@ class Engine:
     async def recv(self, *, timeout: float | None = None) -> tuple[bytes, bytes]:
         """Receives the next message: ``(sender_address, payload)``. Messages are queued from
         the engine's start, so nothing is lost while nobody waits. Cancel-safe: a cancelled
-        receive takes no message. Raises :class:`TransferTimeout`, :class:`EngineClosed`."""
+        receive takes no message. Raises :class:`TransferTimeout`, :class:`EngineClosed`,
+        :class:`InvalidArgument` (bad ``timeout``). Costs no copy or I/O of its own (a message
+        is copied out of its slot when it arrives): a queued message returns after one
+        checkpoint, otherwise the task sleeps until the next message wakes it."""
         check_timeout(timeout)
         self._handle()
         await anyio.lowlevel.checkpoint_if_cancelled()
@@ -1986,7 +2020,9 @@ class Engine:
         """Closes the engine: refuses new work, waits up to ``timeout`` seconds for work in
         flight, then stops the poller and closes the endpoints before any region (so the
         transport never touches freed memory). Operations still pending fail with
-        :class:`EngineClosed`. Idempotent."""
+        :class:`EngineClosed`. Idempotent; raises nothing of its own, and is shielded (a
+        cancellation does not interrupt it). Costs up to ``timeout`` seconds of waiting for work
+        in flight, then the native teardown, run in a worker thread so the loop is not blocked."""
         if self._closed or self._closing:
             return
         self._closing = True
@@ -2195,7 +2231,16 @@ class TransferBatch:
         dst_offset: int = 0,
         imm: int | None = None,
     ) -> TransferBatch:
-        """Adds a write (same arguments as :meth:`Engine.write`); returns the batch."""
+        """Adds a write (same arguments as :meth:`Engine.write`, host regions only); returns
+        the batch.
+
+        Checks everything at once: the region is registered with this engine, both ranges fit,
+        the peer's region allows remote write, ``imm`` is 32-bit (a zero-length write needs
+        one), a provider reaches the peer. Raises :class:`InvalidArgument` when one fails
+        or a region is GPU memory, :class:`DescriptorError` (corrupt descriptor bytes), :class:`EngineClosed`;
+        nothing is added then. Costs only validating and appending one request (one per NIC
+        when striped) to the batch: nothing is posted until :meth:`submit` or :meth:`post`;
+        the first request to a new peer resolves its address once (cached)."""
         rows, _ = self._engine._rows(
             mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, self._credits
         )
@@ -2212,7 +2257,16 @@ class TransferBatch:
         src_offset: int = 0,
         dst_offset: int = 0,
     ) -> TransferBatch:
-        """Adds a READ (same arguments as :meth:`Engine.read`); returns the batch."""
+        """Adds a READ (same arguments as :meth:`Engine.read`, host regions only); returns
+        the batch.
+
+        Checks everything at once: the local region is registered with this engine and
+        writable, both ranges fit, at least one byte moves, the peer's region allows remote
+        read, a provider reaches the peer. Raises :class:`InvalidArgument` when one fails
+        or a region is GPU memory, :class:`DescriptorError` (corrupt descriptor bytes), :class:`EngineClosed`;
+        nothing is added then. Costs only validating and appending one request (one per NIC
+        when striped) to the batch: nothing is posted until :meth:`submit` or :meth:`post`;
+        the first request to a new peer resolves its address once (cached)."""
         self._add(self._engine._rows(mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)[0])
         self._refs.add(mr)
         return self
@@ -2222,7 +2276,12 @@ class TransferBatch:
         (after every posted request finished); see :meth:`Engine.write` for cancellation.
 
         A batch may be submitted again (a static schedule built once); each submission
-        re-checks that its regions are still registered (:class:`InvalidArgument` if not)."""
+        re-checks that its regions are still registered (:class:`InvalidArgument` if not).
+
+        Also raises :class:`EngineClosed`, :class:`TransferTimeout` after ``timeout``, and
+        :class:`TransferError` subclasses from the transport. Costs one native posting call for
+        all rows (a few when the send queue fills), one completion record and one event-loop
+        wake-up for the whole batch, plus the deferred credit writes of multi-NIC peers."""
         self._engine._check_open()
         if self._n == 0:
             await anyio.lowlevel.checkpoint()
@@ -2247,7 +2306,9 @@ class TransferBatch:
         request is handed to the transport before this returns when it takes them at once
         (otherwise a background task of the engine posts the rest, as :meth:`submit`
         would); the returned :class:`Transfer` completes when all of them did. Raises
-        :class:`InvalidArgument` at once if a region of the batch was unregistered."""
+        :class:`InvalidArgument` at once if a region of the batch was unregistered,
+        :class:`EngineClosed`. Cost: as :meth:`submit` minus its awaits; when posted in this
+        call, its completion is quiet (read at the loop's next wake-up)."""
         eng = self._engine
         eng._check_open()
         _check_retry(retry)
@@ -2316,7 +2377,8 @@ class Transfer:
     @property
     def done(self) -> bool:
         """True once the operation finished, successfully or not: awaiting it then returns
-        (or raises) without waiting."""
+        (or raises) without waiting. Raises nothing; O(1): at most one native call and a read
+        of the completion records that came in quietly."""
         if self._finished:
             return True
         op = self._op
@@ -2333,8 +2395,10 @@ class Transfer:
     async def wait(self, *, timeout: float | None = None) -> None:
         """Waits until the transfer finished; raises its error (:class:`TransferError`
         subclasses, :class:`EngineClosed`), or :class:`TransferTimeout` when ``timeout``
-        seconds pass first (the transfer goes on; await it again). Cancellable without
-        affecting the transfer."""
+        seconds pass first (the transfer goes on; await it again), :class:`InvalidArgument` for
+        a bad ``timeout``. Cancellable without affecting the transfer. A finished transfer
+        returns after one cancellation check, no event-loop round trip; otherwise the task
+        sleeps until its completion wakes it."""
         end = _end(timeout)
         eng = self._engine
         waited = False

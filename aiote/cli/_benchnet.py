@@ -12,8 +12,10 @@ core's baseline runs between the same two hosts.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ipaddress
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -28,26 +30,68 @@ import aiote
 from aiote import Engine, EngineAddress, MemoryDescriptor, MemoryRegion
 from aiote.testing import answer_pings, ready_line
 
-CDEPS = Path(__file__).resolve().parents[2] / "cdeps"
-CBENCH = CDEPS / "build" / "aiote_cbench"
+CDEPS = Path(__file__).resolve().parents[2] / "cdeps"  # a source checkout's C core
+CSRC = Path(__file__).resolve().parents[1] / "_native" / "csrc"  # the same sources, in a wheel
+CBENCH = CDEPS / "build" / "aiote_cbench"  # where a source checkout builds it
 READY = "AIOTE_BENCH_LISTEN"
 BULK = ord("S")
 ECHO = ord("E")
+_built: list[Path] = []  # the C bench that build_cbench() made or found
+
+
+def cbench() -> Path:
+    """The C bench's executable: the one :func:`build_cbench` built (a source checkout's
+    ``cdeps/build/aiote_cbench`` until then)."""
+    return _built[-1] if _built else CBENCH
 
 
 def build_cbench() -> str | None:
-    """Builds the C bench from the source tree; the reason when it cannot."""
-    if not (CDEPS / "Makefile").exists():
-        return "the C core's sources (cdeps/) are not next to this installation: run from a source checkout"
-    r = subprocess.run(["make", "-s", "-C", str(CDEPS), "bench"], capture_output=True, text=True)
-    if r.returncode and not CBENCH.exists():
-        return f"could not build the C bench: {r.stderr.strip()[-300:]}"
+    """Builds the C bench (``aiote_cbench``: the same C core as the extension, driven without
+    Python), or finds it built; returns the reason when it cannot. In a source checkout:
+    ``make -C cdeps bench``. In an installed wheel: from the core's sources shipped in
+    ``aiote/_native/csrc``, compiled once with ``cc`` against the system libfabric into
+    ``$XDG_CACHE_HOME/aiote`` (``~/.cache/aiote``), keyed by the sources' digest."""
+    if (CDEPS / "Makefile").exists():
+        r = subprocess.run(["make", "-s", "-C", str(CDEPS), "bench"], capture_output=True, text=True)
+        if r.returncode and not CBENCH.exists():
+            return f"could not build the C bench: {r.stderr.strip()[-300:]}"
+        _built.append(CBENCH)
+        return None
+    srcs = [CSRC / "aiote_core.h", CSRC / "aiote_core.c", CSRC / "bench" / "aiote_cbench.c"]
+    if not all(p.exists() for p in srcs):
+        return "the C core's sources are neither in a source checkout (cdeps/) nor in this installation"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aiote"
+    exe = cache / f"aiote_cbench-{digest}"
+    if not exe.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = exe.with_name(f"{exe.name}.{os.getpid()}")
+        cmd = [os.environ.get("CC", "cc"), "-std=gnu11", "-O2", "-pthread", f"-I{CSRC}",
+               *_fabric_cflags(), "-o", str(tmp), str(srcs[2]), str(srcs[1]), "-lfabric"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except OSError as exc:
+            return f"could not build the C bench (no C compiler?): {exc}"
+        if r.returncode:
+            return f"could not build the C bench: {r.stderr.strip()[-300:]}"
+        tmp.replace(exe)  # atomic: a concurrent build leaves one whole executable
+    _built.append(exe)
     return None
+
+
+def _fabric_cflags() -> list[str]:
+    """libfabric's include and library flags from pkg-config (none: the system default paths)."""
+    try:
+        r = subprocess.run(["pkg-config", "--cflags", "--libs-only-L", "libfabric"], capture_output=True,
+                           text=True, timeout=30)
+    except OSError:
+        return []
+    return r.stdout.split() if r.returncode == 0 else []
 
 
 def c_run(*args: str) -> dict[str, Any]:
     """Runs the C bench (both sides, or one with ``--connect``); its JSON result line."""
-    out = subprocess.run([str(CBENCH), *args], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([str(cbench()), *args], capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"aiote_cbench {' '.join(args)} failed: {out.stderr.strip()[-500:]}")
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
@@ -161,7 +205,7 @@ class _Server:
         nics = [r.domain for r in self.engine.rails]
         prov = self.engine.rails[0].provider.split(";")[0]
         own = c_provider_args(prov, nics if prov == "tcp" else None)
-        proc = await anyio.open_process([str(CBENCH), *args, *own, "--listen", "0"], stderr=None)
+        proc = await anyio.open_process([str(cbench()), *args, *own, "--listen", "0"], stderr=None)
         self.c_procs.append(proc)
         line = await ready_line(proc, '{"listening"', 30)
         self.tg.start_soon(self.reap, proc)

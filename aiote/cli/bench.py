@@ -41,7 +41,6 @@ from aiote.testing import ready_line, stop_process
 from . import _benchout
 from ._benchnet import (
     BULK,
-    CBENCH,
     ECHO,
     READY,
     Remote,
@@ -53,7 +52,7 @@ from ._benchnet import (
     tuning,
 )
 
-__all__ = ["CBENCH", "add_arguments", "main", "parse_size"]
+__all__ = ["add_arguments", "main", "parse_size"]
 
 WINDOW = 64
 THROUGHPUT = ("write", "read", "sendrecv", "paged")
