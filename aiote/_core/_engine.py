@@ -1444,10 +1444,11 @@ class Engine:
         round trip for the write's own completion.
 
         Guarantees: arguments are validated before this returns (raises :class:`InvalidArgument`,
-        :class:`DescriptorError` or :class:`EngineClosed`; nothing posted). Host memory over one NIC to the peer (the common case) is handed to
-        the transport before this returns; GPU memory, a ``stream``, several NICs to the
-        peer, or a transport pushing back (full queues, a peer still connecting) continue in
-        a background task of the engine, started at once. Either way the write proceeds
+        :class:`DescriptorError` or :class:`EngineClosed`; nothing posted). Host memory over
+        one NIC to the peer (the common case) is handed to the transport before this returns;
+        GPU memory, a ``stream``, several NICs to the peer, or a transport pushing back (full
+        queues, a peer still connecting) continue in a background task of the engine, started
+        at once. Either way the write proceeds
         whether or not the :class:`Transfer` is awaited, and the engine keeps the source
         region's request alive until the transport's completion. Errors (and the retries of
         ``retry``, as :meth:`write` does them) surface when the :class:`Transfer` is awaited;

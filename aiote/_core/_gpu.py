@@ -171,7 +171,8 @@ class UvmWatcher:
 
     @property
     def value(self) -> int:
-        """The word's current value (read from host memory now)."""
+        """The word's current value (read from host memory now). One native atomic load, O(1);
+        raises nothing."""
         return int(lib.aio_word_load(ffi.cast("uint64_t*", self._word[1])))
 
     def _arm(self) -> None:
@@ -198,7 +199,9 @@ class UvmWatcher:
     async def wait_for(self, value: int, *, timeout: float | None = None) -> int:
         """Waits until the word holds ``value`` or more; returns the value seen. Cancellable;
         raises :class:`TransferTimeout` after ``timeout`` and :class:`EngineClosed` when the
-        watcher or engine closes."""
+        watcher or engine closes, :class:`InvalidArgument` for a bad ``timeout``. A value already
+        reached returns after one checkpoint; otherwise the poller reads the word every
+        ``watch_interval_us`` until it is reached (see the class)."""
         check_timeout(timeout)
         v = self.value
         if v >= value:
@@ -240,7 +243,8 @@ class UvmWatcher:
                 yield v
 
     def close(self) -> None:
-        """Stops watching and wakes every waiter (with :class:`EngineClosed`)."""
+        """Stops watching and wakes every waiter (with :class:`EngineClosed`). Idempotent;
+        raises nothing. O(waiters); the word goes back to the engine for reuse."""
         if self._closed:
             return
         self._closed = True

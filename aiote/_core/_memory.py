@@ -44,7 +44,8 @@ class MemoryRegion:
 
     Holds a reference to the buffer so it outlives every transfer that uses it. ``descriptor``
     is what peers need to access it. Valid until ``await engine.unregister(mr)`` or until the
-    engine closes.
+    engine closes. What registering raises and costs is in :meth:`Engine.register`; its
+    attributes and properties cost O(1) and raise nothing.
     """
 
     __slots__ = (
@@ -92,22 +93,23 @@ class MemoryRegion:
 
     @property
     def buffer(self) -> Any:
-        """The registered object (the NumPy or CuPy array passed to ``register``)."""
+        """The registered object (the NumPy or CuPy array passed to ``register``). O(1), raises
+        nothing."""
         return self._obj
 
     @property
     def registered(self) -> bool:
-        """False once unregistered or once its engine closed."""
+        """False once unregistered or once its engine closed. O(1), raises nothing."""
         return self._handle is not None and not self._engine._closed
 
     @property
     def on_gpu(self) -> bool:
-        """Whether the region is GPU memory."""
+        """Whether the region is GPU memory. O(1), raises nothing."""
         return self.descriptor.device_kind != DEVICE_HOST
 
     @property
     def device(self) -> int | None:
-        """The GPU ordinal of a GPU region; None for host memory."""
+        """The GPU ordinal of a GPU region; None for host memory. O(1), raises nothing."""
         return None if self._dev is None else int(self._dev.device)
 
     def __repr__(self) -> str:

@@ -45,7 +45,8 @@ class Route:
 
     ``provider``: the libfabric provider used; ``same_host``: whether the peer runs on this
     host; ``pairs``: ``(local NIC, remote NIC index)`` for each route transfers are striped
-    over; ``down``: local NICs currently out of rotation (link down or failed)."""
+    over; ``down``: local NICs currently out of rotation (link down or failed). A frozen
+    snapshot: reading it costs nothing and raises nothing."""
 
     provider: str
     same_host: bool
@@ -63,7 +64,8 @@ class DomainGroup:
     is split into one shard per pair, a paged write deals its pages round robin, smaller
     operations take turns. ``down`` lists NICs out of rotation because their link is down;
     they come back when it is up again. ``streams``: connections per NIC (each NIC appears
-    that many times in ``nics``)."""
+    that many times in ``nics``). A frozen snapshot: reading it costs nothing and raises
+    nothing."""
 
     provider: str
     nics: tuple[str, ...]

@@ -35,7 +35,8 @@ class RequestFailed(AioteError):
 class DecodeRequest:
     """A request admitted by a :class:`DecodeWorker`: its pages in the worker's pool, and
     per-layer readiness. Obtained from :meth:`DecodeWorker.next_request` once every layer
-    arrived (or from :meth:`DecodeWorker.admitted` to start layer by layer)."""
+    arrived (or from :meth:`DecodeWorker.admitted` to start layer by layer). Holding one costs
+    an event per layer; what its methods raise and cost is stated on each."""
 
     def __init__(self, worker: DecodeWorker, rid: int, seq: int, tokens: int, pages: np.ndarray) -> None:
         self._w = worker
@@ -55,12 +56,14 @@ class DecodeRequest:
 
     @property
     def ready(self) -> bool:
-        """Whether every layer has arrived."""
+        """Whether every layer has arrived. O(1), raises nothing."""
         return self._ready.is_set() and self.error is None
 
     async def layer_ready(self, layer: int, *, timeout: float | None = None) -> None:
         """Waits until layer ``layer`` (K and V, every page) has arrived. Raises
-        :class:`RequestFailed` if the request failed, :class:`~aiote.TransferTimeout`."""
+        :class:`RequestFailed` if the request failed, :class:`~aiote.TransferTimeout` after
+        ``timeout``, :class:`~aiote.InvalidArgument` for a bad ``layer`` or ``timeout``. No I/O:
+        it waits on an event the worker sets."""
         if not 0 <= layer < len(self._layers):
             raise InvalidArgument(f"layer {layer} is out of range")
         with deadline(timeout, f"request {self.rid}: layer {layer}"):
@@ -70,26 +73,33 @@ class DecodeRequest:
 
     async def wait_ready(self, *, timeout: float | None = None) -> None:
         """Waits until every layer arrived; raises :class:`RequestFailed` if it failed,
-        :class:`~aiote.TransferTimeout` after ``timeout``."""
+        :class:`~aiote.TransferTimeout` after ``timeout``. No I/O: it waits on an event the
+        worker sets."""
         with deadline(timeout, f"request {self.rid}: waiting for its KV"):
             await self._ready.wait()
         if self.error is not None:
             raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
 
     def page(self, layer: int, kv: int, i: int) -> np.ndarray:
-        """The bytes of the request's ``i``-th page of layer ``layer`` (``kv`` 0: K, 1: V)."""
+        """The bytes of the request's ``i``-th page of layer ``layer`` (``kv`` 0: K, 1: V). A view,
+        no copy, O(1); IndexError for ``i`` past its pages (``layer`` and ``kv`` are not checked)."""
         return self._w.layout.page(self._w.pool, layer, kv, int(self.pages[i]))
 
     async def release(self) -> None:
         """Done with the request: its pages go back to the pool as soon as the prefill side
-        has confirmed that none of its writes can still land (at once when it already has)."""
+        has confirmed that none of its writes can still land (at once when it already has).
+        Costs one checkpoint, plus, when the pages are freed now, O(pages) and two native calls
+        per layer (its counters are released); that raises :class:`~aiote.EngineClosed` if the
+        engine closed first."""
         self._done_by_user = True
         self._w._maybe_free(self)
         await anyio.lowlevel.checkpoint()
 
     async def cancel(self) -> None:
         """Cancels the request: the prefill side stops writing it, and its pages are freed
-        once every write it had posted has completed (no late write can land in them)."""
+        once every write it had posted has completed (no late write can land in them). Costs one
+        message to the prefill side (up to 30 s when it does not answer; then it counts as
+        gone, no error); freeing raises as in :meth:`release`."""
         if self.error is None:
             self.error = RequestFailed("cancelled by the decode side")
         self._done_by_user = True
@@ -118,6 +128,11 @@ class DecodeWorker:
     The worker owns the engine's messages (``recv``) while it runs. Leaving (the end of its
     ``async with``) tells the prefill side, which routes no new request here; requests in
     flight are finished first (bounded by ``drain_timeout``).
+
+    Building one raises :class:`~aiote.DescriptorError` for a bad ``prefill`` address and
+    :class:`~aiote.InvalidArgument` for a ``pool`` of the wrong size (no I/O; a new pool costs
+    ``layout.pool_bytes``). Entering registers the pool (:meth:`~aiote.Engine.register`'s
+    cost and errors) and sends one message to the prefill side.
     """
 
     def __init__(
@@ -187,7 +202,8 @@ class DecodeWorker:
 
     async def next_request(self, *, timeout: float | None = None) -> DecodeRequest:
         """The next request whose KV has fully arrived (in arrival order). Raises
-        :class:`~aiote.TransferTimeout` after ``timeout``."""
+        :class:`~aiote.TransferTimeout` after ``timeout``. No I/O: a ready request returns at
+        once, otherwise it waits on an event."""
         with deadline(timeout, "waiting for a request"):
             while not self._ready:
                 ev = self._ready_ev
@@ -196,7 +212,8 @@ class DecodeWorker:
 
     async def requests(self) -> AsyncIterator[DecodeRequest]:
         """Every request whose KV has fully arrived, in arrival order; ends once the worker
-        is leaving (:meth:`leave`) and every request it had admitted has been handed out."""
+        is leaving (:meth:`leave`) and every request it had admitted has been handed out.
+        Raises nothing of its own; no I/O (it waits on an event between requests)."""
         while True:
             while not self._ready:
                 if self._leaving and not any(not r._ready.is_set() for r in self._requests.values()):
@@ -207,7 +224,9 @@ class DecodeWorker:
 
     async def leave(self) -> None:
         """Tells the prefill side that this worker takes no new request (requests already
-        admitted still arrive and are handed out). Leaving the ``async with`` does it too."""
+        admitted still arrive and are handed out). Leaving the ``async with`` does it too.
+        Idempotent; raises nothing (a prefill side that cannot be reached counts as gone).
+        Costs one message the first time (up to 30 s when the prefill side does not answer)."""
         if not self._leaving:
             self._leaving = True
             self._ready_ev.set()
@@ -217,7 +236,7 @@ class DecodeWorker:
     async def admitted(self, *, timeout: float | None = None) -> DecodeRequest:
         """The next admitted request, as soon as it is admitted (to start layer by layer with
         :meth:`DecodeRequest.layer_ready`). Requests taken here are not also returned by
-        :meth:`next_request`."""
+        :meth:`next_request`. Raises :class:`~aiote.TransferTimeout` after ``timeout``; no I/O."""
         with deadline(timeout, "waiting for an admission"):
             while not self._admitted:
                 await self._admitted_ev.wait()
@@ -227,11 +246,12 @@ class DecodeWorker:
 
     @property
     def in_flight(self) -> int:
-        """Requests admitted and not yet freed."""
+        """Requests admitted and not yet freed. O(requests), raises nothing."""
         return sum(1 for r in self._requests.values() if not r._freed)
 
     @property
     def free_pages(self) -> int:
+        """Pages of the pool free now. O(1), raises nothing."""
         return self._alloc.free
 
     # ------------------------------------------------------------------ internals

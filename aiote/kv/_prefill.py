@@ -32,7 +32,7 @@ _log = get_logger(component="kv.prefill")
 
 @dataclass
 class DecoderInfo:
-    """A decode worker as the prefill side sees it."""
+    """A decode worker as the prefill side sees it. A plain record: O(1), raises nothing."""
 
     address: bytes
     desc: MemoryDescriptor
@@ -44,7 +44,7 @@ class DecoderInfo:
 
     @property
     def live(self) -> bool:
-        """Whether new requests may be routed to it."""
+        """Whether new requests may be routed to it. O(1), raises nothing."""
         return not (self.leaving or self.dead)
 
 
@@ -53,7 +53,7 @@ RoutingPolicy = Callable[[Sequence[DecoderInfo]], DecoderInfo]
 
 
 class RoundRobin:
-    """Routing policy: each live decoder in turn."""
+    """Routing policy: each live decoder in turn. O(1) per pick, raises nothing."""
 
     def __init__(self) -> None:
         self._n = 0
@@ -65,7 +65,8 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """Routing policy: the live decoder with the fewest requests in flight."""
+    """Routing policy: the live decoder with the fewest requests in flight. O(live decoders)
+    per pick, raises nothing."""
 
     def __call__(self, live: Sequence[DecoderInfo]) -> DecoderInfo:
         return min(live, key=lambda d: (len(d.in_flight), d.served))
@@ -73,7 +74,8 @@ class LeastLoaded:
 
 class PrefillRequest:
     """One request on the prefill side: its pages in the prefill pool (compute the KV into
-    them), its decoder, and the layer writes. Obtained from :meth:`PrefillServer.start`."""
+    them), its decoder, and the layer writes. Obtained from :meth:`PrefillServer.start`.
+    What its methods raise and cost is stated on each."""
 
     def __init__(
         self, server: PrefillServer, rid: int, tokens: int, pages: np.ndarray, decoder: DecoderInfo
@@ -104,14 +106,19 @@ class PrefillRequest:
         self.kv_complete = anyio.Event()
 
     def page(self, layer: int, kv: int, i: int) -> np.ndarray:
-        """The bytes of the request's ``i``-th page of layer ``layer`` in the prefill pool."""
+        """The bytes of the request's ``i``-th page of layer ``layer`` in the prefill pool. A
+        view, no copy, O(1); IndexError for ``i`` past its pages (``layer`` and ``kv`` are not
+        checked)."""
         return self._s.layout.page(self._s.pool, layer, kv, int(self.pages[i]))
 
     async def send_layer(self, layer: int) -> None:
         """Streams layer ``layer`` (K and V of every page of the request) to the decoder as
         one paged write, and returns once it is posted: the transfer overlaps whatever the
         caller computes next. Raises :class:`RequestFailed` if the request already failed or
-        was cancelled (its pages must not be written any more)."""
+        was cancelled (its pages must not be written any more), :class:`~aiote.InvalidArgument`
+        for a bad ``layer``. Costs one checkpoint; the paged write
+        (:meth:`~aiote.Engine.write_paged`) runs in the server's task group and its errors
+        surface in :meth:`finish`."""
         if self.error is not None:
             raise RequestFailed(f"request {self.rid}: {self.error}") from self.error
         if not 0 <= layer < self._s.layout.layers:
@@ -170,7 +177,9 @@ class PrefillRequest:
         """Waits until every layer write has completed (landed at the decoder), then tells
         the decoder the request's pages can no longer be written. Raises
         :class:`RequestFailed` if a write failed, the decoder left or died, or the request was
-        cancelled."""
+        cancelled, :class:`~aiote.TransferTimeout` after ``timeout`` (the request is then
+        cancelled). Costs the wait for the posted writes, then one message to the decoder, sent
+        in the background."""
         try:
             with deadline(timeout, f"request {self.rid}: finish"):
                 await self._writes_done.wait()
@@ -194,7 +203,9 @@ class PrefillRequest:
 
     async def wait_kv_complete(self, *, timeout: float | None = None) -> float:
         """Waits for the decoder's report that the whole KV arrived; returns when it did
-        (``time.monotonic()`` of the decoder, the same clock on one host)."""
+        (``time.monotonic()`` of the decoder, the same clock on one host). Raises
+        :class:`RequestFailed` if the request failed first, :class:`~aiote.TransferTimeout`
+        after ``timeout``. No I/O: it waits on an event."""
         with deadline(timeout, f"request {self.rid}: waiting for the decoder"):
             await self.kv_complete.wait()
         if self.error is not None and self.kv_complete_at is None:
@@ -206,7 +217,8 @@ class PrefillRequest:
         """Cancels the request (or, after a failure, declares the application done with it):
         no further layer is written; once the writes already posted completed, the decoder
         is told its pages are free, and the prefill pages go back to the pool. Idempotent;
-        does nothing to a request that finished."""
+        does nothing to a request that finished. Raises nothing; costs a shielded wait for the
+        writes already posted, then one message to the decoder, sent in the background."""
         if self._app_done and self.error is None:
             return
         self.cancelled = True
@@ -236,6 +248,11 @@ class PrefillServer:
     answer an admission before the request is routed to another one. The server owns the
     engine's messages while it runs. A decoder that leaves gets no new request; one that dies
     fails its requests in flight (:class:`RequestFailed`), and the others go on.
+
+    Building one raises :class:`~aiote.InvalidArgument` for a ``pool`` of the wrong size (no
+    I/O; a new pool costs ``layout.pool_bytes``). Entering registers the pool
+    (:meth:`~aiote.Engine.register`'s cost and errors); leaving waits up to 30 s for the writes
+    in flight.
     """
 
     def __init__(
@@ -289,11 +306,12 @@ class PrefillServer:
 
     @property
     def live_decoders(self) -> list[DecoderInfo]:
-        """Decoders new requests may go to."""
+        """Decoders new requests may go to. A new list, O(decoders); raises nothing."""
         return [d for d in self.decoders.values() if d.live]
 
     async def wait_for_decoders(self, n: int = 1, *, timeout: float | None = None) -> None:
-        """Waits until at least ``n`` decoders are live."""
+        """Waits until at least ``n`` decoders are live. Raises :class:`~aiote.TransferTimeout`
+        after ``timeout``; no I/O (it waits for join messages the server receives)."""
         with deadline(timeout, f"waiting for {n} decoders"):
             while len(self.live_decoders) < n:
                 await self._joined.wait()
@@ -302,7 +320,10 @@ class PrefillServer:
         """Admits a request of ``tokens`` tokens: takes pages in the prefill pool (waiting
         for free ones), routes it to a live decoder, which allocates pages in its pool and
         answers where to write. Tries the other decoders when one refuses (no room).
-        Raises :class:`RequestFailed` when no decoder could take it before ``timeout``."""
+        Raises :class:`RequestFailed` when no decoder could take it before ``timeout``,
+        :class:`~aiote.InvalidArgument` for ``tokens`` < 1 or more pages than the pool has.
+        Costs one admission message to a decoder and the wait for its answer (at most
+        ``admit_timeout``) per try, after waiting for free pages."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise InvalidArgument(f"tokens must be an integer >= 1, not {tokens!r}")
         n = self.layout.pages_for(tokens)

@@ -50,13 +50,15 @@ __all__ = [
 
 
 def pattern(nbytes: int, seed: int = 0) -> np.ndarray:
-    """``nbytes`` of deterministic pseudo-random bytes (the same in every process)."""
+    """``nbytes`` of deterministic pseudo-random bytes (the same in every process). Allocates and
+    fills them: O(nbytes). Raises ValueError for a negative ``nbytes``."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
 def digest(data: Any) -> str:
-    """Hex BLAKE2b digest of a buffer, as the peer process computes it."""
+    """Hex BLAKE2b digest of a buffer, as the peer process computes it. Hashes it in place (no
+    copy), O(bytes); raises TypeError for an object that is not a C-contiguous buffer."""
     return hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest()
 
 
@@ -86,14 +88,18 @@ def _mailbox(engine: Engine) -> _Mailbox:
 async def engine_pair(provider: str = "tcp", nics: Sequence[str] | None = None, **kw: Any) -> AsyncIterator[
     tuple[Engine, Engine]
 ]:
-    """Two engines in this process on the same provider (loopback by default)."""
+    """Two engines in this process on the same provider (loopback by default). Raises what
+    :func:`~aiote.open_engine` raises (:class:`~aiote.ProviderError`,
+    :class:`~aiote.InvalidArgument`); costs two engines (poller threads, message slots)."""
     async with open_engine(provider, nics, **kw) as a, open_engine(provider, nics, **kw) as b:
         yield a, b
 
 
 class PeerProcess:
     """A peer engine in a child process, serving JSON commands that arrive as aiote
-    messages. Its replies come back the same way, so every call crosses the transport."""
+    messages. Its replies come back the same way, so every call crosses the transport: each
+    command method costs one message each way plus the peer's work, and raises
+    :class:`PeerError` when the peer reports a failure (plus what :meth:`call` raises)."""
 
     def __init__(self, engine: Engine, proc: anyio.abc.Process, address: bytes) -> None:
         self.engine = engine
@@ -102,7 +108,7 @@ class PeerProcess:
 
     @property
     def pid(self) -> int:
-        """The peer's process id."""
+        """The peer's process id. O(1), raises nothing."""
         return int(self.process.pid)
 
     async def call(self, timeout: float = 60.0, **cmd: Any) -> dict[str, Any]:
@@ -110,7 +116,10 @@ class PeerProcess:
 
         Safe to call from several tasks at once, for one or several peers sharing the local
         engine: replies carry the command's id, and whichever task receives a message files
-        it for the task it belongs to."""
+        it for the task it belongs to. Also raises TimeoutError when no reply comes within
+        ``timeout``, and what :meth:`Engine.send` raises (:class:`~aiote.PeerUnreachable`,
+        :class:`~aiote.TransferTimeout`, :class:`~aiote.EngineClosed`). Costs one message each
+        way (JSON) plus the peer's work."""
         box = _mailbox(self.engine)
         rid = next(_ids)
         await self.engine.send(self.address, json.dumps({**cmd, "id": rid}).encode(), timeout=timeout)
@@ -152,7 +161,9 @@ class PeerProcess:
     ) -> MemoryDescriptor:
         """Registers a buffer in the peer (``fill``: "zeros" or "pattern"); its descriptor.
         ``device``: None (host memory), ``"cuda"`` (a CuPy array on GPU ``gpu``), ``"host"``
-        or ``"shared"`` (a :class:`HostDeviceArray`, for a peer with ``gpu_backend="host"``)."""
+        or ``"shared"`` (a :class:`HostDeviceArray`, for a peer with ``gpu_backend="host"``).
+        Raises :class:`PeerError` if the peer fails it; costs one :meth:`call` and the peer's
+        registration."""
         r = await self.call(
             op="register", name=name, size=nbytes, fill=fill, seed=seed,
             remote_write=remote_write, remote_read=remote_read, device=device, gpu=gpu,
@@ -160,11 +171,14 @@ class PeerProcess:
         return MemoryDescriptor.from_bytes(bytes.fromhex(r["desc"]))
 
     async def wait(self, imm: int, n: int = 1, timeout: float = 30.0) -> None:
-        """Makes the peer wait for ``n`` credits of ``imm`` on its engine."""
+        """Makes the peer wait for ``n`` credits of ``imm`` on its engine. Raises
+        :class:`PeerError` when they do not come within ``timeout``; costs one :meth:`call`."""
         await self.call(timeout + 10, op="wait", imm=imm, n=n, wait_timeout=timeout)
 
     async def digest(self, name: str, offset: int = 0, length: int | None = None) -> str:
-        """BLAKE2b digest of a slice of a peer buffer (compare with :func:`digest`)."""
+        """BLAKE2b digest of a slice of a peer buffer (compare with :func:`digest`). Raises
+        :class:`PeerError` (e.g. an unknown buffer); costs one :meth:`call` and O(bytes) hashing
+        in the peer."""
         r = await self.call(op="digest", name=name, offset=offset, length=length)
         return str(r["digest"])
 
@@ -172,14 +186,17 @@ class PeerProcess:
         self, name: str, remote: MemoryDescriptor, *, length: int | None = None, src_offset: int = 0,
         dst_offset: int = 0, imm: int | None = None, count: int = 1,
     ) -> None:
-        """Makes the peer write ``count`` times from its buffer into ``remote``."""
+        """Makes the peer write ``count`` times from its buffer into ``remote``. Raises
+        :class:`PeerError` if a write fails there; costs one :meth:`call` and ``count`` writes."""
         await self.call(
             op="write", name=name, remote=bytes(remote).hex(), length=length, src_offset=src_offset,
             dst_offset=dst_offset, imm=imm, count=count,
         )
 
     async def write_imm(self, remote: MemoryDescriptor, imm: int, count: int = 1) -> None:
-        """Makes the peer send ``count`` zero-byte writes carrying ``imm`` to ``remote``'s owner."""
+        """Makes the peer send ``count`` zero-byte writes carrying ``imm`` to ``remote``'s owner.
+        Raises :class:`PeerError` if one fails there; costs one :meth:`call` and ``count``
+        writes."""
         await self.call(op="imm", remote=bytes(remote).hex(), imm=imm, count=count)
 
     async def write_paged(
@@ -187,7 +204,8 @@ class PeerProcess:
         dst_pages: Sequence[int], src_stride: int | None = None, dst_stride: int | None = None,
         imm: int | None = None,
     ) -> None:
-        """Makes the peer do one paged write from its buffer into ``remote``."""
+        """Makes the peer do one paged write from its buffer into ``remote``. Raises
+        :class:`PeerError` if it fails there; costs one :meth:`call` and the write."""
         await self.call(
             op="paged", name=name, remote=bytes(remote).hex(), page_size=page_size,
             src_pages=[int(x) for x in src_pages], dst_pages=[int(x) for x in dst_pages],
@@ -195,11 +213,13 @@ class PeerProcess:
         )
 
     async def route(self, peer: bytes) -> dict[str, Any]:
-        """How the peer's engine reaches ``peer`` (provider and NIC pairs)."""
+        """How the peer's engine reaches ``peer`` (provider and NIC pairs). Raises
+        :class:`PeerError` if it fails there; costs one :meth:`call`."""
         return await self.call(op="route", peer=peer.hex())
 
     async def counter(self, imm: int) -> int:
-        """The peer's available credits for ``imm``."""
+        """The peer's available credits for ``imm``. Raises :class:`PeerError` if the peer
+        fails it; costs one :meth:`call`."""
         r = await self.call(op="counter", imm=imm)
         return int(r["available"])
 
@@ -222,6 +242,11 @@ async def spawn_peer(
     ``gpu_direct``; ``peer_streams``: its connections per NIC (``open_engine(streams=)``).
     The peer exits when
     the block ends; if it is still alive after 10 s it is killed.
+
+    Raises RuntimeError when the peer exits before it is up (or prints something else),
+    TimeoutError after ``startup_timeout``, and what :func:`~aiote.open_engine` raises for the
+    local engine. Costs a new Python process that imports aiote and opens an engine, plus a
+    local engine when ``engine`` is None.
     """
     args = [*prefix, sys.executable, "-m", "aiote.testing._peer", "--provider", provider]
     for nic in (nics if peer_nics is None else peer_nics) or []:
@@ -262,7 +287,8 @@ async def spawn_peer(
 
 async def stop_process(proc: anyio.abc.Process, grace: float = 10.0) -> None:
     """Lets a child process exit on its own for up to ``grace`` seconds, kills it after
-    that, and closes its pipes. Shielded: runs to the end inside a cancelled scope."""
+    that, and closes its pipes. Shielded: runs to the end inside a cancelled scope. Raises
+    nothing of its own; costs up to ``grace`` seconds of waiting."""
     with anyio.CancelScope(shield=True):
         if proc.returncode is None:
             with anyio.move_on_after(grace):
@@ -293,7 +319,7 @@ async def answer_pings(
 async def ready_line(proc: anyio.abc.Process, marker: str, timeout: float = 60.0) -> str:
     """The first line a child process prints that starts with ``marker`` (its "I am up"
     line; earlier lines are skipped). Raises RuntimeError if it exits first, TimeoutError
-    after ``timeout`` seconds."""
+    after ``timeout`` seconds. Costs reading the child's stdout as it comes (no polling)."""
     assert proc.stdout is not None
     buf = b""
     with anyio.fail_after(timeout):

@@ -16,7 +16,8 @@ __all__ = ["HostDeviceArray", "HostStream"]
 def HostStream(device: int = 0) -> Any:
     """A stream of the host GPU emulation (``gpu_backend="host"``): ``submit(fn)`` runs
     ``fn`` in a worker thread after the work submitted before, as a CUDA stream runs kernels.
-    Pass it as ``stream=`` to order a transfer after that work."""
+    Pass it as ``stream=`` to order a transfer after that work. Costs one daemon thread per
+    stream (its ``close()`` ends it); raises nothing."""
     return _HostStream(device, 0.0)
 
 
@@ -25,7 +26,9 @@ class HostDeviceArray:
     engine's host GPU backend: the staging pipeline, credit ordering and IPC rail then run on
     a machine without CUDA. ``host`` is the NumPy view to fill and check. ``shared=True``
     allocates it in POSIX shared memory, so that a peer process on this host can open it the
-    way CUDA IPC opens a GPU allocation. Never pass one to an engine using real CUDA."""
+    way CUDA IPC opens a GPU allocation. Never pass one to an engine using real CUDA.
+    Building one allocates ``nbytes`` (zeroed) or a shared-memory segment of that size; it
+    raises what NumPy or ``SharedMemory`` raise (e.g. MemoryError, OSError)."""
 
     def __init__(self, nbytes: int, *, device: int = 0, shared: bool = False, readonly: bool = False) -> None:
         self._shm: shared_memory.SharedMemory | None = None
@@ -43,6 +46,7 @@ class HostDeviceArray:
 
     @property
     def nbytes(self) -> int:
+        """The size in bytes (0 after :meth:`close` of a shared one). O(1), raises nothing."""
         return int(self.host.nbytes)
 
     @property
@@ -56,7 +60,9 @@ class HostDeviceArray:
         }
 
     def close(self) -> None:
-        """Releases the shared-memory segment (the view becomes invalid)."""
+        """Releases the shared-memory segment (the view becomes invalid). Idempotent; a no-op
+        for a non-shared array. Costs one unmap and one unlink; raises BufferError while NumPy
+        views of ``host`` taken before are alive (the segment is unlinked all the same)."""
         if self._shm is not None:
             shm, self._shm = self._shm, None
             self.host = np.zeros(0, dtype=np.uint8)
