@@ -163,6 +163,31 @@ async def test_messages_with_peer(aiote_peer: PeerProcess) -> None:
     assert json.loads(payload) == {"ok": True, "payload": 7, "id": None}  # replies echo the id
 
 
+SIZES = [0, 1, 4096, 65537, 1 << 20]  # 0 B to max_message_size
+
+
+async def test_send_recv_sizes_both_ways_with_a_peer_process(aiote_peer: PeerProcess) -> None:
+    e, peer = aiote_peer.engine, aiote_peer.address
+    seeds = list(range(31, 31 + len(SIZES)))
+    # to the peer: it takes the next len(SIZES) messages raw and reports what it got
+    await e.send(peer, json.dumps({"op": "recv_raw", "count": len(SIZES), "id": 1}).encode(), timeout=30)
+    for size, seed in zip(SIZES, seeds, strict=True):
+        await e.send(peer, pattern(size, seed).tobytes(), timeout=30)
+    sender, payload = await e.recv(timeout=60)
+    assert sender == peer
+    got = json.loads(payload)["got"]
+    assert got == [[size, digest(pattern(size, seed))] for size, seed in zip(SIZES, seeds, strict=True)]
+    # from the peer: raw messages of every size, in order, then its reply
+    await e.send(peer, json.dumps({"op": "send_raw", "sizes": SIZES, "seeds": seeds, "id": 2}).encode(),
+                 timeout=30)
+    for size, seed in zip(SIZES, seeds, strict=True):
+        sender, payload = await e.recv(timeout=60)
+        assert sender == peer and len(payload) == size
+        assert payload == pattern(size, seed).tobytes()
+    _, payload = await e.recv(timeout=60)
+    assert json.loads(payload) == {"ok": True, "id": 2}
+
+
 @asynccontextmanager
 async def stopped(peer: PeerProcess) -> AsyncIterator[None]:
     """The peer process frozen (SIGSTOP): nothing it should receive can complete."""

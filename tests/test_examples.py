@@ -259,6 +259,26 @@ def test_aiote_bench_refuses_a_provider_not_usable_here_naming_those_that_are() 
     assert "'efa' is not usable here" in out.stderr and "available: tcp, shm" in out.stderr
 
 
+def test_aiote_bench_counts_other_processes_cpu_during_the_run() -> None:
+    cmd = [sys.executable, "-m", "aiote", "bench", "write", "--sizes", "64KiB", "--total", "32MiB",
+           "--repeats", "1"]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr
+    alone = json.loads(quiet.stdout.strip().splitlines()[-1])
+    # its own processes (the peer, the C bench) keep both cores busy and are not counted
+    assert 0 <= alone["cpu_others_during"] < 0.5 and 0 <= alone["cpu_steal_during"] <= 1
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert busy.returncode == 0, busy.stderr
+    result = json.loads(busy.stdout.strip().splitlines()[-1])
+    assert result["cpu_others_during"] > 0.2  # a busy loop: a core's share of the run, contended
+    assert "other processes used" in busy.stderr and "during the run" in busy.stderr
+
+
 def test_aiote_bench_plot_without_matplotlib_says_so(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['matplotlib'] = None; from aiote.cli import main; "
             f"sys.exit(main(['bench', 'write', '--plot', {str(tmp_path / 'x.png')!r}]))")

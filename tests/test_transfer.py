@@ -9,6 +9,7 @@ from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the 
 from _util import digest, nothing_posted, pattern, zeros
 
 import aiote
+from aiote.testing import engine_pair
 
 pytestmark = pytest.mark.anyio
 
@@ -49,6 +50,26 @@ async def test_write_bytes_end_to_end(
     assert not dst[dst_offset + length :].any()
     assert b.imm_counter(1).available == 0
     assert b.imm_counter(1).total == 1
+
+
+@pytest.mark.parametrize("same_host", [None, "shm"], ids=["tcp", "shm"])
+@pytest.mark.parametrize("length", [8, 4096, 1 << 20, 8 << 20])
+async def test_source_reused_as_soon_as_write_returns(same_host: str | None, length: int) -> None:
+    """``write`` returns when the source may be reused: overwriting it at once (and writing the
+    next round from the same buffer) never shows in what the receiver got."""
+    async with engine_pair(same_host=same_host) as (a, b):
+        assert a.route(b.address).provider.startswith(same_host or "tcp")
+        rounds = 6
+        src = zeros(length)
+        dst = zeros(rounds * length)
+        ms, md = await a.register(src), await b.register(dst)
+        for r in range(rounds):
+            src[:] = pattern(length, seed=r)
+            await a.write(ms, md.descriptor, length=length, dst_offset=r * length, imm=9)
+            src.fill(0xFF)  # the caller's next use of its buffer, at once
+        await b.imm_counter(9).wait(rounds, timeout=60)
+        for r in range(rounds):
+            assert digest(dst[r * length : (r + 1) * length]) == digest(pattern(length, seed=r)), r
 
 
 async def test_write_default_length_is_what_fits(aiote_engine_pair) -> None:

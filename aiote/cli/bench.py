@@ -13,7 +13,8 @@ ADDRESS`` on another runs across hosts; the C baseline then runs between the sam
 (the serving side starts the C bench's peer on request).
 
 GB/s are 1e9 B/s; each figure is the median of ``--repeats`` runs, printed with its spread
-(min-max). Warns when other processes kept the CPU more than 10 % busy.
+(min-max). Warns when other processes kept the CPU more than 10 % busy before, during or after
+the run, or the hypervisor took more than 10 % (steal).
 """
 
 from __future__ import annotations
@@ -87,6 +88,36 @@ def _cpu_busy() -> float:
     time.sleep(0.5)
     t1, i1 = sample()
     return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+class _OthersCpu:
+    """What other processes took of the CPU while the run went on: the machine's user, nice and
+    system time (``/proc/stat``) minus this process's and its waited-for children's (the
+    peer, the C bench: ``os.times``), as a share of every core over the interval; and the
+    hypervisor's steal time on its own. Interrupt and softirq time stay out: loopback
+    networking charges its own work there, to no process."""
+
+    def __init__(self) -> None:
+        self._t0, self._busy0, self._steal0, self._own0 = time.monotonic(), *self._machine(), self._own()
+
+    @staticmethod
+    def _machine() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        hz = os.sysconf("SC_CLK_TCK")
+        return (v[0] + v[1] + v[2]) / hz, (v[7] if len(v) > 7 else 0) / hz
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def shares(self) -> tuple[float, float]:
+        """(others' share, steal share) of all the cores since this was made."""
+        busy, steal = self._machine()
+        cores = (time.monotonic() - self._t0) * (os.cpu_count() or 1)
+        others = busy - self._busy0 - (self._own() - self._own0)
+        return max(0.0, others) / max(cores, 1e-9), (steal - self._steal0) / max(cores, 1e-9)
 
 
 # ---------------------------------------------------------------------------- Python cases
@@ -458,6 +489,7 @@ def main(args: argparse.Namespace) -> int:
     cc: dict[tuple[str, Any, Case, int], list[float]] = {}
     per_run = len(cases) * len(configs) + (0 if why_no_c else len(cases) * len(providers) * len(nic_sets))
     progress = _benchout.Progress(per_run * args.repeats)
+    during = _OthersCpu()
     try:
         for _ in range(args.repeats):
             for config in configs:
@@ -504,6 +536,13 @@ def main(args: argparse.Namespace) -> int:
                 }
                 row["ratio"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
                 rows.append(row)
+    others, steal = during.shares()
+    if others > 0.10:
+        sys.stderr.write(f"warning: other processes used {others:.0%} of the CPU during the run: "
+                         "figures are noisy\n")
+    if steal > 0.10:
+        sys.stderr.write(f"warning: the hypervisor took {steal:.0%} of the CPU (steal) during the run: "
+                         "figures are noisy\n")
     after = _cpu_busy()
     if after > 0.10:
         sys.stderr.write(f"warning: the CPU was {after:.0%} busy after the run: figures may be noisy\n")
@@ -518,6 +557,8 @@ def main(args: argparse.Namespace) -> int:
         "connect": args.connect,
         "cpu_busy_before": busy,
         "cpu_busy_after": after,
+        "cpu_others_during": others,
+        "cpu_steal_during": steal,
         "c_baseline": why_no_c is None,
         "aiote": aiote.__version__,
         "machine": _machine(),

@@ -15,7 +15,7 @@ import numpy as np
 from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine, open_engine
 from .._core._memory import MemoryRegion
-from . import answer_pings
+from . import answer_pings, pattern
 from ._hostgpu import HostDeviceArray
 
 
@@ -105,6 +105,15 @@ async def _serve(engine: Engine) -> None:
                     await engine.write_imm(remote, cmd["imm"])
             elif op == "echo":
                 reply["payload"] = cmd.get("payload")
+            elif op == "send_raw":  # raw payloads of these sizes (pattern bytes) to the caller
+                for size, seed in zip(cmd["sizes"], cmd["seeds"], strict=True):
+                    await engine.send(sender, pattern(size, seed).tobytes())
+            elif op == "recv_raw":  # the next `count` messages are raw: their sizes and digests
+                got = []
+                for _ in range(cmd["count"]):
+                    _, raw = await engine.recv()
+                    got.append([len(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()])
+                reply["got"] = got
             else:
                 reply = {"error": f"unknown op {op!r}"}
         except Exception as exc:  # reported to the caller, who fails its test
