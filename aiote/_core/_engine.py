@@ -706,7 +706,7 @@ class Engine:
         if not isinstance(mr, MemoryRegion) or mr._engine is not self:
             raise InvalidArgument("not a memory region of this engine")
         if mr._handle is None:
-            raise InvalidArgument("the region is already unregistered")
+            raise InvalidArgument("the region is already unregistered (unregister each region once)")
         start = now()
         delay = 0.0005
         while lib.aio_mr_inflight(mr._handle) > 0 or mr._dev_pending > 0:
@@ -794,9 +794,13 @@ class Engine:
                 f"{name} must be a MemoryRegion from engine.register, not {type(mr).__name__}"
             )
         if mr._engine is not self:
-            raise InvalidArgument(f"{name} is registered with another engine")
+            raise InvalidArgument(
+                f"{name} is registered with another engine: register the buffer with this one too"
+            )
         if mr._handle is None:
-            raise InvalidArgument(f"{name} was unregistered")
+            raise InvalidArgument(
+                f"{name} was unregistered: register the buffer again (engine.register) to use it"
+            )
         return mr
 
     @staticmethod
@@ -2289,7 +2293,10 @@ class TransferBatch:
             return
         for mr in self._refs:
             if mr._handle is None:
-                raise InvalidArgument("a region of this batch was unregistered since it was added")
+                raise InvalidArgument(
+                    "a region of this batch was unregistered since it was added: build the batch again "
+                    "with registered regions"
+                )
         table = self._table[: self._n]  # rows are never rewritten; growth reallocates
         what = f"batch of {self._n}"
         end = _end(timeout)
@@ -2315,7 +2322,10 @@ class TransferBatch:
         _check_retry(retry)
         for mr in self._refs:
             if mr._handle is None:
-                raise InvalidArgument("a region of this batch was unregistered since it was added")
+                raise InvalidArgument(
+                    "a region of this batch was unregistered since it was added: build the batch again "
+                    "with registered regions"
+                )
         what = f"batch of {self._n}"
         if self._n == 0:
             return Transfer(eng, what)

@@ -1,4 +1,4 @@
-"""``aiote demo``: two engines in two processes on tcp loopback. The receiver registers a
+"""``aiote write-demo``: two engines in two processes on tcp loopback. The receiver registers a
 buffer (1 GiB by default); the writer writes a deterministic pattern into it as WriteImm
 chunks with a window of writes in flight; the receiver awaits its ImmCounter, verifies every
 byte, and both print their throughput. The last line printed is one JSON object; the exit
