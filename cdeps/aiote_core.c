@@ -48,13 +48,16 @@
  * thread that yields may wait out another process's whole time slice, one that sleeps is
  * woken at once */
 #define LOOP_POLL_SPIN_NS 30000LL
-/* the poller's adaptive spin (see poller_main): a wake-up by I/O within ADAPT_DENSE_NS of going
- * to sleep doubles the spin window, up to ADAPT_MAX_NS */
+/* the poller's adaptive spin (see poller_main): idle gaps of at most ADAPT_DENSE_NS, with a sleep
+ * in one, double the spin window up to ADAPT_MAX_NS; an idle gap over ADAPT_SPARSE_NS resets it */
 #ifndef ADAPT_DENSE_NS
-#define ADAPT_DENSE_NS 100000LL
+#define ADAPT_DENSE_NS 250000LL
 #endif
 #ifndef ADAPT_MAX_NS
 #define ADAPT_MAX_NS 500000LL
+#endif
+#ifndef ADAPT_SPARSE_NS
+#define ADAPT_SPARSE_NS 250000LL
 #endif
 /* a post waiting for room stops driving the rail itself after this long without a completion */
 #define POST_IDLE_NS 20000LL
@@ -931,28 +934,53 @@ int aio_rail_link_up(aio_engine *e, int rail) {
     return atomic_load(&e->rails[rail]->link_up);
 }
 
+/* Whether a rail's wait fd is ready now (bytes arrived since the provider last read): each
+ * such rail's CQ re-armed with fi_trywait first, so that a completion signal already seen does
+ * not count. A rail whose fi_trywait refuses (work pending in the provider) counts as ready.
+ * Rails without a wait fd (shm) are not looked at: their completions are their activity. */
+static int rails_ready(aio_engine *e) {
+    for (int i = 0; i < e->nrails; i++) {
+        aio_rail *r = e->rails[i];
+        if (r->wait_fd < 0) continue;
+        struct fid *f = &r->cq->fid;
+        pthread_mutex_lock(&r->mu);
+        int tw = fi_trywait(r->fabric, &f, 1);
+        pthread_mutex_unlock(&r->mu);
+        if (tw != FI_SUCCESS) return 1;
+        struct pollfd p = {.fd = r->wait_fd, .events = POLLIN};
+        if (poll(&p, 1, 0) > 0 && (p.revents & POLLIN)) return 1;
+    }
+    return 0;
+}
+
 static void *poller_main(void *arg) {
     aio_engine *e = arg;
     /* short timed sleeps (watched words) must not be stretched by the default 50 us slack */
     prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
     int64_t last_active = now_ns();
     /* Adaptive spin. The spin window after the last activity (spin_ns, or busy_spin_ns with
-     * work of ours in flight) grows while activity keeps resuming soon after we went to
-     * sleep: a stream of data arrives in many pieces (a large write's bytes come long before
-     * its completion), and a sleep plus a wake-up per piece costs this side and the sender
-     * (an IPI on a VM) far more than spinning through the gaps. Activity that resumes within
-     * ADAPT_DENSE_NS of the poller going to sleep (counted from its first sleep since the last
-     * activity, so short timed steps do not look dense) doubles the window, up to ADAPT_MAX_NS;
-     * a longer sleep resets it. Traffic sparser than that, and an idle engine, never spin more. */
+     * work of ours in flight) grows while activity comes densely: a stream of data arrives in
+     * many pieces (a large write's bytes come long before its completion), and a sleep plus a
+     * wake-up per piece costs this side and the sender (an IPI on a VM) far more than spinning
+     * through the gaps. Activity is a completion, a post, or bytes arriving (a rail's wait fd
+     * ready, looked at while spinning too). An idle gap (from the last activity to the poll that
+     * finds the next) of at most ADAPT_DENSE_NS, with a sleep in it, doubles the window (up to
+     * ADAPT_MAX_NS); a gap longer than ADAPT_SPARSE_NS resets it to the base. So traffic with
+     * more than ADAPT_SPARSE_NS between events, and an idle engine, spin no more than the base
+     * window, whatever came before. */
     int64_t adapt = 0;
-    int64_t asleep_since = -1; /* when the poller first slept after its last activity */
-    int io_wake = 0;           /* the last sleep ended on a rail's wait object */
+    int slept = 0;   /* the poller slept since the last activity */
+    int io_wake = 0; /* a rail's wait fd was ready: bytes are moving */
+    int64_t io_checked = 0;
     uint64_t seen_seq = atomic_load(&e->post_seq);
-    int all_fd = 1;
-    for (int i = 0; i < e->nrails; i++)
+    int all_fd = 1, any_fd = 0;
+    for (int i = 0; i < e->nrails; i++) {
         if (e->rails[i]->wait_fd < 0) all_fd = 0;
+        else any_fd = 1;
+    }
     while (!atomic_load(&e->stop)) {
         int got = 0;
+        int64_t t_poll = now_ns(); /* idle gaps end here: reading a large message is not idle */
         for (int i = 0; i < e->nrails; i++) {
             aio_rail *r = e->rails[i];
             pthread_mutex_lock(&r->mu);
@@ -971,16 +999,14 @@ static void *poller_main(void *arg) {
         uint64_t seq = atomic_load(&e->post_seq);
         if (got || seq != seen_seq || io_wake) {
             int64_t t = now_ns();
-            if (asleep_since >= 0) { /* activity again after sleeping: dense traffic, or a new start */
-                if (t - asleep_since < ADAPT_DENSE_NS) {
-                    adapt = adapt ? adapt * 2 : e->cfg.spin_ns * 2;
-                    if (adapt > ADAPT_MAX_NS) adapt = ADAPT_MAX_NS;
-                } else {
-                    adapt = 0;
-                }
-                asleep_since = -1;
+            int64_t idle = t_poll - last_active;
+            if (idle > ADAPT_SPARSE_NS) {
+                adapt = 0; /* sparse: the base window */
+            } else if (slept && idle <= ADAPT_DENSE_NS) { /* dense, and we slept through it */
+                adapt = adapt ? adapt * 2 : e->cfg.spin_ns * 2;
+                if (adapt > ADAPT_MAX_NS) adapt = ADAPT_MAX_NS;
             }
-            io_wake = 0;
+            slept = io_wake = 0;
             seen_seq = seq;
             last_active = t;
             continue;
@@ -991,7 +1017,15 @@ static void *poller_main(void *arg) {
         int64_t spin = e->cfg.spin_ns;
         if (inflight > 0 && spin < e->cfg.busy_spin_ns) spin = e->cfg.busy_spin_ns;
         if (spin < adapt) spin = adapt;
-        if (now_ns() - last_active < spin) {
+        int64_t t = now_ns();
+        if (t - last_active < spin) {
+            /* while spinning, bytes arriving count as activity (a rail's wait fd ready after
+             * fi_trywait re-armed it): a stream keeps its window; at most every 5 us */
+            if (any_fd && t - io_checked > 5000) {
+                io_checked = t;
+                io_wake = rails_ready(e);
+                if (io_wake) continue;
+            }
             /* yield rather than only pause: with few cores, the thread this spin
              * waits for (the loop that posts the next request, a peer process) may
              * need this very core */
@@ -1029,7 +1063,7 @@ static void *poller_main(void *arg) {
             long short_us = (!all_fd && atomic_load(&e->nwant) > 0) ? 50 : 0;
             if (atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
                 short_us = e->cfg.watch_us; /* watched words: read them again soon */
-            if (asleep_since < 0) asleep_since = now_ns();
+            slept = 1;
             if (short_us) {
                 struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};
                 ne = epoll_pwait2(e->epfd, evs, AIO_MAX_RAILS + 1, &ts, NULL);

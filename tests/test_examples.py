@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -255,8 +257,10 @@ def test_aiote_bench_refuses_a_provider_not_usable_here_naming_those_that_are() 
     out = subprocess.run([sys.executable, "-m", "aiote", "bench", "write", "--provider", "tcp,efa"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    # (this kind of machine has no RDMA NIC: tcp and shm are what libfabric offers)
-    assert "'efa' is not usable here" in out.stderr and "available: tcp, shm" in out.stderr
+    assert "'efa' is not usable here" in out.stderr
+    # the providers that do work here are named (tcp and shm at least; more on an RDMA machine)
+    listed = re.search(r"available: ([a-z_, ]+)", out.stderr)
+    assert listed and {"tcp", "shm"} <= set(listed.group(1).replace(" ", "").split(","))
 
 
 def test_aiote_bench_counts_other_processes_cpu_during_the_run() -> None:
@@ -275,7 +279,8 @@ def test_aiote_bench_counts_other_processes_cpu_during_the_run() -> None:
         hog.wait()
     assert busy.returncode == 0, busy.stderr
     result = json.loads(busy.stdout.strip().splitlines()[-1])
-    assert result["cpu_others_during"] > 0.2  # a busy loop: a core's share of the run, contended
+    # a busy loop: most of one core over the run (contended on a small machine), in core units
+    assert result["cpu_others_during"] * (os.cpu_count() or 1) > 0.4
     assert "other processes used" in busy.stderr and "during the run" in busy.stderr
 
 

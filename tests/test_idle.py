@@ -13,7 +13,7 @@ import anyio
 import numpy as np
 import pytest
 
-from aiote.testing import engine_pair
+from aiote.testing import engine_pair, spawn_peer
 
 IDLE_SCRIPT = r"""
 import sys
@@ -111,3 +111,47 @@ async def test_a_stream_keeps_the_receiving_poller_awake_then_it_sleeps_again() 
         await anyio.sleep(0.5)
         polls = b.stats()["polls"] - p0
         assert polls <= 25, f"{polls} polls in 0.5 s after the stream ended: the poller did not sleep"
+
+
+@pytest.mark.anyio
+async def test_after_a_stream_sparse_traffic_does_not_keep_the_poller_spinning() -> None:
+    """The spin window a stream grew falls back to the base once events come more than 250 us
+    apart: a peer process that got 64 MiB at full speed, then an 8-byte write with an immediate
+    about every 400 us (under the 500 us window, over 250 us), spends a small share of a core on
+    them, and its poller sleeps between them. A window that stayed at its maximum would spin a
+    whole core and never sleep (measured here: about 9% of a core, a sleep per write)."""
+    async with spawn_peer(same_host=None) as peer:
+        e = peer.engine
+        src = np.full(64 << 20, 3, np.uint8)
+        ms = await e.register(src)
+        desc = await peer.register("dst", 64 << 20)
+        batch = e.batch()
+        for k in range(64):
+            batch.write(ms, desc, length=1 << 20, src_offset=k << 20, dst_offset=k << 20, imm=1)
+        await batch.submit(timeout=60)
+        # straight on, with no pause the poller could sleep through: the window the stream grew
+        # is still there when the sparse writes begin
+        n, cpu0, t0 = 0, 0.0, 0.0
+        t_start = time.monotonic()
+        while time.monotonic() - t_start < 2.5:
+            if n == 500:  # measure once the sparse traffic is under way
+                s0 = await peer.stats()
+                cpu0, t0 = _cpu_seconds(peer.pid), time.monotonic()
+            await e.write(ms, desc, length=8, imm=2, timeout=30)
+            n += 1
+            pause = time.perf_counter() + 0.00035  # the event loop's timers round up to 1 ms
+            while time.perf_counter() < pause:
+                pass
+        cpu1, t1 = _cpu_seconds(peer.pid), time.monotonic()
+        s1 = await peer.stats()
+        await peer.wait(imm=1, n=64, timeout=60)
+        await peer.wait(imm=2, n=n, timeout=30)
+        share = (cpu1 - cpu0) / (t1 - t0)
+        sleeps = s1["sleeps"] - s0["sleeps"]
+        polls = s1["polls"] - s0["polls"]
+        print(f"peer CPU share under sparse traffic: {share:.1%} ({n} writes, {sleeps} sleeps, "
+              f"{polls} polls)")
+        assert n > 2000
+        # the poller goes to sleep between the writes rather than spinning through the gaps
+        assert sleeps >= (n - 500) // 2, f"{sleeps} sleeps for {n - 500} writes: the poller kept spinning"
+        assert share < 0.6, f"the peer used {share:.0%} of a core for {n} writes 2 s / {n} apart"

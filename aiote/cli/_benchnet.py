@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import numpy as np
 
 import aiote
@@ -47,44 +48,64 @@ def cbench() -> Path:
 
 def build_cbench() -> str | None:
     """Builds the C bench (``aiote_cbench``: the same C core as the extension, driven without
-    Python), or finds it built; returns the reason when it cannot. In a source checkout:
+    Python), or finds it built; returns the reason when it cannot (never raises for a missing
+    compiler, ``make`` or libfabric, or an unwritable cache). In a source checkout:
     ``make -C cdeps bench``. In an installed wheel: from the core's sources shipped in
-    ``aiote/_native/csrc``, compiled once with ``cc`` against the system libfabric into
-    ``$XDG_CACHE_HOME/aiote`` (``~/.cache/aiote``), keyed by the sources' digest."""
+    ``aiote/_native/csrc``, compiled once with ``$CC`` (``cc``) against libfabric
+    (``AIOTE_FABRIC_PREFIX``, else pkg-config, else the system paths) into
+    ``$XDG_CACHE_HOME/aiote`` (``~/.cache/aiote``), keyed by the sources, compiler and flags.
+    Costs a compile (seconds) the first time; blocks the calling thread meanwhile."""
     if (CDEPS / "Makefile").exists():
-        r = subprocess.run(["make", "-s", "-C", str(CDEPS), "bench"], capture_output=True, text=True)
-        if r.returncode and not CBENCH.exists():
-            return f"could not build the C bench: {r.stderr.strip()[-300:]}"
+        try:
+            r = subprocess.run(["make", "-s", "-C", str(CDEPS), "bench"], capture_output=True, text=True,
+                               timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            if not CBENCH.exists():
+                return f"could not build the C bench (no make?): {exc}"
+        else:
+            if r.returncode and not CBENCH.exists():
+                return f"could not build the C bench: {r.stderr.strip()[-300:]}"
         _built.append(CBENCH)
         return None
     srcs = [CSRC / "aiote_core.h", CSRC / "aiote_core.c", CSRC / "bench" / "aiote_cbench.c"]
     if not all(p.exists() for p in srcs):
         return "the C core's sources are neither in a source checkout (cdeps/) nor in this installation"
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in srcs)).hexdigest()[:16]
+    cc = os.environ.get("CC", "cc")
+    flags = ["-std=gnu11", "-O2", "-pthread", f"-I{CSRC}", *_fabric_cflags()]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in srcs))
+    key.update(" ".join([cc, *flags]).encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aiote"
-    exe = cache / f"aiote_cbench-{digest}"
+    exe = cache / f"aiote_cbench-{key.hexdigest()[:16]}"
     if not exe.exists():
-        cache.mkdir(parents=True, exist_ok=True)
         tmp = exe.with_name(f"{exe.name}.{os.getpid()}")
-        cmd = [os.environ.get("CC", "cc"), "-std=gnu11", "-O2", "-pthread", f"-I{CSRC}",
-               *_fabric_cflags(), "-o", str(tmp), str(srcs[2]), str(srcs[1]), "-lfabric"]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except OSError as exc:
-            return f"could not build the C bench (no C compiler?): {exc}"
-        if r.returncode:
-            return f"could not build the C bench: {r.stderr.strip()[-300:]}"
-        tmp.replace(exe)  # atomic: a concurrent build leaves one whole executable
+            cache.mkdir(parents=True, exist_ok=True)
+            r = subprocess.run([cc, *flags, "-o", str(tmp), str(srcs[2]), str(srcs[1]), "-lfabric"],
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode:
+                return f"could not build the C bench: {r.stderr.strip()[-300:]}"
+            tmp.replace(exe)  # atomic: a concurrent build leaves one whole executable
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"could not build the C bench (no C compiler, or {cache} not writable?): {exc}"
+        finally:
+            tmp.unlink(missing_ok=True)
     _built.append(exe)
     return None
 
 
 def _fabric_cflags() -> list[str]:
-    """libfabric's include and library flags from pkg-config (none: the system default paths)."""
+    """libfabric's include and library flags: under ``AIOTE_FABRIC_PREFIX`` when set (as the
+    extension's build takes them), else from pkg-config, else none (the system default paths)."""
+    prefix = os.environ.get("AIOTE_FABRIC_PREFIX")
+    if prefix:
+        libs = [Path(prefix) / "lib", Path(prefix) / "lib" / "x86_64-linux-gnu"]
+        found = [p for p in libs if p.exists()]
+        rpath = [f"-Wl,-rpath,{p}" for p in found]
+        return [f"-I{Path(prefix) / 'include'}", *(f"-L{p}" for p in found), *rpath]
     try:
         r = subprocess.run(["pkg-config", "--cflags", "--libs-only-L", "libfabric"], capture_output=True,
                            text=True, timeout=30)
-    except OSError:
+    except (OSError, subprocess.SubprocessError):
         return []
     return r.stdout.split() if r.returncode == 0 else []
 
@@ -190,7 +211,7 @@ class _Server:
                 remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
                 await answer_pings(e, remote, cmd["ping"], cmd["pong"], cmd["iters"])
             elif op == "cbench":  # the C bench's peer side, for a client on another host
-                why = build_cbench()
+                why = await anyio.to_thread.run_sync(build_cbench)  # a compile: off the loop
                 if why:
                     raise RuntimeError(why)
                 body["port"] = await self.start_c(cmd["args"])
@@ -249,11 +270,18 @@ def tuning(low_latency: bool, streams: int = 1) -> dict[str, Any]:
     return out
 
 
+def bench_same_host(provider: str) -> str | None:
+    """The ``same_host`` both sides of a bench open: shm's own path for ``shm``, none for any
+    other provider, so a run on verbs or efa measures that provider (as the C core's does), not
+    the same-host path a single-host run would otherwise take."""
+    return "shm" if provider == "shm" else None
+
+
 async def serve(provider: str, nics: Sequence[str] | None, *, port: int | None, once: bool,
                 max_message: int, low_latency: bool = False, streams: int = 1) -> None:
     """The ``--listen`` side: opens an engine, prints ``AIOTE_BENCH_LISTEN <address hex>`` and
     serves measuring sides one after the other (with ``once``: until the first one leaves)."""
-    same_host = None if provider == "tcp" else "shm"
+    same_host = bench_same_host(provider)
     async with aiote.open_engine(
         provider, list(nics) if nics else None, same_host=same_host, port=port, max_message_size=max_message,
         **tuning(low_latency, streams),

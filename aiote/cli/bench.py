@@ -45,6 +45,7 @@ from ._benchnet import (
     ECHO,
     READY,
     Remote,
+    bench_same_host,
     build_cbench,
     c_provider_args,
     c_run,
@@ -94,8 +95,9 @@ class _OthersCpu:
     """What other processes took of the CPU while the run went on: the machine's user, nice and
     system time (``/proc/stat``) minus this process's and its waited-for children's (the
     peer, the C bench: ``os.times``), as a share of every core over the interval; and the
-    hypervisor's steal time on its own. Interrupt and softirq time stay out: loopback
-    networking charges its own work there, to no process."""
+    hypervisor's steal time on its own. A lower bound: interrupt and softirq time stay out
+    (loopback networking charges its own work there, to no process), and so does any other
+    process's share of them."""
 
     def __init__(self) -> None:
         self._t0, self._busy0, self._steal0, self._own0 = time.monotonic(), *self._machine(), self._own()
@@ -305,7 +307,7 @@ async def run_config(
     """Runs every case once on one (provider, NICs, loop): Python figures, and (``with_c``)
     the C core's figures, interleaved case by case."""
     provider, nics, loop = config
-    same_host = None if provider == "tcp" else "shm"
+    same_host = bench_same_host(provider)
     py: dict[tuple[Case, int], float] = {}
     cc: dict[tuple[Case, int], float] = {}
     proc = None

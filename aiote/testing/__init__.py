@@ -223,6 +223,12 @@ class PeerProcess:
         r = await self.call(op="counter", imm=imm)
         return int(r["available"])
 
+    async def stats(self) -> dict[str, int]:
+        """The peer engine's :meth:`Engine.stats` (polls, sleeps, completions, ...), read in the
+        peer process. Raises what :meth:`call` raises; costs one message each way."""
+        reply = await self.call(op="stats")
+        return dict(reply["stats"])
+
 
 @asynccontextmanager
 async def spawn_peer(

@@ -103,6 +103,8 @@ async def _serve(engine: Engine) -> None:
                 remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
                 for _ in range(cmd.get("count", 1)):
                     await engine.write_imm(remote, cmd["imm"])
+            elif op == "stats":
+                reply["stats"] = engine.stats()
             elif op == "echo":
                 reply["payload"] = cmd.get("payload")
             elif op == "send_raw":  # raw payloads of these sizes (pattern bytes) to the caller
