@@ -1019,9 +1019,11 @@ static void *poller_main(void *arg) {
         if (spin < adapt) spin = adapt;
         int64_t t = now_ns();
         if (t - last_active < spin) {
-            /* while spinning, bytes arriving count as activity (a rail's wait fd ready after
-             * fi_trywait re-armed it): a stream keeps its window; at most every 5 us */
-            if (any_fd && t - io_checked > 5000) {
+            /* while spinning with nothing of ours in flight (a receiver), bytes arriving count
+             * as activity (a rail's wait fd ready after fi_trywait re-armed it): a stream keeps
+             * its window; at most every 5 us. A sender is not looked at: its completions are its
+             * activity, and its posting thread needs the rail's lock. */
+            if (any_fd && inflight == 0 && t - io_checked > 5000) {
                 io_checked = t;
                 io_wake = rails_ready(e);
                 if (io_wake) continue;
