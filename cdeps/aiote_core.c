@@ -641,6 +641,16 @@ void aio_want_space(aio_engine *e, int64_t below) {
     }
 }
 
+/* fi_trywait on a rail's CQ, under the rail's lock: FI_SUCCESS when its wait fd may be
+ * slept on (nothing pending in the provider), else what the provider said */
+static int rail_trywait(aio_rail *r) {
+    struct fid *f = &r->cq->fid;
+    pthread_mutex_lock(&r->mu);
+    int tw = fi_trywait(r->fabric, &f, 1);
+    pthread_mutex_unlock(&r->mu);
+    return tw;
+}
+
 /* The blocking half of aio_poll_ring: sleeps for at most `ns` on the rails' wait objects and
  * on the engine's eventfd, armed, so that a record the poller pushes meanwhile (it keeps
  * polling too) wakes it. 0 if some rail has no wait object or has work ready (fi_trywait
@@ -650,11 +660,7 @@ static int loop_block(aio_engine *e, int64_t ns) {
     for (int i = 0; i < e->nrails; i++) {
         aio_rail *r = e->rails[i];
         if (r->wait_fd < 0) return 0;
-        struct fid *f = &r->cq->fid;
-        pthread_mutex_lock(&r->mu);
-        int tw = fi_trywait(r->fabric, &f, 1);
-        pthread_mutex_unlock(&r->mu);
-        if (tw != FI_SUCCESS) return 0;
+        if (rail_trywait(r) != FI_SUCCESS) return 0;
         p[i].fd = r->wait_fd;
         p[i].events = POLLIN;
         p[i].revents = 0;
@@ -942,11 +948,7 @@ static int rails_ready(aio_engine *e) {
     for (int i = 0; i < e->nrails; i++) {
         aio_rail *r = e->rails[i];
         if (r->wait_fd < 0) continue;
-        struct fid *f = &r->cq->fid;
-        pthread_mutex_lock(&r->mu);
-        int tw = fi_trywait(r->fabric, &f, 1);
-        pthread_mutex_unlock(&r->mu);
-        if (tw != FI_SUCCESS) return 1;
+        if (rail_trywait(r) != FI_SUCCESS) return 1;
         struct pollfd p = {.fd = r->wait_fd, .events = POLLIN};
         if (poll(&p, 1, 0) > 0 && (p.revents & POLLIN)) return 1;
     }
@@ -1044,11 +1046,7 @@ static void *poller_main(void *arg) {
         for (int i = 0; i < e->nrails && can_sleep; i++) {
             aio_rail *r = e->rails[i];
             if (r->wait_fd < 0) continue;
-            struct fid *f = &r->cq->fid;
-            pthread_mutex_lock(&r->mu);
-            int tw = fi_trywait(r->fabric, &f, 1);
-            pthread_mutex_unlock(&r->mu);
-            if (tw != FI_SUCCESS) can_sleep = 0;
+            if (rail_trywait(r) != FI_SUCCESS) can_sleep = 0;
         }
         if (can_sleep) {
             struct epoll_event evs[AIO_MAX_RAILS + 1];
