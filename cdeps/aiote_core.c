@@ -83,6 +83,7 @@ typedef struct aio_rail {
     struct fid_av *av;
     struct fid_cq *cq;
     int wait_fd;
+    int bytes_fd; /* the wait fd signals bytes arriving, before their completion (sockets) */
     uint64_t mr_mode;
     uint64_t mode;
     uint32_t cq_data_size;
@@ -216,6 +217,7 @@ struct aio_engine {
 
     /* stats */
     _Atomic uint64_t st_polls, st_sleeps, st_wakeups, st_completions, st_remote, st_errors;
+    _Atomic int64_t st_adapt; /* the poller's adaptive spin window (0: the base) */
 };
 
 /* ------------------------------------------------------------------ utils */
@@ -940,15 +942,19 @@ int aio_rail_link_up(aio_engine *e, int rail) {
     return atomic_load(&e->rails[rail]->link_up);
 }
 
-/* Whether a rail's wait fd is ready now (bytes arrived since the provider last read): each
- * such rail's CQ re-armed with fi_trywait first, so that a completion signal already seen does
- * not count. A rail whose fi_trywait refuses (work pending in the provider) counts as ready.
- * Rails without a wait fd (shm) are not looked at: their completions are their activity. */
+/* Whether bytes arrived on a socket rail since its provider last read (its wait fd ready):
+ * each such rail's CQ re-armed with fi_trywait first, so that a completion signal already seen
+ * does not count. A rail whose fi_trywait says -FI_EAGAIN (work pending in the provider) counts
+ * as ready; another error does not (it would keep the poller from ever sleeping). Rails whose
+ * wait fd does not signal bytes (shm has none; verbs and efa signal completions) are not looked
+ * at: their completions are their activity. */
 static int rails_ready(aio_engine *e) {
     for (int i = 0; i < e->nrails; i++) {
         aio_rail *r = e->rails[i];
-        if (r->wait_fd < 0) continue;
-        if (rail_trywait(r) != FI_SUCCESS) return 1;
+        if (!r->bytes_fd) continue;
+        int tw = rail_trywait(r);
+        if (tw == -FI_EAGAIN) return 1;
+        if (tw != FI_SUCCESS) continue;
         struct pollfd p = {.fd = r->wait_fd, .events = POLLIN};
         if (poll(&p, 1, 0) > 0 && (p.revents & POLLIN)) return 1;
     }
@@ -965,20 +971,21 @@ static void *poller_main(void *arg) {
      * many pieces (a large write's bytes come long before its completion), and a sleep plus a
      * wake-up per piece costs this side and the sender (an IPI on a VM) far more than spinning
      * through the gaps. Activity is a completion, a post, or bytes arriving (a rail's wait fd
-     * ready, looked at while spinning too). An idle gap (from the last activity to the poll that
-     * finds the next) of at most ADAPT_DENSE_NS, with a sleep in it, doubles the window (up to
-     * ADAPT_MAX_NS); a gap longer than ADAPT_SPARSE_NS resets it to the base. So traffic with
-     * more than ADAPT_SPARSE_NS between events, and an idle engine, spin no more than the base
-     * window, whatever came before. */
+     * ready on a socket rail, looked at while spinning with nothing of ours in flight). An idle
+     * gap (from the last activity to the poll that finds the next) of at most ADAPT_DENSE_NS,
+     * with a sleep in it, doubles the window (up to ADAPT_MAX_NS); a gap longer than
+     * ADAPT_SPARSE_NS resets it to the base when the next activity comes. So traffic with more
+     * than ADAPT_SPARSE_NS between events spins no more than the base window from its first such
+     * gap on, and an engine that goes idle spins out the grown window once, then sleeps. */
     int64_t adapt = 0;
     int slept = 0;   /* the poller slept since the last activity */
     int io_wake = 0; /* a rail's wait fd was ready: bytes are moving */
     int64_t io_checked = 0;
     uint64_t seen_seq = atomic_load(&e->post_seq);
-    int all_fd = 1, any_fd = 0;
+    int all_fd = 1, any_fd = 0; /* any_fd: some rail's wait fd signals bytes arriving */
     for (int i = 0; i < e->nrails; i++) {
         if (e->rails[i]->wait_fd < 0) all_fd = 0;
-        else any_fd = 1;
+        if (e->rails[i]->bytes_fd) any_fd = 1;
     }
     while (!atomic_load(&e->stop)) {
         int got = 0;
@@ -1008,6 +1015,7 @@ static void *poller_main(void *arg) {
                 adapt = adapt ? adapt * 2 : e->cfg.spin_ns * 2;
                 if (adapt > ADAPT_MAX_NS) adapt = ADAPT_MAX_NS;
             }
+            atomic_store_explicit(&e->st_adapt, adapt, memory_order_relaxed);
             slept = io_wake = 0;
             seen_seq = seq;
             last_active = t;
@@ -1456,6 +1464,10 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     if (ret == 0) {
         int fd = -1;
         if (fi_control(&r->cq->fid, FI_GETWAIT, &fd) == 0 && fd >= 0) r->wait_fd = fd;
+        /* over sockets the CQ's wait set holds the connections' sockets; on verbs or efa it
+         * is a completion channel, and re-arming it while spinning would cost interrupts */
+        const char *pn = fi->fabric_attr->prov_name ? fi->fabric_attr->prov_name : "";
+        r->bytes_fd = r->wait_fd >= 0 && (strstr(pn, "tcp") || strstr(pn, "sockets"));
     } else {
         cqa.wait_obj = FI_WAIT_NONE;
         CHECK(fi_cq_open(r->domain, &cqa, &r->cq, NULL), "fi_cq_open");
@@ -1510,7 +1522,10 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
 #undef CHECK
     if (r->wait_fd >= 0) {
         struct epoll_event ev = {.events = EPOLLIN, .data.fd = r->wait_fd};
-        if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, r->wait_fd, &ev) != 0) r->wait_fd = -1;
+        if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, r->wait_fd, &ev) != 0) {
+            r->wait_fd = -1;
+            r->bytes_fd = 0;
+        }
     }
     e->rails[e->nrails] = r;
     return e->nrails++;
@@ -2007,4 +2022,5 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->completions = atomic_load(&e->st_completions);
     o->remote_data = atomic_load(&e->st_remote);
     o->errors = atomic_load(&e->st_errors);
+    o->spin_window_ns = (uint64_t)atomic_load(&e->st_adapt);
 }

@@ -326,6 +326,7 @@ typedef struct aio_stats {
     uint64_t completions;
     uint64_t remote_data;
     uint64_t errors;
+    uint64_t spin_window_ns; /* the poller's adaptive spin window now: 0 = the base (spin_ns) */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
 

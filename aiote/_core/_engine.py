@@ -332,7 +332,9 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Counters of the native poller (polls, sleeps, wake-ups, completions, errors;
-        ``loop_polls``: low-latency waits that drove the completion queues from the loop thread), the
+        ``loop_polls``: low-latency waits that drove the completion queues from the loop thread;
+        ``spin_window_ns``: the poller's adaptive spin window as of its last activity, 0 for the
+        base ``spin_us``), the
         operations and regions in flight (``pending``: groups whose completion record the loop
         has not read yet; a posted transfer's quiet record is read at the next wake-up), and
         ``peers``: peer NIC addresses resolved (each is
@@ -352,6 +354,7 @@ class Engine:
             "completions": st.completions,
             "remote_data": st.remote_data,
             "errors": st.errors,
+            "spin_window_ns": st.spin_window_ns,
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._pending),

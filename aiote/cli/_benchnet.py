@@ -16,6 +16,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -56,31 +57,30 @@ def build_cbench() -> str | None:
     ``$XDG_CACHE_HOME/aiote`` (``~/.cache/aiote``), keyed by the sources, compiler and flags.
     Costs a compile (seconds) the first time; blocks the calling thread meanwhile."""
     if (CDEPS / "Makefile").exists():
+        # an older executable left from an earlier build is not used: it may hold an older core
         try:
             r = subprocess.run(["make", "-s", "-C", str(CDEPS), "bench"], capture_output=True, text=True,
                                timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
-            if not CBENCH.exists():
-                return f"could not build the C bench (no make?): {exc}"
-        else:
-            if r.returncode and not CBENCH.exists():
-                return f"could not build the C bench: {r.stderr.strip()[-300:]}"
+            return f"could not build the C bench (no make?): {exc}"
+        if r.returncode or not CBENCH.exists():
+            return f"could not build the C bench: {r.stderr.strip()[-300:]}"
         _built.append(CBENCH)
         return None
     srcs = [CSRC / "aiote_core.h", CSRC / "aiote_core.c", CSRC / "bench" / "aiote_cbench.c"]
     if not all(p.exists() for p in srcs):
         return "the C core's sources are neither in a source checkout (cdeps/) nor in this installation"
-    cc = os.environ.get("CC", "cc")
+    cc = shlex.split(os.environ.get("CC") or "cc")  # e.g. "ccache gcc"
     flags = ["-std=gnu11", "-O2", "-pthread", f"-I{CSRC}", *_fabric_cflags()]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in srcs))
-    key.update(" ".join([cc, *flags]).encode())
+    key.update(" ".join([*cc, *flags]).encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aiote"
     exe = cache / f"aiote_cbench-{key.hexdigest()[:16]}"
     if not exe.exists():
         tmp = exe.with_name(f"{exe.name}.{os.getpid()}")
         try:
             cache.mkdir(parents=True, exist_ok=True)
-            r = subprocess.run([cc, *flags, "-o", str(tmp), str(srcs[2]), str(srcs[1]), "-lfabric"],
+            r = subprocess.run([*cc, *flags, "-o", str(tmp), str(srcs[2]), str(srcs[1]), "-lfabric"],
                                capture_output=True, text=True, timeout=300)
             if r.returncode:
                 return f"could not build the C bench: {r.stderr.strip()[-300:]}"
@@ -88,7 +88,8 @@ def build_cbench() -> str | None:
         except (OSError, subprocess.SubprocessError) as exc:
             return f"could not build the C bench (no C compiler, or {cache} not writable?): {exc}"
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a cache path that is not a folder, say
+                tmp.unlink(missing_ok=True)
     _built.append(exe)
     return None
 
@@ -98,7 +99,7 @@ def _fabric_cflags() -> list[str]:
     extension's build takes them), else from pkg-config, else none (the system default paths)."""
     prefix = os.environ.get("AIOTE_FABRIC_PREFIX")
     if prefix:
-        libs = [Path(prefix) / "lib", Path(prefix) / "lib" / "x86_64-linux-gnu"]
+        libs = [Path(prefix) / "lib", Path(prefix) / "lib64", Path(prefix) / "lib" / "x86_64-linux-gnu"]
         found = [p for p in libs if p.exists()]
         rpath = [f"-Wl,-rpath,{p}" for p in found]
         return [f"-I{Path(prefix) / 'include'}", *(f"-L{p}" for p in found), *rpath]

@@ -1172,6 +1172,52 @@ static int t_idle(fix_t *f) {
 
 
 
+/* The adaptive spin window: a stream of 1 MiB writes may grow the receiver's window; 8-byte
+ * writes 300 to about 400 us apart straight after it (more than ADAPT_SPARSE_NS, less than
+ * ADAPT_MAX_NS, so a window left at its maximum would never let the poller sleep through one)
+ * put it back to the base, and the receiver sleeps between them. */
+static int t_spin_window(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    if (!b->info.has_wait_fd) {
+        printf("    (no wait fd: the window follows completions alone; not checked here)\n");
+        return 0;
+    }
+    enum { STREAM = 64, SPARSE = 200 };
+    uint32_t imm = 0x7100;
+    aio_op_desc ds[STREAM];
+    for (int k = 0; k < STREAM; k++)
+        ds[k] = op_to(a, b, AIO_OP_WRITE, (uint64_t)(k % 16) * MiB, (uint64_t)(k % 16) * MiB, MiB,
+                      AIO_F_DATA, imm);
+    int64_t grown = 0;
+    aio_stats s0, s1;
+    /* until a stream grew it (on a loaded machine the receiver may spin through one without
+     * sleeping, and then it does not grow) */
+    for (int attempt = 0; attempt < 20 && !grown; attempt++) {
+        if (run_group(a, ds, STREAM, NULL)) return -1;
+        CHECK(wait_take(b, imm, STREAM * U, TIMEOUT) == 0, "stream: credits missing");
+        aio_get_stats(b->e, &s0);
+        grown = (int64_t)s0.spin_window_ns;
+    }
+    CHECK(grown > 0, "20 streams of 64 x 1 MiB never grew the receiver's spin window");
+    aio_op_desc d = op_to(a, b, AIO_OP_WRITE, 0, 0, 8, AIO_F_DATA, imm + 1);
+    for (int i = 0; i < SPARSE; i++) { /* each at least 300 us after the last one landed */
+        if (run_group(a, &d, 1, NULL)) return -1;
+        sleep_us(300);
+    }
+    CHECK(wait_take(b, imm + 1, SPARSE * U, TIMEOUT) == 0, "sparse writes: credits missing");
+    aio_get_stats(b->e, &s1);
+    uint64_t sleeps = s1.sleeps - s0.sleeps;
+    printf("    (window after the stream %lld us, after %d writes 300 us apart %llu us; the "
+           "receiver slept %llu times)\n",
+           (long long)grown / 1000, SPARSE, (unsigned long long)s1.spin_window_ns / 1000,
+           (unsigned long long)sleeps);
+    CHECK(s1.spin_window_ns == 0, "the window stayed at %llu us under writes 300 us apart",
+          (unsigned long long)s1.spin_window_ns / 1000);
+    CHECK(sleeps >= SPARSE / 2, "the receiver slept %llu times in %d writes 300 us apart: it spun "
+          "through the gaps", (unsigned long long)sleeps, SPARSE);
+    return 0;
+}
+
 static int t_register_dev(fix_t *f) {
     eng_t *x = &f->a;
     char err[256] = "";
@@ -1451,7 +1497,7 @@ static const test_t TESTS[] = {
     {"idle_cpu", t_idle},             {"watch", t_watch},
     {"register_dev", t_register_dev},
     {"poll_ring", t_poll_ring},       {"submit", t_submit},
-    {"submit_quiet", t_submit_quiet},
+    {"submit_quiet", t_submit_quiet}, {"spin_window", t_spin_window},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {
