@@ -1050,18 +1050,23 @@ static void *poller_main(void *arg) {
             atomic_store(&e->sleeping, 0);
             continue;
         }
-        int can_sleep = 1;
+        int can_sleep = 1, fd_broken = 0;
         for (int i = 0; i < e->nrails && can_sleep; i++) {
             aio_rail *r = e->rails[i];
             if (r->wait_fd < 0) continue;
-            if (rail_trywait(r) != FI_SUCCESS) can_sleep = 0;
+            int tw = rail_trywait(r);
+            /* -FI_EAGAIN: work pending in the provider, poll again at once. Another error: its
+             * wait fd cannot be trusted to wake us, so sleep in short timed steps rather than
+             * spin on it for ever */
+            if (tw == -FI_EAGAIN) can_sleep = 0;
+            else if (tw != FI_SUCCESS) fd_broken = 1;
         }
         if (can_sleep) {
             struct epoll_event evs[AIO_MAX_RAILS + 1];
             int timeout = e->cfg.sleep_ms;
             /* a rail without a wait object, or work of ours in flight on a
              * manual-progress provider: sleep in short steps */
-            if (inflight > 0) timeout = 1;
+            if (inflight > 0 || fd_broken) timeout = 1;
             else if (!all_fd) /* no wait object: short steps, longer once idle a while */
                 timeout = (now_ns() - last_active > 200000000LL) ? 5 : 1;
             atomic_fetch_add_explicit(&e->st_sleeps, 1, memory_order_relaxed);
