@@ -38,7 +38,7 @@ import numpy as np
 
 import aiote
 from aiote.cli._benchnet import build_cbench as _build_cbench
-from aiote.cli._benchnet import c_run
+from aiote.cli._benchnet import c_run, cpu_busy
 from aiote.testing import answer_pings
 
 IMM_DATA, IMM_PING, IMM_PONG = 1, 2, 3
@@ -257,20 +257,6 @@ def c_pingpong(provider: str, iters: int, spin_us: float) -> tuple[float, float]
 # ------------------------------------------------------------------ main
 
 
-def _cpu_busy_other() -> float:
-    """Fraction of the machine's CPU used over 0.5 s (to warn about a noisy machine)."""
-
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-
-    t0, i0 = snap()
-    time.sleep(0.5)
-    t1, i1 = snap()
-    return 1.0 - (i1 - i0) / max(1, t1 - t0)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", default="main", choices=["main", "peer"])
@@ -289,7 +275,7 @@ def main() -> int:
     repeats = 1 if a.quick else a.repeats
     total = {65536: (256 << 20) if a.quick else (2 << 30), 1 << 20: (512 << 20) if a.quick else (4 << 30)}
     iters = 2000 if a.quick else 20000
-    busy = _cpu_busy_other()
+    busy = cpu_busy()
     if busy > 0.10:
         print(f"warning: the machine was {busy:.0%} busy before the run; figures will be noisy")
     med = statistics.median
@@ -351,7 +337,7 @@ def main() -> int:
         rows.append(("  the same, median of the paired gaps (us)", med(c50), med(p50),
                      results[key]["p50_gap_paired_us"]))
         rows.append((f"one-way p99, {label} (us)", med(c99), med(p99), med(p99) - med(c99)))
-    after = _cpu_busy_other()
+    after = cpu_busy()
     results["cpu_busy_before"] = busy
     results["cpu_busy_after"] = after
     print(

@@ -39,12 +39,11 @@ import anyio
 import numpy as np
 
 import aiote
-from aiote.cli._benchnet import build_cbench as _build_cbench
 from aiote.cli._benchnet import c_run
 from aiote.testing import PeerProcess, spawn_peer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import lane_batches  # the same window of batches as the core benchmark
+from bench_core import build_cbench, lane_batches  # the same C bench and window of batches
 
 IMM_WARM, IMM_PAGED, IMM_DATA = 21, 22, 23
 WINDOW = 64
@@ -183,13 +182,6 @@ async def py_write_with(write_total: int, **kw: Any) -> tuple[float, dict[str, A
 
 
 # ------------------------------------------------------------------ C cases
-
-
-def build_cbench() -> None:
-    """Builds the C bench (make -C cdeps bench), or stops saying why it cannot."""
-    why = _build_cbench()
-    if why:
-        raise SystemExit(why)
 
 
 def c_paged(page: int, npages: int, calls: int, provider: str = "tcp") -> tuple[float, float]:

@@ -2294,12 +2294,7 @@ class TransferBatch:
         if self._n == 0:
             await anyio.lowlevel.checkpoint()
             return
-        for mr in self._refs:
-            if mr._handle is None:
-                raise InvalidArgument(
-                    "a region of this batch was unregistered since it was added: build the batch again "
-                    "with registered regions"
-                )
+        self._check_regions()
         table = self._table[: self._n]  # rows are never rewritten; growth reallocates
         what = f"batch of {self._n}"
         end = _end(timeout)
@@ -2312,6 +2307,14 @@ class TransferBatch:
 
         await eng._attempts(attempt, timeout, retry, what)
 
+    def _check_regions(self) -> None:
+        """Raises InvalidArgument if a region of this batch was unregistered since it was added."""
+        if any(mr._handle is None for mr in self._refs):
+            raise InvalidArgument(
+                "a region of this batch was unregistered since it was added: build the batch again "
+                "with registered regions"
+            )
+
     def post(self, *, retry: RetryPolicy | None = None) -> Transfer:
         """:meth:`submit`, posted now and awaited later (see :meth:`Engine.post_write`): every
         request is handed to the transport before this returns when it takes them at once
@@ -2323,12 +2326,7 @@ class TransferBatch:
         eng = self._engine
         eng._check_open()
         _check_retry(retry)
-        for mr in self._refs:
-            if mr._handle is None:
-                raise InvalidArgument(
-                    "a region of this batch was unregistered since it was added: build the batch again "
-                    "with registered regions"
-                )
+        self._check_regions()
         what = f"batch of {self._n}"
         if self._n == 0:
             return Transfer(eng, what)

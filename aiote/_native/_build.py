@@ -6,11 +6,11 @@ missing Debian package, when libfabric's development files are not installed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
+from typing import Any
 
 from cffi import FFI
 
@@ -19,33 +19,15 @@ CDEPS = ROOT / "cdeps"
 HEADER = CDEPS / "aiote_core.h"
 
 
-def _libfabric_flags() -> tuple[list[str], list[str]]:
-    """Include and library dirs for libfabric, or a clear error if it is missing.
-    ``AIOTE_FABRIC_PREFIX``: a libfabric installed (or unpacked) under that prefix."""
-    prefix = os.environ.get("AIOTE_FABRIC_PREFIX")
-    if prefix:
-        cands = (Path(prefix) / "lib", Path(prefix) / "lib" / "x86_64-linux-gnu")
-        libs = [str(p) for p in cands if p.exists()]
-        return [str(Path(prefix) / "include")], libs
-    if shutil.which("pkg-config"):
-        try:
-            cflags = subprocess.run(
-                ["pkg-config", "--cflags-only-I", "libfabric"], check=True, capture_output=True, text=True
-            ).stdout.split()
-            libs = subprocess.run(
-                ["pkg-config", "--libs-only-L", "libfabric"], check=True, capture_output=True, text=True
-            ).stdout.split()
-            return [f[2:] for f in cflags], [f[2:] for f in libs]
-        except subprocess.CalledProcessError:
-            pass
-    for inc in ("/usr/include", "/usr/local/include", "/opt/amazon/efa/include"):
-        if (Path(inc) / "rdma" / "fabric.h").exists():
-            return [inc], []
-    raise RuntimeError(
-        "aiote needs libfabric's development files to build its C core, and none were found "
-        "(no rdma/fabric.h, no libfabric.pc). On Debian/Ubuntu: apt-get install libfabric-dev; "
-        "on Fedora/RHEL: dnf install libfabric-devel."
-    )
+def _load_fabric_paths() -> Any:
+    """``_fabric_paths.py`` beside this file, loaded by its path: cffi runs this file as a
+    script, outside the package."""
+    here = Path(__file__).with_name("_fabric_paths.py")
+    spec = importlib.util.spec_from_file_location("_aiote_fabric_paths", here)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _cdef_from_header(text: str) -> str:
@@ -65,7 +47,7 @@ def _cdef_from_header(text: str) -> str:
 
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef_from_header(HEADER.read_text()))
-_inc, _libdirs = _libfabric_flags()
+_inc, _libdirs = _load_fabric_paths().libfabric_dirs()
 _extra = ["-std=gnu11", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-O2"]
 if os.environ.get("AIOTE_SANITIZE"):
     _extra += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]

@@ -19,6 +19,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 
 import aiote
 from aiote import Engine, EngineAddress, MemoryDescriptor, MemoryRegion
+from aiote._native._fabric_paths import libfabric_dirs
 from aiote.testing import answer_pings, ready_line
 
 CDEPS = Path(__file__).resolve().parents[2] / "cdeps"  # a source checkout's C core
@@ -95,20 +97,31 @@ def build_cbench() -> str | None:
 
 
 def _fabric_cflags() -> list[str]:
-    """libfabric's include and library flags: under ``AIOTE_FABRIC_PREFIX`` when set (as the
-    extension's build takes them), else from pkg-config, else none (the system default paths)."""
-    prefix = os.environ.get("AIOTE_FABRIC_PREFIX")
-    if prefix:
-        libs = [Path(prefix) / "lib", Path(prefix) / "lib64", Path(prefix) / "lib" / "x86_64-linux-gnu"]
-        found = [p for p in libs if p.exists()]
-        rpath = [f"-Wl,-rpath,{p}" for p in found]
-        return [f"-I{Path(prefix) / 'include'}", *(f"-L{p}" for p in found), *rpath]
+    """libfabric's include and library flags, found as the extension's build finds them
+    (:func:`aiote._native._fabric_paths.libfabric_dirs`); none when it finds nothing (the
+    compile then reports what is missing)."""
     try:
-        r = subprocess.run(["pkg-config", "--cflags", "--libs-only-L", "libfabric"], capture_output=True,
-                           text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
+        inc, libs = libfabric_dirs()
+    except RuntimeError:
         return []
-    return r.stdout.split() if r.returncode == 0 else []
+    return [*(f"-I{d}" for d in inc), *(f"-L{d}" for d in libs), *(f"-Wl,-rpath,{d}" for d in libs)]
+
+
+def proc_stat() -> list[int]:
+    """The machine's CPU times in clock ticks (``/proc/stat``'s first line: user, nice, system,
+    idle, iowait, irq, softirq, steal, ...). One small file read."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def cpu_busy(interval: float = 0.5) -> float:
+    """Fraction of the whole machine's CPU busy over ``interval`` seconds (sleeps that long;
+    before a run, anything busy is someone else)."""
+    v0 = proc_stat()
+    time.sleep(interval)
+    v1 = proc_stat()
+    total = sum(v1) - sum(v0)
+    return 1 - ((v1[3] + v1[4]) - (v0[3] + v0[4])) / max(1, total)
 
 
 def c_run(*args: str) -> dict[str, Any]:

@@ -49,7 +49,9 @@ from ._benchnet import (
     build_cbench,
     c_provider_args,
     c_run,
+    cpu_busy,
     host_of,
+    proc_stat,
     serve,
     tuning,
 )
@@ -77,20 +79,6 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def _cpu_busy() -> float:
-    """Fraction of the CPU busy over 0.5 s (before a run: anything is someone else)."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-
-    t0, i0 = sample()
-    time.sleep(0.5)
-    t1, i1 = sample()
-    return 1 - (i1 - i0) / max(1, t1 - t0)
-
-
 class _OthersCpu:
     """What other processes took of the CPU while the run went on: the machine's user, nice and
     system time (``/proc/stat``) minus this process's and its waited-for children's (the
@@ -104,8 +92,7 @@ class _OthersCpu:
 
     @staticmethod
     def _machine() -> tuple[float, float]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
+        v = proc_stat()
         hz = os.sysconf("SC_CLK_TCK")
         return (v[0] + v[1] + v[2]) / hz, (v[7] if len(v) > 7 else 0) / hz
 
@@ -481,7 +468,7 @@ def main(args: argparse.Namespace) -> int:
     if any(m == "sendrecv" and s > args.max_message for m, s, _ in cases):
         sys.stderr.write(f"note: sendrecv sizes above --max-message ({args.max_message} B) are skipped\n")
     configs: list[Config] = [(p, n, lp) for p in providers for n in nic_sets for lp in loops]
-    busy = _cpu_busy()
+    busy = cpu_busy()
     if busy > 0.10:
         sys.stderr.write(f"warning: the CPU was {busy:.0%} busy before the run: figures will be noisy\n")
     why_no_c = build_cbench()
@@ -545,7 +532,7 @@ def main(args: argparse.Namespace) -> int:
     if steal > 0.10:
         sys.stderr.write(f"warning: the hypervisor took {steal:.0%} of the CPU (steal) during the run: "
                          "figures are noisy\n")
-    after = _cpu_busy()
+    after = cpu_busy()
     if after > 0.10:
         sys.stderr.write(f"warning: the CPU was {after:.0%} busy after the run: figures may be noisy\n")
     result = {
