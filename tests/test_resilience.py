@@ -296,9 +296,18 @@ async def test_a_timed_out_write_can_be_awaited_until_the_transport_lets_go() ->
             await info.value.settled()
         assert e.stats()["ops_in_flight"] == 0
         await p.wait(imm=2)  # it landed, once
-        with pytest.raises(aiote.TransferTimeout) as nothing:  # nothing posted: settled at once
-            await e.write(ms, d, imm=3, timeout=0)
-        await nothing.value.settled()
+        # a deadline already past: the write is posted and times out at once. The peer is
+        # frozen again so that its completion cannot come first (on a loaded machine the loop
+        # thread may lose the CPU for as long as 64 MiB takes over loopback)
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(aiote.TransferTimeout) as past:
+                await e.write(ms, d, imm=3, timeout=0)
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        with anyio.fail_after(60):
+            await past.value.settled()
+        await p.wait(imm=3)
 
 
 async def test_a_striped_timed_out_write_settles_every_nics_group() -> None:
