@@ -112,12 +112,18 @@ class _OthersCpu:
 # ---------------------------------------------------------------------------- Python cases
 
 
+def lanes_of(window: int) -> tuple[int, int]:
+    """How write and read keep ``window`` in flight: (batches, transfers per batch), each batch
+    submitted again as soon as it completes; the C core's run is driven the same way."""
+    lanes = min(4, window)
+    return lanes, max(1, window // lanes)
+
+
 async def py_transfer(remote: Remote, op: str, size: int, total: int, window: int) -> float:
     """GB/s of one-sided ``op`` ("write" with an immediate, or "read") of ``size``, ``window``
     in flight (up to 4 reusable batches submitted concurrently)."""
     e = remote.engine
-    lanes = min(4, window)
-    per = max(1, window // lanes)
+    lanes, per = lanes_of(window)
     region = size * lanes * per
     local = np.empty(region, np.uint8)
     local.fill(7)
@@ -270,7 +276,9 @@ def c_args(args: argparse.Namespace, case: Case) -> list[str]:
     """The C bench's arguments for the same case."""
     mode, size, window = case
     if mode in ("write", "read"):
-        return [mode, str(size), str(window), str(max(args.total, size * window))]
+        lanes, per = lanes_of(window)
+        inflight = lanes * per
+        return [mode, str(size), str(inflight), str(max(args.total, size * inflight)), "--batch", str(per)]
     if mode == "sendrecv":
         return [mode, str(size), str(window), str(max(args.total, size * min(window, MSG_SLOTS)))]
     if mode == "paged":

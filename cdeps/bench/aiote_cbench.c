@@ -5,7 +5,9 @@
  *
  *   write SIZE WINDOW TOTAL_BYTES
  *       one-sided writes with immediate data from the parent to the child, WINDOW in
- *       flight, each write its own group. The child counts credits (one counter watch
+ *       flight, each write its own group (--batch N: groups of N writes, each group posted
+ *       with one aio_post call and posted again when it completes, as aiote bench drives
+ *       its batches). The child counts credits (one counter watch
  *       for all of them). Reports GB/s (1e9 B/s) at the writer, from the first post
  *       to the last completion, and the time until the receiver saw every credit
  *       (both processes read CLOCK_MONOTONIC, which is system-wide).
@@ -28,7 +30,7 @@
  *
  *   read SIZE WINDOW TOTAL_BYTES
  *       one-sided READs by the parent from the child's region, WINDOW in flight, each read
- *       its own group (the child takes no part). Reports GB/s at the reader, from the first
+ *       its own group (--batch N: as for write; the child takes no part). Reports GB/s at the reader, from the first
  *       post to the last completion.
  *   sendrecv SIZE WINDOW TOTAL_BYTES
  *       two-sided messages of SIZE bytes (aio_post_send into the core's registered send
@@ -43,6 +45,8 @@
  *          --spin-ns N (poller spin after activity, 50000), --busy-spin-ns N (poller
  *          spin while our work is in flight, 0 = core default), --busy (spin on
  *          aio_drain / aio_counter_take instead of aio_arm + poll on the eventfd),
+ *          --small-pages (the region in 4 KiB pages; by default a region of 4 MiB or more
+ *          asks for transparent huge pages, as NumPy does for the arrays aiote registers),
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
  *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000),
  *          --msg-slots N (message slots per side: sendrecv, msgpingpong; 16),
@@ -58,6 +62,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
+#include <sys/mman.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -81,6 +86,7 @@
 #define MSG_SLOTS 16 /* the engine's default message_slots */
 #define PAGED_BUDGET_NS 200000 /* as the engine's post_budget_us default */
 #define NREC 256
+#define MAX_BATCH 1024 /* --batch */
 
 typedef struct opts {
     const char *mode;
@@ -90,6 +96,8 @@ typedef struct opts {
     int64_t busy_spin_ns;
     int busy;
     uint64_t size, window, total, slots;
+    uint64_t batch; /* write, read: requests per group, posted in one aio_post call (--batch) */
+    int small_pages; /* --small-pages: no transparent huge pages for the region */
     uint64_t iters, warmup;
     uint64_t page_size, npages, calls;
     int no_gather; /* paged: post page by page, in the given order */
@@ -200,8 +208,16 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     s->efd = aio_engine_eventfd(s->e);
     s->busy = o->busy;
     s->loop_poll_ns = o->loop_poll_ns;
+    /* As NumPy allocates the arrays aiote's benches register: 4 MiB or more asks for
+     * transparent huge pages (MADV_HUGEPAGE; granted where THP is "madvise" or "always").
+     * The page size weighs on shm, whose CMA copies pin the pages they touch one by one: with
+     * 4 KiB pages this core measured about half of what the same code does on NumPy arrays.
+     * --small-pages: 4 KiB pages. */
+    int huge = region >= (4ULL << 20) && !o->small_pages;
     void *b = NULL;
-    if (posix_memalign(&b, 4096, region)) die("out of memory for %llu bytes", (unsigned long long)region);
+    if (posix_memalign(&b, huge ? (2ULL << 20) : 4096, region))
+        die("out of memory for %llu bytes", (unsigned long long)region);
+    if (huge) (void)madvise(b, region, MADV_HUGEPAGE); /* a hint: refused is fine */
     s->buf = b;
     s->len = region;
     for (uint64_t i = 0; i < region; i += 64) s->buf[i] = (uint8_t)(i >> 6); /* touch it */
@@ -331,24 +347,37 @@ static aio_op_desc side_write(side_t *s, uint64_t loff, uint64_t roff, uint64_t 
 
 /* One write in a group of its own. Returns 1 posted, 0 not now (queue full,
  * connecting): the group stays open in *g for the retry. */
-static int side_post_one(side_t *s, int64_t *g, uint64_t token, const aio_op_desc *d,
-                         int64_t budget_ns) {
+/* Posts requests `d[0..n)` into the open group *g (opened first if none), the rest of a group
+ * of `total` requests of which `*in_group` are in already; seals the group once all `total`
+ * are in (then *g = -1, *in_group = 0). Returns 1 when the group was sealed, 0 when it is not
+ * complete yet (no group free, or no room now). */
+static int side_post_n(side_t *s, int64_t *g, uint64_t *in_group, uint64_t total, uint64_t token,
+                       const aio_op_desc *d, int64_t budget_ns) {
     if (*g < 0) {
         *g = aio_group_open(s->e, token);
         if (*g < 0) return 0; /* all groups in flight */
+        *in_group = 0;
     }
     int64_t t0 = now_ns();
-    int64_t r = aio_post(s->e, *g, d, 1, budget_ns);
+    int64_t r = aio_post(s->e, *g, d, (int64_t)(total - *in_group), budget_ns);
     int64_t dt = now_ns() - t0;
     s->post_ns += dt;
     s->post_calls++;
     if (dt > s->post_max_ns) s->post_max_ns = dt;
     if (r < 0) die("aio_post: %s", aio_strerror((int)r));
-    if (r == 0) return 0;
+    *in_group += (uint64_t)r;
+    if (*in_group < total) return 0;
     int ret = aio_group_seal(s->e, *g);
     if (ret) die("aio_group_seal: %s", aio_strerror(ret));
     *g = -1;
+    *in_group = 0;
     return 1;
+}
+
+static int side_post_one(side_t *s, int64_t *g, uint64_t token, const aio_op_desc *d,
+                         int64_t budget_ns) {
+    uint64_t in_group = 0;
+    return side_post_n(s, g, &in_group, 1, token, d, budget_ns);
 }
 
 /* Posts one write, retrying (connection setup) until it is in. */
@@ -389,9 +418,42 @@ static void receiver_report(side_t *s, int64_t *t_recv, double *rcpu, uint64_t *
     write_full(s->wfd, &bye, 1);
 }
 
-static void run_write(side_t *s, const opts_t *o, int rank) {
+/* write, read: how many requests a run makes (TOTAL / SIZE, at least one, rounded down to
+ * whole groups of --batch); the same on both sides. */
+static uint64_t transfer_count(const opts_t *o) {
     uint64_t n = o->total / o->size;
-    if (n == 0) n = 1;
+    n -= n % o->batch;
+    return n ? n : o->batch;
+}
+
+/* The timed part of write and read: `n` requests (whole groups of --batch), at most WINDOW in
+ * flight, in groups of --batch requests, each group posted with one aio_post call (as
+ * aiote's TransferBatch.submit posts a batch); a group goes out again as soon as one completes.
+ * --batch 1: a request per group, re-posted as each completes. */
+static void run_window(side_t *s, const opts_t *o, uint64_t n, int write) {
+    uint64_t b = o->batch, ngroups = n / b, gmax = o->window / b;
+    aio_op_desc d[MAX_BATCH];
+    uint64_t posted = 0, in_group = 0; /* groups sealed; requests in of the open one */
+    int64_t g = -1;
+    while (s->groups_done < ngroups) {
+        int progressed = 0;
+        while (posted < ngroups && posted - s->groups_done < gmax) {
+            for (uint64_t k = in_group; k < b; k++) {
+                uint64_t off = ((posted * b + k) % o->slots) * o->size;
+                d[k] = write ? side_write(s, off, off, o->size, IMM_MAIN) : side_read(s, off, off, o->size);
+            }
+            uint64_t before = in_group;
+            int sealed = side_post_n(s, &g, &in_group, b, posted, d + in_group, 0);
+            if (sealed || in_group != before) progressed = 1;
+            if (!sealed) break;
+            posted++;
+        }
+        if (side_drain(s, 0, NULL) == 0 && !progressed) side_idle(s);
+    }
+}
+
+static void run_write(side_t *s, const opts_t *o, int rank) {
+    uint64_t n = transfer_count(o);
     uint64_t slots = o->slots;
     uint64_t warm = n < o->window ? n : o->window;
     if (rank == 1) {
@@ -414,19 +476,7 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
 
     double c0 = cpu_s();
     int64_t t0 = now_ns();
-    uint64_t posted = 0;
-    int64_t g = -1;
-    while (s->groups_done < n) {
-        int progressed = 0;
-        while (posted < n && posted - s->groups_done < o->window) {
-            uint64_t k = posted % slots;
-            aio_op_desc d = side_write(s, k * o->size, k * o->size, o->size, IMM_MAIN);
-            if (!side_post_one(s, &g, posted, &d, 0)) break;
-            posted++;
-            progressed = 1;
-        }
-        if (side_drain(s, 0, NULL) == 0 && !progressed) side_idle(s);
-    }
+    run_window(s, o, n, 1);
     int64_t t1 = now_ns();
     double cpu = cpu_s() - c0;
     aio_get_stats(s->e, &st1);
@@ -437,13 +487,14 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
     double secs = (double)(t1 - t0) * 1e-9, rsecs = (double)(t_recv - t0) * 1e-9;
     double bytes = (double)n * (double)o->size;
     printf("{\"mode\":\"write\",\"provider\":\"%s\",\"nic\":\"%s\",\"size\":%llu,\"window\":%llu,"
-           "\"slots\":%llu,\"writes\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"seconds\":%.6f,"
+           "\"batch\":%llu,\"slots\":%llu,\"writes\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"seconds\":%.6f,"
            "\"recv_gbps\":%.3f,\"recv_seconds\":%.6f,\"wait\":\"%s\",\"spin_ns\":%lld,"
            "\"writer_cpu_s\":%.3f,\"receiver_cpu_s\":%.3f,\"eventfd_polls\":%llu,"
            "\"eventfd_wakeups\":%llu,\"poller_sleeps\":%llu,\"poller_polls\":%llu,"
            "\"post_calls\":%llu,\"post_us_mean\":%.2f,\"post_us_max\":%.1f}\n",
            o->provider, o->nic ? o->nic : "", (unsigned long long)o->size,
-           (unsigned long long)o->window, (unsigned long long)slots, (unsigned long long)n, bytes,
+           (unsigned long long)o->window, (unsigned long long)o->batch, (unsigned long long)slots,
+           (unsigned long long)n, bytes,
            bytes / secs / 1e9, secs, bytes / rsecs / 1e9, rsecs, wait_name(o), (long long)o->spin_ns,
            cpu, rcpu, (unsigned long long)s->polls, (unsigned long long)s->wakeups,
            (unsigned long long)(st1.sleeps - st0.sleeps), (unsigned long long)(st1.polls - st0.polls),
@@ -657,8 +708,7 @@ static void run_paged(side_t *s, const opts_t *o, int rank) {
 
 /* Runs READs of `size` bytes, `window` in flight, from the remote region; rank 1 only waits. */
 static void run_read(side_t *s, const opts_t *o, int rank) {
-    uint64_t n = o->total / o->size;
-    if (n == 0) n = 1;
+    uint64_t n = transfer_count(o);
     uint64_t slots = o->slots;
     char bye = 'x';
     if (rank == 1) {
@@ -677,29 +727,18 @@ static void run_read(side_t *s, const opts_t *o, int rank) {
     s->post_calls = 0;
     double c0 = cpu_s();
     int64_t t0 = now_ns();
-    uint64_t posted = 0;
-    int64_t g = -1;
-    while (s->groups_done < n) {
-        int progressed = 0;
-        while (posted < n && posted - s->groups_done < o->window) {
-            uint64_t k = posted % slots;
-            aio_op_desc d = side_read(s, k * o->size, k * o->size, o->size);
-            if (!side_post_one(s, &g, posted, &d, 0)) break;
-            posted++;
-            progressed = 1;
-        }
-        if (side_drain(s, 0, NULL) == 0 && !progressed) side_idle(s);
-    }
+    run_window(s, o, n, 0);
     int64_t t1 = now_ns();
     double cpu = cpu_s() - c0;
     write_full(s->wfd, &bye, 1);
     double secs = (double)(t1 - t0) * 1e-9, bytes = (double)n * (double)o->size;
     printf("{\"mode\":\"read\",\"provider\":\"%s\",\"nic\":\"%s\",\"size\":%llu,\"window\":%llu,"
-           "\"slots\":%llu,\"reads\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"seconds\":%.6f,"
+           "\"batch\":%llu,\"slots\":%llu,\"reads\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"seconds\":%.6f,"
            "\"wait\":\"%s\",\"spin_ns\":%lld,\"reader_cpu_s\":%.3f,\"eventfd_polls\":%llu,"
            "\"eventfd_wakeups\":%llu,\"post_calls\":%llu,\"post_us_mean\":%.2f}\n",
            o->provider, o->nic ? o->nic : "", (unsigned long long)o->size,
-           (unsigned long long)o->window, (unsigned long long)slots, (unsigned long long)n, bytes,
+           (unsigned long long)o->window, (unsigned long long)o->batch, (unsigned long long)slots,
+           (unsigned long long)n, bytes,
            bytes / secs / 1e9, secs, wait_name(o), (long long)o->spin_ns, cpu,
            (unsigned long long)s->polls, (unsigned long long)s->wakeups,
            (unsigned long long)s->post_calls,
@@ -909,6 +948,8 @@ static void usage(void) {
             "       aiote_cbench msgpingpong ITERS [options]\n"
             "options: --provider tcp|shm  --nic NAME  --spin-ns N  --busy-spin-ns N  --busy\n"
             "         --slots N  --warmup N  --no-gather (paged)  --msg-slots N\n"
+            "         --batch N (write, read: N requests per group and aio_post call)\n"
+            "         --small-pages (4 KiB pages; default: huge pages from 4 MiB, as NumPy)\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
@@ -958,6 +999,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--think-ns") && i + 1 < argc) o.think_ns = parse_size(argv[++i]);
         else if (!strcmp(a, "--loop-poll-ns") && i + 1 < argc) o.loop_poll_ns = parse_size(argv[++i]);
         else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
+        else if (!strcmp(a, "--batch") && i + 1 < argc) o.batch = parse_size(argv[++i]);
+        else if (!strcmp(a, "--small-pages")) o.small_pages = 1;
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--listen") && i + 1 < argc) o.listen_port = (int)parse_size(argv[++i]);
@@ -980,6 +1023,8 @@ int main(int argc, char **argv) {
         o.total = parse_size(pos[3]);
         if (o.size == 0 || o.window == 0) usage();
         if (o.slots == 0) o.slots = o.window;
+        if (o.batch == 0) o.batch = 1;
+        if (o.batch > MAX_BATCH || o.batch > o.window) usage();
         region = o.size * o.slots;
         if (!strcmp(o.mode, "sendrecv")) region = o.size; /* messages go from the send slots */
     } else if (!strcmp(o.mode, "pingpong") || !strcmp(o.mode, "msgpingpong")) {
