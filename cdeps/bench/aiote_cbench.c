@@ -30,8 +30,8 @@
  *
  *   read SIZE WINDOW TOTAL_BYTES
  *       one-sided READs by the parent from the child's region, WINDOW in flight, each read
- *       its own group (--batch N: as for write; the child takes no part). Reports GB/s at the reader, from the first
- *       post to the last completion.
+ *       its own group (--batch N: as for write; the child takes no part). Reports GB/s at
+ *       the reader, from the first post to the last completion.
  *   sendrecv SIZE WINDOW TOTAL_BYTES
  *       two-sided messages of SIZE bytes (aio_post_send into the core's registered send
  *       slots; the receiver counts AIO_REC_RECV records and reposts each slot at once),
@@ -345,8 +345,6 @@ static aio_op_desc side_write(side_t *s, uint64_t loff, uint64_t roff, uint64_t 
     return d;
 }
 
-/* One write in a group of its own. Returns 1 posted, 0 not now (queue full,
- * connecting): the group stays open in *g for the retry. */
 /* Posts requests `d[0..n)` into the open group *g (opened first if none), the rest of a group
  * of `total` requests of which `*in_group` are in already; seals the group once all `total`
  * are in (then *g = -1, *in_group = 0). Returns 1 when the group was sealed, 0 when it is not
@@ -374,6 +372,8 @@ static int side_post_n(side_t *s, int64_t *g, uint64_t *in_group, uint64_t total
     return 1;
 }
 
+/* One request in a group of its own. Returns 1 posted, 0 not now (queue full,
+ * connecting): the group stays open in *g for the retry. */
 static int side_post_one(side_t *s, int64_t *g, uint64_t token, const aio_op_desc *d,
                          int64_t budget_ns) {
     uint64_t in_group = 0;
@@ -430,7 +430,7 @@ static uint64_t transfer_count(const opts_t *o) {
  * flight, in groups of --batch requests, each group posted with one aio_post call (as
  * aiote's TransferBatch.submit posts a batch); a group goes out again as soon as one completes.
  * --batch 1: a request per group, re-posted as each completes. */
-static void run_window(side_t *s, const opts_t *o, uint64_t n, int write) {
+static void run_window(side_t *s, const opts_t *o, uint64_t n, int is_write) {
     uint64_t b = o->batch, ngroups = n / b, gmax = o->window / b;
     aio_op_desc d[MAX_BATCH];
     uint64_t posted = 0, in_group = 0; /* groups sealed; requests in of the open one */
@@ -440,7 +440,7 @@ static void run_window(side_t *s, const opts_t *o, uint64_t n, int write) {
         while (posted < ngroups && posted - s->groups_done < gmax) {
             for (uint64_t k = in_group; k < b; k++) {
                 uint64_t off = ((posted * b + k) % o->slots) * o->size;
-                d[k] = write ? side_write(s, off, off, o->size, IMM_MAIN) : side_read(s, off, off, o->size);
+                d[k] = is_write ? side_write(s, off, off, o->size, IMM_MAIN) : side_read(s, off, off, o->size);
             }
             uint64_t before = in_group;
             int sealed = side_post_n(s, &g, &in_group, b, posted, d + in_group, 0);
