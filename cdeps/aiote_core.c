@@ -14,7 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <time.h>
@@ -71,7 +76,47 @@ typedef struct aio_op {
     aio_mr *mr;
     uint32_t slot;
     int32_t next_free;
+    /* a direct same-host copy, queued for the poller (see direct_run) */
+    struct aio_op *dnext;
+    aio_op_desc d;
+    int32_t dstatus; /* the copy's result, once made */
+    int32_t dcopied;
 } aio_op;
+
+/* ------------------------------------------------------------------ direct copy table
+ * (see aiote_core.h, "Direct same-host copies"). Shared by processes: fixed layout. */
+#define DIRECT_MAGIC 0x414d43455449414fULL /* "OAITECMA" */
+#define DIRECT_VERSION 1
+
+typedef struct direct_slot {
+    _Atomic uint64_t key;  /* 0: closed; else the key of the region's first shm registration */
+    _Atomic uint64_t busy; /* bit p: attached engine p is copying into / out of the region */
+    _Atomic uint64_t base;
+    _Atomic uint64_t len;
+    _Atomic uint32_t access; /* AIO_ACCESS_* */
+    uint32_t pad;
+} direct_slot;
+
+typedef struct direct_table {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t nslots;
+    uint64_t nonce;
+    int32_t pid;
+    _Atomic int32_t closed;
+    _Atomic int32_t peers[AIO_DIRECT_PEERS]; /* pid of each attached engine's process, 0: free */
+    direct_slot slots[AIO_DIRECT_SLOTS];
+} direct_table;
+
+typedef struct direct_peer { /* a peer's table this engine attached to */
+    direct_table *t;
+    int32_t pid;
+    int pidfd;
+    uint64_t nonce;
+    int index;           /* our bit in its slots' busy words */
+    _Atomic int dead;    /* its process exited */
+    uint64_t checked;    /* the direct_run pass that last checked it is alive */
+} direct_peer;
 
 typedef struct aio_rail {
     pthread_mutex_t mu;
@@ -107,6 +152,7 @@ typedef struct aio_rail {
     uint32_t send_nfree;
     uint64_t tx_op_flags; /* default transmit flags (fi_writemsg does not apply them) */
     int by_addr;          /* a tcp rail bound to an interface's address */
+    int is_shm;           /* the shm provider: regions get a direct-copy slot */
     size_t iov_limit;     /* local iovecs per RMA request */
     /* link state of the interface behind a tcp rail (ifindex 0: not watched) */
     int ifindex;
@@ -123,6 +169,7 @@ struct aio_mr {
     uint64_t key[AIO_MAX_RAILS];
     uint64_t base[AIO_MAX_RAILS];
     _Atomic int64_t inflight;
+    int32_t direct_slot; /* -1: none */
     aio_mr *prev, *next;
 };
 
@@ -214,6 +261,20 @@ struct aio_engine {
     watch_slot *watches;     /* AIO_MAX_WATCHES, allocated on first use */
     int32_t watch_hi;        /* slots [0, watch_hi) may be in use */
     _Atomic int32_t nwatch;
+
+    /* direct same-host copies: this engine's table (as a target), under mr_mu */
+    direct_table *dtab;
+    int dfd;
+    uint8_t *dused; /* AIO_DIRECT_SLOTS: the slot belongs to a region */
+    uint32_t dhint;
+    /* ... and the peers' tables it copies into (as an initiator), under dmu */
+    pthread_mutex_t dmu;
+    direct_peer *dpeers; /* AIO_DIRECT_ATTACH, allocated on the first attach */
+    _Atomic int32_t ndpeers;
+    aio_op *dq_head, *dq_tail; /* queued direct copies, for the poller */
+    _Atomic int32_t dq_pending;
+    uint64_t drun;
+    _Atomic uint64_t st_direct;
 
     /* stats */
     _Atomic uint64_t st_polls, st_sleeps, st_wakeups, st_completions, st_remote, st_errors;
@@ -779,6 +840,359 @@ static int progress_locked(aio_engine *e, aio_rail *r) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ direct same-host copies */
+
+static int pid_alive(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+
+/* A free slot for a region (caller holds mr_mu), or -1 when the table is full. */
+static int32_t direct_slot_get(aio_engine *e) {
+    for (uint32_t k = 0; k < AIO_DIRECT_SLOTS; k++) {
+        uint32_t i = (e->dhint + k) % AIO_DIRECT_SLOTS;
+        if (!e->dused[i]) {
+            e->dused[i] = 1;
+            e->dhint = i + 1;
+            return (int32_t)i;
+        }
+    }
+    return -1;
+}
+
+/* Closes a slot to new copies and waits briefly for those under way: 0 when none is left,
+ * -FI_EBUSY when an attached process that is alive still copies (the caller tries again later).
+ * A mark whose engine detached or whose process died is cleared: it can copy no more. */
+static int direct_retire(direct_table *t, int32_t idx, int64_t wait_ns) {
+    direct_slot *s = &t->slots[idx];
+    atomic_store(&s->key, 0); /* seq_cst, then busy is read: see direct_copy */
+    int64_t until = now_ns() + wait_ns;
+    for (;;) {
+        uint64_t b = atomic_load(&s->busy);
+        if (!b) return 0;
+        if (now_ns() >= until) {
+            for (int p = 0; p < AIO_DIRECT_PEERS; p++) {
+                if (!(b & (1ULL << p))) continue;
+                int32_t pid = atomic_load(&t->peers[p]);
+                if (!pid_alive(pid)) atomic_fetch_and(&s->busy, ~(1ULL << p));
+            }
+            return atomic_load(&s->busy) ? -FI_EBUSY : 0;
+        }
+        sched_yield();
+    }
+}
+
+int aio_engine_enable_direct(aio_engine *e, char *err, size_t errlen) {
+    if (e->dtab) return 0;
+    int shm = 0;
+    for (int i = 0; i < e->nrails; i++) shm |= e->rails[i]->is_shm;
+    if (!shm) {
+        set_err(err, errlen, "direct same-host copies need an shm rail");
+        return -FI_EINVAL;
+    }
+    int fd = memfd_create("aiote-direct", MFD_CLOEXEC);
+    if (fd < 0) {
+        set_err(err, errlen, "memfd_create: %s", strerror(errno));
+        return -errno;
+    }
+    if (ftruncate(fd, sizeof(direct_table)) != 0) {
+        int en = errno;
+        close(fd);
+        set_err(err, errlen, "ftruncate: %s", strerror(en));
+        return -en;
+    }
+    void *p = mmap(NULL, sizeof(direct_table), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    uint8_t *used = calloc(AIO_DIRECT_SLOTS, 1);
+    if (p == MAP_FAILED || !used) {
+        int en = p == MAP_FAILED ? errno : ENOMEM;
+        if (p != MAP_FAILED) munmap(p, sizeof(direct_table));
+        free(used);
+        close(fd);
+        set_err(err, errlen, "mapping the direct-copy table: %s", strerror(en));
+        return -en;
+    }
+    direct_table *t = p; /* zero-filled by ftruncate */
+    t->magic = DIRECT_MAGIC;
+    t->version = DIRECT_VERSION;
+    t->nslots = AIO_DIRECT_SLOTS;
+    t->pid = (int32_t)getpid();
+    while (getrandom(&t->nonce, sizeof(t->nonce), 0) != sizeof(t->nonce)) {
+    }
+    pthread_mutex_lock(&e->mr_mu);
+    e->dused = used;
+    e->dfd = fd;
+    e->dtab = t;
+    pthread_mutex_unlock(&e->mr_mu);
+    return 0;
+}
+
+int aio_direct_info_get(aio_engine *e, aio_direct_info *out) {
+    if (!e->dtab) return -FI_ENODATA;
+    out->pid = e->dtab->pid;
+    out->fd = e->dfd;
+    out->nonce = e->dtab->nonce;
+    out->table = (uint64_t)(uintptr_t)e->dtab;
+    return 0;
+}
+
+int32_t aio_mr_direct_slot(aio_mr *m) { return m->direct_slot; }
+
+/* Publishes a new region in the table (caller holds mr_mu): its slot, or -1. */
+static int32_t direct_publish(aio_engine *e, aio_mr *m) {
+    int first = -1;
+    for (int i = 0; i < m->nrails && first < 0; i++)
+        if (e->rails[i]->is_shm) first = i;
+    if (first < 0 || m->key[first] == 0) return -1;
+    int32_t idx = direct_slot_get(e);
+    if (idx < 0) return -1;
+    direct_slot *s = &e->dtab->slots[idx];
+    atomic_store_explicit(&s->base, (uint64_t)(uintptr_t)m->buf, memory_order_relaxed);
+    atomic_store_explicit(&s->len, m->len, memory_order_relaxed);
+    atomic_store_explicit(&s->access, m->access, memory_order_relaxed);
+    atomic_store(&s->key, m->key[first]); /* publishes the fields above */
+    return idx;
+}
+
+static void direct_unpublish(aio_engine *e, aio_mr *m) {
+    pthread_mutex_lock(&e->mr_mu);
+    e->dused[m->direct_slot] = 0;
+    m->direct_slot = -1;
+    pthread_mutex_unlock(&e->mr_mu);
+}
+
+int aio_direct_attach(aio_engine *e, const aio_direct_info *pi, char *err, size_t errlen) {
+    pthread_mutex_lock(&e->dmu);
+    int n = atomic_load(&e->ndpeers);
+    for (int i = 0; i < n; i++) {
+        direct_peer *p = &e->dpeers[i];
+        if (p->pid == pi->pid && p->nonce == pi->nonce && !atomic_load(&p->dead)) {
+            pthread_mutex_unlock(&e->dmu);
+            return i;
+        }
+    }
+    int ret = 0;
+    int fd = -1, pidfd = -1, index = -1;
+    direct_table *t = MAP_FAILED;
+    int32_t me = (int32_t)getpid();
+    if (!e->dpeers && !(e->dpeers = calloc(AIO_DIRECT_ATTACH, sizeof(direct_peer)))) {
+        ret = -FI_ENOMEM;
+        goto out;
+    }
+    if (n >= AIO_DIRECT_ATTACH) {
+        set_err(err, errlen, "this engine is attached to %d peers' tables already", n);
+        ret = -FI_ENOSPC;
+        goto out;
+    }
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)pi->pid, (int)pi->fd);
+    fd = open(path, O_RDWR | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0 || (uint64_t)st.st_size < sizeof(direct_table)) {
+        ret = fd < 0 ? -errno : -FI_EINVAL;
+        set_err(err, errlen, "opening the peer's table %s: %s", path,
+                fd < 0 ? strerror(errno) : "not a table");
+        goto out;
+    }
+    t = mmap(NULL, sizeof(direct_table), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (t == MAP_FAILED) {
+        ret = -errno;
+        set_err(err, errlen, "mapping the peer's table: %s", strerror(errno));
+        goto out;
+    }
+    if (t->magic != DIRECT_MAGIC || t->version != DIRECT_VERSION || t->nslots != AIO_DIRECT_SLOTS ||
+        t->nonce != pi->nonce || t->pid != pi->pid || atomic_load(&t->closed)) {
+        set_err(err, errlen, "%s is not the table the peer published (closed, or another process)",
+                path);
+        ret = -FI_EINVAL;
+        goto out;
+    }
+    pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pi->pid, 0);
+    if (pidfd < 0) {
+        ret = -errno;
+        set_err(err, errlen, "pidfd_open(%d): %s", (int)pi->pid, strerror(errno));
+        goto out;
+    }
+    for (int p = 0; p < AIO_DIRECT_PEERS && index < 0; p++) {
+        int32_t cur = atomic_load(&t->peers[p]);
+        if (cur != 0 && pid_alive(cur)) continue;
+        if (!atomic_compare_exchange_strong(&t->peers[p], &cur, me)) continue;
+        index = p;
+        if (cur != 0) /* the marks of an engine whose process died are void */
+            for (int k = 0; k < AIO_DIRECT_SLOTS; k++) atomic_fetch_and(&t->slots[k].busy, ~(1ULL << p));
+    }
+    if (index < 0) {
+        set_err(err, errlen, "the peer's table has %d attached engines already", AIO_DIRECT_PEERS);
+        ret = -FI_ENOSPC;
+        goto out;
+    }
+    /* the probe: the table's nonce read through the peer's memory proves that this process may
+     * copy from and into it (the same permission) and that the pid names the table's owner */
+    uint64_t v = 0;
+    struct iovec lio = {.iov_base = &v, .iov_len = sizeof(v)};
+    struct iovec rio = {.iov_base = (void *)(uintptr_t)(pi->table + offsetof(direct_table, nonce)),
+                        .iov_len = sizeof(v)};
+    ssize_t k = process_vm_readv((pid_t)pi->pid, &lio, 1, &rio, 1, 0);
+    if (k != (ssize_t)sizeof(v) || v != pi->nonce) {
+        ret = k < 0 ? -errno : -FI_EINVAL;
+        set_err(err, errlen, "a probe copy from process %d %s", (int)pi->pid,
+                k < 0 ? strerror(errno) : "did not read its table");
+        atomic_store(&t->peers[index], 0);
+        goto out;
+    }
+    direct_peer *p = &e->dpeers[n];
+    p->t = t;
+    p->pid = pi->pid;
+    p->pidfd = pidfd;
+    p->nonce = pi->nonce;
+    p->index = index;
+    atomic_store(&p->dead, 0);
+    p->checked = 0;
+    close(fd);
+    atomic_store(&e->ndpeers, n + 1);
+    pthread_mutex_unlock(&e->dmu);
+    return n;
+out:
+    if (fd >= 0) close(fd);
+    if (pidfd >= 0) close(pidfd);
+    if (t != MAP_FAILED) munmap(t, sizeof(direct_table));
+    pthread_mutex_unlock(&e->dmu);
+    return ret;
+}
+
+int aio_direct_mark(aio_engine *e, int attach, int32_t slot, int on) {
+    if (attach < 0 || attach >= atomic_load(&e->ndpeers) || slot < 0 || slot >= AIO_DIRECT_SLOTS)
+        return -FI_EINVAL;
+    direct_peer *p = &e->dpeers[attach];
+    if (on) atomic_fetch_or(&p->t->slots[slot].busy, 1ULL << p->index);
+    else atomic_fetch_and(&p->t->slots[slot].busy, ~(1ULL << p->index));
+    return 0;
+}
+
+/* Makes one direct copy (the poller's thread): 0, or a negative error for its op. */
+static int direct_copy(aio_engine *e, const aio_op_desc *d) {
+    direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
+    uint32_t idx = (uint32_t)d->direct & 0xffff;
+    if (atomic_load(&p->dead)) return -FI_ECONNRESET;
+    if (p->checked != e->drun) { /* once per pass: has its process exited (pid reuse)? */
+        p->checked = e->drun;
+        struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
+        if (poll(&pf, 1, 0) > 0 || atomic_load(&p->t->closed)) {
+            atomic_store(&p->dead, 1);
+            return -FI_ECONNRESET;
+        }
+    }
+    direct_slot *s = &p->t->slots[idx];
+    uint64_t bit = 1ULL << p->index;
+    /* mark, then read the key (seq_cst both): the owner clears the key, then reads the marks,
+     * so either it sees our mark and waits, or we see its cleared key and do not copy */
+    atomic_fetch_or(&s->busy, bit);
+    int rc = 0;
+    uint64_t key = atomic_load(&s->key);
+    uint64_t base = atomic_load_explicit(&s->base, memory_order_relaxed);
+    uint64_t len = atomic_load_explicit(&s->len, memory_order_relaxed);
+    uint32_t need = d->op == AIO_OP_READ ? AIO_ACCESS_REMOTE_READ : AIO_ACCESS_REMOTE_WRITE;
+    if (key == 0 || key != d->rkey || d->raddr < base || d->raddr - base > len ||
+        d->length > len - (d->raddr - base) ||
+        !(atomic_load_explicit(&s->access, memory_order_relaxed) & need)) {
+        rc = -FI_EACCES;
+    } else {
+        aio_mr *m = d->mr;
+        uint64_t done = 0;
+        while (done < d->length) {
+            struct iovec lio = {.iov_base = (char *)m->buf + d->offset + done, .iov_len = d->length - done};
+            struct iovec rio = {.iov_base = (void *)(uintptr_t)(d->raddr + done), .iov_len = d->length - done};
+            ssize_t k = d->op == AIO_OP_READ ? process_vm_readv(p->pid, &lio, 1, &rio, 1, 0)
+                                             : process_vm_writev(p->pid, &lio, 1, &rio, 1, 0);
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) {
+                rc = k == 0 ? -FI_EFAULT : errno == ESRCH ? -FI_ECONNRESET : -errno;
+                break;
+            }
+            done += (uint64_t)k;
+        }
+    }
+    atomic_fetch_and(&s->busy, ~bit);
+    return rc;
+}
+
+/* Queues a direct copy for the poller. Caller holds the op's rail lock. */
+static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it) {
+    op->d = *it;
+    op->dcopied = 0;
+    op->dnext = NULL;
+    pthread_mutex_lock(&e->dmu);
+    if (e->dq_tail) e->dq_tail->dnext = op;
+    else e->dq_head = op;
+    e->dq_tail = op;
+    atomic_store(&e->dq_pending, 1);
+    pthread_mutex_unlock(&e->dmu);
+}
+
+/* The poller's part: makes the queued copies in order; a write carrying an immediate then
+ * posts it as a zero-byte write on the op's rail, whose completion completes the op. Returns
+ * how many ops it handled; ops left (the rail's queue is full) stay queued, first. */
+static int direct_run(aio_engine *e) {
+    if (!atomic_load_explicit(&e->dq_pending, memory_order_acquire)) return 0;
+    pthread_mutex_lock(&e->dmu);
+    aio_op *list = e->dq_head;
+    e->dq_head = e->dq_tail = NULL;
+    atomic_store(&e->dq_pending, 0);
+    pthread_mutex_unlock(&e->dmu);
+    e->drun++;
+    int n = 0;
+    while (list) {
+        aio_op *op = list;
+        if (!op->dcopied) {
+            op->dstatus = direct_copy(e, &op->d);
+            op->dcopied = 1;
+            if (!op->dstatus) atomic_fetch_add_explicit(&e->st_direct, 1, memory_order_relaxed);
+        }
+        aio_rail *r = e->rails[op->rail];
+        const aio_op_desc *d = &op->d;
+        pthread_mutex_lock(&r->mu);
+        if (!op->dstatus && (d->flags & AIO_F_DATA)) {
+            aio_mr *m = d->mr;
+            ssize_t ret = fi_writedata(r->ep, (char *)m->buf + d->offset, 0, m->desc[op->rail], d->data,
+                                       d->peer, d->raddr, d->rkey, &op->ctx);
+            if (ret == -FI_EAGAIN) { /* the rest waits, in order, for room */
+                progress_locked(e, r);
+                pthread_mutex_unlock(&r->mu);
+                pthread_mutex_lock(&e->dmu);
+                aio_op *tail = list;
+                while (tail->dnext) tail = tail->dnext;
+                tail->dnext = e->dq_head;
+                if (!e->dq_head) e->dq_tail = tail;
+                e->dq_head = list;
+                atomic_store(&e->dq_pending, 1);
+                pthread_mutex_unlock(&e->dmu);
+                return n + 1;
+            }
+            list = op->dnext;
+            if (ret) complete_op(e, r, op, (int)ret, 0);
+        } else {
+            list = op->dnext;
+            complete_op(e, r, op, op->dstatus, op->dstatus ? -op->dstatus : 0);
+        }
+        pthread_mutex_unlock(&r->mu);
+        n++;
+    }
+    return n;
+}
+
+static void direct_destroy(aio_engine *e) {
+    for (int i = 0; i < atomic_load(&e->ndpeers); i++) {
+        direct_peer *p = &e->dpeers[i];
+        int32_t me = (int32_t)getpid();
+        atomic_compare_exchange_strong(&p->t->peers[p->index], &me, 0);
+        munmap(p->t, sizeof(direct_table));
+        close(p->pidfd);
+    }
+    free(e->dpeers);
+    if (e->dtab) {
+        atomic_store(&e->dtab->closed, 1);
+        munmap(e->dtab, sizeof(direct_table));
+        close(e->dfd);
+        free(e->dused);
+    }
+}
+
 /* ------------------------------------------------------------------ engine */
 
 static void kick(aio_engine *e) {
@@ -988,7 +1402,7 @@ static void *poller_main(void *arg) {
         if (e->rails[i]->bytes_fd) any_fd = 1;
     }
     while (!atomic_load(&e->stop)) {
-        int got = 0;
+        int got = direct_run(e);
         int64_t t_poll = now_ns(); /* idle gaps end here: reading a large message is not idle */
         for (int i = 0; i < e->nrails; i++) {
             aio_rail *r = e->rails[i];
@@ -1130,6 +1544,8 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     pthread_mutex_init(&e->cnt_mu, NULL);
     pthread_mutex_init(&e->mr_mu, NULL);
     pthread_mutex_init(&e->watch_mu, NULL);
+    pthread_mutex_init(&e->dmu, NULL);
+    e->dfd = -1;
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->nl_fd = -1;
     atomic_store(&e->want_below, -1);
@@ -1376,6 +1792,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
         snprintf(service, sizeof(service), "%u", (unsigned)(e->cfg.base_port + (uint32_t)n));
     }
     r->by_addr = by_addr;
+    r->is_shm = strcmp(map_provider(provider), "shm") == 0;
     /* device memory (FI_HMEM) first where a provider may have it; Debian's socket-based and
      * shared-memory providers are built without CUDA, so they are not asked (it costs a probe) */
     const char *mp = map_provider(provider);
@@ -1565,10 +1982,13 @@ void aio_engine_destroy(aio_engine *e) {
             r->ep = NULL;
         }
     }
+    if (e->dtab) atomic_store(&e->dtab->closed, 1);
     pthread_mutex_lock(&e->mr_mu);
     aio_mr *m = e->mrs;
     while (m) {
         aio_mr *nx = m->next;
+        /* peers copying now finish first (a live process stopped mid-copy: give up after 2 s) */
+        if (m->direct_slot >= 0) direct_retire(e->dtab, m->direct_slot, 2000000000LL);
         for (int i = 0; i < m->nrails; i++)
             if (m->mr[i]) fi_close(&m->mr[i]->fid);
         free(m);
@@ -1577,6 +1997,7 @@ void aio_engine_destroy(aio_engine *e) {
     e->mrs = NULL;
     pthread_mutex_unlock(&e->mr_mu);
     for (int i = 0; i < e->nrails; i++) rail_free(e->rails[i]);
+    direct_destroy(e);
     while (e->ovf_head) {
         overflow_node *x = e->ovf_head;
         e->ovf_head = x->next;
@@ -1595,6 +2016,7 @@ void aio_engine_destroy(aio_engine *e) {
     pthread_mutex_destroy(&e->groups_mu);
     pthread_mutex_destroy(&e->cnt_mu);
     pthread_mutex_destroy(&e->mr_mu);
+    pthread_mutex_destroy(&e->dmu);
     free(e);
 }
 
@@ -1679,6 +2101,7 @@ int aio_mr_register_dev(aio_engine *e, void *buf, uint64_t len, uint32_t access,
     m->buf = buf;
     m->len = len;
     m->access = access;
+    m->direct_slot = -1;
     uint64_t acc = FI_READ | FI_WRITE | FI_SEND | FI_RECV;
     if (access & AIO_ACCESS_REMOTE_WRITE) acc |= FI_REMOTE_WRITE;
     if (access & AIO_ACCESS_REMOTE_READ) acc |= FI_REMOTE_READ;
@@ -1710,6 +2133,8 @@ int aio_mr_register_dev(aio_engine *e, void *buf, uint64_t len, uint32_t access,
     m->next = e->mrs;
     if (e->mrs) e->mrs->prev = m;
     e->mrs = m;
+    if (e->dtab && iface == AIO_HMEM_SYSTEM && (access & (AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ)))
+        m->direct_slot = direct_publish(e, m);
     pthread_mutex_unlock(&e->mr_mu);
     *out = m;
     return 0;
@@ -1723,6 +2148,11 @@ int64_t aio_mr_inflight(aio_mr *m) { return atomic_load(&m->inflight); }
 
 int aio_mr_close(aio_engine *e, aio_mr *m) {
     if (atomic_load(&m->inflight) > 0) return -FI_EBUSY;
+    if (m->direct_slot >= 0) {
+        int rc = direct_retire(e->dtab, m->direct_slot, 200000);
+        if (rc) return rc;
+        direct_unpublish(e, m);
+    }
     pthread_mutex_lock(&e->mr_mu);
     if (m->prev) m->prev->next = m->next; else e->mrs = m->next;
     if (m->next) m->next->prev = m->prev;
@@ -1792,6 +2222,11 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
         return -FI_EINVAL;
     aio_mr *m = it->mr;
     if (it->offset > m->len || it->length > m->len - it->offset) return -FI_EINVAL;
+    /* a direct copy: one local piece, at least one byte (a bare immediate goes the provider's way) */
+    int direct = it->direct != 0 && ngather <= 1 && it->length > 0;
+    if (direct && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
+                   (it->direct & 0xffff) >= AIO_DIRECT_SLOTS))
+        return -FI_EINVAL;
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
     pthread_mutex_lock(&r->mu);
@@ -1812,11 +2247,15 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     atomic_fetch_add(&gr->posted, 1);
     atomic_fetch_add(&gr->outstanding, 1);
     atomic_fetch_add(&e->ops_in_flight, 1);
-    ssize_t ret;
-    for (;;) {
-        ret = ngather > 1 ? post_gather(r, it, gather, ngather, op) : post_one(r, it, op);
-        if (ret != -FI_EAGAIN) break;
-        if (!post_progress(e, r, deadline, &idle)) break;
+    ssize_t ret = 0;
+    if (direct) {
+        direct_enqueue(e, op, it); /* the poller copies (aio_post kicks it) */
+    } else {
+        for (;;) {
+            ret = ngather > 1 ? post_gather(r, it, gather, ngather, op) : post_one(r, it, op);
+            if (ret != -FI_EAGAIN) break;
+            if (!post_progress(e, r, deadline, &idle)) break;
+        }
     }
     if (ret) {
         atomic_fetch_sub(&m->inflight, 1);
@@ -2028,4 +2467,5 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->remote_data = atomic_load(&e->st_remote);
     o->errors = atomic_load(&e->st_errors);
     o->spin_window_ns = (uint64_t)atomic_load(&e->st_adapt);
+    o->direct_ops = atomic_load(&e->st_direct);
 }

@@ -75,7 +75,8 @@ typedef struct aio_op_desc {
     int32_t rail;
     int32_t op;        /* AIO_OP_WRITE / AIO_OP_READ */
     int32_t flags;
-    int32_t pad;
+    int32_t direct;    /* 0: through the rail's provider; else AIO_DIRECT(attach, slot): a same-host
+                          copy made by this engine (see "Direct same-host copies" below) */
 } aio_op_desc;
 
 typedef struct aio_rail_info {
@@ -163,8 +164,50 @@ uint64_t aio_mr_key(aio_mr *mr, int rail);
 /* remote address base a peer must use for offset 0 (0 for offset-based providers) */
 uint64_t aio_mr_remote_base(aio_mr *mr, int rail);
 int64_t aio_mr_inflight(aio_mr *mr);
-/* -EBUSY while work requests that touch the region are in flight. */
+/* -EBUSY while work requests that touch the region are in flight, or while a same-host peer
+ * is copying into or out of it directly (a microsecond-to-millisecond wait: call again; from
+ * the first such call on, new direct copies into the region are refused). */
 int aio_mr_close(aio_engine *e, aio_mr *mr);
+
+/* Direct same-host copies.
+ *
+ * libfabric 1.17's shm provider carries a write out at the *target*: the target's progress
+ * copies the bytes (process_vm_readv) while holding the lock its senders need to enqueue. A
+ * direct copy is made by the *initiator's* poller instead (process_vm_writev / readv), the way
+ * UCX's same-host path works, and keeps the target's checks: each engine that enables it
+ * publishes a region table in shared memory (a memfd that peers open through /proc/<pid>/fd,
+ * which takes the same permission as the copies themselves). A registered host region takes a
+ * slot there holding its key, bounds and access rights. An initiator marks itself busy on
+ * the slot, checks the key the descriptor carried, the bounds and the right, copies, and
+ * clears its mark; the region's owner closing it clears the key first, then waits until no
+ * mark is left (marks of peers whose process died are cleared). So a stale descriptor never
+ * writes into memory its owner unregistered. An immediate follows the copy as a zero-byte
+ * write through the shm rail, so the target's counters work as over the provider.
+ *
+ * aio_engine_enable_direct: creates the table (the engine needs an shm rail). 0 or negative.
+ * aio_direct_info: what a peer needs to attach (-FI_ENODATA without a table).
+ * aio_mr_direct_slot: the region's slot, or -1 (no table, device memory, no remote access,
+ *   or the table is full: peers then go through the provider).
+ * aio_direct_attach: maps a peer's table and checks that this process may copy into the
+ *   peer's memory (a probe copy into the table); returns the attachment index (>= 0; the
+ *   same peer gets the same index) or a negative error with `err` filled. */
+#define AIO_DIRECT_SLOTS 4096
+#define AIO_DIRECT_PEERS 64   /* attached engines per table */
+#define AIO_DIRECT_ATTACH 255 /* tables one engine attaches to */
+#define AIO_DIRECT(attach, slot) ((int32_t)((((attach) + 1) << 16) | (slot)))
+typedef struct aio_direct_info {
+    int32_t pid;
+    int32_t fd;
+    uint64_t nonce;
+    uint64_t table; /* the table's address in the owner's process */
+} aio_direct_info;
+int aio_engine_enable_direct(aio_engine *e, char *err, size_t errlen);
+int aio_direct_info_get(aio_engine *e, aio_direct_info *out);
+int32_t aio_mr_direct_slot(aio_mr *mr);
+int aio_direct_attach(aio_engine *e, const aio_direct_info *peer, char *err, size_t errlen);
+/* For tests: sets (on = 1) or clears this engine's busy mark on a slot of an attached peer's
+ * table, as a copy under way does. 0 or -FI_EINVAL. */
+int aio_direct_mark(aio_engine *e, int attach, int32_t slot, int on);
 
 /* Groups: a set of work requests finished as one. Open a group, post into it
  * (possibly over several calls), seal it: one AIO_REC_GROUP record is pushed when
@@ -327,6 +370,7 @@ typedef struct aio_stats {
     uint64_t remote_data;
     uint64_t errors;
     uint64_t spin_window_ns; /* the poller's adaptive spin window now: 0 = the base (spin_ns) */
+    uint64_t direct_ops;     /* direct same-host copies made (writes and reads) */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
 

@@ -12,7 +12,12 @@ Memory descriptor (``bytes(mr.descriptor)``)::
     b"AIOD" | u8 version | u8 access | u8 device kind | u8 nrails | i32 device id | u64 length
     | 16 B host id | per rail: str provider, bytes addr, u64 base, u64 key
     | GPU regions only: u64 region id | u8 backend | bytes IPC handle (may be empty) | u64 offset
+    | host regions, optional: u8 1 | i32 pid | i32 fd | u64 nonce | u64 table | u32 slot | u64 key
     | u32 crc
+
+A host region of an engine that takes direct same-host copies (``open_engine(same_host_direct=
+True)``, with an shm rail) also names its slot in the owner's region table, and where peers on
+the same host find that table (``DirectExtent``).
 
 A GPU region's descriptor also names the region (for the staging protocol: its owner copies
 landed bytes from its pinned host shadow into GPU memory before crediting) and, for peers on
@@ -34,6 +39,7 @@ from ._errors import DescriptorError
 __all__ = [
     "ACCESS_REMOTE_READ",
     "ACCESS_REMOTE_WRITE",
+    "DirectExtent",
     "EngineAddress",
     "GpuExtent",
     "MemoryDescriptor",
@@ -183,6 +189,25 @@ class GpuExtent:
     direct: bool = False
 
 
+_DIRECT_TAG = 1
+_DIRECT_FMT = "<iiQQIQ"
+
+
+@dataclass(frozen=True, slots=True)
+class DirectExtent:
+    """What a host region's descriptor adds when its owner takes direct same-host copies:
+    the owner's process id, the file descriptor of its region table (peers open it through
+    ``/proc/<pid>/fd``), the table's nonce and address in the owner, the region's slot there
+    and the key the slot holds. A frozen record: building one checks nothing."""
+
+    pid: int
+    fd: int
+    nonce: int
+    table: int
+    slot: int
+    key: int
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryDescriptor:
     """What a peer needs to access a registered region: plain bytes, safe to ship.
@@ -198,6 +223,7 @@ class MemoryDescriptor:
     host_id: bytes
     keys: tuple[_RemoteKey, ...]
     gpu: GpuExtent | None = None
+    direct: DirectExtent | None = None
 
     @property
     def remote_write(self) -> bool:
@@ -232,6 +258,10 @@ class MemoryDescriptor:
             flags = g.backend | (_DIRECT if g.direct else 0)
             body += struct.pack("<QB", g.region_id, flags) + struct.pack("<B", len(g.ipc_handle))
             body += g.ipc_handle + struct.pack("<Q", g.ipc_offset)
+        elif self.direct is not None:
+            x = self.direct
+            body += struct.pack("<B", _DIRECT_TAG)
+            body += struct.pack(_DIRECT_FMT, x.pid, x.fd, x.nonce, x.table, x.slot, x.key)
         return _seal(body)
 
     @classmethod
@@ -268,6 +298,12 @@ class MemoryDescriptor:
             handle = r.take(hl)
             (ipc_off,) = r.unpack("<Q")
             gpu = GpuExtent(rid, backend, handle, ipc_off, bool(flags & _DIRECT))
+        direct = None
+        if kind == DEVICE_HOST and r.pos < len(r.data):
+            (tag,) = r.unpack("<B")
+            if tag != _DIRECT_TAG:
+                raise DescriptorError(f"memory descriptor has an unknown extension {tag}")
+            direct = DirectExtent(*r.unpack(_DIRECT_FMT))
         if r.pos != len(r.data):
             raise DescriptorError("memory descriptor has trailing bytes")
-        return cls(length, access, kind, dev, host, tuple(keys), gpu)
+        return cls(length, access, kind, dev, host, tuple(keys), gpu, direct)

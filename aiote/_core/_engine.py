@@ -28,6 +28,7 @@ from ._descriptor import (
     ACCESS_REMOTE_WRITE,
     DEVICE_CUDA,
     DEVICE_HOST,
+    DirectExtent,
     EngineAddress,
     GpuExtent,
     MemoryDescriptor,
@@ -85,6 +86,9 @@ _PEER_ERRORS = {
 # EPERM, EACCES, EFAULT, EREMOTEIO, EKEYREJECTED, FI_ENOKEY: the peer refused the access
 _ACCESS_ERRORS = {1, 13, 14, 121, 129, 266}
 _FI_ETRUNC = 265
+_FI_EBUSY = 16
+_NO_DIRECT = (0, 0)
+_DIRECT_SLOTS = int(lib.AIO_DIRECT_SLOTS)
 _FI_ECANCELED = 125
 _ENOENT = 2
 _STALLED = -(1 << 29)  # posting made no progress for connect_timeout
@@ -208,7 +212,7 @@ _OP_DTYPE = np.dtype(
         ("rail", "<i4"),
         ("op", "<i4"),
         ("flags", "<i4"),
-        ("pad", "<i4"),
+        ("direct", "<i4"),
     ]
 )
 assert _OP_DTYPE.itemsize == ffi.sizeof("aio_op_desc")
@@ -246,6 +250,7 @@ class Engine:
         gpu_ipc: bool = True,
         gpu_direct: bool | None = None,
         streams: int = 1,
+        same_host_direct: bool = True,
     ) -> None:
         self._h = handle
         self._gpu: GpuSupport | None = None
@@ -290,6 +295,18 @@ class Engine:
         self._space: Any = None  # set when a request completes after aio_want_space
         self._scratch: MemoryRegion | None = None
         self._log = _log.bind(engine=self._address_bytes[-4:].hex())
+        # direct same-host copies (see aiote_core.h): this engine's table, if it publishes one,
+        # and the peers' tables it copies into (attached on first use; -1: not possible)
+        self._shm_rails = frozenset(r.index for r in rails if r.provider == "shm")
+        self._direct_on = same_host_direct and bool(self._shm_rails)
+        info = ffi.new("aio_direct_info*")
+        self._direct_info: tuple[int, int, int, int] | None = (
+            (int(info.pid), int(info.fd), int(info.nonce), int(info.table))
+            if self._direct_on and lib.aio_direct_info_get(handle, info) == 0
+            else None
+        )
+        self._direct_attached: dict[tuple[int, int], int] = {}
+        self._direct_codes: dict[int, tuple[MemoryDescriptor, int]] = {}
 
     # ------------------------------------------------------------------ properties
 
@@ -355,6 +372,7 @@ class Engine:
             "remote_data": st.remote_data,
             "errors": st.errors,
             "spin_window_ns": st.spin_window_ns,
+            "direct_copies": st.direct_ops,
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._pending),
@@ -676,7 +694,15 @@ class Engine:
             )
             for i, r in enumerate(self._rails)
         )
-        desc = MemoryDescriptor(nbytes, access, device_kind, device_id, self._address.host_id, keys, gpu)
+        direct = None
+        if self._direct_info is not None and dev is None and device_kind == DEVICE_HOST and access:
+            slot = int(lib.aio_mr_direct_slot(mrh))
+            if slot >= 0:
+                first = min(self._shm_rails)
+                direct = DirectExtent(*self._direct_info, slot, keys[first].key)
+        desc = MemoryDescriptor(
+            nbytes, access, device_kind, device_id, self._address.host_id, keys, gpu, direct
+        )
         mr = MemoryRegion(self, owner, cbuf, mrh, nbytes, desc, remote_write, remote_read)
         mr._ptr = int(ffi.cast("uintptr_t", mrh))
         self._regions.add(mr)
@@ -712,22 +738,28 @@ class Engine:
             raise InvalidArgument("the region is already unregistered (unregister each region once)")
         start = now()
         delay = 0.0005
-        while lib.aio_mr_inflight(mr._handle) > 0 or mr._dev_pending > 0:
+        while True:
+            if lib.aio_mr_inflight(mr._handle) == 0 and mr._dev_pending == 0:
+                handle, mr._handle = mr._handle, None
+                rc = lib.aio_mr_close(h, handle)
+                if rc == 0:
+                    break
+                mr._handle = handle
+                if rc != -_FI_EBUSY:  # pragma: no cover - the provider refused to close
+                    raise RegionBusy(f"unregister failed: {_strerror(-rc)}")
+                # a same-host peer is copying into or out of it directly (new copies are
+                # refused from now on): wait like for our own requests
             if timeout is not None and now() - start >= timeout:
                 raise RegionBusy(
                     f"{int(lib.aio_mr_inflight(mr._handle))} work requests and {mr._dev_pending} GPU copies "
-                    "on the region are still in flight; wait for them or retry unregister later"
+                    "on the region are still in flight, or a same-host peer is copying into it; wait for "
+                    "them or retry unregister later"
                 )
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.02)
             h = self._handle()
             if mr._handle is None:
                 raise InvalidArgument("the region was unregistered meanwhile")
-        handle, mr._handle = mr._handle, None
-        rc = lib.aio_mr_close(h, handle)
-        if rc != 0:  # pragma: no cover - raced with a new post from another task
-            mr._handle = handle
-            raise RegionBusy(f"unregister failed: {_strerror(-rc)}")
         self._regions.discard(mr)
         mr._memos.clear()
         if self._gpu is not None:
@@ -901,12 +933,21 @@ class Engine:
         n = len(path)
         start = self._router.start(full)
         ptr = mr._ptr
+        # a READ from a same-host peer that published the region, over shm: a direct copy by
+        # our poller (writes stay with shm, which copies at the target: process_vm_writev marks
+        # every page it wrote dirty, and measured slower here; see docs/benchmarks.md)
+        dcode, dkey = (
+            self._direct(rdesc)
+            if op == _OP_READ and rdesc.direct is not None and mr._dev is None
+            else _NO_DIRECT
+        )
         if n > 1 and self._streams > 1 and length < self._stripe_min and self._on_one_nic(path):
             # streams of one NIC, not striped: as over a single NIC (the immediate travels with
             # the data; the streams take turns). A link failure takes every stream of the NIC.
             hop = path[start % n]
             rail, fa, base, key = hop
-            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], (hop,)
+            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
         if len(full) > 1 and flags and length:
             if credits is None:
                 raise AssertionError("a multi-NIC write with an immediate needs a credit list")
@@ -914,7 +955,8 @@ class Engine:
             data = flags = 0
         if n == 1 or length < self._stripe_min:
             rail, fa, base, key = path[start % n]
-            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], full
+            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], full
         # striped: n shards, 4 KiB aligned
         chunk = -(-length // n)
         chunk = -(-chunk // 4096) * 4096
@@ -922,8 +964,41 @@ class Engine:
         for i, o in enumerate(range(0, length, chunk)):
             rail, fa, base, key = path[(start + i) % n]
             ln = min(chunk, length - o)
-            rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, 0))
+            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, dc))
         return rows, full
+
+    def _direct(self, rdesc: MemoryDescriptor) -> tuple[int, int]:
+        """(the rows' ``direct`` code, the key it is good for) of a region published for direct
+        same-host copies, or (0, 0): this engine does not copy directly, or cannot reach the
+        owner's table (logged once per owner). Attaches on first use (a few system calls),
+        then cached per descriptor object."""
+        hit = self._direct_codes.get(id(rdesc))
+        if hit is not None and hit[0] is rdesc:
+            return hit[1], rdesc.direct.key if rdesc.direct is not None else 0
+        x = rdesc.direct
+        code = 0
+        if x is not None and self._direct_on and rdesc.host_id == self._address.host_id:
+            att = self._direct_attached.get((x.pid, x.nonce))
+            if att is None:
+                info = ffi.new(
+                    "aio_direct_info*", {"pid": x.pid, "fd": x.fd, "nonce": x.nonce, "table": x.table}
+                )
+                err = ffi.new("char[512]")
+                att = int(lib.aio_direct_attach(self._h, info, err, 512))
+                if att < 0:
+                    self._log.info(
+                        "same-host peer: direct copies unavailable, its writes go through shm",
+                        pid=x.pid,
+                        reason=ffi.string(err).decode(errors="replace") or _strerror(-att),
+                    )
+                self._direct_attached[(x.pid, x.nonce)] = att
+            if att >= 0 and 0 <= x.slot < _DIRECT_SLOTS:
+                code = ((att + 1) << 16) | x.slot
+        if len(self._direct_codes) >= 1024:
+            self._direct_codes.clear()
+        self._direct_codes[id(rdesc)] = (rdesc, code)  # holds rdesc: its id cannot be reused meanwhile
+        return code, x.key if x is not None and code else 0
 
     def _on_one_nic(self, path: tuple[tuple[int, int, int, int], ...]) -> bool:
         """Whether every route of ``path`` leaves through the streams of one local NIC."""
@@ -1068,6 +1143,7 @@ class Engine:
             rail, fa, base, key = live[(start + i) % len(live)]
             r["raddr"] = base + (int(r["raddr"]) - old[2])
             r["rail"], r["peer"], r["rkey"] = rail, fa, key
+            r["direct"] = 0
         self._log.warning("rows moved to other NICs after a link failure", rows=len(out))
         self._failovers += len(out)
         return out
@@ -2497,6 +2573,7 @@ def _open_native(
     same_host: str | None = None,
     base_port: int = 0,
     watch_us: int = 100,
+    direct: bool = False,
 ) -> tuple[Any, list[RailInfo]]:
     cfg = ffi.new(
         "aio_engine_config*",
@@ -2557,6 +2634,13 @@ def _open_native(
                     max_message_size=int(info.slot_size),
                 )
             )
+        if direct and any(r.provider == "shm" for r in rails):
+            rc = lib.aio_engine_enable_direct(h, err, 1024)
+            if rc != 0:
+                _log.info(
+                    "direct same-host copies unavailable; same-host peers write through shm",
+                    reason=ffi.string(err).decode(errors="replace") or _strerror(-rc),
+                )
         rc = lib.aio_engine_start(h)
         if rc != 0:
             raise ProviderError(f"could not start the poller thread: {_strerror(-rc)}")
@@ -2592,6 +2676,7 @@ async def open_engine(
     gpu_backend: str = "cuda",
     gpu_direct: bool | None = None,
     streams: int = 1,
+    same_host_direct: bool = True,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -2616,6 +2701,17 @@ async def open_engine(
     when both engines carry it (default ``"shm"``: shared memory, about 2.5x tcp loopback here);
     ``None`` keeps every peer on ``provider`` (see :meth:`Engine.route`). Skipped with a log
     line when the provider is not available.
+    ``same_host_direct``: writes and reads of host memory between two engines on this host
+    that both have an shm rail and this setting are copied by the initiator's poller thread
+    straight into the peer's memory (``process_vm_writev``/``readv``), as UCX does, instead
+    of by the target's shm progress (libfabric 1.17's shm copies at the target while holding
+    the lock its senders need: see docs/benchmarks.md). The target's checks still hold: the
+    engine publishes each host region's key, bounds and access rights in a region table in
+    shared memory; the initiator checks them before every copy, and unregistering a region
+    waits until copies under way finished (new ones are refused). An immediate follows the
+    copy through shm. Falls back to shm, with a log line, where the copy is not permitted
+    (ptrace restrictions) or the table cannot be opened. ``False``: publish no table and
+    copy nothing directly.
     ``stripe_min``: a single write or read of at least this many bytes is split across the
     NICs that reach the peer (several ``nics``); smaller ones go round robin over them.
     ``retry``: the default :class:`RetryPolicy` of the engine's operations (each takes
@@ -2697,6 +2793,7 @@ async def open_engine(
             same_host=same_host,
             base_port=base_port,
             watch_us=watch_interval_us,
+            direct=bool(same_host_direct),
         )
     )
     engine = Engine(
@@ -2714,6 +2811,7 @@ async def open_engine(
         gpu_ipc=bool(gpu_ipc),
         gpu_direct=None if gpu_direct is None else bool(gpu_direct),
         streams=streams,
+        same_host_direct=bool(same_host_direct),
     )
     try:
         await engine._start()

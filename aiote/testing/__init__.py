@@ -236,7 +236,7 @@ async def spawn_peer(
     startup_timeout: float = 30.0, peer_nics: Sequence[str] | None = None,
     same_host: str | None = "shm", prefix: Sequence[str] = (), peer_port: int | None = None,
     peer_gpu_backend: str | None = None, peer_gpu_direct: bool | None = None, peer_streams: int = 1,
-    **engine_kw: Any,
+    peer_same_host_direct: bool = True, **engine_kw: Any,
 ) -> AsyncIterator[PeerProcess]:
     """Starts a peer engine in a new Python process (``python -m aiote.testing._peer``).
 
@@ -245,7 +245,8 @@ async def spawn_peer(
     ``prefix`` runs it under a command (e.g. ``["ip", "netns", "exec", "h2"]``); with
     ``peer_port`` its (tcp) engine listens on that port, so a restarted peer has the same
     address; ``peer_gpu_backend``/``peer_gpu_direct`` open it with that ``gpu_backend`` and
-    ``gpu_direct``; ``peer_streams``: its connections per NIC (``open_engine(streams=)``).
+    ``gpu_direct``; ``peer_streams``: its connections per NIC (``open_engine(streams=)``);
+    ``peer_same_host_direct``: its ``open_engine(same_host_direct=)``.
     The peer exits when
     the block ends; if it is still alive after 10 s it is killed.
 
@@ -266,6 +267,8 @@ async def spawn_peer(
         args += ["--gpu-direct", "yes" if peer_gpu_direct else "no"]
     if peer_streams != 1:
         args += ["--streams", str(peer_streams)]
+    if not peer_same_host_direct:
+        args += ["--no-direct"]
     engine_kw["same_host"] = same_host
     env = dict(os.environ)
     proc = await anyio.open_process(args, stdin=None, stdout=-1, stderr=None, env=env)

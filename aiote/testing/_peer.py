@@ -132,10 +132,11 @@ async def _main(
     gpu_backend: str,
     gpu_direct: bool | None,
     streams: int = 1,
+    same_host_direct: bool = True,
 ) -> None:
     async with open_engine(
         provider, nics or None, same_host=same_host, port=port, gpu_backend=gpu_backend,
-        gpu_direct=gpu_direct, streams=streams,
+        gpu_direct=gpu_direct, streams=streams, same_host_direct=same_host_direct,
     ) as engine:
         sys.stdout.write(f"AIOTE_PEER {engine.address.hex()}\n")
         sys.stdout.flush()
@@ -153,11 +154,13 @@ def main() -> None:
     ap.add_argument("--gpu-backend", default="cuda", help="cuda, or host (GPU emulation for tests)")
     ap.add_argument("--gpu-direct", choices=["auto", "yes", "no"], default="auto")
     ap.add_argument("--streams", type=int, default=1, help="connections per NIC")
+    ap.add_argument("--no-direct", action="store_true", help="open_engine(same_host_direct=False)")
     a = ap.parse_args()
     same_host = None if a.same_host == "none" else a.same_host
     direct = {"auto": None, "yes": True, "no": False}[a.gpu_direct]
     anyio.run(
-        _main, a.provider, a.nic, same_host, a.port, a.gpu_backend, direct, a.streams, backend=a.backend
+        _main, a.provider, a.nic, same_host, a.port, a.gpu_backend, direct, a.streams, not a.no_direct,
+        backend=a.backend,
     )
 
 

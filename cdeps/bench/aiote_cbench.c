@@ -47,6 +47,8 @@
  *          aio_drain / aio_counter_take instead of aio_arm + poll on the eventfd),
  *          --small-pages (the region in 4 KiB pages; by default a region of 4 MiB or more
  *          asks for transparent huge pages, as NumPy does for the arrays aiote registers),
+ *          --no-direct (shm: READs through the provider; by default they are direct
+ *          same-host copies made by the reading side, as aiote makes them),
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
  *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000),
  *          --msg-slots N (message slots per side: sendrecv, msgpingpong; 16),
@@ -98,6 +100,7 @@ typedef struct opts {
     uint64_t size, window, total, slots;
     uint64_t batch; /* write, read: requests per group, posted in one aio_post call (--batch) */
     int small_pages; /* --small-pages: no transparent huge pages for the region */
+    int no_direct;   /* --no-direct: shm READs through the provider (aiote: same_host_direct=False) */
     uint64_t iters, warmup;
     uint64_t page_size, npages, calls;
     int no_gather; /* paged: post page by page, in the given order */
@@ -113,6 +116,9 @@ typedef struct peer_info {
     uint32_t addr_len;
     uint8_t addr[AIO_MAX_ADDR];
     uint64_t base, key, len;
+    aio_direct_info direct; /* the region table, where direct same-host copies are on */
+    int32_t direct_slot;    /* -1: none */
+    int32_t pad;
 } peer_info;
 
 typedef struct side {
@@ -127,6 +133,7 @@ typedef struct side {
     int rfd, wfd;
     int busy;
     int64_t loop_poll_ns; /* > 0: wait with aio_poll_ring (the loop thread drives the CQs) */
+    int32_t read_direct; /* aio_op_desc.direct of our READs (0: through the provider) */
     uint64_t groups_done;
     uint64_t wakeups; /* eventfd polls that returned readable */
     uint64_t polls;   /* eventfd polls */
@@ -204,6 +211,9 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     ret = aio_engine_add_rail(s->e, o->provider, o->nic, nslots, slot_size, err, sizeof(err));
     if (ret < 0) die("aio_engine_add_rail: %s %s", aio_strerror(ret), err);
     s->rail = ret;
+    if (!strcmp(o->provider, "shm") && !o->no_direct &&
+        (ret = aio_engine_enable_direct(s->e, err, sizeof(err))))
+        die("aio_engine_enable_direct: %s %s", aio_strerror(ret), err);
     if ((ret = aio_engine_start(s->e))) die("aio_engine_start: %s", aio_strerror(ret));
     s->efd = aio_engine_eventfd(s->e);
     s->busy = o->busy;
@@ -237,10 +247,19 @@ static void side_exchange(side_t *s) {
     mine.base = aio_mr_remote_base(s->mr, s->rail);
     mine.key = aio_mr_key(s->mr, s->rail);
     mine.len = s->len;
+    mine.direct_slot = -1;
+    if (aio_direct_info_get(s->e, &mine.direct) == 0) mine.direct_slot = aio_mr_direct_slot(s->mr);
     write_full(s->wfd, &mine, sizeof(mine));
     read_full(s->rfd, &s->remote, sizeof(s->remote));
     int ret = aio_av_insert(s->e, s->rail, s->remote.addr, s->remote.addr_len, &s->peer);
     if (ret) die("aio_av_insert: %s", aio_strerror(ret));
+    if (mine.direct_slot >= 0 && s->remote.direct_slot >= 0) { /* both sides take direct copies */
+        char err[512] = "";
+        int at = aio_direct_attach(s->e, &s->remote.direct, err, sizeof(err));
+        if (at >= 0) s->read_direct = AIO_DIRECT(at, s->remote.direct_slot);
+        else fprintf(stderr, "direct copies unavailable (%s %s): READs go through the provider\n",
+                     aio_strerror(at), err);
+    }
 }
 
 static void side_free(side_t *s) {
@@ -326,6 +345,7 @@ static aio_op_desc side_read(side_t *s, uint64_t loff, uint64_t roff, uint64_t l
     d.rkey = s->remote.key;
     d.rail = s->rail;
     d.op = AIO_OP_READ;
+    d.direct = s->read_direct;
     return d;
 }
 
@@ -950,6 +970,7 @@ static void usage(void) {
             "         --slots N  --warmup N  --no-gather (paged)  --msg-slots N\n"
             "         --batch N (write, read: N requests per group and aio_post call)\n"
             "         --small-pages (4 KiB pages; default: huge pages from 4 MiB, as NumPy)\n"
+            "         --no-direct (shm: READs through the provider, not direct copies)\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
@@ -1001,6 +1022,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--batch") && i + 1 < argc) o.batch = parse_size(argv[++i]);
         else if (!strcmp(a, "--small-pages")) o.small_pages = 1;
+        else if (!strcmp(a, "--no-direct")) o.no_direct = 1;
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--listen") && i + 1 < argc) o.listen_port = (int)parse_size(argv[++i]);

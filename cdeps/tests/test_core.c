@@ -1478,6 +1478,214 @@ static int t_two_process(fix_t *f) {
     return rc;
 }
 
+/* ------------------------------------------------------------------ direct same-host copies */
+
+typedef struct direct_fix {
+    aio_mr *mr; /* b's region with a slot in b's table */
+    uint8_t *buf;
+    uint64_t len;
+    int32_t slot;
+    int attach; /* a's attachment to b's table */
+    aio_direct_info info;
+} direct_fix;
+
+/* Enables b's table, registers a region there and attaches a to it. */
+static int direct_setup(fix_t *f, direct_fix *x, uint64_t len) {
+    char err[512] = "";
+    memset(x, 0, sizeof(*x));
+    int ret = aio_engine_enable_direct(f->b.e, err, sizeof(err));
+    CHECK(ret == 0, "enable_direct: %s (%s)", aio_strerror(ret), err);
+    CHECK_OK(aio_direct_info_get(f->b.e, &x->info));
+    void *p = NULL;
+    CHECK(posix_memalign(&p, 4096, len) == 0, "oom");
+    x->buf = p;
+    x->len = len;
+    memset(x->buf, 0xEE, len);
+    ret = aio_mr_register(f->b.e, x->buf, len, AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ, &x->mr,
+                          err, sizeof(err));
+    CHECK(ret == 0, "register: %s", err);
+    x->slot = aio_mr_direct_slot(x->mr);
+    CHECK(x->slot >= 0, "a host region of an engine with a table got no slot");
+    x->attach = aio_direct_attach(f->a.e, &x->info, err, sizeof(err));
+    CHECK(x->attach >= 0, "attach: %s (%s)", aio_strerror(x->attach), err);
+    return 0;
+}
+
+static aio_op_desc direct_op(fix_t *f, direct_fix *x, int op, uint64_t loff, uint64_t roff, uint64_t len,
+                             int flags, uint64_t data) {
+    aio_op_desc d = op_to(&f->a, &f->b, op, loff, roff, len, flags, data);
+    d.raddr = aio_mr_remote_base(x->mr, f->b.rail) + roff;
+    d.rkey = aio_mr_key(x->mr, f->b.rail);
+    d.direct = AIO_DIRECT(x->attach, x->slot);
+    return d;
+}
+
+/* Posts one op and returns its group's status. */
+static int one_status(eng_t *a, const aio_op_desc *d, int *status) {
+    uint64_t tok = g_token++;
+    int64_t g = aio_group_open(a->e, tok);
+    CHECK(g >= 0, "group");
+    CHECK_OK(post_all(a, g, d, 1, TIMEOUT));
+    CHECK_OK(aio_group_seal(a->e, g));
+    aio_record r;
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0, "no group record");
+    *status = r.status;
+    return 0;
+}
+
+static int t_direct(fix_t *f) {
+    if (strcmp(f->prov, "shm")) {
+        printf("    (shm only)\n");
+        return 0;
+    }
+    eng_t *a = &f->a, *b = &f->b;
+    direct_fix x;
+    int rc = direct_setup(f, &x, 4 * MiB);
+    if (rc) return rc;
+    char err[512];
+    CHECK(aio_direct_attach(a->e, &x.info, err, sizeof(err)) == x.attach, "the same table, another index");
+    /* a wrong nonce, fd or table address is refused (a fresh engine, without rails) */
+    aio_engine_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    aio_engine *c = NULL;
+    CHECK_OK(aio_engine_create(&cfg, &c, err, sizeof(err)));
+    aio_direct_info bad = x.info;
+    bad.nonce ^= 1;
+    int x1 = aio_direct_attach(c, &bad, err, sizeof(err));
+    bad = x.info;
+    bad.table += 64; /* the probe reads something else than the table's nonce */
+    int x2 = aio_direct_attach(c, &bad, err, sizeof(err));
+    bad = x.info;
+    bad.fd = 0;
+    int x3 = aio_direct_attach(c, &bad, err, sizeof(err));
+    aio_engine_destroy(c);
+    CHECK(x1 < 0 && x2 < 0 && x3 < 0, "attached with a wrong nonce (%d), table address (%d) or fd (%d)",
+          x1, x2, x3);
+    aio_stats s0, s1, sb0, sb1;
+    aio_get_stats(a->e, &s0);
+    aio_get_stats(b->e, &sb0);
+    /* writes of odd sizes and offsets, each with an immediate */
+    const uint64_t sizes[] = {1, 4095, 65536, MiB + 3};
+    uint32_t imm = 0x6400;
+    uint64_t roff = 7;
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+        fill(a->buf, sizes[i], 0, 0x900 + (uint32_t)i);
+        aio_op_desc d = direct_op(f, &x, AIO_OP_WRITE, 0, roff, sizes[i], AIO_F_DATA, imm);
+        CHECK_OK(run_group(a, &d, 1, NULL));
+        CHECK(wait_take(b, imm, U, TIMEOUT) == 0, "no credit for the %llu-byte direct write",
+              (unsigned long long)sizes[i]);
+        int64_t at = verify(x.buf + roff, sizes[i], 0, 0x900 + (uint32_t)i);
+        CHECK(at < 0, "%llu-byte direct write: byte %lld differs", (unsigned long long)sizes[i], (long long)at);
+        CHECK(x.buf[roff + sizes[i]] == 0xEE && x.buf[roff - 1] == 0xEE, "bytes beside the write changed");
+    }
+    /* a write without an immediate, and a read back */
+    fill(a->buf, 8192, 0, 0x9a0);
+    aio_op_desc w = direct_op(f, &x, AIO_OP_WRITE, 0, 2 * MiB, 8192, 0, 0);
+    CHECK_OK(run_group(a, &w, 1, NULL));
+    CHECK(verify(x.buf + 2 * MiB, 8192, 0, 0x9a0) < 0, "plain direct write");
+    fill(x.buf + 3 * MiB, 65536, 0, 0x9b0);
+    memset(a->buf + MiB, 0, 65536);
+    aio_op_desc rd = direct_op(f, &x, AIO_OP_READ, MiB, 3 * MiB, 65536, 0, 0);
+    CHECK_OK(run_group(a, &rd, 1, NULL));
+    CHECK(verify(a->buf + MiB, 65536, 0, 0x9b0) < 0, "direct read");
+    aio_get_stats(a->e, &s1);
+    aio_get_stats(b->e, &sb1);
+    CHECK(s1.direct_ops - s0.direct_ops == 6, "direct copies %llu, want 6",
+          (unsigned long long)(s1.direct_ops - s0.direct_ops));
+    CHECK(sb1.remote_data - sb0.remote_data == 4, "the target saw %llu immediates, want 4",
+          (unsigned long long)(sb1.remote_data - sb0.remote_data));
+    /* refused before any byte moves: a wrong key, a range past the region */
+    memset(x.buf, 0xEE, 65536);
+    aio_op_desc k = direct_op(f, &x, AIO_OP_WRITE, 0, 0, 4096, AIO_F_DATA, imm + 1);
+    k.rkey ^= 0x5a5a;
+    int st = 0;
+    CHECK_OK(one_status(a, &k, &st));
+    CHECK(st == -FI_EACCES, "a wrong key gave status %d (%s)", st, aio_strerror(st));
+    aio_op_desc o = direct_op(f, &x, AIO_OP_WRITE, 0, x.len - 100, 4096, 0, 0);
+    CHECK_OK(one_status(a, &o, &st));
+    CHECK(st == -FI_EACCES, "a range past the region gave status %d", st);
+    aio_op_desc o2 = direct_op(f, &x, AIO_OP_WRITE, 0, 0, 4096, 0, 0);
+    o2.raddr -= 4096; /* before the region */
+    CHECK_OK(one_status(a, &o2, &st));
+    CHECK(st == -FI_EACCES, "a range before the region gave status %d", st);
+    aio_op_desc inval = direct_op(f, &x, AIO_OP_WRITE, 0, 0, 64, 0, 0);
+    inval.direct = AIO_DIRECT(x.attach + 5, x.slot);
+    int64_t g = aio_group_open(a->e, g_token++);
+    CHECK(aio_post(a->e, g, &inval, 1, 1000000) == -FI_EINVAL, "an unknown attachment was posted");
+    CHECK_OK(aio_group_seal(a->e, g));
+    pump(a);
+    for (int i = 0; i < 65536; i++) CHECK(x.buf[i] == 0xEE, "a refused write changed byte %d", i);
+    CHECK(aio_counter_total(b->e, imm + 1) == 0, "a refused write was credited");
+    /* a region without remote read: a direct read is refused */
+    aio_mr *wo = NULL;
+    CHECK_OK(aio_mr_register(b->e, x.buf, 8192, AIO_ACCESS_REMOTE_WRITE, &wo, err, sizeof(err)));
+    aio_op_desc r2 = direct_op(f, &x, AIO_OP_READ, 0, 0, 4096, 0, 0);
+    r2.rkey = aio_mr_key(wo, b->rail);
+    r2.raddr = aio_mr_remote_base(wo, b->rail);
+    r2.direct = AIO_DIRECT(x.attach, aio_mr_direct_slot(wo));
+    CHECK_OK(one_status(a, &r2, &st));
+    CHECK(st == -FI_EACCES, "a read of a write-only region gave status %d", st);
+    CHECK_OK(aio_mr_close(b->e, wo));
+    CHECK(aio_mr_inflight(a->mr) == 0, "inflight");
+    CHECK_OK(aio_mr_close(b->e, x.mr));
+    free(x.buf);
+    return 0;
+}
+
+/* Closing a region waits for copies under way: a live engine's mark keeps the region open
+ * (and new copies out), a mark of a process that died is cleared. */
+static int t_direct_retire(fix_t *f) {
+    if (strcmp(f->prov, "shm")) {
+        printf("    (shm only)\n");
+        return 0;
+    }
+    eng_t *a = &f->a;
+    direct_fix x;
+    int rc = direct_setup(f, &x, MiB);
+    if (rc) return rc;
+    aio_op_desc d = direct_op(f, &x, AIO_OP_WRITE, 0, 0, 4096, 0, 0);
+    int st = 0;
+    CHECK_OK(one_status(a, &d, &st));
+    CHECK(st == 0, "direct write %d", st);
+    CHECK_OK(aio_direct_mark(a->e, x.attach, x.slot, 1));
+    CHECK(aio_mr_close(f->b.e, x.mr) == -FI_EBUSY, "closed under a live engine's copy");
+    CHECK(aio_mr_close(f->b.e, x.mr) == -FI_EBUSY, "closed under a live engine's copy (twice)");
+    memset(x.buf, 0xEE, 4096);
+    CHECK_OK(one_status(a, &d, &st)); /* closing: new copies are refused at once */
+    CHECK(st == -FI_EACCES, "a write into a closing region gave status %d", st);
+    CHECK(x.buf[0] == 0xEE, "a write into a closing region landed");
+    CHECK_OK(aio_direct_mark(a->e, x.attach, x.slot, 0));
+    CHECK_OK(aio_mr_close(f->b.e, x.mr));
+    /* a process that attaches, marks a slot and dies */
+    char err[512];
+    void *p = NULL;
+    CHECK(posix_memalign(&p, 4096, MiB) == 0, "oom");
+    aio_mr *mr2 = NULL;
+    CHECK_OK(aio_mr_register(f->b.e, p, MiB, AIO_ACCESS_REMOTE_WRITE, &mr2, err, sizeof(err)));
+    int32_t slot2 = aio_mr_direct_slot(mr2);
+    CHECK(slot2 >= 0, "no slot");
+    fflush(stdout);
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) { /* no libfabric here: an engine without rails attaches and marks */
+        aio_engine_config cfg;
+        memset(&cfg, 0, sizeof(cfg));
+        aio_engine *e = NULL;
+        if (aio_engine_create(&cfg, &e, err, sizeof(err))) _exit(2);
+        int at = aio_direct_attach(e, &x.info, err, sizeof(err));
+        if (at < 0) _exit(3);
+        if (aio_direct_mark(e, at, slot2, 1)) _exit(4);
+        _exit(0); /* dies with its mark set */
+    }
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "the child failed (status 0x%x)", status);
+    CHECK_OK(aio_mr_close(f->b.e, mr2)); /* its mark is void: the close goes through */
+    free(p);
+    free(x.buf);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ main */
 
 typedef struct test {
@@ -1498,6 +1706,7 @@ static const test_t TESTS[] = {
     {"register_dev", t_register_dev},
     {"poll_ring", t_poll_ring},       {"submit", t_submit},
     {"submit_quiet", t_submit_quiet}, {"spin_window", t_spin_window},
+    {"direct", t_direct},             {"direct_retire", t_direct_retire},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {
