@@ -1185,8 +1185,7 @@ static void direct_destroy(aio_engine *e) {
         close(p->pidfd);
     }
     free(e->dpeers);
-    if (e->dtab) {
-        atomic_store(&e->dtab->closed, 1);
+    if (e->dtab) { /* closed since aio_engine_destroy began */
         munmap(e->dtab, sizeof(direct_table));
         close(e->dfd);
         free(e->dused);
@@ -1749,7 +1748,7 @@ static void shm_sweep_stale(void) {
         long pid = strtol(ent->d_name, &end, 10);
         if (end == ent->d_name || *end != ':' || pid <= 0) continue;
         int mine = pid == (long)me;
-        if (!mine && !(kill((pid_t)pid, 0) != 0 && errno == ESRCH)) continue;
+        if (!mine && pid_alive((int32_t)pid)) continue;
         char path[300];
         snprintf(path, sizeof(path), "/dev/shm/%s", ent->d_name);
         unlink(path);

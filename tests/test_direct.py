@@ -61,6 +61,7 @@ async def test_a_stale_descriptor_is_refused_and_nothing_moves() -> None:
         ml = await e.register(local)
         await e.read(ml, old, timeout=30)
         assert np.array_equal(local, pattern(1 << 20, seed=63))
+        assert e.stats()["direct_copies"] == 1
         new = await peer.register("pat", 1 << 20, fill="pattern", seed=64)  # unregisters the old one
         local[:] = 0xAB
         with pytest.raises(aiote.RemoteAccessError):

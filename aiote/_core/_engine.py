@@ -306,7 +306,7 @@ class Engine:
             else None
         )
         self._direct_attached: dict[tuple[int, int], int] = {}
-        self._direct_codes: dict[int, tuple[MemoryDescriptor, int]] = {}
+        self._direct_codes: dict[int, tuple[MemoryDescriptor, tuple[int, int]]] = {}
 
     # ------------------------------------------------------------------ properties
 
@@ -975,7 +975,7 @@ class Engine:
         then cached per descriptor object."""
         hit = self._direct_codes.get(id(rdesc))
         if hit is not None and hit[0] is rdesc:
-            return hit[1], rdesc.direct.key if rdesc.direct is not None else 0
+            return hit[1]
         x = rdesc.direct
         code = 0
         if x is not None and self._direct_on and rdesc.host_id == self._address.host_id:
@@ -988,7 +988,7 @@ class Engine:
                 att = int(lib.aio_direct_attach(self._h, info, err, 512))
                 if att < 0:
                     self._log.info(
-                        "same-host peer: direct copies unavailable, its writes go through shm",
+                        "same-host peer: direct copies unavailable, reads from it go through shm",
                         pid=x.pid,
                         reason=ffi.string(err).decode(errors="replace") or _strerror(-att),
                     )
@@ -997,8 +997,9 @@ class Engine:
                 code = ((att + 1) << 16) | x.slot
         if len(self._direct_codes) >= 1024:
             self._direct_codes.clear()
-        self._direct_codes[id(rdesc)] = (rdesc, code)  # holds rdesc: its id cannot be reused meanwhile
-        return code, x.key if x is not None and code else 0
+        out = (code, x.key) if x is not None and code else _NO_DIRECT
+        self._direct_codes[id(rdesc)] = (rdesc, out)  # holds rdesc: its id cannot be reused meanwhile
+        return out
 
     def _on_one_nic(self, path: tuple[tuple[int, int, int, int], ...]) -> bool:
         """Whether every route of ``path`` leaves through the streams of one local NIC."""
@@ -2638,7 +2639,7 @@ def _open_native(
             rc = lib.aio_engine_enable_direct(h, err, 1024)
             if rc != 0:
                 _log.info(
-                    "direct same-host copies unavailable; same-host peers write through shm",
+                    "direct same-host copies unavailable; same-host peers read through shm",
                     reason=ffi.string(err).decode(errors="replace") or _strerror(-rc),
                 )
         rc = lib.aio_engine_start(h)
@@ -2701,17 +2702,16 @@ async def open_engine(
     when both engines carry it (default ``"shm"``: shared memory, about 2.5x tcp loopback here);
     ``None`` keeps every peer on ``provider`` (see :meth:`Engine.route`). Skipped with a log
     line when the provider is not available.
-    ``same_host_direct``: writes and reads of host memory between two engines on this host
-    that both have an shm rail and this setting are copied by the initiator's poller thread
-    straight into the peer's memory (``process_vm_writev``/``readv``), as UCX does, instead
-    of by the target's shm progress (libfabric 1.17's shm copies at the target while holding
-    the lock its senders need: see docs/benchmarks.md). The target's checks still hold: the
+    ``same_host_direct``: READs of host memory between two engines on this host that both
+    have an shm rail and this setting are copied by the reader's poller thread straight out
+    of the peer's memory (``process_vm_readv``), as UCX does, instead of by the target's shm
+    progress (libfabric 1.17's shm copies at the target). The target's checks still hold: the
     engine publishes each host region's key, bounds and access rights in a region table in
-    shared memory; the initiator checks them before every copy, and unregistering a region
-    waits until copies under way finished (new ones are refused). An immediate follows the
-    copy through shm. Falls back to shm, with a log line, where the copy is not permitted
-    (ptrace restrictions) or the table cannot be opened. ``False``: publish no table and
-    copy nothing directly.
+    shared memory; the reader checks them before every copy, and unregistering a region
+    waits until copies under way finished (new ones are refused). Writes stay with shm
+    (``process_vm_writev`` copied slower here: see docs/benchmarks.md). Falls back to shm,
+    with a log line, where the copy is not permitted (ptrace restrictions) or the table
+    cannot be opened. ``False``: publish no table and copy nothing directly.
     ``stripe_min``: a single write or read of at least this many bytes is split across the
     NICs that reach the peer (several ``nics``); smaller ones go round robin over them.
     ``retry``: the default :class:`RetryPolicy` of the engine's operations (each takes

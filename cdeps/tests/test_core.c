@@ -253,17 +253,24 @@ static aio_op_desc op_to(eng_t *src, eng_t *dst, int op, uint64_t loff, uint64_t
     return d;
 }
 
-/* Opens a group, posts the items, seals it and waits for its record. */
-static int run_group(eng_t *x, const aio_op_desc *it, int64_t n, aio_record *rec) {
+/* Opens a group, posts the items, seals it and waits for its record (whatever its status). */
+static int group_record(eng_t *x, const aio_op_desc *it, int64_t n, aio_record *r) {
     uint64_t tok = g_token++;
     int64_t g = aio_group_open(x->e, tok);
     CHECK(g >= 0, "aio_group_open: %s", aio_strerror((int)g));
     int ret = post_all(x, g, it, n, TIMEOUT);
     CHECK(ret == 0, "posting %lld ops: %s", (long long)n, aio_strerror(ret));
     CHECK_OK(aio_group_seal(x->e, g));
-    aio_record r;
-    CHECK(wait_rec(x, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0, "no group record for token %llu",
+    CHECK(wait_rec(x, AIO_REC_GROUP, tok, TIMEOUT, r) == 0, "no group record for token %llu",
           (unsigned long long)tok);
+    return 0;
+}
+
+/* group_record, and the group must have succeeded with all n requests. */
+static int run_group(eng_t *x, const aio_op_desc *it, int64_t n, aio_record *rec) {
+    aio_record r;
+    int rc = group_record(x, it, n, &r);
+    if (rc) return rc;
     CHECK(r.status == 0, "group status %d (%s), prov_errno %d", r.status, aio_strerror(r.status),
           r.prov_errno);
     CHECK(r.a == (uint64_t)n, "group record a = %llu, want %lld", (unsigned long long)r.a,
@@ -1522,15 +1529,10 @@ static aio_op_desc direct_op(fix_t *f, direct_fix *x, int op, uint64_t loff, uin
 
 /* Posts one op and returns its group's status. */
 static int one_status(eng_t *a, const aio_op_desc *d, int *status) {
-    uint64_t tok = g_token++;
-    int64_t g = aio_group_open(a->e, tok);
-    CHECK(g >= 0, "group");
-    CHECK_OK(post_all(a, g, d, 1, TIMEOUT));
-    CHECK_OK(aio_group_seal(a->e, g));
-    aio_record r;
-    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0, "no group record");
+    aio_record r = {0};
+    int rc = group_record(a, d, 1, &r);
     *status = r.status;
-    return 0;
+    return rc;
 }
 
 static int t_direct(fix_t *f) {
