@@ -153,6 +153,9 @@ typedef struct aio_rail {
     uint64_t tx_op_flags; /* default transmit flags (fi_writemsg does not apply them) */
     int by_addr;          /* a tcp rail bound to an interface's address */
     int is_shm;           /* the shm provider: regions get a direct-copy slot */
+    int is_tcp;           /* the tcp provider: its sockets' send buffers are set (tcp_tune) */
+    uint8_t *tune_tries;  /* per fi_addr (< tune_cap): scans made for it, TUNE_TRIES when done */
+    uint32_t tune_cap;
     size_t iov_limit;     /* local iovecs per RMA request */
     /* link state of the interface behind a tcp rail (ifindex 0: not watched) */
     int ifindex;
@@ -275,6 +278,11 @@ struct aio_engine {
     _Atomic int32_t dq_pending;
     uint64_t drun;
     _Atomic uint64_t st_direct;
+
+    /* tcp send buffers (aio_engine_set_tcp_sndbuf) */
+    int32_t sndbuf;
+    int sndbuf_all;
+    _Atomic uint64_t st_tuned;
 
     /* stats */
     _Atomic uint64_t st_polls, st_sleeps, st_wakeups, st_completions, st_remote, st_errors;
@@ -1519,6 +1527,7 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     aio_engine *e = calloc(1, sizeof(*e));
     if (!e) return -FI_ENOMEM;
     e->cfg = *cfg;
+    e->sndbuf = AIO_TCP_SNDBUF_AUTO;
     if (e->cfg.ring_capacity < 1024) e->cfg.ring_capacity = 1024;
     uint32_t cap = 1;
     while (cap < e->cfg.ring_capacity) cap <<= 1;
@@ -1713,6 +1722,109 @@ static uint64_t random_key(aio_rail *r) {
     return k;
 }
 
+/* ------------------------------------------------------------------ tcp send buffers */
+
+#define TUNE_TRIES 3      /* scans per peer: its connection may still be on its way */
+#define TUNE_MAX_ADDR 65536
+
+int aio_engine_set_tcp_sndbuf(aio_engine *e, int32_t bytes, int all) {
+    if (e->started || e->nrails || bytes < 0) return -FI_EINVAL;
+    e->sndbuf = bytes;
+    e->sndbuf_all = all ? 1 : 0;
+    return 0;
+}
+
+/* The IP of an AF_INET/AF_INET6 address (len bytes at *ip), and its port; 0 for other families. */
+static int sa_parts(const struct sockaddr *a, const void **ip, size_t *len, uint16_t *port) {
+    if (a->sa_family == AF_INET) {
+        const struct sockaddr_in *v = (const struct sockaddr_in *)(const void *)a;
+        *ip = &v->sin_addr, *len = sizeof(v->sin_addr), *port = ntohs(v->sin_port);
+        return 1;
+    }
+    if (a->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *v = (const struct sockaddr_in6 *)(const void *)a;
+        *ip = &v->sin6_addr, *len = sizeof(v->sin6_addr), *port = ntohs(v->sin6_port);
+        return 1;
+    }
+    return 0;
+}
+
+/* 1: same IP (and the same port when with_port); an unspecified IP in b matches any IP. */
+static int sa_match(const struct sockaddr *a, const struct sockaddr *b, int with_port) {
+    const void *ia, *ib;
+    size_t la, lb;
+    uint16_t pa, pb;
+    if (!sa_parts(a, &ia, &la, &pa) || !sa_parts(b, &ib, &lb, &pb)) return 0;
+    if (with_port && pa != pb) return 0;
+    static const uint8_t zero[16];
+    if (lb <= sizeof(zero) && !memcmp(ib, zero, lb)) return 1;
+    return la == lb && !memcmp(ia, ib, la);
+}
+
+static int sa_loopback(const struct sockaddr *a) {
+    if (a->sa_family == AF_INET)
+        return (ntohl(((const struct sockaddr_in *)(const void *)a)->sin_addr.s_addr) >> 24) == 127;
+    if (a->sa_family == AF_INET6)
+        return IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)(const void *)a)->sin6_addr);
+    return 0;
+}
+
+/* Sets e->sndbuf on the rail's sockets (see aio_engine_set_tcp_sndbuf): those whose local
+ * address is the rail's listening address (the listener and the connections it accepted), and
+ * the connection to `peer` (its remote address is the peer's listening address); same-host
+ * ones only unless sndbuf_all. Walks /proc/self/fd: a few system calls per open descriptor.
+ * Returns 1 when it saw the connection to `peer`. */
+static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return 0;
+    const struct sockaddr *me = (const struct sockaddr *)(const void *)r->addr;
+    int want = e->sndbuf, found = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        if (de->d_name[0] < '0' || de->d_name[0] > '9') continue;
+        int fd = atoi(de->d_name), v = 0;
+        socklen_t l = sizeof(v);
+        if (fd == dirfd(d) || getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &v, &l) || v != IPPROTO_TCP) continue;
+        struct sockaddr_storage loc, rem;
+        socklen_t ll = sizeof(loc), rl = sizeof(rem);
+        if (getsockname(fd, (struct sockaddr *)&loc, &ll)) continue;
+        int connected = getpeername(fd, (struct sockaddr *)&rem, &rl) == 0;
+        int mine = sa_match((struct sockaddr *)&loc, me, 1); /* the listener or one it accepted */
+        int to_peer = connected && peer && sa_match((struct sockaddr *)&rem, peer, 1);
+        if (!mine && !to_peer) continue;
+        if (to_peer) found = 1;
+        if (!e->sndbuf_all && (connected ? !sa_match((struct sockaddr *)&loc, (struct sockaddr *)&rem, 0)
+                                         : !sa_loopback((struct sockaddr *)&loc)))
+            continue; /* another host's connection (or a listener that may accept one) */
+        l = sizeof(v);
+        if (!getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &l) && v == 2 * want) continue; /* done */
+        if (!setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof(want))) atomic_fetch_add(&e->st_tuned, 1);
+    }
+    closedir(d);
+    return found;
+}
+
+/* After a post to `fa` on a tcp rail: the first posts to a peer set up its connection; tune it
+ * (at most TUNE_TRIES scans per peer). Caller holds r->mu. */
+static void tcp_tune_peer(aio_engine *e, aio_rail *r, fi_addr_t fa) {
+    if (fa >= TUNE_MAX_ADDR) return;
+    if (fa >= r->tune_cap) {
+        uint32_t cap = r->tune_cap ? r->tune_cap : 64;
+        while (cap <= fa) cap *= 2;
+        uint8_t *t = realloc(r->tune_tries, cap);
+        if (!t) return;
+        memset(t + r->tune_cap, 0, cap - r->tune_cap);
+        r->tune_tries = t, r->tune_cap = cap;
+    }
+    if (r->tune_tries[fa] >= TUNE_TRIES) return;
+    r->tune_tries[fa]++;
+    struct sockaddr_storage pa;
+    size_t pl = sizeof(pa);
+    if (fi_av_lookup(r->av, fa, &pa, &pl) == 0 && pl <= sizeof(pa) &&
+        tcp_tune(e, r, (struct sockaddr *)&pa))
+        r->tune_tries[fa] = TUNE_TRIES;
+}
+
 static void rail_free(aio_rail *r) {
     if (!r) return;
     if (r->ep) fi_close(&r->ep->fid);
@@ -1728,6 +1840,7 @@ static void rail_free(aio_rail *r) {
     free(r->recv_buf);
     free(r->send_buf);
     free(r->send_free);
+    free(r->tune_tries);
     pthread_mutex_destroy(&r->mu);
     free(r);
 }
@@ -1792,6 +1905,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     }
     r->by_addr = by_addr;
     r->is_shm = strcmp(map_provider(provider), "shm") == 0;
+    r->is_tcp = strncmp(map_provider(provider), "tcp", 3) == 0;
     /* device memory (FI_HMEM) first where a provider may have it; Debian's socket-based and
      * shared-memory providers are built without CUDA, so they are not asked (it costs a probe) */
     const char *mp = map_provider(provider);
@@ -1903,6 +2017,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     CHECK(fi_enable(r->ep), "fi_enable");
     r->addr_len = sizeof(r->addr);
     CHECK(fi_getname(&r->ep->fid, r->addr, &r->addr_len), "fi_getname");
+    if (r->is_tcp && e->sndbuf > 0) tcp_tune(e, r, NULL); /* the listener: accepted sockets inherit */
 
     /* op pool */
     r->nops = e->cfg.max_ops;
@@ -2255,6 +2370,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
             if (ret != -FI_EAGAIN) break;
             if (!post_progress(e, r, deadline, &idle)) break;
         }
+        if (!ret && r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, it->peer);
     }
     if (ret) {
         atomic_fetch_sub(&m->inflight, 1);
@@ -2423,6 +2539,7 @@ int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void 
         progress_locked(e, r);
         if (now_ns() >= deadline) break;
     }
+    if (!ret && r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, peer);
     if (ret) {
         atomic_fetch_sub(&e->groups[g].posted, 1);
         atomic_fetch_sub(&e->groups[g].outstanding, 1);
@@ -2467,4 +2584,5 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->errors = atomic_load(&e->st_errors);
     o->spin_window_ns = (uint64_t)atomic_load(&e->st_adapt);
     o->direct_ops = atomic_load(&e->st_direct);
+    o->tcp_tuned = atomic_load(&e->st_tuned);
 }

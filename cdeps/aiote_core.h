@@ -135,6 +135,20 @@ typedef struct aio_probe_entry {
 int aio_probe(const char *provider, aio_probe_entry *out, int max);
 
 int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err, size_t errlen);
+/* Send buffers of the tcp provider's connections. Loopback tcp queues as much as the kernel's
+ * autotuning allows (4 MiB by default) on each connection, and the receiver then copies that
+ * from memory rather than from cache: a fixed SO_SNDBUF of `bytes` (the kernel doubles it)
+ * moved 16 MiB writes about a third faster here (docs/benchmarks.md). libfabric's tcp provider
+ * has no such knob, so the core sets it on the provider's sockets itself: the listening socket
+ * of each tcp rail (its accepted connections inherit it) and, at the first posts to each peer,
+ * the connection to that peer's address. It touches only sockets whose local address is the
+ * rail's listening address, or whose remote address is a peer in the rail's address vector.
+ * all == 0: only same-host connections (local and remote IP equal; a listener only when it is
+ * bound to a loopback address); 1: every connection of the rail. bytes == 0: leave the kernel's
+ * autotuning. Default: AIO_TCP_SNDBUF_AUTO, same-host only. Before aio_engine_start; 0 or
+ * -FI_EINVAL. */
+#define AIO_TCP_SNDBUF_AUTO (512 * 1024)
+int aio_engine_set_tcp_sndbuf(aio_engine *e, int32_t bytes, int all);
 /* Adds a rail (one libfabric domain + RDM endpoint). provider: "tcp", "shm",
  * "verbs", "efa" or a full libfabric provider string. nic: domain name or NULL.
  * Returns the rail index. Must be called before aio_engine_start. */
@@ -371,6 +385,7 @@ typedef struct aio_stats {
     uint64_t errors;
     uint64_t spin_window_ns; /* the poller's adaptive spin window now: 0 = the base (spin_ns) */
     uint64_t direct_ops;     /* direct same-host copies made (writes and reads) */
+    uint64_t tcp_tuned;      /* tcp sockets whose send buffer the core set (aio_engine_set_tcp_sndbuf) */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +19,12 @@ __all__ = [
     "anyio_backend_with_uvloop",
     "digest",
     "eventually",
+    "kernel_sndbuf",
     "landed",
     "nothing_posted",
     "pattern",
     "snapshot",
+    "tcp_sockets",
     "zeros",
 ]
 
@@ -86,3 +90,36 @@ def nothing_posted(engine: aiote.Engine, before: dict[str, int]) -> None:
 
 def as_u8(a: Any) -> np.ndarray:
     return np.frombuffer(memoryview(a).cast("B"), np.uint8)
+
+
+def tcp_sockets() -> list[tuple[tuple[str, int], tuple[str, int] | None, int]]:
+    """This process's TCP sockets: (local address, remote address or None for a listener,
+    SO_SNDBUF as the kernel reports it). Reads them through duplicates of the descriptors."""
+    out: list[tuple[tuple[str, int], tuple[str, int] | None, int]] = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = os.dup(int(name))
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)  # not a socket
+            continue
+        with s:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                continue
+            local = s.getsockname()[:2]
+            try:
+                remote: tuple[str, int] | None = s.getpeername()[:2]
+            except OSError:
+                remote = None
+            out.append((local, remote, s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)))
+    return out
+
+
+def kernel_sndbuf(asked: int) -> int:
+    """What SO_SNDBUF reads back after setting ``asked``: doubled, capped at wmem_max."""
+    with open("/proc/sys/net/core/wmem_max") as f:
+        cap = int(f.read())
+    return 2 * min(asked, cap)

@@ -10,7 +10,7 @@ import anyio
 import numpy as np
 import pytest
 from _netns import Hosts, netns_unavailable, two_hosts
-from _util import digest, eventually, pattern
+from _util import digest, eventually, kernel_sndbuf, pattern, tcp_sockets
 
 import aiote
 from aiote.testing import spawn_peer
@@ -152,3 +152,34 @@ async def test_every_link_down_with_a_deadline_then_back(hosts: Hosts, nics: int
         await p.wait(imm=4)
         assert await p.digest("buf") == digest(src)
         await eventually(lambda: e.stats()["ops_in_flight"] == 0, "the waiting writes to complete", 60)
+
+
+@pytest.mark.parametrize("asked", [None, 96 << 10], ids=["auto", "96KiB"])
+async def test_send_buffers_of_connections_to_another_host(hosts: Hosts, asked: int | None) -> None:
+    """By default (``tcp_send_buffer=None``) the fixed send buffer is for same-host
+    connections only: a connection to another host keeps the kernel's autotuning (a fixed
+    buffer would cap it near buffer / round-trip time), and a listener on a real interface,
+    which may accept other hosts, is left alone too. An explicit size applies everywhere."""
+    async with (
+        aiote.open_engine(nics=hosts.local[:1], same_host=None, tcp_send_buffer=asked) as e,
+        peer(hosts, e, hosts.remote[:1]) as p,
+    ):
+        size = 4 << 20
+        d = await p.register("buf", size)
+        src = pattern(size, seed=81)
+        ms = await e.register(src)
+        await e.write(ms, d, imm=81)
+        await p.wait(imm=81, n=1)
+        assert await p.digest("buf", 0, size) == digest(src)
+        ours = [
+            sndbuf
+            for local, remote, sndbuf in tcp_sockets()
+            if remote is not None and local[0] == "10.213.1.1" and remote[0] == "10.213.1.2"
+        ]
+        assert ours, "no connection to the other host found"
+        if asked is None:
+            assert e.stats()["tcp_buffers_set"] == 0
+            assert kernel_sndbuf(512 << 10) not in ours
+        else:
+            assert set(ours) == {kernel_sndbuf(asked)}
+            assert e.stats()["tcp_buffers_set"] >= 2  # the listener and the connection

@@ -273,18 +273,20 @@ async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[
 
 
 def c_args(args: argparse.Namespace, case: Case) -> list[str]:
-    """The C bench's arguments for the same case."""
+    """The C bench's arguments for the same case (and the same tcp send buffers)."""
+    sndbuf = [] if args.tcp_send_buffer is None else ["--sndbuf", str(args.tcp_send_buffer)]
     mode, size, window = case
     if mode in ("write", "read"):
         lanes, per = lanes_of(window)
         inflight = lanes * per
-        return [mode, str(size), str(inflight), str(max(args.total, size * inflight)), "--batch", str(per)]
+        total = str(max(args.total, size * inflight))
+        return [mode, str(size), str(inflight), total, "--batch", str(per), *sndbuf]
     if mode == "sendrecv":
-        return [mode, str(size), str(window), str(max(args.total, size * min(window, MSG_SLOTS)))]
+        return [mode, str(size), str(window), str(max(args.total, size * min(window, MSG_SLOTS))), *sndbuf]
     if mode == "paged":
-        return ["paged", str(size), str(args.pages), str(args.calls)]
+        return ["paged", str(size), str(args.pages), str(args.calls), *sndbuf]
     low = ["--spin-ns", "1000000", "--loop-poll-ns", "500000", "--await-write"] if args.low_latency else []
-    return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters), *low]
+    return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters), *low, *sndbuf]
 
 
 def _c_values(mode: str, r: dict[str, Any], size: int) -> dict[int, float]:
@@ -310,8 +312,9 @@ async def run_config(
         if args.connect:
             address = bytes.fromhex(args.connect)
         else:
+            sndbuf = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
             cmd = [sys.executable, "-m", "aiote", "bench", "--listen", "--once", "--provider", provider,
-                   "--max-message", str(args.max_message), "--streams", str(args.streams)] + (
+                   "--max-message", str(args.max_message), "--streams", str(args.streams), *sndbuf] + (
                        ["--low-latency"] if args.low_latency else [])
             if nics:
                 cmd += ["--nics", ",".join(nics)]
@@ -319,7 +322,7 @@ async def run_config(
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
-            **tuning(args.low_latency, args.streams),
+            **tuning(args.low_latency, args.streams, args.tcp_send_buffer),
         ) as e:
             remote = Remote(e, address)
             hello = await remote.call(op="hello")
@@ -392,6 +395,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--streams", type=int, default=1,
                     help="connections per NIC of both sides' engines (open_engine(streams=N)): writes "
                          "of at least 1 MiB are split across them; the C core keeps one")
+    ap.add_argument("--tcp-send-buffer", type=parse_size, default=None, metavar="SIZE",
+                    help="SO_SNDBUF of both sides' tcp connections (open_engine(tcp_send_buffer=)), "
+                         "and the C core's the same; 0: the kernel's autotuning; default: aiote's "
+                         "(512 KiB on same-host connections)")
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -469,7 +476,7 @@ def main(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends serving
             anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
                                     max_message=args.max_message, low_latency=args.low_latency,
-                                    streams=args.streams))
+                                    streams=args.streams, tcp_send_buffer=args.tcp_send_buffer))
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
@@ -525,6 +532,7 @@ def main(args: argparse.Namespace) -> int:
                     "loop": loop,
                     "setting": "low-latency" if args.low_latency else "default",
                     "streams": args.streams,
+                    "tcp_send_buffer": args.tcp_send_buffer,
                     "window": window or None,
                     "py_gbps": statistics.median(p),
                     "py_spread": [min(p), max(p)],
@@ -551,6 +559,7 @@ def main(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "setting": "low-latency" if args.low_latency else "default",
         "streams": args.streams,
+        "tcp_send_buffer": args.tcp_send_buffer,
         "connect": args.connect,
         "cpu_busy_before": busy,
         "cpu_busy_after": after,

@@ -49,6 +49,8 @@
  *          asks for transparent huge pages, as NumPy does for the arrays aiote registers),
  *          --no-direct (shm: READs through the provider; by default they are direct
  *          same-host copies made by the reading side, as aiote makes them),
+ *          --sndbuf N (tcp: the send buffer the core sets on same-host connections,
+ *          aio_engine_set_tcp_sndbuf; 0 = the kernel's autotuning; default: the core's),
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
  *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000),
  *          --msg-slots N (message slots per side: sendrecv, msgpingpong; 16),
@@ -101,6 +103,7 @@ typedef struct opts {
     uint64_t batch; /* write, read: requests per group, posted in one aio_post call (--batch) */
     int small_pages; /* --small-pages: no transparent huge pages for the region */
     int no_direct;   /* --no-direct: shm READs through the provider (aiote: same_host_direct=False) */
+    int64_t sndbuf;  /* --sndbuf N: tcp send buffers (aio_engine_set_tcp_sndbuf; -1: the core's default) */
     uint64_t iters, warmup;
     uint64_t page_size, npages, calls;
     int no_gather; /* paged: post page by page, in the given order */
@@ -202,6 +205,8 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     cfg.sleep_ms = 100;
     int ret = aio_engine_create(&cfg, &s->e, err, sizeof(err));
     if (ret) die("aio_engine_create: %s %s", aio_strerror(ret), err);
+    if (o->sndbuf >= 0 && (ret = aio_engine_set_tcp_sndbuf(s->e, (int32_t)o->sndbuf, 0)))
+        die("aio_engine_set_tcp_sndbuf: %s", aio_strerror(ret));
     uint64_t slot_size = 4096;
     uint32_t nslots = 16;
     if (!strcmp(o->mode, "sendrecv") || !strcmp(o->mode, "msgpingpong")) {
@@ -971,6 +976,7 @@ static void usage(void) {
             "         --batch N (write, read: N requests per group and aio_post call)\n"
             "         --small-pages (4 KiB pages; default: huge pages from 4 MiB, as NumPy)\n"
             "         --no-direct (shm: READs through the provider, not direct copies)\n"
+            "         --sndbuf N (tcp: same-host send buffers, 0 = the kernel's autotuning)\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
@@ -1005,6 +1011,7 @@ int main(int argc, char **argv) {
     o.warmup = 1000;
     o.msg_slots = MSG_SLOTS;
     o.listen_port = -1;
+    o.sndbuf = -1;
     int nic_given = 0;
     const char *pos[5];
     int npos = 0;
@@ -1023,6 +1030,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--batch") && i + 1 < argc) o.batch = parse_size(argv[++i]);
         else if (!strcmp(a, "--small-pages")) o.small_pages = 1;
         else if (!strcmp(a, "--no-direct")) o.no_direct = 1;
+        else if (!strcmp(a, "--sndbuf") && i + 1 < argc) o.sndbuf = (int64_t)parse_size(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--listen") && i + 1 < argc) o.listen_port = (int)parse_size(argv[++i]);

@@ -10,7 +10,10 @@
 #define _GNU_SOURCE
 #include "../aiote_core.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -1695,6 +1698,89 @@ typedef struct test {
     int (*fn)(fix_t *);
 } test_t;
 
+static uint64_t tuned_of(aio_engine *e) {
+    aio_stats st;
+    aio_get_stats(e, &st);
+    return st.tcp_tuned;
+}
+
+/* SO_SNDBUF of this process's TCP connection to `port` on the same IP, or -1 if none. */
+static int sndbuf_to(uint16_t port) {
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return -1;
+    int out = -1;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        int fd = atoi(de->d_name), v = 0;
+        socklen_t l = sizeof(v);
+        struct sockaddr_in loc, rem;
+        socklen_t ll = sizeof(loc), rl = sizeof(rem);
+        if (de->d_name[0] < '0' || de->d_name[0] > '9' || fd == dirfd(d) ||
+            getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &v, &l) || v != IPPROTO_TCP ||
+            getsockname(fd, (struct sockaddr *)&loc, &ll) || getpeername(fd, (struct sockaddr *)&rem, &rl) ||
+            rem.sin_family != AF_INET || ntohs(rem.sin_port) != port || rem.sin_addr.s_addr != loc.sin_addr.s_addr)
+            continue;
+        l = sizeof(v);
+        if (!getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &l)) out = v;
+    }
+    closedir(d);
+    return out;
+}
+
+static int t_tcp_sndbuf(fix_t *f) {
+    if (strcmp(f->prov, "tcp")) {
+        printf("    (tcp only)\n");
+        return 0;
+    }
+    CHECK(aio_engine_set_tcp_sndbuf(f->a.e, 0, 0) == -FI_EINVAL, "set after start accepted");
+    /* off: nothing set; arguments checked; too late once a rail exists */
+    char err[256] = "";
+    aio_engine_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    aio_engine *e = NULL;
+    CHECK_OK(aio_engine_create(&cfg, &e, err, sizeof(err)));
+    int bad = aio_engine_set_tcp_sndbuf(e, -1, 0), off = aio_engine_set_tcp_sndbuf(e, 0, 0);
+    int rail = aio_engine_add_rail(e, "tcp", f->nic, 4, 4096, err, sizeof(err));
+    int late = aio_engine_set_tcp_sndbuf(e, 4096, 0);
+    uint64_t n_off = tuned_of(e);
+    aio_engine_destroy(e);
+    CHECK(bad == -FI_EINVAL && off == 0 && rail >= 0 && late == -FI_EINVAL,
+          "set_tcp_sndbuf: -1 -> %d, 0 -> %d, add_rail %d, after a rail %d", bad, off, rail, late);
+    CHECK(n_off == 0, "sndbuf 0: %llu sockets set", (unsigned long long)n_off);
+    /* default: the listener on lo at add_rail, then the connection at the first write */
+    eng_t c, d;
+    memset(&c, 0, sizeof(c));
+    memset(&d, 0, sizeof(d));
+    int rc = eng_init(&c, "tcp", f->nic, MiB);
+    if (!rc) rc = eng_init(&d, "tcp", f->nic, MiB);
+    if (!rc) rc = connect_pair(&c, &d);
+    uint64_t at_open = rc ? 0 : tuned_of(c.e);
+    if (!rc) {
+        fill(c.buf, MiB, 0, 0x5b);
+        aio_op_desc op = op_to(&c, &d, AIO_OP_WRITE, 0, 0, MiB, 0, 0);
+        rc = run_group(&c, &op, 1, NULL);
+    }
+    int64_t differs = rc ? 0 : verify(d.buf, MiB, 0, 0x5b);
+    uint64_t after = rc ? 0 : tuned_of(c.e);
+    const struct sockaddr_in *dl = (const struct sockaddr_in *)(const void *)d.info.addr;
+    int got = rc ? -1 : sndbuf_to(ntohs(dl->sin_port));
+    FILE *fm = fopen("/proc/sys/net/core/wmem_max", "r");
+    long cap = AIO_TCP_SNDBUF_AUTO;
+    if (fm) {
+        if (fscanf(fm, "%ld", &cap) != 1) cap = AIO_TCP_SNDBUF_AUTO;
+        fclose(fm);
+    }
+    eng_free(&c);
+    eng_free(&d);
+    if (rc) return rc;
+    CHECK(differs < 0, "the write: byte %lld differs", (long long)differs);
+    CHECK(at_open == 1, "at open: %llu sockets set, want the listener", (unsigned long long)at_open);
+    CHECK(after == 2, "after a write: %llu sockets set, want 2", (unsigned long long)after);
+    long want = 2 * (cap < AIO_TCP_SNDBUF_AUTO ? cap : AIO_TCP_SNDBUF_AUTO);
+    CHECK(got == want, "the connection's SO_SNDBUF is %d, want %ld", got, want);
+    return 0;
+}
+
 static const test_t TESTS[] = {
     {"write_sizes", t_write_sizes},   {"zero_byte_imm", t_zero_byte_imm},
     {"weight", t_weight},             {"counters", t_counters},
@@ -1709,6 +1795,7 @@ static const test_t TESTS[] = {
     {"poll_ring", t_poll_ring},       {"submit", t_submit},
     {"submit_quiet", t_submit_quiet}, {"spin_window", t_spin_window},
     {"direct", t_direct},             {"direct_retire", t_direct_retire},
+    {"tcp_sndbuf", t_tcp_sndbuf},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {
