@@ -1777,7 +1777,10 @@ static int sa_loopback(const struct sockaddr *a) {
 static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
     DIR *d = opendir("/proc/self/fd");
     if (!d) return 0;
-    const struct sockaddr *me = (const struct sockaddr *)(const void *)r->addr;
+    struct sockaddr_storage mine_ss;
+    memset(&mine_ss, 0, sizeof(mine_ss));
+    memcpy(&mine_ss, r->addr, r->addr_len < sizeof(mine_ss) ? r->addr_len : sizeof(mine_ss));
+    const struct sockaddr *me = (const struct sockaddr *)&mine_ss;
     int want = e->sndbuf, found = 0;
     struct dirent *de;
     while ((de = readdir(d))) {
