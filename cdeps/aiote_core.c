@@ -282,6 +282,7 @@ struct aio_engine {
     /* tcp send buffers (aio_engine_set_tcp_sndbuf) */
     int32_t sndbuf;
     int sndbuf_all;
+    _Atomic int sndbuf_got; /* SO_SNDBUF as the kernel reported it after the last setting */
     _Atomic uint64_t st_tuned;
 
     /* stats */
@@ -1799,9 +1800,15 @@ static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
         if (!e->sndbuf_all && (connected ? !sa_match((struct sockaddr *)&loc, (struct sockaddr *)&rem, 0)
                                          : !sa_loopback((struct sockaddr *)&loc)))
             continue; /* another host's connection (or a listener that may accept one) */
+        /* done already: the kernel reports twice the size asked, or what it gave an earlier
+         * socket (it caps the size at net.core.wmem_max) */
         l = sizeof(v);
-        if (!getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &l) && v == 2 * want) continue; /* done */
-        if (!setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof(want))) atomic_fetch_add(&e->st_tuned, 1);
+        int had = getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &l) ? -1 : v;
+        if (had == 2 * want || (had > 0 && had == atomic_load(&e->sndbuf_got))) continue;
+        if (setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof(want))) continue;
+        atomic_fetch_add(&e->st_tuned, 1);
+        l = sizeof(v);
+        if (!getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &l)) atomic_store(&e->sndbuf_got, v);
     }
     closedir(d);
     return found;
