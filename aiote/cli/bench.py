@@ -275,18 +275,21 @@ async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[
 def c_args(args: argparse.Namespace, case: Case) -> list[str]:
     """The C bench's arguments for the same case (and the same tcp send buffers)."""
     sndbuf = [] if args.tcp_send_buffer is None else ["--sndbuf", str(args.tcp_send_buffer)]
+    return _c_case_args(args, case) + sndbuf
+
+
+def _c_case_args(args: argparse.Namespace, case: Case) -> list[str]:
     mode, size, window = case
     if mode in ("write", "read"):
         lanes, per = lanes_of(window)
         inflight = lanes * per
-        total = str(max(args.total, size * inflight))
-        return [mode, str(size), str(inflight), total, "--batch", str(per), *sndbuf]
+        return [mode, str(size), str(inflight), str(max(args.total, size * inflight)), "--batch", str(per)]
     if mode == "sendrecv":
-        return [mode, str(size), str(window), str(max(args.total, size * min(window, MSG_SLOTS))), *sndbuf]
+        return [mode, str(size), str(window), str(max(args.total, size * min(window, MSG_SLOTS)))]
     if mode == "paged":
-        return ["paged", str(size), str(args.pages), str(args.calls), *sndbuf]
+        return ["paged", str(size), str(args.pages), str(args.calls)]
     low = ["--spin-ns", "1000000", "--loop-poll-ns", "500000", "--await-write"] if args.low_latency else []
-    return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters), *low, *sndbuf]
+    return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters), *low]
 
 
 def _c_values(mode: str, r: dict[str, Any], size: int) -> dict[int, float]:
