@@ -75,7 +75,7 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
                 case += ", low-latency setting"
         else:
             case = f"{r['mode']} {size_label(r['size'])}" + (f" x{r['window']}" if r.get("window") else "")
-        path = [r.get("provider", "")]
+        path = [r.get("provider", "") + (" arena" if r.get("memory") == "arena" else "")]
         if _varies(rows, "nics") and r.get("nics"):
             path.append(",".join(r["nics"]))
         if _varies(rows, "loop"):
@@ -155,13 +155,15 @@ def versus_lines(versus: list[dict[str, Any]]) -> list[str]:
     trip), each the median over the rounds of that round's ratio."""
     out: list[str] = []
     for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
-        ws = [v for v in versus if v["kind"] == "write" and v["path"] == label]
-        if ws:
-            parts = [f"{size_label(v['size'])}: {v['ratio']:.2f} (best: {'/'.join(v['best_peers'])}; "
-                     f"ahead in {v['ahead']} of {v['rounds']}; rounds: {_ratios(v)})"
-                     for v in sorted(ws, key=lambda v: v["size"])]
-            out += ["", f"aiote write ({prov}) / best peer on a {label} path, median of the rounds' ratios: "
-                        + "; ".join(parts) + "."]
+        for memory, how in (("numpy", ""), ("arena", ", buffers from Engine.alloc_host")):
+            ws = [v for v in versus if v["kind"] == "write" and v["path"] == label
+                  and v.get("memory", "numpy") == memory]
+            if ws:
+                parts = [f"{size_label(v['size'])}: {v['ratio']:.2f} (best: {'/'.join(v['best_peers'])}; "
+                         f"ahead in {v['ahead']} of {v['rounds']}; rounds: {_ratios(v)})"
+                         for v in sorted(ws, key=lambda v: v["size"])]
+                out += ["", f"aiote write ({prov}{how}) / best peer on a {label} path, median of the "
+                            "rounds' ratios: " + "; ".join(parts) + "."]
     for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
         for setting in ("default", "low-latency"):
             for v in versus:

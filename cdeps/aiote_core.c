@@ -86,7 +86,7 @@ typedef struct aio_op {
 /* ------------------------------------------------------------------ direct copy table
  * (see aiote_core.h, "Direct same-host copies"). Shared by processes: fixed layout. */
 #define DIRECT_MAGIC 0x414d43455449414fULL /* "OAITECMA" */
-#define DIRECT_VERSION 1
+#define DIRECT_VERSION 2
 
 typedef struct direct_slot {
     _Atomic uint64_t key;  /* 0: closed; else the key of the region's first shm registration */
@@ -105,6 +105,14 @@ typedef struct direct_table {
     int32_t pid;
     _Atomic int32_t closed;
     _Atomic int32_t peers[AIO_DIRECT_PEERS]; /* pid of each attached engine's process, 0: free */
+    /* the owner's arena (aio_engine_set_arena), 0 length: none. Set before any region is
+     * published, so a peer that finds a region in it has seen these fields. */
+    int32_t arena_fd;
+    uint32_t arena_pad;
+    uint64_t arena_base;
+    uint64_t arena_len;
+    uint64_t arena_dev;
+    uint64_t arena_ino;
     direct_slot slots[AIO_DIRECT_SLOTS];
 } direct_table;
 
@@ -116,6 +124,9 @@ typedef struct direct_peer { /* a peer's table this engine attached to */
     int index;           /* our bit in its slots' busy words */
     _Atomic int dead;    /* its process exited */
     uint64_t checked;    /* the direct_run pass that last checked it is alive */
+    char *amap;          /* its arena, mapped here (NULL: none), ... */
+    uint64_t abase;      /* ... which is at abase in its process, */
+    uint64_t alen;       /* alen bytes long */
 } direct_peer;
 
 typedef struct aio_rail {
@@ -278,6 +289,8 @@ struct aio_engine {
     _Atomic int32_t dq_pending;
     uint64_t drun;
     _Atomic uint64_t st_direct;
+    _Atomic uint64_t st_mapped;
+    int afd; /* the arena's memfd (aio_engine_set_arena), -1: none */
 
     /* tcp send buffers (aio_engine_set_tcp_sndbuf) */
     int32_t sndbuf;
@@ -943,6 +956,38 @@ int aio_direct_info_get(aio_engine *e, aio_direct_info *out) {
 
 int32_t aio_mr_direct_slot(aio_mr *m) { return m->direct_slot; }
 
+int aio_engine_set_arena(aio_engine *e, int fd, void *base, uint64_t len, char *err, size_t errlen) {
+    struct stat st;
+    if (!e->dtab) {
+        set_err(err, errlen, "an arena needs the direct-copy table (aio_engine_enable_direct)");
+        return -FI_EINVAL;
+    }
+    if (!base || len == 0 || (uintptr_t)base % 4096 || fd < 0 || fstat(fd, &st) != 0 ||
+        !S_ISREG(st.st_mode) || (uint64_t)st.st_size < len) {
+        set_err(err, errlen, "the arena must be a page-aligned mapping of a memfd at least len long");
+        return -FI_EINVAL;
+    }
+    pthread_mutex_lock(&e->mr_mu);
+    int used = e->afd >= 0;
+    for (uint32_t i = 0; i < AIO_DIRECT_SLOTS && !used; i++) used = e->dused[i];
+    int dup_fd = used ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (used || dup_fd < 0) {
+        pthread_mutex_unlock(&e->mr_mu);
+        set_err(err, errlen, used ? "the arena is set before any region is registered, once"
+                                  : "dup: %s", strerror(errno));
+        return used ? -FI_EBUSY : -errno;
+    }
+    e->afd = dup_fd;
+    direct_table *t = e->dtab;
+    t->arena_fd = dup_fd;
+    t->arena_base = (uint64_t)(uintptr_t)base;
+    t->arena_dev = (uint64_t)st.st_dev;
+    t->arena_ino = (uint64_t)st.st_ino;
+    atomic_store((_Atomic uint64_t *)&t->arena_len, len); /* before any slot's key: see direct_publish */
+    pthread_mutex_unlock(&e->mr_mu);
+    return 0;
+}
+
 /* Publishes a new region in the table (caller holds mr_mu): its slot, or -1. */
 static int32_t direct_publish(aio_engine *e, aio_mr *m) {
     int first = -1;
@@ -1045,7 +1090,32 @@ int aio_direct_attach(aio_engine *e, const aio_direct_info *pi, char *err, size_
         atomic_store(&t->peers[index], 0);
         goto out;
     }
+    /* the peer's arena, if it has one: mapped here, after checking the file is the one it
+     * published (its fd number names that file in its process, the device and inode say so) */
+    char *amap = NULL;
+    uint64_t alen = atomic_load((_Atomic uint64_t *)&t->arena_len);
+    if (alen) {
+        snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)pi->pid, (int)t->arena_fd);
+        int afd = open(path, O_RDWR | O_CLOEXEC);
+        struct stat ast;
+        void *am = MAP_FAILED;
+        if (afd >= 0 && fstat(afd, &ast) == 0 && (uint64_t)ast.st_dev == t->arena_dev &&
+            (uint64_t)ast.st_ino == t->arena_ino && (uint64_t)ast.st_size >= alen)
+            am = mmap(NULL, alen, PROT_READ | PROT_WRITE, MAP_SHARED, afd, 0);
+        if (afd >= 0) close(afd);
+        if (am == MAP_FAILED) {
+            set_err(err, errlen, "mapping the peer's arena %s: %s", path,
+                    afd < 0 ? strerror(errno) : "not the file it published");
+            ret = -FI_EINVAL;
+            atomic_store(&t->peers[index], 0);
+            goto out;
+        }
+        amap = am;
+    }
     direct_peer *p = &e->dpeers[n];
+    p->amap = amap;
+    p->abase = t->arena_base;
+    p->alen = alen;
     p->t = t;
     p->pid = pi->pid;
     p->pidfd = pidfd;
@@ -1101,6 +1171,15 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d) {
         d->length > len - (d->raddr - base) ||
         !(atomic_load_explicit(&s->access, memory_order_relaxed) & need)) {
         rc = -FI_EACCES;
+    } else if (p->amap && d->raddr - p->abase < p->alen && d->length <= p->alen - (d->raddr - p->abase)) {
+        /* in the peer's arena, mapped here: a plain copy, then a release fence so that whoever
+         * learns of the completion (the immediate, a message) finds the bytes */
+        char *there = p->amap + (d->raddr - p->abase);
+        char *here = (char *)((aio_mr *)d->mr)->buf + d->offset;
+        if (d->op == AIO_OP_READ) memcpy(here, there, d->length);
+        else memcpy(there, here, d->length);
+        atomic_thread_fence(memory_order_seq_cst);
+        atomic_fetch_add_explicit(&e->st_mapped, 1, memory_order_relaxed);
     } else {
         aio_mr *m = d->mr;
         uint64_t done = 0;
@@ -1191,6 +1270,7 @@ static void direct_destroy(aio_engine *e) {
         int32_t me = (int32_t)getpid();
         atomic_compare_exchange_strong(&p->t->peers[p->index], &me, 0);
         munmap(p->t, sizeof(direct_table));
+        if (p->amap) munmap(p->amap, p->alen);
         close(p->pidfd);
     }
     free(e->dpeers);
@@ -1199,6 +1279,7 @@ static void direct_destroy(aio_engine *e) {
         close(e->dfd);
         free(e->dused);
     }
+    if (e->afd >= 0) close(e->afd);
 }
 
 /* ------------------------------------------------------------------ engine */
@@ -1555,6 +1636,7 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     pthread_mutex_init(&e->watch_mu, NULL);
     pthread_mutex_init(&e->dmu, NULL);
     e->dfd = -1;
+    e->afd = -1;
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->nl_fd = -1;
     atomic_store(&e->want_below, -1);
@@ -2351,6 +2433,11 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     if (direct && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
                    (it->direct & 0xffff) >= AIO_DIRECT_SLOTS))
         return -FI_EINVAL;
+    if (direct && it->op == AIO_OP_WRITE) { /* writes: only into a peer's arena (direct_copy), */
+        const direct_peer *p = &e->dpeers[(it->direct >> 16) - 1]; /* and not tiny ones */
+        direct = p->amap && it->length >= AIO_DIRECT_WRITE_MIN && it->raddr - p->abase < p->alen &&
+                 it->length <= p->alen - (it->raddr - p->abase);
+    }
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
     pthread_mutex_lock(&r->mu);
@@ -2594,5 +2681,6 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->errors = atomic_load(&e->st_errors);
     o->spin_window_ns = (uint64_t)atomic_load(&e->st_adapt);
     o->direct_ops = atomic_load(&e->st_direct);
+    o->direct_mapped = atomic_load(&e->st_mapped);
     o->tcp_tuned = atomic_load(&e->st_tuned);
 }

@@ -219,6 +219,17 @@ int aio_engine_enable_direct(aio_engine *e, char *err, size_t errlen);
 int aio_direct_info_get(aio_engine *e, aio_direct_info *out);
 int32_t aio_mr_direct_slot(aio_mr *mr);
 int aio_direct_attach(aio_engine *e, const aio_direct_info *peer, char *err, size_t errlen);
+/* Arenas. An engine with a table may publish one arena: a memfd of `len` bytes that this
+ * process maps (MAP_SHARED, page-aligned) at `base`. Peers that attach map it as well, and a
+ * direct copy whose peer range lies in the arena is a memcpy by the initiator's poller, under
+ * the same slot checks (key, bounds, right, busy mark) as the other direct copies. Writes are
+ * direct only into an arena (process_vm_writev measured slower than shm); reads always are.
+ * Writes shorter than AIO_DIRECT_WRITE_MIN go through shm all the same: one provider message
+ * carries them with their immediate, sooner than the hop to the poller and back.
+ * The engine keeps a duplicate of fd until it is destroyed; the mapping stays the caller's.
+ * Once, before any region is registered: 0, -FI_EBUSY, or -FI_EINVAL with `err` filled. */
+#define AIO_DIRECT_WRITE_MIN 4096
+int aio_engine_set_arena(aio_engine *e, int fd, void *base, uint64_t len, char *err, size_t errlen);
 /* For tests: sets (on = 1) or clears this engine's busy mark on a slot of an attached peer's
  * table, as a copy under way does. 0 or -FI_EINVAL. */
 int aio_direct_mark(aio_engine *e, int attach, int32_t slot, int on);
@@ -385,6 +396,7 @@ typedef struct aio_stats {
     uint64_t errors;
     uint64_t spin_window_ns; /* the poller's adaptive spin window now: 0 = the base (spin_ns) */
     uint64_t direct_ops;     /* direct same-host copies made (writes and reads) */
+    uint64_t direct_mapped;  /* ... of which into or out of a peer's arena (memcpy) */
     uint64_t tcp_tuned;      /* tcp sockets whose send buffer the core set (aio_engine_set_tcp_sndbuf) */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the benchmark figures of docs/benchmarks.md in one command:
 #   aiote bench all (tcp and shm, Python beside the C core, same run) -> docs/bench.json, docs/bench.png
+#   aiote bench write,read --arena (shm, Engine.alloc_host buffers)    -> docs/bench-arena.json
 #   aiote bench imm-latency --low-latency (the same, low-latency setting) -> docs/bench-lowlat.json
 #   benchmarks/peers/run.py (peer libraries), when it exists          -> docs/peers.json
 #     in 5 rounds: each round runs aiote (write, imm-latency, both settings) and every peer once,
@@ -15,6 +16,9 @@ PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 "$PY" -m aiote bench all --provider tcp,shm --sizes 4KiB,64KiB,1MiB,16MiB --repeats 3 \
     --json docs/bench.json --plot docs/bench.png "$@"
+# same-host writes and reads between buffers of the engines' host arenas (Engine.alloc_host)
+"$PY" -m aiote bench write,read --arena --provider shm --sizes 64KiB,1MiB,16MiB --repeats 3 \
+    --json docs/bench-arena.json "$@"
 # the WriteImm ping-pong again in the documented low-latency setting (both sides)
 "$PY" -m aiote bench imm-latency --low-latency --provider tcp,shm --repeats 3 \
     --json docs/bench-lowlat.json "$@"
@@ -28,4 +32,4 @@ if [ -f benchmarks/peers/run.py ]; then
         echo "bench-docs: benchmarks/peers/run.py failed: the peers' table is left out" >&2
     fi
 fi
-"$PY" benchmarks/render_docs.py --bench docs/bench.json --bench docs/bench-lowlat.json "${peers[@]}" --plot bench.png --doc docs/benchmarks.md
+"$PY" benchmarks/render_docs.py --bench docs/bench.json --bench docs/bench-arena.json --bench docs/bench-lowlat.json "${peers[@]}" --plot bench.png --doc docs/benchmarks.md

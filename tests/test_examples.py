@@ -172,6 +172,26 @@ def test_aiote_bench_low_latency_setting_and_its_docs_rows(tmp_path: Path) -> No
         assert f"aiote WriteImm round trip ({prov}) {4 * low:.1f} µs" in text
 
 
+def test_aiote_bench_arena_buffers_on_both_sides_and_the_c_core(tmp_path: Path) -> None:
+    out_file = tmp_path / "arena.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "aiote", "bench", "write,read", "--arena", "--provider", "shm", *BENCH_QUICK,
+         "--json", str(out_file)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["arena"] is True and result["provider"] == "shm"
+    assert [(r["mode"], r["size"], r["memory"]) for r in result["rows"]] == [
+        ("write", 65536, "arena"), ("read", 65536, "arena")
+    ]
+    _check_rows(result["rows"])
+    assert "shm arena" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "aiote", "bench", "write,bogus"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown mode 'bogus'" in bad.stderr
+
+
 def test_aiote_bench_sweeps_sendrecv_over_loops_and_windows(tmp_path: Path) -> None:
     out_file = tmp_path / "bench.json"
     out = subprocess.run(

@@ -176,6 +176,35 @@ def test_head_to_head_compares_within_each_round_then_takes_the_median() -> None
     assert "low-latency: aiote 30.0 us, UCXX asyncio 60.0 us, ratio 0.50 (faster in 2 of 2 rounds" in text
 
 
+def test_head_to_head_keeps_arena_writes_apart_from_ordinary_ones(tmp_path: Path) -> None:
+    # aiote's write-arena job (buffers from Engine.alloc_host) is compared with the same peers
+    # on the same-host path, as a row of its own beside the ordinary-memory one
+    rounds = []
+    for k, (plain, arena, nixl) in enumerate([(10.0, 30.0, 12.0), (11.0, 33.0, 13.0)]):
+        recs, jobs = _round(1.0, 1.1, 0.5, 50.0, 80.0)
+        recs.append({**_write("nixl", "same-host", KIB64, nixl), "round": k})
+        jobs["write"]["rows"].append(_aiote_row("write", KIB64, plain, provider="shm"))
+        jobs["write-arena"] = {"provider": "shm", "rows": [_aiote_row("write", KIB64, arena, provider="shm")]}
+        rounds.append((recs, jobs))
+    got = [v for v in run.head_to_head(rounds, 64) if v["kind"] == "write" and v["path"] == "same-host"]
+    assert [(v["memory"], v["size"], v["rounds"]) for v in got] == [("numpy", KIB64, 2), ("arena", KIB64, 2)]
+    assert got[0]["ratios"] == pytest.approx([10 / 12, 11 / 13]) and got[0]["ahead"] == 0
+    assert got[1]["ratios"] == pytest.approx([30 / 12, 33 / 13]) and got[1]["ahead"] == 2
+    assert "aiote (arena) 31.50 GB/s" in run.versus_table(got)
+    (tmp_path / "peers.json").write_text(json.dumps(got))
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
+    r = subprocess.run(
+        [sys.executable, str(PEERS.parent / "render_docs.py"), "--peers", str(tmp_path / "peers.json"),
+         "--doc", str(doc)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    text = doc.read_text()
+    assert "aiote write (shm) / best peer on a same-host path" in text
+    assert "aiote write (shm, buffers from Engine.alloc_host) / best peer on a same-host path" in text
+
+
 def test_merge_rounds_takes_medians_and_spreads_over_every_run() -> None:
     recs = [
         {**_write("nixl", "tcp", KIB64, 1.0), "runs": [0.9, 1.0, 1.1], "round": 0},

@@ -7,6 +7,7 @@ import contextvars
 import hashlib
 import itertools
 import math
+import operator
 import os
 import struct
 import time
@@ -21,6 +22,7 @@ import anyio
 import numpy as np
 
 from .._native import ffi, lib
+from ._arena import Arena
 from ._bridge import LoopBridge
 from ._counter import ImmCounter
 from ._descriptor import (
@@ -251,8 +253,11 @@ class Engine:
         gpu_direct: bool | None = None,
         streams: int = 1,
         same_host_direct: bool = True,
+        arena: Arena | None = None,
     ) -> None:
         self._h = handle
+        self._arena = arena
+        self._arena_full_logged = False
         self._gpu: GpuSupport | None = None
         self._gpu_cfg = (gpu_backend, stage_chunk, gpu_ipc, gpu_direct)
         self._retry = retry if retry is not None else RetryPolicy()
@@ -351,7 +356,10 @@ class Engine:
         """Counters of the native poller (polls, sleeps, wake-ups, completions, errors;
         ``loop_polls``: low-latency waits that drove the completion queues from the loop thread;
         ``spin_window_ns``: the poller's adaptive spin window as of its last activity, 0 for the
-        base ``spin_us``; ``direct_copies``: same-host READs copied directly;
+        base ``spin_us``; ``direct_copies``: same-host copies this engine made directly (reads,
+        and writes into peers' arenas), ``direct_mapped``: those of them into or out of a
+        peer's arena (``memcpy``); ``arena_bytes``: bytes of this engine's arena handed out by
+        :meth:`alloc_host` (page-rounded);
         ``tcp_buffers_set``: tcp sockets whose send buffer the engine set, see ``open_engine``'s
         ``tcp_send_buffer``), the
         operations and regions in flight (``pending``: groups whose completion record the loop
@@ -375,6 +383,8 @@ class Engine:
             "errors": st.errors,
             "spin_window_ns": st.spin_window_ns,
             "direct_copies": st.direct_ops,
+            "direct_mapped": st.direct_mapped,
+            "arena_bytes": self._arena.in_use if self._arena is not None else 0,
             "tcp_buffers_set": st.tcp_tuned,
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
@@ -629,6 +639,39 @@ class Engine:
         self._inbox.append(item)
 
     # ------------------------------------------------------------------ memory
+
+    def alloc_host(self, shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray[Any, Any]:
+        """A zero-filled, C-contiguous NumPy array of ``shape`` and ``dtype`` in this engine's
+        host arena (``open_engine(host_arena=)``): register it like any array. Same-host peers
+        map the arena, so their writes into it and reads out of it are one ``memcpy`` by their
+        poller thread (under the same key, bounds and rights checks as every access), instead
+        of a copy by this process's shm progress: the fastest same-host path (writes from
+        4 KiB on; smaller ones, paged writes and scatters go through shm). Peers on other
+        hosts, or without ``same_host_direct``, see an ordinary region.
+
+        Its memory (page-rounded) returns to the arena when the array and every view of it
+        are gone. Where the engine has no arena, or it has no free range that large, returns
+        an ordinary ``numpy.zeros`` array (the latter logged once), which works the same,
+        through shm. Raises :class:`InvalidArgument` (bad shape or dtype),
+        :class:`EngineClosed`. Costs O(free ranges) and no system call; pages are allocated
+        when first touched."""
+        self._check_open()
+        try:
+            dt = np.dtype(dtype)
+            dims = shape if isinstance(shape, Sequence) else (shape,)
+            shp = tuple(operator.index(x) for x in dims)
+        except TypeError as e:
+            raise InvalidArgument(f"alloc_host: {e}") from None
+        if any(x < 0 for x in shp) or dt.itemsize == 0 or dt.hasobject:
+            raise InvalidArgument(f"alloc_host: shape {shp} must be >= 0 and dtype {dt} plain data")
+        nbytes = math.prod(shp) * dt.itemsize
+        out = self._arena.alloc(nbytes, dt, shp) if self._arena is not None and nbytes else None
+        if out is None:
+            if self._arena is not None and nbytes and not self._arena_full_logged:
+                self._arena_full_logged = True
+                self._log.warning("host arena full: alloc_host returns ordinary memory", nbytes=nbytes)
+            return np.zeros(shp, dt)
+        return out
 
     async def register(
         self, buffer: Any, *, remote_write: bool = True, remote_read: bool = True
@@ -936,14 +979,11 @@ class Engine:
         n = len(path)
         start = self._router.start(full)
         ptr = mr._ptr
-        # a READ from a same-host peer that published the region, over shm: a direct copy by
-        # our poller (writes stay with shm, which copies at the target: process_vm_writev marks
-        # every page it wrote dirty, and measured slower here; see docs/benchmarks.md)
-        dcode, dkey = (
-            self._direct(rdesc)
-            if op == _OP_READ and rdesc.direct is not None and mr._dev is None
-            else _NO_DIRECT
-        )
+        # a same-host peer that published the region, over shm: a direct copy by our poller.
+        # The core makes READs directly, and writes only into the peer's arena (memcpy); other
+        # writes stay with shm, which copies at the target (process_vm_writev measured slower
+        # here; see docs/benchmarks.md)
+        dcode, dkey = self._direct(rdesc) if rdesc.direct is not None and mr._dev is None else _NO_DIRECT
         if n > 1 and self._streams > 1 and length < self._stripe_min and self._on_one_nic(path):
             # streams of one NIC, not striped: as over a single NIC (the immediate travels with
             # the data; the streams take turns). A link failure takes every stream of the NIC.
@@ -2579,7 +2619,8 @@ def _open_native(
     watch_us: int = 100,
     direct: bool = False,
     sndbuf: int | None = None,
-) -> tuple[Any, list[RailInfo]]:
+    arena: int = 0,
+) -> tuple[Any, list[RailInfo], Arena | None]:
     cfg = ffi.new(
         "aio_engine_config*",
         {
@@ -2642,6 +2683,7 @@ def _open_native(
                     max_message_size=int(info.slot_size),
                 )
             )
+        host_arena: Arena | None = None
         if direct and any(r.provider == "shm" for r in rails):
             rc = lib.aio_engine_enable_direct(h, err, 1024)
             if rc != 0:
@@ -2649,13 +2691,36 @@ def _open_native(
                     "direct same-host copies unavailable; same-host peers read through shm",
                     reason=ffi.string(err).decode(errors="replace") or _strerror(-rc),
                 )
+            elif arena:
+                host_arena = _open_arena(h, arena)
         rc = lib.aio_engine_start(h)
         if rc != 0:
             raise ProviderError(f"could not start the poller thread: {_strerror(-rc)}")
     except BaseException:
         lib.aio_engine_destroy(h)
         raise
-    return h, rails
+    return h, rails, host_arena
+
+
+def _open_arena(h: Any, size: int) -> Arena | None:
+    """The engine's host arena, published in its direct-copy table, or None (logged)."""
+    err = ffi.new("char[1024]")
+    try:
+        arena = Arena(size)
+    except OSError as e:
+        _log.info("host arena unavailable; alloc_host returns ordinary memory", reason=str(e))
+        return None
+    try:
+        rc = lib.aio_engine_set_arena(h, arena.fd, ffi.cast("void*", arena.base), arena.size, err, 1024)
+    finally:
+        arena.close()  # the core holds its own duplicate; the mapping stays
+    if rc != 0:
+        _log.info(
+            "host arena unavailable; alloc_host returns ordinary memory",
+            reason=ffi.string(err).decode(errors="replace") or _strerror(-rc),
+        )
+        return None
+    return arena
 
 
 _DEFAULT_NIC = {"tcp": "lo"}
@@ -2686,6 +2751,7 @@ async def open_engine(
     streams: int = 1,
     same_host_direct: bool = True,
     tcp_send_buffer: int | None = None,
+    host_arena: int = 4 << 30,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -2717,9 +2783,17 @@ async def open_engine(
     engine publishes each host region's key, bounds and access rights in a region table in
     shared memory; the reader checks them before every copy, and unregistering a region
     waits until copies under way finished (new ones are refused). Writes stay with shm
-    (``process_vm_writev`` copied slower here: see docs/benchmarks.md). Falls back to shm,
+    (``process_vm_writev`` copied slower here: see docs/benchmarks.md), except writes of 4 KiB
+    or more into a peer's host arena (``host_arena`` below), which are a ``memcpy``. Falls back to shm,
     with a log line, where the copy is not permitted (ptrace restrictions) or the table
     cannot be opened. ``False``: publish no table and copy nothing directly.
+    ``host_arena``: bytes of address space for :meth:`Engine.alloc_host` (default 4 GiB; only
+    what is allocated and touched takes memory): a shared-memory file this engine publishes
+    with its region table, which same-host peers map, so that their writes into and reads out
+    of regions allocated there are a ``memcpy`` by their poller, the fastest same-host path
+    (writes into other host memory stay with shm). ``0``: no arena. Needs ``same_host_direct``
+    and an shm rail; without them, or where the file cannot be created, ``alloc_host`` returns
+    ordinary memory (logged).
     ``stripe_min``: a single write or read of at least this many bytes is split across the
     NICs that reach the peer (several ``nics``); smaller ones go round robin over them.
     ``retry``: the default :class:`RetryPolicy` of the engine's operations (each takes
@@ -2794,6 +2868,7 @@ async def open_engine(
     stage_chunk = as_index(stage_chunk, "stage_chunk", lo=4096)
     if tcp_send_buffer is not None:
         tcp_send_buffer = as_index(tcp_send_buffer, "tcp_send_buffer", lo=0, hi=1 << 30)
+    host_arena = as_index(host_arena, "host_arena", lo=0, hi=1 << 46)
     watch_interval_us = as_index(watch_interval_us, "watch_interval_us", lo=1, hi=1_000_001)
     known = isinstance(gpu_backend, str) and (
         gpu_backend in ("cuda", "host") or gpu_backend.startswith("host:")
@@ -2801,7 +2876,7 @@ async def open_engine(
     if not known:
         raise InvalidArgument("gpu_backend must be 'cuda' or 'host'")
     slot_size = max_message_size + 4096  # room for the sender's address
-    h, rails = await anyio.to_thread.run_sync(
+    h, rails, arena = await anyio.to_thread.run_sync(
         partial(
             _open_native,
             provider,
@@ -2816,6 +2891,7 @@ async def open_engine(
             watch_us=watch_interval_us,
             direct=bool(same_host_direct),
             sndbuf=tcp_send_buffer,
+            arena=host_arena,
         )
     )
     engine = Engine(
@@ -2834,6 +2910,7 @@ async def open_engine(
         gpu_direct=None if gpu_direct is None else bool(gpu_direct),
         streams=streams,
         same_host_direct=bool(same_host_direct),
+        arena=arena,
     )
     try:
         await engine._start()

@@ -212,7 +212,8 @@ class _Server:
                 name = cmd["name"]
                 if name in self.regions:
                     await e.unregister(self.regions.pop(name))
-                arr = np.empty(cmd["size"], np.uint8)
+                # "arena": from the engine's host arena (Engine.alloc_host), as `aiote bench --arena`
+                arr = e.alloc_host(cmd["size"]) if cmd.get("arena") else np.empty(cmd["size"], np.uint8)
                 arr.fill(0x5A)  # touched: reads of untouched pages would read the kernel's zero page
                 self.regions[name] = await e.register(arr, remote_write=True, remote_read=True)
                 body["desc"] = bytes(self.regions[name].descriptor).hex()
@@ -353,9 +354,10 @@ class Remote:
             raise RuntimeError(f"the serving side failed {cmd.get('op')}: {reply['error']}")
         return reply
 
-    async def register(self, name: str, nbytes: int) -> MemoryDescriptor:
-        """Registers a zeroed buffer there (remote write and read allowed); its descriptor."""
-        r = await self.call(op="register", name=name, size=nbytes)
+    async def register(self, name: str, nbytes: int, arena: bool = False) -> MemoryDescriptor:
+        """Registers a filled buffer there (remote write and read allowed; ``arena``: from its
+        engine's :meth:`~aiote.Engine.alloc_host`); its descriptor."""
+        r = await self.call(op="register", name=name, size=nbytes, arena=arena)
         return MemoryDescriptor.from_bytes(bytes.fromhex(r["desc"]))
 
     async def wait(self, imm: int, n: int, timeout: float = 120.0) -> None:

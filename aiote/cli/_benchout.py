@@ -88,8 +88,9 @@ def row_label(r: dict[str, Any]) -> str:
 
 
 def path_label(r: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """Provider, and the NICs and event loop where they were swept."""
-    parts = [r["provider"]]
+    """Provider (and "arena" for buffers from ``Engine.alloc_host``), and the NICs and event
+    loop where they were swept."""
+    parts = [r["provider"] + (" arena" if r.get("memory") == "arena" else "")]
     if _varies(rows, "nics") and r["nics"]:
         parts.append(",".join(r["nics"]))
     if _varies(rows, "loop"):

@@ -66,6 +66,7 @@ ORDER = ("write", "read", "sendrecv", "paged", "imm-latency", "sendrecv-latency"
 WINDOWED = ("write", "read", "sendrecv")
 MSG_SLOTS = 16  # the engine's default message_slots: sends in flight at most
 
+MODES = ("write", "read", "sendrecv", "paged", "imm-latency", "all")
 Case = tuple[str, int, int]  # mode, size (0 for latency), window (0 where it does not apply)
 Config = tuple[str, tuple[str, ...] | None, str]  # provider, NICs, event loop
 
@@ -119,17 +120,20 @@ def lanes_of(window: int) -> tuple[int, int]:
     return lanes, max(1, window // lanes)
 
 
-async def py_transfer(remote: Remote, op: str, size: int, total: int, window: int) -> float:
+async def py_transfer(
+    remote: Remote, op: str, size: int, total: int, window: int, arena: bool = False
+) -> float:
     """GB/s of one-sided ``op`` ("write" with an immediate, or "read") of ``size``, ``window``
-    in flight (up to 4 reusable batches submitted concurrently)."""
+    in flight (up to 4 reusable batches submitted concurrently); ``arena``: both sides' buffers
+    from their engines' ``alloc_host``."""
     e = remote.engine
     lanes, per = lanes_of(window)
     region = size * lanes * per
-    local = np.empty(region, np.uint8)
+    local = e.alloc_host(region) if arena else np.empty(region, np.uint8)
     local.fill(7)
     mr = await e.register(local, remote_write=op == "read")
     try:
-        d = await remote.register(f"{op}-dst", region)
+        d = await remote.register(f"{op}-dst", region, arena=arena)
         batches = []
         for lane in range(lanes):
             b = e.batch()
@@ -262,7 +266,7 @@ async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[
     """One Python measurement: {size: GB/s} for throughput, {percentile: µs} for latency."""
     mode, size, window = case
     if mode in ("write", "read"):
-        return {size: await py_transfer(remote, mode, size, args.total, window)}
+        return {size: await py_transfer(remote, mode, size, args.total, window, args.arena)}
     if mode == "sendrecv":
         return {size: await py_sendrecv(remote, size, args.total, window)}
     if mode == "paged":
@@ -273,9 +277,10 @@ async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[
 
 
 def c_args(args: argparse.Namespace, case: Case) -> list[str]:
-    """The C bench's arguments for the same case (and the same tcp send buffers)."""
+    """The C bench's arguments for the same case (and the same tcp send buffers and arenas)."""
     sndbuf = [] if args.tcp_send_buffer is None else ["--sndbuf", str(args.tcp_send_buffer)]
-    return _c_case_args(args, case) + sndbuf
+    arena = ["--arena"] if args.arena and case[0] in ("write", "read") else []
+    return _c_case_args(args, case) + sndbuf + arena
 
 
 def _c_case_args(args: argparse.Namespace, case: Case) -> list[str]:
@@ -366,7 +371,7 @@ async def run_config(
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The ``aiote bench`` options."""
     ap.add_argument("mode", nargs="?", default="all",
-                    choices=["write", "read", "sendrecv", "paged", "imm-latency", "all"])
+                    help=f"{', '.join(MODES)}, or several: write,read (default: all)")
     ap.add_argument("--sizes", default="64KiB,1MiB", help="transfer sizes, e.g. 4KiB,64KiB,1MiB")
     ap.add_argument("--page-sizes", default="4KiB,64KiB", help="paged-write page sizes")
     ap.add_argument("--window", default=str(WINDOW),
@@ -402,6 +407,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="SO_SNDBUF of both sides' tcp connections (open_engine(tcp_send_buffer=)), "
                          "and the C core's the same; 0: the kernel's autotuning; default: aiote's "
                          "(512 KiB on same-host connections)")
+    ap.add_argument("--arena", action="store_true",
+                    help="write, read: both sides' buffers from their engines' host arenas "
+                         "(Engine.alloc_host; same-host peers memcpy into them), and the C core's the same")
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -411,9 +419,10 @@ def _split(text: str) -> list[str]:
 
 def _cases(args: argparse.Namespace, windows: list[int]) -> list[Case]:
     sizes = [parse_size(s) for s in _split(args.sizes)]
-    want = ORDER if args.mode == "all" else {
-        "sendrecv": ("sendrecv", "sendrecv-latency")
-    }.get(args.mode, (args.mode,))
+    modes = _split(args.mode)
+    want = ORDER if "all" in modes else [
+        w for m in modes for w in {"sendrecv": ("sendrecv", "sendrecv-latency")}.get(m, (m,))
+    ]
     cases: list[Case] = []
     for mode in ORDER:
         if mode not in want:
@@ -443,6 +452,9 @@ def _machine() -> dict[str, Any]:
 
 
 def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> str | None:
+    bad = [m for m in _split(args.mode) if m not in MODES] or ([] if _split(args.mode) else [args.mode])
+    if bad:
+        return f"unknown mode {bad[0]!r} ({', '.join(MODES)}; several: write,read)"
     have = available_providers(tuple(dict.fromkeys([*KNOWN_PROVIDERS, *providers])))
     for p in providers:
         if p not in have:
@@ -536,6 +548,7 @@ def main(args: argparse.Namespace) -> int:
                     "setting": "low-latency" if args.low_latency else "default",
                     "streams": args.streams,
                     "tcp_send_buffer": args.tcp_send_buffer,
+                    "memory": "arena" if args.arena and mode in ("write", "read") else "numpy",
                     "window": window or None,
                     "py_gbps": statistics.median(p),
                     "py_spread": [min(p), max(p)],
@@ -563,6 +576,7 @@ def main(args: argparse.Namespace) -> int:
         "setting": "low-latency" if args.low_latency else "default",
         "streams": args.streams,
         "tcp_send_buffer": args.tcp_send_buffer,
+        "arena": args.arena,
         "connect": args.connect,
         "cpu_busy_before": busy,
         "cpu_busy_after": after,

@@ -160,7 +160,8 @@ class PeerProcess:
         gpu: int = 0,
     ) -> MemoryDescriptor:
         """Registers a buffer in the peer (``fill``: "zeros" or "pattern"); its descriptor.
-        ``device``: None (host memory), ``"cuda"`` (a CuPy array on GPU ``gpu``), ``"host"``
+        ``device``: None (host memory), ``"arena"`` (host memory from the peer engine's
+        :meth:`~aiote.Engine.alloc_host`), ``"cuda"`` (a CuPy array on GPU ``gpu``), ``"host"``
         or ``"shared"`` (a :class:`HostDeviceArray`, for a peer with ``gpu_backend="host"``).
         Raises :class:`PeerError` if the peer fails it; costs one :meth:`call` and the peer's
         registration."""

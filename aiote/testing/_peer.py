@@ -60,7 +60,11 @@ async def _serve(engine: Engine) -> None:
                     )
                 else:
                     arr = np.zeros(cmd["size"], np.uint8)
-                if cmd.get("device"):
+                if cmd.get("device") == "arena":  # the engine's host arena (alloc_host)
+                    arena = engine.alloc_host(cmd["size"])
+                    arena[:] = arr
+                    arr = arena
+                elif cmd.get("device"):
                     arr, _ = _device_array(cmd["device"], cmd["size"], cmd.get("gpu", 0), arr)
                 arrays[name] = arr
                 regions[name] = await engine.register(

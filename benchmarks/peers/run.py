@@ -106,9 +106,10 @@ def run_aiote(
     python: str, args: argparse.Namespace, timeout: float, keep: str | None = None, repeats: int | None = None
 ) -> dict[str, Any]:
     """``aiote bench write``, ``aiote bench imm-latency`` and ``aiote bench imm-latency
-    --low-latency`` on tcp and shm with the peers' sizes, window and repeats (``repeats``
-    overrides them), right before the peers (same run); their JSON by job name (``write``,
-    ``imm-latency``, ``imm-latency-low``; a job that failed is missing). Runs in a scratch
+    --low-latency`` on tcp and shm, and ``aiote bench write --arena`` on shm, with the peers'
+    sizes, window and repeats (``repeats`` overrides them), right before the peers (same run);
+    their JSON by job name (``write``, ``write-arena``, ``imm-latency``, ``imm-latency-low``; a
+    job that failed is missing). Runs in a scratch
     directory so that a source tree in the current directory (maybe not built) does not shadow
     the installed aiote. Its tables are echoed; with ``keep`` (the --json file), its JSON is kept
     beside it as ``<keep stem>.aiote-<job>.json``."""
@@ -120,6 +121,10 @@ def run_aiote(
             "write": ["write", "--sizes", args.sizes, "--window", str(args.window), *common]
             + (["--total", args.total] if args.total else [])
             + (["--streams", str(args.aiote_streams)] if args.aiote_streams != 1 else []),
+            # same-host writes between buffers of the engines' host arenas (Engine.alloc_host)
+            "write-arena": ["write", "--sizes", args.sizes, "--window", str(args.window), "--provider", "shm",
+                            "--repeats", str(repeats or args.repeats), "--arena"]
+            + (["--total", args.total] if args.total else []),
             "imm-latency": ["imm-latency", *common, *iters],
             "imm-latency-low": ["imm-latency", "--low-latency", *common, *iters],
         }
@@ -320,12 +325,12 @@ def merge_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _aiote_records(data: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+def _aiote_records(data: Mapping[str, Any], n: int, library: str = "aiote") -> list[dict[str, Any]]:
     """aiote's figures of round ``n`` (see :func:`load_aiote`) as peer-style records (library
-    "aiote"), so that the table shows aiote among the peers measured in the same rounds."""
+    ``library``), so that the table shows aiote among the peers measured in the same rounds."""
     out: list[dict[str, Any]] = []
     for (path, size), gbps in data.get("write", {}).items():
-        out.append({"library": "aiote", "path": path, "mode": "write", "size": size, "gbps": gbps,
+        out.append({"library": library, "path": path, "mode": "write", "size": size, "gbps": gbps,
                     "round": n})
     for path, pcts in data.get("rtt_us", {}).items():
         if "p50" in pcts:
@@ -340,20 +345,24 @@ def head_to_head(
     """aiote against the peers round by round (each round's aiote run against the same round's
     peers), then the median over the rounds. Records of mode ``versus``:
 
-    - ``kind: write``: per (path, size), ``ratio`` = median of aiote / best peer of the round
-      (>= 1 meets the target), ``ratios`` (one per round), ``ahead`` (rounds with ratio >= 1);
+    - ``kind: write``: per (path, size, memory), ``ratio`` = median of aiote / best peer of the
+      round (>= 1 meets the target), ``ratios`` (one per round), ``ahead`` (rounds with ratio
+      >= 1); ``memory``: ``numpy`` (ordinary arrays), or ``arena`` (the ``write-arena`` job:
+      both sides' buffers from ``Engine.alloc_host``);
     - ``kind: rtt``: per (path, setting: default or low-latency), ``ratio`` = median of aiote's
       WriteImm round trip / UCXX asyncio's round trip of the round (< 1 meets the target),
       ``ahead`` (rounds with ratio < 1).
     """
     med = statistics.median
-    writes: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    writes: dict[tuple[str, int, str], list[Mapping[str, Any]]] = {}
     rtts: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for recs, jobs in per_round:
         base = load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs], window)
-        for w in compare(base, recs)["write"]:
-            if w["ratio"] is not None:
-                writes.setdefault((w["path"], w["size"]), []).append(w)
+        arena = load_aiote([jobs["write-arena"]], window) if "write-arena" in jobs else {"write": {}}
+        for memory, got in (("numpy", base), ("arena", arena)):
+            for w in compare({"write": got["write"], "rtt_us": {}}, recs)["write"]:
+                if w["ratio"] is not None:
+                    writes.setdefault((w["path"], w["size"], memory), []).append(w)
         for setting, job in (("default", "imm-latency"), ("low-latency", "imm-latency-low")):
             if job not in jobs:
                 continue
@@ -362,10 +371,13 @@ def head_to_head(
                 if r["ratio"] is not None:
                     rtts.setdefault((r["path"], setting), []).append(r)
     out: list[dict[str, Any]] = []
-    for (path, size), ws in sorted(writes.items(), key=lambda kv: (PATHS.index(kv[0][0]), kv[0][1])):
+    for (path, size, memory), ws in sorted(
+        writes.items(), key=lambda kv: (PATHS.index(kv[0][0]), kv[0][2] == "arena", kv[0][1])
+    ):
         ratios = [float(w["ratio"]) for w in ws]
         out.append({
-            "mode": "versus", "kind": "write", "path": path, "size": size, "rounds": len(ws),
+            "mode": "versus", "kind": "write", "path": path, "size": size, "memory": memory,
+            "rounds": len(ws),
             "ratio": med(ratios), "ratios": ratios, "ahead": sum(x >= 1 for x in ratios),
             "aiote_gbps": med(float(w["aiote_gbps"]) for w in ws),
             "best_peer_gbps": med(float(w["best_peer_gbps"]) for w in ws),
@@ -387,8 +399,9 @@ def versus_table(versus: Sequence[Mapping[str, Any]]) -> str:
     for v in versus:
         n = v["rounds"]
         if v["kind"] == "write":
+            mem = " (arena)" if v.get("memory") == "arena" else ""
             lines.append(
-                f"  write {v['path']:9} {c.size_label(v['size']):>7}: aiote {v['aiote_gbps']:.2f} GB/s, "
+                f"  write {v['path']:9} {c.size_label(v['size']):>7}: aiote{mem} {v['aiote_gbps']:.2f} GB/s, "
                 f"best peer ({'/'.join(v['best_peers'])}) {v['best_peer_gbps']:.2f} GB/s, "
                 f"ratio {v['ratio']:.2f} (ahead in {v['ahead']} of {n} rounds; >= 1: aiote is ahead)"
             )
@@ -556,7 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if jobs:
             got_round += _aiote_records(load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs],
                                                    args.window), n)
-        per_round.append(([r for r in got_round if r["library"] != "aiote"], jobs))
+            if "write-arena" in jobs:
+                got_round += _aiote_records(load_aiote([jobs["write-arena"]], args.window), n, "aiote-arena")
+        per_round.append(([r for r in got_round if not r["library"].startswith("aiote")], jobs))
         all_records += got_round
     records = merge_rounds(all_records)
     after = c.cpu_busy()

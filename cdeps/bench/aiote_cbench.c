@@ -49,6 +49,8 @@
  *          asks for transparent huge pages, as NumPy does for the arrays aiote registers),
  *          --no-direct (shm: READs through the provider; by default they are direct
  *          same-host copies made by the reading side, as aiote makes them),
+ *          --arena (shm: the region lies in an arena the side publishes, as aiote's
+ *          Engine.alloc_host arrays do: the peer's writes and reads are a memcpy),
  *          --sndbuf N (tcp: the send buffer the core sets on same-host connections,
  *          aio_engine_set_tcp_sndbuf; 0 = the kernel's autotuning; default: the core's),
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
@@ -102,6 +104,7 @@ typedef struct opts {
     uint64_t size, window, total, slots;
     uint64_t batch; /* write, read: requests per group, posted in one aio_post call (--batch) */
     int small_pages; /* --small-pages: no transparent huge pages for the region */
+    int arena;       /* --arena: the region in a published arena (aiote's Engine.alloc_host) */
     int no_direct;   /* --no-direct: shm READs through the provider (aiote: same_host_direct=False) */
     int64_t sndbuf;  /* --sndbuf N: tcp send buffers (aio_engine_set_tcp_sndbuf; -1: the core's default) */
     uint64_t iters, warmup;
@@ -136,7 +139,9 @@ typedef struct side {
     int rfd, wfd;
     int busy;
     int64_t loop_poll_ns; /* > 0: wait with aio_poll_ring (the loop thread drives the CQs) */
-    int32_t read_direct; /* aio_op_desc.direct of our READs (0: through the provider) */
+    int arena;      /* buf is an arena mapping (munmap, not free) */
+    int32_t direct; /* aio_op_desc.direct of our READs and writes (0: through the provider; the
+                       core makes writes directly only into the peer's arena) */
     uint64_t groups_done;
     uint64_t wakeups; /* eventfd polls that returned readable */
     uint64_t polls;   /* eventfd polls */
@@ -228,13 +233,24 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
      * The page size weighs on shm, whose CMA copies pin the pages they touch one by one: with
      * 4 KiB pages this core measured about half of what the same code does on NumPy arrays.
      * --small-pages: 4 KiB pages. */
-    int huge = region >= (4ULL << 20) && !o->small_pages;
+    int huge = region >= (4ULL << 20) && !o->small_pages && !o->arena;
     void *b = NULL;
-    if (posix_memalign(&b, huge ? (2ULL << 20) : 4096, region))
+    if (o->arena) { /* as Engine.alloc_host: a memfd this process maps and publishes */
+        uint64_t alen = (region + 4095) & ~4095ULL;
+        int afd = memfd_create("aiote-arena", MFD_CLOEXEC);
+        if (afd < 0 || ftruncate(afd, (off_t)alen) != 0) die("arena memfd: %s", strerror(errno));
+        b = mmap(NULL, alen, PROT_READ | PROT_WRITE, MAP_SHARED, afd, 0);
+        if (b == MAP_FAILED) die("arena mmap: %s", strerror(errno));
+        if (!strcmp(o->provider, "shm") && !o->no_direct &&
+            (ret = aio_engine_set_arena(s->e, afd, b, alen, err, sizeof(err))))
+            die("aio_engine_set_arena: %s %s", aio_strerror(ret), err);
+        close(afd); /* the core keeps its own; the mapping stays for the run */
+    } else if (posix_memalign(&b, huge ? (2ULL << 20) : 4096, region))
         die("out of memory for %llu bytes", (unsigned long long)region);
     if (huge) (void)madvise(b, region, MADV_HUGEPAGE); /* a hint: refused is fine */
     s->buf = b;
     s->len = region;
+    s->arena = o->arena;
     for (uint64_t i = 0; i < region; i += 64) s->buf[i] = (uint8_t)(i >> 6); /* touch it */
     ret = aio_mr_register(s->e, s->buf, region, AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ,
                           &s->mr, err, sizeof(err));
@@ -261,7 +277,7 @@ static void side_exchange(side_t *s) {
     if (mine.direct_slot >= 0 && s->remote.direct_slot >= 0) { /* both sides take direct copies */
         char err[512] = "";
         int at = aio_direct_attach(s->e, &s->remote.direct, err, sizeof(err));
-        if (at >= 0) s->read_direct = AIO_DIRECT(at, s->remote.direct_slot);
+        if (at >= 0) s->direct = AIO_DIRECT(at, s->remote.direct_slot);
         else fprintf(stderr, "direct copies unavailable (%s %s): READs go through the provider\n",
                      aio_strerror(at), err);
     }
@@ -275,7 +291,8 @@ static void side_free(side_t *s) {
         usleep(100);
     }
     aio_engine_destroy(s->e);
-    free(s->buf);
+    if (s->arena) munmap(s->buf, (s->len + 4095) & ~4095ULL);
+    else free(s->buf);
 }
 
 /* Handles the records of one drain; returns how many there were. A counter record
@@ -350,7 +367,7 @@ static aio_op_desc side_read(side_t *s, uint64_t loff, uint64_t roff, uint64_t l
     d.rkey = s->remote.key;
     d.rail = s->rail;
     d.op = AIO_OP_READ;
-    d.direct = s->read_direct;
+    d.direct = s->direct;
     return d;
 }
 
@@ -367,6 +384,7 @@ static aio_op_desc side_write(side_t *s, uint64_t loff, uint64_t roff, uint64_t 
     d.rail = s->rail;
     d.op = AIO_OP_WRITE;
     d.flags = AIO_F_DATA;
+    d.direct = s->direct;
     return d;
 }
 
@@ -976,6 +994,7 @@ static void usage(void) {
             "         --batch N (write, read: N requests per group and aio_post call)\n"
             "         --small-pages (4 KiB pages; default: huge pages from 4 MiB, as NumPy)\n"
             "         --no-direct (shm: READs through the provider, not direct copies)\n"
+            "         --arena (shm: the region in a published arena; peers memcpy into it)\n"
             "         --sndbuf N (tcp: same-host send buffers, 0 = the kernel's autotuning)\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
@@ -1029,6 +1048,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--batch") && i + 1 < argc) o.batch = parse_size(argv[++i]);
         else if (!strcmp(a, "--small-pages")) o.small_pages = 1;
+        else if (!strcmp(a, "--arena")) o.arena = 1;
         else if (!strcmp(a, "--no-direct")) o.no_direct = 1;
         else if (!strcmp(a, "--sndbuf") && i + 1 < argc) o.sndbuf = (int64_t)parse_size(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -287,6 +288,7 @@ typedef struct fix {
     const char *nic;
     const char *name;
     eng_t a, b;
+    uint8_t *arena; /* b's arena (direct tests), set once: ARENA_LEN bytes of a memfd */
 } fix_t;
 
 static int connect_pair(eng_t *a, eng_t *b) {
@@ -1490,8 +1492,11 @@ static int t_two_process(fix_t *f) {
 
 /* ------------------------------------------------------------------ direct same-host copies */
 
+#define ARENA_LEN (8 * MiB)
+
 typedef struct direct_fix {
-    aio_mr *mr; /* b's region with a slot in b's table */
+    aio_mr *mr; /* b's region with a slot in b's table, in b's arena: */
+    uint8_t *arena; /* the fixture's arena (f->arena), the region a page into it */
     uint8_t *buf;
     uint64_t len;
     int32_t slot;
@@ -1499,16 +1504,33 @@ typedef struct direct_fix {
     aio_direct_info info;
 } direct_fix;
 
-/* Enables b's table, registers a region there and attaches a to it. */
+/* Enables b's table and arena, registers a region in the arena and attaches a to it. */
 static int direct_setup(fix_t *f, direct_fix *x, uint64_t len) {
     char err[512] = "";
     memset(x, 0, sizeof(*x));
     int ret = aio_engine_enable_direct(f->b.e, err, sizeof(err));
     CHECK(ret == 0, "enable_direct: %s (%s)", aio_strerror(ret), err);
     CHECK_OK(aio_direct_info_get(f->b.e, &x->info));
-    void *p = NULL;
-    CHECK(posix_memalign(&p, 4096, len) == 0, "oom");
-    x->buf = p;
+    CHECK(len + 8192 <= ARENA_LEN, "the fixture's arena is too small");
+    if (!f->arena) { /* once per engine; the region lies a page into it, so that ranges just
+                      * before and past it are in the arena (and refused by the slot's checks) */
+        int afd = memfd_create("test-arena", MFD_CLOEXEC);
+        CHECK(afd >= 0 && ftruncate(afd, (off_t)ARENA_LEN) == 0, "memfd: %s", strerror(errno));
+        void *p = mmap(NULL, ARENA_LEN, PROT_READ | PROT_WRITE, MAP_SHARED, afd, 0);
+        CHECK(p != MAP_FAILED, "mmap");
+        /* refused: no such mapping, a length past the file; then a second arena */
+        CHECK(aio_engine_set_arena(f->b.e, afd, NULL, ARENA_LEN, err, sizeof(err)) == -FI_EINVAL, "NULL base");
+        CHECK(aio_engine_set_arena(f->b.e, afd, p, 2 * ARENA_LEN, err, sizeof(err)) == -FI_EINVAL,
+              "an arena longer than its file");
+        ret = aio_engine_set_arena(f->b.e, afd, p, ARENA_LEN, err, sizeof(err));
+        CHECK(ret == 0, "set_arena: %s (%s)", aio_strerror(ret), err);
+        CHECK(aio_engine_set_arena(f->b.e, afd, p, ARENA_LEN, err, sizeof(err)) == -FI_EBUSY,
+              "a second arena");
+        close(afd); /* the engine keeps its own */
+        f->arena = p;
+    }
+    x->arena = f->arena;
+    x->buf = x->arena + 4096;
     x->len = len;
     memset(x->buf, 0xEE, len);
     ret = aio_mr_register(f->b.e, x->buf, len, AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ, &x->mr,
@@ -1569,7 +1591,8 @@ static int t_direct(fix_t *f) {
     aio_stats s0, s1, sb0, sb1;
     aio_get_stats(a->e, &s0);
     aio_get_stats(b->e, &sb0);
-    /* writes of odd sizes and offsets, each with an immediate */
+    /* writes of odd sizes and offsets, each with an immediate (below AIO_DIRECT_WRITE_MIN:
+     * through shm, with the immediate in the message; from it on: a memcpy into the arena) */
     const uint64_t sizes[] = {1, 4095, 65536, MiB + 3};
     uint32_t imm = 0x6400;
     uint64_t roff = 7;
@@ -1595,8 +1618,9 @@ static int t_direct(fix_t *f) {
     CHECK(verify(a->buf + MiB, 65536, 0, 0x9b0) < 0, "direct read");
     aio_get_stats(a->e, &s1);
     aio_get_stats(b->e, &sb1);
-    CHECK(s1.direct_ops - s0.direct_ops == 6, "direct copies %llu, want 6",
-          (unsigned long long)(s1.direct_ops - s0.direct_ops));
+    CHECK(s1.direct_ops - s0.direct_ops == 4 && s1.direct_mapped - s0.direct_mapped == 4,
+          "direct copies %llu (mapped %llu), want 4 (4)", (unsigned long long)(s1.direct_ops - s0.direct_ops),
+          (unsigned long long)(s1.direct_mapped - s0.direct_mapped));
     CHECK(sb1.remote_data - sb0.remote_data == 4, "the target saw %llu immediates, want 4",
           (unsigned long long)(sb1.remote_data - sb0.remote_data));
     /* refused before any byte moves: a wrong key, a range past the region */
@@ -1631,9 +1655,38 @@ static int t_direct(fix_t *f) {
     CHECK_OK(one_status(a, &r2, &st));
     CHECK(st == -FI_EACCES, "a read of a write-only region gave status %d", st);
     CHECK_OK(aio_mr_close(b->e, wo));
+    /* a region outside the arena: writes go through shm even with a direct code, reads are
+     * direct (process_vm_readv) */
+    void *q = NULL;
+    CHECK(posix_memalign(&q, 4096, MiB) == 0, "oom");
+    memset(q, 0xEE, MiB);
+    aio_mr *plain = NULL;
+    CHECK_OK(aio_mr_register(b->e, q, MiB, AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ, &plain, err,
+                             sizeof(err)));
+    aio_get_stats(a->e, &s0);
+    fill(a->buf, 65536, 0, 0x9c0);
+    aio_op_desc pw = direct_op(f, &x, AIO_OP_WRITE, 0, 4096, 65536, AIO_F_DATA, imm + 2);
+    pw.rkey = aio_mr_key(plain, b->rail);
+    pw.raddr = aio_mr_remote_base(plain, b->rail) + 4096;
+    pw.direct = AIO_DIRECT(x.attach, aio_mr_direct_slot(plain));
+    CHECK_OK(run_group(a, &pw, 1, NULL));
+    CHECK(wait_take(b, imm + 2, U, TIMEOUT) == 0, "no credit for the write outside the arena");
+    CHECK(verify((uint8_t *)q + 4096, 65536, 0, 0x9c0) < 0, "the write outside the arena");
+    aio_op_desc pr = pw;
+    pr.op = AIO_OP_READ;
+    pr.flags = 0;
+    pr.offset = MiB;
+    CHECK_OK(run_group(a, &pr, 1, NULL));
+    CHECK(verify(a->buf + MiB, 65536, 0, 0x9c0) < 0, "the read outside the arena");
+    aio_get_stats(a->e, &s1);
+    CHECK(s1.direct_ops - s0.direct_ops == 1 && s1.direct_mapped == s0.direct_mapped,
+          "outside the arena: direct copies %llu (mapped %llu), want 1 (0)",
+          (unsigned long long)(s1.direct_ops - s0.direct_ops),
+          (unsigned long long)(s1.direct_mapped - s0.direct_mapped));
+    CHECK_OK(aio_mr_close(b->e, plain));
+    free(q);
     CHECK(aio_mr_inflight(a->mr) == 0, "inflight");
     CHECK_OK(aio_mr_close(b->e, x.mr));
-    free(x.buf);
     return 0;
 }
 
@@ -1687,7 +1740,6 @@ static int t_direct_retire(fix_t *f) {
           "the child failed (status 0x%x)", status);
     CHECK_OK(aio_mr_close(f->b.e, mr2)); /* its mark is void: the close goes through */
     free(p);
-    free(x.buf);
     return 0;
 }
 

@@ -1,0 +1,148 @@
+"""Host arenas (``Engine.alloc_host``, ``open_engine(host_arena=)``): arrays in a shared-memory
+file the engine publishes with its region table. A same-host peer maps it, so its writes
+(from 4 KiB on) and reads of regions there are a memcpy by its poller, under the same key,
+bounds and rights checks as every access. Real processes over the shm provider."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from _util import pattern, zeros
+
+import aiote
+from aiote.testing import digest, spawn_peer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+async def _need_shm() -> None:
+    try:
+        async with aiote.open_engine("shm", None):
+            pass
+    except aiote.ProviderError as exc:
+        pytest.skip(f"libfabric's shm provider is not usable here: {exc}")
+
+
+async def test_alloc_host_arrays_are_zeroed_shared_and_given_back() -> None:
+    async with aiote.open_engine() as e:
+        a = e.alloc_host((3, 1000), np.float32)
+        assert a.shape == (3, 1000) and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+        assert not a.any()
+        assert e.stats()["arena_bytes"] == 12288  # page-rounded
+        a[:] = 1.5
+        view = a[1]
+        del a
+        gc.collect()
+        assert e.stats()["arena_bytes"] == 12288, "a view keeps the range"
+        assert (view == 1.5).all()
+        del view
+        gc.collect()
+        assert e.stats()["arena_bytes"] == 0
+        b = e.alloc_host(4096)  # the range again, zeroed (its pages were given back)
+        assert not b.any() and b.dtype == np.uint8
+        assert e.alloc_host(0).size == 0
+
+
+async def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(aiote.InvalidArgument):
+        async with aiote.open_engine(host_arena=-1):
+            pass
+    async with aiote.open_engine() as e:
+        for shape, dtype in (((-1,), np.uint8), (4, object), ("x", np.uint8), (4, "no such type")):
+            with pytest.raises(aiote.InvalidArgument):
+                e.alloc_host(shape, dtype)
+        assert e.stats()["arena_bytes"] == 0
+    with pytest.raises(aiote.EngineClosed):
+        e.alloc_host(16)
+
+
+async def test_without_an_arena_alloc_host_is_ordinary_memory() -> None:
+    for kw in ({"host_arena": 0}, {"same_host_direct": False}, {"same_host": None}):
+        async with aiote.open_engine(**kw) as e:
+            a = e.alloc_host(8192)
+            assert not a.any() and a.nbytes == 8192
+            assert e.stats()["arena_bytes"] == 0
+    async with aiote.open_engine(host_arena=65536) as e:  # full: ordinary memory, logged
+        small = e.alloc_host(65536)
+        big = e.alloc_host(1 << 20)
+        assert e.stats()["arena_bytes"] == 65536 and big.nbytes == 1 << 20 and not big.any()
+        del small
+
+
+async def test_writes_and_reads_into_a_peers_arena_are_memcpys() -> None:
+    async with spawn_peer("tcp") as peer:
+        e = peer.engine
+        size = 4 << 20
+        d = await peer.register("dst", size, device="arena")
+        assert d.direct is not None and e.route(d).provider == "shm"
+        src = e.alloc_host(size)
+        src[:] = pattern(size, seed=71)
+        ms = await e.register(src)
+        before = e.stats()
+        # from 4 KiB on: memcpy, the immediate through shm after it
+        cases = [(0, 0, 4096), (5, 4099, 65536 + 3), (0, 1 << 20, 3 << 20)]
+        for soff, doff, n in cases:
+            await e.write(ms, d, length=n, src_offset=soff, dst_offset=doff, imm=72, timeout=30)
+            await peer.wait(imm=72)
+            assert await peer.digest("dst", doff, n) == digest(src[soff : soff + n])
+        mid = e.stats()
+        assert mid["direct_mapped"] - before["direct_mapped"] == len(cases)
+        # smaller writes go through shm, the immediate in the same message
+        await e.write(ms, d, length=100, src_offset=9, dst_offset=7, imm=73, timeout=30)
+        await peer.wait(imm=73)
+        assert await peer.digest("dst", 7, 100) == digest(src[9:109])
+        assert e.stats()["direct_mapped"] == mid["direct_mapped"]
+        # reads out of the arena
+        local = zeros(size)
+        ml = await e.register(local)
+        await e.read(ml, d, length=65536, src_offset=4099, dst_offset=1, timeout=30)
+        assert np.array_equal(local[1:65537], src[5 : 65536 + 5])
+        assert e.stats()["direct_mapped"] == mid["direct_mapped"] + 1
+        # the other way: the peer writes into our arena
+        mine = e.alloc_host(1 << 20)
+        mm = await e.register(mine)
+        await peer.register("src", 1 << 20, fill="pattern", seed=74)
+        await peer.write("src", mm.descriptor, imm=75)
+        await e.imm_counter(75).wait(1, timeout=30)
+        assert np.array_equal(mine, pattern(1 << 20, seed=74))
+        assert (await peer.stats())["direct_mapped"] == 1
+        assert e.stats()["ops_in_flight"] == 0
+
+
+async def test_a_stale_arena_descriptor_is_refused_and_nothing_moves() -> None:
+    async with spawn_peer("tcp") as peer:
+        e = peer.engine
+        old = await peer.register("dst", 1 << 20, device="arena")
+        src = zeros(1 << 20)
+        src[:] = 0x42
+        ms = await e.register(src)
+        await e.write(ms, old, imm=76, timeout=30)
+        await peer.wait(imm=76)
+        # the peer registers anew: the old region is unregistered, its arena range freed and,
+        # maybe, handed out again for the new one
+        await peer.register("dst", 1 << 20, device="arena")
+        clean = await peer.digest("dst")
+        src[:] = 0x43
+        with pytest.raises(aiote.RemoteAccessError):
+            await e.write(ms, old, imm=77, timeout=30)
+        with pytest.raises(aiote.RemoteAccessError):
+            await e.read(ms, old, timeout=30)
+        assert await peer.digest("dst") == clean
+        assert (src == 0x43).all()
+        assert (await peer.call(op="counter", imm=77))["available"] == 0
+
+
+async def test_an_arena_owner_reached_without_direct_copies_goes_through_shm() -> None:
+    async with spawn_peer("tcp", same_host_direct=False) as peer:
+        e = peer.engine
+        d = await peer.register("dst", 1 << 20, device="arena")
+        src = zeros(1 << 20)
+        src[:] = pattern(1 << 20, seed=78)
+        ms = await e.register(src)
+        await e.write(ms, d, imm=79, timeout=30)
+        await peer.wait(imm=79)
+        assert await peer.digest("dst") == digest(src)
+        assert e.stats()["direct_copies"] == 0
