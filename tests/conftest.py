@@ -23,5 +23,17 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture
+async def need_shm() -> None:
+    """Skips the test where libfabric's shm provider cannot open an engine here."""
+    import aiote
+
+    try:
+        async with aiote.open_engine("shm", None):
+            pass
+    except aiote.ProviderError as exc:
+        pytest.skip(f"libfabric's shm provider is not usable here: {exc}")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"aiote tests: FI_PROVIDER={os.environ.get('FI_PROVIDER', '<aiote default>')}"

@@ -14,16 +14,7 @@ from _util import pattern, zeros
 import aiote
 from aiote.testing import digest, spawn_peer
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(autouse=True)
-async def _need_shm() -> None:
-    try:
-        async with aiote.open_engine("shm", None):
-            pass
-    except aiote.ProviderError as exc:
-        pytest.skip(f"libfabric's shm provider is not usable here: {exc}")
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("need_shm")]
 
 
 async def test_alloc_host_arrays_are_zeroed_shared_and_given_back() -> None:

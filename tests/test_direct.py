@@ -13,16 +13,7 @@ import aiote
 from aiote._core._descriptor import MemoryDescriptor
 from aiote.testing import spawn_peer
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(autouse=True)
-async def _need_shm() -> None:
-    try:
-        async with aiote.open_engine("shm", None):
-            pass
-    except aiote.ProviderError as exc:
-        pytest.skip(f"libfabric's shm provider is not usable here: {exc}")
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("need_shm")]
 
 
 async def test_reads_from_a_peer_process_are_direct_copies() -> None:

@@ -176,6 +176,20 @@ def test_head_to_head_compares_within_each_round_then_takes_the_median() -> None
     assert "low-latency: aiote 30.0 us, UCXX asyncio 60.0 us, ratio 0.50 (faster in 2 of 2 rounds" in text
 
 
+def _render_peers(tmp_path: Path, records: list[dict[str, Any]]) -> str:
+    """The generated section benchmarks/render_docs.py writes for these peer records."""
+    (tmp_path / "peers.json").write_text(json.dumps(records))
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
+    r = subprocess.run(
+        [sys.executable, str(PEERS.parent / "render_docs.py"), "--peers", str(tmp_path / "peers.json"),
+         "--doc", str(doc)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return doc.read_text()
+
+
 def test_head_to_head_keeps_arena_writes_apart_from_ordinary_ones(tmp_path: Path) -> None:
     # aiote's write-arena job (buffers from Engine.alloc_host) is compared with the same peers
     # on the same-host path, as a row of its own beside the ordinary-memory one
@@ -191,16 +205,7 @@ def test_head_to_head_keeps_arena_writes_apart_from_ordinary_ones(tmp_path: Path
     assert got[0]["ratios"] == pytest.approx([10 / 12, 11 / 13]) and got[0]["ahead"] == 0
     assert got[1]["ratios"] == pytest.approx([30 / 12, 33 / 13]) and got[1]["ahead"] == 2
     assert "aiote (arena) 31.50 GB/s" in run.versus_table(got)
-    (tmp_path / "peers.json").write_text(json.dumps(got))
-    doc = tmp_path / "doc.md"
-    doc.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
-    r = subprocess.run(
-        [sys.executable, str(PEERS.parent / "render_docs.py"), "--peers", str(tmp_path / "peers.json"),
-         "--doc", str(doc)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    text = doc.read_text()
+    text = _render_peers(tmp_path, got)
     assert "aiote write (shm) / best peer on a same-host path" in text
     assert "aiote write (shm, buffers from Engine.alloc_host) / best peer on a same-host path" in text
 
@@ -225,16 +230,7 @@ def test_render_docs_prints_the_head_to_head_of_the_rounds(tmp_path: Path) -> No
     got = run.head_to_head(rounds, 64)
     peers = [*run.merge_rounds([{**r, "round": 0} for r in _round(1.0, 1.1, 0.5, 50.0, 80.0)[0]]), *got,
              {"library": "aiote", "path": "tcp", "mode": "write", "size": KIB64, "gbps": 9.0, "rounds": 2}]
-    (tmp_path / "peers.json").write_text(json.dumps(peers))
-    doc = tmp_path / "doc.md"
-    doc.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
-    r = subprocess.run(
-        [sys.executable, str(PEERS.parent / "render_docs.py"), "--peers", str(tmp_path / "peers.json"),
-         "--doc", str(doc)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    text = doc.read_text()
+    text = _render_peers(tmp_path, peers)
     assert "in 2 rounds, each library and aiote once per round" in text
     assert "| aiote | tcp | write | 9.00 |" in text  # aiote's row beside the peers'
     ratio = (1.0 / 1.1 + 2.0 / 1.5) / 2
