@@ -129,6 +129,11 @@ typedef struct direct_peer { /* a peer's table this engine attached to */
     uint64_t alen;       /* alen bytes long */
 } direct_peer;
 
+/* Whether [raddr, raddr + len) of the peer's memory lies in its arena, mapped here. */
+static int in_arena(const direct_peer *p, uint64_t raddr, uint64_t len) {
+    return p->amap && raddr - p->abase < p->alen && len <= p->alen - (raddr - p->abase);
+}
+
 typedef struct aio_rail {
     pthread_mutex_t mu;
     int index;
@@ -971,11 +976,12 @@ int aio_engine_set_arena(aio_engine *e, int fd, void *base, uint64_t len, char *
     int used = e->afd >= 0;
     for (uint32_t i = 0; i < AIO_DIRECT_SLOTS && !used; i++) used = e->dused[i];
     int dup_fd = used ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    int en = errno;
     if (used || dup_fd < 0) {
         pthread_mutex_unlock(&e->mr_mu);
-        set_err(err, errlen, used ? "the arena is set before any region is registered, once"
-                                  : "dup: %s", strerror(errno));
-        return used ? -FI_EBUSY : -errno;
+        if (used) set_err(err, errlen, "the arena is set before any region is registered, once");
+        else set_err(err, errlen, "dup: %s", strerror(en));
+        return used ? -FI_EBUSY : -en;
     }
     e->afd = dup_fd;
     direct_table *t = e->dtab;
@@ -1171,7 +1177,7 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d) {
         d->length > len - (d->raddr - base) ||
         !(atomic_load_explicit(&s->access, memory_order_relaxed) & need)) {
         rc = -FI_EACCES;
-    } else if (p->amap && d->raddr - p->abase < p->alen && d->length <= p->alen - (d->raddr - p->abase)) {
+    } else if (in_arena(p, d->raddr, d->length)) {
         /* in the peer's arena, mapped here: a plain copy, then a release fence so that whoever
          * learns of the completion (the immediate, a message) finds the bytes */
         char *there = p->amap + (d->raddr - p->abase);
@@ -1180,14 +1186,13 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d) {
         else memcpy(there, here, d->length);
         atomic_thread_fence(memory_order_seq_cst);
         atomic_fetch_add_explicit(&e->st_mapped, 1, memory_order_relaxed);
-    } else {
+    } else { /* a READ (writes are queued only into an arena: see post_item_g) */
         aio_mr *m = d->mr;
         uint64_t done = 0;
         while (done < d->length) {
             struct iovec lio = {.iov_base = (char *)m->buf + d->offset + done, .iov_len = d->length - done};
             struct iovec rio = {.iov_base = (void *)(uintptr_t)(d->raddr + done), .iov_len = d->length - done};
-            ssize_t k = d->op == AIO_OP_READ ? process_vm_readv(p->pid, &lio, 1, &rio, 1, 0)
-                                             : process_vm_writev(p->pid, &lio, 1, &rio, 1, 0);
+            ssize_t k = process_vm_readv(p->pid, &lio, 1, &rio, 1, 0);
             if (k < 0 && errno == EINTR) continue;
             if (k <= 0) {
                 rc = k == 0 ? -FI_EFAULT : errno == ESRCH ? -FI_ECONNRESET : -errno;
@@ -2433,11 +2438,9 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     if (direct && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
                    (it->direct & 0xffff) >= AIO_DIRECT_SLOTS))
         return -FI_EINVAL;
-    if (direct && it->op == AIO_OP_WRITE) { /* writes: only into a peer's arena (direct_copy), */
-        const direct_peer *p = &e->dpeers[(it->direct >> 16) - 1]; /* and not tiny ones */
-        direct = p->amap && it->length >= AIO_DIRECT_WRITE_MIN && it->raddr - p->abase < p->alen &&
-                 it->length <= p->alen - (it->raddr - p->abase);
-    }
+    if (direct && it->op == AIO_OP_WRITE) /* writes: only into a peer's arena, and not tiny ones */
+        direct = it->length >= AIO_DIRECT_WRITE_MIN &&
+                 in_arena(&e->dpeers[(it->direct >> 16) - 1], it->raddr, it->length);
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
     pthread_mutex_lock(&r->mu);

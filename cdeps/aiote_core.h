@@ -187,8 +187,9 @@ int aio_mr_close(aio_engine *e, aio_mr *mr);
  *
  * libfabric 1.17's shm provider carries a write out at the *target*: the target's progress
  * copies the bytes (process_vm_readv) while holding the lock its senders need to enqueue. A
- * direct copy is made by the *initiator's* poller instead (process_vm_writev / readv), the way
- * UCX's same-host path works, and keeps the target's checks: each engine that enables it
+ * direct copy is made by the *initiator's* poller instead (process_vm_readv for reads, memcpy
+ * into and out of a peer's arena, below), the way UCX's same-host path works, and keeps the
+ * target's checks: each engine that enables it
  * publishes a region table in shared memory (a memfd that peers open through /proc/<pid>/fd,
  * which takes the same permission as the copies themselves). A registered host region takes a
  * slot there holding its key, bounds and access rights. An initiator marks itself busy on

@@ -112,6 +112,7 @@ async def test_a_stale_arena_descriptor_is_refused_and_nothing_moves() -> None:
         ms = await e.register(src)
         await e.write(ms, old, imm=76, timeout=30)
         await peer.wait(imm=76)
+        assert e.stats()["direct_mapped"] == 1  # the arena's path, which the stale write then takes
         # the peer registers anew: the old region is unregistered, its arena range freed and,
         # maybe, handed out again for the new one
         await peer.register("dst", 1 << 20, device="arena")

@@ -665,9 +665,11 @@ class Engine:
         if any(x < 0 for x in shp) or dt.itemsize == 0 or dt.hasobject:
             raise InvalidArgument(f"alloc_host: shape {shp} must be >= 0 and dtype {dt} plain data")
         nbytes = math.prod(shp) * dt.itemsize
-        out = self._arena.alloc(nbytes, dt, shp) if self._arena is not None and nbytes else None
+        if self._arena is None or not nbytes:
+            return np.zeros(shp, dt)
+        out = self._arena.alloc(nbytes, dt, shp)
         if out is None:
-            if self._arena is not None and nbytes and not self._arena_full_logged:
+            if not self._arena_full_logged:
                 self._arena_full_logged = True
                 self._log.warning("host arena full: alloc_host returns ordinary memory", nbytes=nbytes)
             return np.zeros(shp, dt)
@@ -2708,19 +2710,17 @@ def _open_arena(h: Any, size: int) -> Arena | None:
     try:
         arena = Arena(size)
     except OSError as e:
-        _log.info("host arena unavailable; alloc_host returns ordinary memory", reason=str(e))
-        return None
-    try:
-        rc = lib.aio_engine_set_arena(h, arena.fd, ffi.cast("void*", arena.base), arena.size, err, 1024)
-    finally:
-        arena.close()  # the core holds its own duplicate; the mapping stays
-    if rc != 0:
-        _log.info(
-            "host arena unavailable; alloc_host returns ordinary memory",
-            reason=ffi.string(err).decode(errors="replace") or _strerror(-rc),
-        )
-        return None
-    return arena
+        why = str(e)
+    else:
+        try:
+            rc = lib.aio_engine_set_arena(h, arena.fd, ffi.cast("void*", arena.base), arena.size, err, 1024)
+        finally:
+            arena.close()  # the core holds its own duplicate; the mapping stays
+        if rc == 0:
+            return arena
+        why = ffi.string(err).decode(errors="replace") or _strerror(-rc)
+    _log.info("host arena unavailable; alloc_host returns ordinary memory", reason=why)
+    return None
 
 
 _DEFAULT_NIC = {"tcp": "lo"}

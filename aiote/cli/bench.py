@@ -67,6 +67,7 @@ WINDOWED = ("write", "read", "sendrecv")
 MSG_SLOTS = 16  # the engine's default message_slots: sends in flight at most
 
 MODES = ("write", "read", "sendrecv", "paged", "imm-latency", "all")
+TRANSFERS = ("write", "read")  # one-sided transfer modes (the ones --arena applies to)
 Case = tuple[str, int, int]  # mode, size (0 for latency), window (0 where it does not apply)
 Config = tuple[str, tuple[str, ...] | None, str]  # provider, NICs, event loop
 
@@ -265,7 +266,7 @@ async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
 async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[int, float]:
     """One Python measurement: {size: GB/s} for throughput, {percentile: µs} for latency."""
     mode, size, window = case
-    if mode in ("write", "read"):
+    if mode in TRANSFERS:
         return {size: await py_transfer(remote, mode, size, args.total, window, args.arena)}
     if mode == "sendrecv":
         return {size: await py_sendrecv(remote, size, args.total, window)}
@@ -279,13 +280,13 @@ async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[
 def c_args(args: argparse.Namespace, case: Case) -> list[str]:
     """The C bench's arguments for the same case (and the same tcp send buffers and arenas)."""
     sndbuf = [] if args.tcp_send_buffer is None else ["--sndbuf", str(args.tcp_send_buffer)]
-    arena = ["--arena"] if args.arena and case[0] in ("write", "read") else []
+    arena = ["--arena"] if args.arena and case[0] in TRANSFERS else []
     return _c_case_args(args, case) + sndbuf + arena
 
 
 def _c_case_args(args: argparse.Namespace, case: Case) -> list[str]:
     mode, size, window = case
-    if mode in ("write", "read"):
+    if mode in TRANSFERS:
         lanes, per = lanes_of(window)
         inflight = lanes * per
         return [mode, str(size), str(inflight), str(max(args.total, size * inflight)), "--batch", str(per)]
@@ -452,7 +453,8 @@ def _machine() -> dict[str, Any]:
 
 
 def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> str | None:
-    bad = [m for m in _split(args.mode) if m not in MODES] or ([] if _split(args.mode) else [args.mode])
+    modes = _split(args.mode)
+    bad = [m for m in modes if m not in MODES] if modes else [args.mode]
     if bad:
         return f"unknown mode {bad[0]!r} ({', '.join(MODES)}; several: write,read)"
     have = available_providers(tuple(dict.fromkeys([*KNOWN_PROVIDERS, *providers])))
@@ -548,7 +550,7 @@ def main(args: argparse.Namespace) -> int:
                     "setting": "low-latency" if args.low_latency else "default",
                     "streams": args.streams,
                     "tcp_send_buffer": args.tcp_send_buffer,
-                    "memory": "arena" if args.arena and mode in ("write", "read") else "numpy",
+                    "memory": "arena" if args.arena and mode in TRANSFERS else "numpy",
                     "window": window or None,
                     "py_gbps": statistics.median(p),
                     "py_spread": [min(p), max(p)],

@@ -139,7 +139,7 @@ typedef struct side {
     int rfd, wfd;
     int busy;
     int64_t loop_poll_ns; /* > 0: wait with aio_poll_ring (the loop thread drives the CQs) */
-    int arena;      /* buf is an arena mapping (munmap, not free) */
+    uint64_t arena_len; /* buf is an arena mapping of this length (munmap, not free); 0: not */
     int32_t direct; /* aio_op_desc.direct of our READs and writes (0: through the provider; the
                        core makes writes directly only into the peer's arena) */
     uint64_t groups_done;
@@ -235,8 +235,8 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
      * --small-pages: 4 KiB pages. */
     int huge = region >= (4ULL << 20) && !o->small_pages && !o->arena;
     void *b = NULL;
-    if (o->arena) { /* as Engine.alloc_host: a memfd this process maps and publishes */
-        uint64_t alen = (region + 4095) & ~4095ULL;
+    uint64_t alen = o->arena ? (region + 4095) & ~4095ULL : 0;
+    if (alen) { /* as Engine.alloc_host: a memfd this process maps and publishes */
         int afd = memfd_create("aiote-arena", MFD_CLOEXEC);
         if (afd < 0 || ftruncate(afd, (off_t)alen) != 0) die("arena memfd: %s", strerror(errno));
         b = mmap(NULL, alen, PROT_READ | PROT_WRITE, MAP_SHARED, afd, 0);
@@ -250,7 +250,7 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     if (huge) (void)madvise(b, region, MADV_HUGEPAGE); /* a hint: refused is fine */
     s->buf = b;
     s->len = region;
-    s->arena = o->arena;
+    s->arena_len = alen;
     for (uint64_t i = 0; i < region; i += 64) s->buf[i] = (uint8_t)(i >> 6); /* touch it */
     ret = aio_mr_register(s->e, s->buf, region, AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ,
                           &s->mr, err, sizeof(err));
@@ -291,7 +291,7 @@ static void side_free(side_t *s) {
         usleep(100);
     }
     aio_engine_destroy(s->e);
-    if (s->arena) munmap(s->buf, (s->len + 4095) & ~4095ULL);
+    if (s->arena_len) munmap(s->buf, s->arena_len);
     else free(s->buf);
 }
 
