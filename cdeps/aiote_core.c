@@ -2424,10 +2424,35 @@ static int post_progress(aio_engine *e, aio_rail *r, int64_t deadline, int64_t *
     return 1;
 }
 
+/* A posting call's hold of one rail's lock across consecutive requests to that rail: a batch
+ * takes the lock once rather than once per request, so that the poller (which holds it while the
+ * provider moves data) and the posting thread hand it over once per batch, not once per request
+ * (each handover a futex sleep and wake-up of the posting thread). Given back every
+ * HOLD_MAX_POSTS requests, so that a long paged call does not keep the poller out. */
+#define HOLD_MAX_POSTS 32
+typedef struct {
+    aio_rail *r; /* the rail whose lock is held, or NULL */
+    int posts;   /* requests posted under this hold */
+} rail_hold;
+
+static void hold_rail(rail_hold *h, aio_rail *r) {
+    if (h->r == r && h->posts < HOLD_MAX_POSTS) return;
+    if (h->r) pthread_mutex_unlock(&h->r->mu);
+    pthread_mutex_lock(&r->mu);
+    h->r = r;
+    h->posts = 0;
+}
+
+static void release_rail(rail_hold *h) {
+    if (h->r) pthread_mutex_unlock(&h->r->mu);
+    h->r = NULL;
+}
+
 /* Posts one request into group g: 1 posted, 0 no room before the deadline (nothing
- * posted), negative: an error for this request (nothing posted). */
+ * posted), negative: an error for this request (nothing posted). Takes the rail's lock into
+ * `h` (kept for the caller's next request; the caller releases it). */
 static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const uint64_t *gather,
-                       int ngather, int64_t deadline) {
+                       int ngather, int64_t deadline, rail_hold *h) {
     if (it->rail < 0 || it->rail >= e->nrails || !it->mr ||
         (it->op != AIO_OP_WRITE && it->op != AIO_OP_READ))
         return -FI_EINVAL;
@@ -2443,16 +2468,14 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
                  in_arena(&e->dpeers[(it->direct >> 16) - 1], it->raddr, it->length);
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
-    pthread_mutex_lock(&r->mu);
+    hold_rail(h, r);
     aio_op *op;
     int64_t idle = 0; /* when the self-driven progress found nothing for POST_IDLE_NS: give up */
     while (!(op = op_get(r))) {
         if (!post_progress(e, r, deadline, &idle)) break;
     }
-    if (!op) {
-        pthread_mutex_unlock(&r->mu);
-        return 0;
-    }
+    if (!op) return 0;
+    h->posts++;
     op->kind = it->op == AIO_OP_READ ? OPK_READ : OPK_WRITE;
     op->rail = it->rail;
     op->group = g;
@@ -2479,13 +2502,8 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
         atomic_fetch_sub(&e->ops_in_flight, 1);
         op_put(r, op);
     }
-    pthread_mutex_unlock(&r->mu);
     if (ret == -FI_EAGAIN) return 0;
     return ret ? (int)ret : 1;
-}
-
-static int post_item(aio_engine *e, int64_t g, const aio_op_desc *it, int64_t deadline) {
-    return post_item_g(e, g, it, NULL, 1, deadline);
 }
 
 static int group_postable(aio_engine *e, int64_t g) {
@@ -2498,10 +2516,12 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
     int64_t deadline = now_ns() + budget_ns;
     int64_t i = 0;
     int rc = 0;
+    rail_hold h = {0};
     for (; i < n; i++) {
-        rc = post_item(e, g, &items[i], deadline);
+        rc = post_item_g(e, g, &items[i], NULL, 1, deadline, &h);
         if (rc <= 0) break;
     }
+    release_rail(&h);
     if (i > 0) kick(e);
     if (i == 0 && rc < 0) return rc;
     return i;
@@ -2562,6 +2582,7 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
     int rc = 0;
     uint64_t gather[AIO_MAX_GATHER];
     int64_t req = 0; /* requests posted by this call: the route of the next one */
+    rail_hold h = {0};
     while (k < n) {
         const aio_route *rt = &d->routes[(uint64_t)(d->first_route + start + req) % (uint64_t)d->nroutes];
         aio_rail *r = (rt->rail >= 0 && rt->rail < e->nrails) ? e->rails[rt->rail] : NULL;
@@ -2593,11 +2614,12 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
         it.raddr = rt->rbase + dst0;
         it.data = d->data;
         if ((d->flags & AIO_F_DATA) && cnt > 1) it.data = (d->data & 0xffffffffULL) | (((uint64_t)cnt * AIO_CREDIT_UNIT) << 32);
-        rc = post_item_g(e, g, &it, gather, cnt, deadline);
+        rc = post_item_g(e, g, &it, gather, cnt, deadline, &h);
         if (rc <= 0) break;
         k += cnt;
         req++;
     }
+    release_rail(&h);
     if (k > start) kick(e);
     if (k == start && rc < 0) return rc;
     return k - start;
