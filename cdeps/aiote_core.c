@@ -66,6 +66,11 @@
 #endif
 /* a post waiting for room stops driving the rail itself after this long without a completion */
 #define POST_IDLE_NS 20000LL
+/* Requests handed to the poller (post_item_g): only to peers whose address is below DEFER_PEERS
+ * and whose connection has carried a request since its last failure; one that the provider
+ * still refuses (queue full, reconnecting) after DEFER_STALL_NS fails as "timed out". */
+#define DEFER_PEERS 256
+#define DEFER_STALL_NS 1000000000LL
 #define LOOP_POLL_BLOCK_MAX_NS 1000000LL
 
 typedef struct aio_op {
@@ -81,6 +86,9 @@ typedef struct aio_op {
     aio_op_desc d;
     int32_t dstatus; /* the copy's result, once made */
     int32_t dcopied;
+    int32_t dpost; /* not a copy: a request the poller posts to the rail's provider (see post_item_g) */
+    int64_t dsince; /* dpost: when the provider first refused it for room (0: not yet) */
+    uint64_t peer;  /* a write's or read's peer (complete_op: a failure stops deferrals to it) */
 } aio_op;
 
 /* ------------------------------------------------------------------ direct copy table
@@ -136,6 +144,9 @@ static int in_arena(const direct_peer *p, uint64_t raddr, uint64_t len) {
 
 typedef struct aio_rail {
     pthread_mutex_t mu;
+    pthread_mutex_t pool_mu;      /* the op pool only (op_get, op_put): innermost, held briefly */
+    _Atomic int32_t ndeferred;    /* requests queued for the poller to post (post_item_g) */
+    _Atomic uint8_t defer_ok[DEFER_PEERS]; /* a request to this peer may be handed to the poller */
     int index;
     struct fi_info *info;
     struct fid_fabric *fabric;
@@ -302,6 +313,8 @@ struct aio_engine {
     int sndbuf_all;
     _Atomic int sndbuf_got; /* SO_SNDBUF as the kernel reported it after the last setting */
     _Atomic uint64_t st_tuned;
+    _Atomic uint64_t st_handed;  /* requests handed to the poller to post (post_item_g) */
+    _Atomic int32_t hand_posts;  /* aio_engine_set_hand_posts */
 
     /* stats */
     _Atomic uint64_t st_polls, st_sleeps, st_wakeups, st_completions, st_remote, st_errors;
@@ -676,17 +689,22 @@ uint64_t aio_counter_total(aio_engine *e, uint32_t imm) {
 /* ------------------------------------------------------------------ ops */
 
 static aio_op *op_get(aio_rail *r) {
-    if (r->free_head < 0) return NULL;
-    aio_op *op = &r->ops[r->free_head];
-    r->free_head = op->next_free;
+    pthread_mutex_lock(&r->pool_mu);
+    aio_op *op = NULL;
+    if (r->free_head >= 0) {
+        op = &r->ops[r->free_head];
+        r->free_head = op->next_free;
+    }
+    pthread_mutex_unlock(&r->pool_mu);
     return op;
 }
 
 static void op_put(aio_rail *r, aio_op *op) {
-    op->next_free = (int32_t)(op - r->ops);
-    int32_t idx = op->next_free;
+    int32_t idx = (int32_t)(op - r->ops);
+    pthread_mutex_lock(&r->pool_mu);
     op->next_free = r->free_head;
     r->free_head = idx;
+    pthread_mutex_unlock(&r->pool_mu);
 }
 
 static int is_recv_op(aio_rail *r, void *ctx) {
@@ -709,6 +727,7 @@ static int post_recv_locked(aio_rail *r, uint32_t slot) {
 static void complete_op(aio_engine *e, aio_rail *r, aio_op *op, int status, int prov_errno) {
     if (op->mr) atomic_fetch_sub(&op->mr->inflight, 1);
     if (op->kind == OPK_SEND) r->send_free[r->send_nfree++] = op->slot;
+    else if (status && op->peer < DEFER_PEERS) atomic_store(&r->defer_ok[op->peer], 0);
     int64_t g = op->group;
     op_put(r, op);
     atomic_fetch_sub(&e->ops_in_flight, 1);
@@ -1205,11 +1224,19 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d) {
     return rc;
 }
 
-/* Queues a direct copy for the poller. Caller holds the op's rail lock. */
-static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it) {
+/* Queues a direct copy (`post` 0), or a request for the poller to post to the rail's provider
+ * (`post` 1, see post_item_g), for the poller. */
+static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int post) {
     op->d = *it;
-    op->dcopied = 0;
+    op->dcopied = post;
+    op->dstatus = 0;
+    op->dpost = post;
+    op->dsince = 0;
     op->dnext = NULL;
+    if (post) {
+        atomic_fetch_add(&e->rails[op->rail]->ndeferred, 1);
+        atomic_fetch_add_explicit(&e->st_handed, 1, memory_order_relaxed);
+    }
     pthread_mutex_lock(&e->dmu);
     if (e->dq_tail) e->dq_tail->dnext = op;
     else e->dq_head = op;
@@ -1218,9 +1245,25 @@ static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it) {
     pthread_mutex_unlock(&e->dmu);
 }
 
+static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op);
+static void tcp_tune_peer(aio_engine *e, aio_rail *r, fi_addr_t fa);
+
+/* Puts ops back at the head of the poller's queue, in order (their rail's queue was full). */
+static void direct_requeue(aio_engine *e, aio_op *list) {
+    pthread_mutex_lock(&e->dmu);
+    aio_op *tail = list;
+    while (tail->dnext) tail = tail->dnext;
+    tail->dnext = e->dq_head;
+    if (!e->dq_head) e->dq_tail = tail;
+    e->dq_head = list;
+    atomic_store(&e->dq_pending, 1);
+    pthread_mutex_unlock(&e->dmu);
+}
+
 /* The poller's part: makes the queued copies in order; a write carrying an immediate then
- * posts it as a zero-byte write on the op's rail, whose completion completes the op. Returns
- * how many ops it handled; ops left (the rail's queue is full) stay queued, first. */
+ * posts it as a zero-byte write on the op's rail, whose completion completes the op. Posts the
+ * queued requests (dpost) to their rails' providers. Returns how many ops it handled; ops left
+ * (the rail's queue is full) stay queued, first. */
 static int direct_run(aio_engine *e) {
     if (!atomic_load_explicit(&e->dq_pending, memory_order_acquire)) return 0;
     pthread_mutex_lock(&e->dmu);
@@ -1240,24 +1283,33 @@ static int direct_run(aio_engine *e) {
         aio_rail *r = e->rails[op->rail];
         const aio_op_desc *d = &op->d;
         pthread_mutex_lock(&r->mu);
-        if (!op->dstatus && (d->flags & AIO_F_DATA)) {
+        if (op->dpost || (!op->dstatus && (d->flags & AIO_F_DATA))) {
             aio_mr *m = d->mr;
-            ssize_t ret = fi_writedata(r->ep, (char *)m->buf + d->offset, 0, m->desc[op->rail], d->data,
-                                       d->peer, d->raddr, d->rkey, &op->ctx);
+            ssize_t ret = op->dpost ? post_one(r, d, op)
+                                    : fi_writedata(r->ep, (char *)m->buf + d->offset, 0, m->desc[op->rail],
+                                                   d->data, d->peer, d->raddr, d->rkey, &op->ctx);
+            if (ret == -FI_EAGAIN && op->dpost) {
+                /* a handed-over request the provider refuses: room comes as the rail's requests
+                 * complete, unless its connection failed meanwhile (no deferral to that peer
+                 * any more) or it waited DEFER_STALL_NS; then it fails, and the caller's retry
+                 * policy posts it anew in its own thread */
+                int64_t t = now_ns();
+                if (!op->dsince) op->dsince = t;
+                if ((d->peer < DEFER_PEERS && !atomic_load(&r->defer_ok[d->peer])) ||
+                    t - op->dsince > DEFER_STALL_NS)
+                    ret = -FI_ETIMEDOUT;
+            }
             if (ret == -FI_EAGAIN) { /* the rest waits, in order, for room */
                 progress_locked(e, r);
                 pthread_mutex_unlock(&r->mu);
-                pthread_mutex_lock(&e->dmu);
-                aio_op *tail = list;
-                while (tail->dnext) tail = tail->dnext;
-                tail->dnext = e->dq_head;
-                if (!e->dq_head) e->dq_tail = tail;
-                e->dq_head = list;
-                atomic_store(&e->dq_pending, 1);
-                pthread_mutex_unlock(&e->dmu);
+                direct_requeue(e, list);
                 return n + 1;
             }
             list = op->dnext;
+            if (op->dpost) {
+                atomic_fetch_sub(&r->ndeferred, 1);
+                if (!ret && r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, d->peer);
+            }
             if (ret) complete_op(e, r, op, (int)ret, 0);
         } else {
             list = op->dnext;
@@ -1939,6 +1991,7 @@ static void rail_free(aio_rail *r) {
     free(r->send_free);
     free(r->tune_tries);
     pthread_mutex_destroy(&r->mu);
+    pthread_mutex_destroy(&r->pool_mu);
     free(r);
 }
 
@@ -1983,6 +2036,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     aio_rail *r = calloc(1, sizeof(*r));
     if (!r) return -FI_ENOMEM;
     pthread_mutex_init(&r->mu, NULL);
+    pthread_mutex_init(&r->pool_mu, NULL);
     r->index = e->nrails;
     r->wait_fd = -1;
     char node[INET6_ADDRSTRLEN + 1] = {0};
@@ -2435,17 +2489,49 @@ typedef struct {
     int posts;   /* requests posted under this hold */
 } rail_hold;
 
-static void hold_rail(rail_hold *h, aio_rail *r) {
-    if (h->r == r && h->posts < HOLD_MAX_POSTS) return;
-    if (h->r) pthread_mutex_unlock(&h->r->mu);
-    pthread_mutex_lock(&r->mu);
-    h->r = r;
-    h->posts = 0;
-}
-
 static void release_rail(rail_hold *h) {
     if (h->r) pthread_mutex_unlock(&h->r->mu);
     h->r = NULL;
+}
+
+/* How post_item_g takes a rail's lock: waits for it; tries (hands the request to the poller if
+ * the rail is busy); or does not take it (hands every eligible request over). */
+enum { HOLD_WAIT, HOLD_TRY, HOLD_NONE };
+
+/* Takes rail r's lock into h (kept if h holds it already, under HOLD_MAX_POSTS): 1 held. HOLD_TRY:
+ * only if it is free and no request of this rail waits in the poller's queue, else 0: the caller
+ * hands its request to the poller rather than wait for a poller busy moving data (a wait that
+ * costs the posting thread a futex sleep and wake-up, and on few cores the CPU the poller needs).
+ * HOLD_NONE: 0 unless already held. */
+static int hold_rail(rail_hold *h, aio_rail *r, int how) {
+    if (h->r == r && h->posts < HOLD_MAX_POSTS) return 1;
+    release_rail(h);
+    if (how == HOLD_NONE) return 0;
+    if (how == HOLD_TRY) {
+        if (atomic_load(&r->ndeferred) > 0 || pthread_mutex_trylock(&r->mu) != 0) return 0;
+    } else {
+        pthread_mutex_lock(&r->mu);
+    }
+    h->r = r;
+    h->posts = 0;
+    return 1;
+}
+
+/* Takes an op for `it` and counts it in flight (group, region, engine). */
+static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const aio_op_desc *it) {
+    aio_op *op = op_get(r);
+    if (!op) return NULL;
+    op->kind = it->op == AIO_OP_READ ? OPK_READ : OPK_WRITE;
+    op->rail = it->rail;
+    op->group = g;
+    op->mr = m;
+    op->peer = it->peer;
+    aio_group *gr = &e->groups[g];
+    atomic_fetch_add(&m->inflight, 1);
+    atomic_fetch_add(&gr->posted, 1);
+    atomic_fetch_add(&gr->outstanding, 1);
+    atomic_fetch_add(&e->ops_in_flight, 1);
+    return op;
 }
 
 /* Posts one request into group g: 1 posted, 0 no room before the deadline (nothing
@@ -2468,25 +2554,28 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
                  in_arena(&e->dpeers[(it->direct >> 16) - 1], it->raddr, it->length);
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
-    hold_rail(h, r);
     aio_op *op;
+    int hand = atomic_load_explicit(&e->hand_posts, memory_order_relaxed);
+    int how = HOLD_WAIT;
+    if (hand >= 0 && !direct && ngather <= 1 && it->peer < DEFER_PEERS && atomic_load(&r->defer_ok[it->peer]))
+        how = hand > 0 ? HOLD_NONE : HOLD_TRY;
+    if (!hold_rail(h, r, how)) {
+        /* the poller holds the rail (it is moving data): it posts this request when it is done */
+        if ((op = op_start(e, r, g, m, it))) {
+            direct_enqueue(e, op, it, 1);
+            return 1;
+        }
+        hold_rail(h, r, HOLD_WAIT); /* no op free: wait for the lock, and drive completions, as below */
+    }
     int64_t idle = 0; /* when the self-driven progress found nothing for POST_IDLE_NS: give up */
-    while (!(op = op_get(r))) {
+    while (!(op = op_start(e, r, g, m, it))) {
         if (!post_progress(e, r, deadline, &idle)) break;
     }
     if (!op) return 0;
     h->posts++;
-    op->kind = it->op == AIO_OP_READ ? OPK_READ : OPK_WRITE;
-    op->rail = it->rail;
-    op->group = g;
-    op->mr = m;
-    atomic_fetch_add(&m->inflight, 1);
-    atomic_fetch_add(&gr->posted, 1);
-    atomic_fetch_add(&gr->outstanding, 1);
-    atomic_fetch_add(&e->ops_in_flight, 1);
     ssize_t ret = 0;
     if (direct) {
-        direct_enqueue(e, op, it); /* the poller copies (aio_post kicks it) */
+        direct_enqueue(e, op, it, 0); /* the poller copies (aio_post kicks it) */
     } else {
         for (;;) {
             ret = ngather > 1 ? post_gather(r, it, gather, ngather, op) : post_one(r, it, op);
@@ -2494,6 +2583,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
             if (!post_progress(e, r, deadline, &idle)) break;
         }
         if (!ret && r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, it->peer);
+        if (!ret && ngather <= 1 && it->peer < DEFER_PEERS) atomic_store(&r->defer_ok[it->peer], 1);
     }
     if (ret) {
         atomic_fetch_sub(&m->inflight, 1);
@@ -2708,4 +2798,11 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->direct_ops = atomic_load(&e->st_direct);
     o->direct_mapped = atomic_load(&e->st_mapped);
     o->tcp_tuned = atomic_load(&e->st_tuned);
+    o->posts_handed = atomic_load(&e->st_handed);
+}
+
+int aio_engine_set_hand_posts(aio_engine *e, int mode) {
+    if (mode < -1 || mode > 1) return -FI_EINVAL;
+    atomic_store(&e->hand_posts, mode);
+    return 0;
 }

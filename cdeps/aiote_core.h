@@ -399,8 +399,20 @@ typedef struct aio_stats {
     uint64_t direct_ops;     /* direct same-host copies made (writes and reads) */
     uint64_t direct_mapped;  /* ... of which into or out of a peer's arena (memcpy) */
     uint64_t tcp_tuned;      /* tcp sockets whose send buffer the core set (aio_engine_set_tcp_sndbuf) */
+    uint64_t posts_handed;   /* requests aio_post handed to the poller to post (below) */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
+
+/* Handing requests to the poller. A write or read that aio_post (or aio_submit) finds its rail
+ * busy for (the poller holds the rail's lock while the provider moves data) is not waited for:
+ * it is counted in flight, queued, and posted by the poller as soon as it lets go of the rail,
+ * so the posting thread neither sleeps on the lock nor copies into sockets. Only for peers whose
+ * connection carried a request since its last failure, and never for direct copies or gathered
+ * pages. A handed request that the provider still refuses for room after 1 s, or whose peer's
+ * connection failed meanwhile, completes with -FI_ETIMEDOUT (the caller's retry policy posts it
+ * anew). mode: 0 (default) hand over only when the rail is busy; 1 hand over every eligible
+ * request (tests); -1 never. -FI_EINVAL for another mode. */
+int aio_engine_set_hand_posts(aio_engine *e, int mode);
 
 #ifdef __cplusplus
 }

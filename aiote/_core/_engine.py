@@ -361,7 +361,8 @@ class Engine:
         peer's arena (``memcpy``); ``arena_bytes``: bytes of this engine's arena handed out by
         :meth:`alloc_host` (page-rounded);
         ``tcp_buffers_set``: tcp sockets whose send buffer the engine set, see ``open_engine``'s
-        ``tcp_send_buffer``), the
+        ``tcp_send_buffer``; ``posts_handed``: writes and reads the loop thread handed to the
+        poller to post because the poller was busy on their NIC), the
         operations and regions in flight (``pending``: groups whose completion record the loop
         has not read yet; a posted transfer's quiet record is read at the next wake-up), and
         ``peers``: peer NIC addresses resolved (each is
@@ -386,6 +387,7 @@ class Engine:
             "direct_mapped": st.direct_mapped,
             "arena_bytes": self._arena.in_use if self._arena is not None else 0,
             "tcp_buffers_set": st.tcp_tuned,
+            "posts_handed": st.posts_handed,
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._pending),
