@@ -2555,10 +2555,13 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
     aio_op *op;
+    /* by default only on tcp, whose poller pushes bytes into sockets under the rail's lock: on
+     * shm, handing 64 KiB writes to the poller cut them to a third (the poller then queues every
+     * write into the target's shm queue itself, against the target's lock) */
     int hand = atomic_load_explicit(&e->hand_posts, memory_order_relaxed);
     int how = HOLD_WAIT;
     if (hand >= 0 && !direct && ngather <= 1 && it->peer < DEFER_PEERS && atomic_load(&r->defer_ok[it->peer]))
-        how = hand > 0 ? HOLD_NONE : HOLD_TRY;
+        how = hand > 0 ? HOLD_NONE : r->is_tcp ? HOLD_TRY : HOLD_WAIT;
     if (!hold_rail(h, r, how)) {
         /* the poller holds the rail (it is moving data): it posts this request when it is done */
         if ((op = op_start(e, r, g, m, it))) {

@@ -410,8 +410,8 @@ void aio_get_stats(aio_engine *e, aio_stats *out);
  * connection carried a request since its last failure, and never for direct copies or gathered
  * pages. A handed request that the provider still refuses for room after 1 s, or whose peer's
  * connection failed meanwhile, completes with -FI_ETIMEDOUT (the caller's retry policy posts it
- * anew). mode: 0 (default) hand over only when the rail is busy; 1 hand over every eligible
- * request (tests); -1 never. -FI_EINVAL for another mode. */
+ * anew). mode: 0 (default) hand over only when the rail is busy, and only on tcp rails; 1 hand
+ * over every eligible request, on any rail (tests); -1 never. -FI_EINVAL for another mode. */
 int aio_engine_set_hand_posts(aio_engine *e, int mode);
 
 #ifdef __cplusplus
