@@ -361,8 +361,8 @@ class Engine:
         peer's arena (``memcpy``); ``arena_bytes``: bytes of this engine's arena handed out by
         :meth:`alloc_host` (page-rounded);
         ``tcp_buffers_set``: tcp sockets whose send buffer the engine set, see ``open_engine``'s
-        ``tcp_send_buffer``; ``posts_handed``: writes and reads the loop thread handed to the
-        poller to post because the poller was busy on their NIC), the
+        ``tcp_send_buffer``; ``posts_handed``: tcp writes and reads the loop thread handed to
+        the poller to post because the poller was busy on their NIC), the
         operations and regions in flight (``pending``: groups whose completion record the loop
         has not read yet; a posted transfer's quiet record is read at the next wake-up), and
         ``peers``: peer NIC addresses resolved (each is
