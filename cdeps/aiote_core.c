@@ -1246,7 +1246,7 @@ static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int
 }
 
 static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op);
-static void tcp_tune_peer(aio_engine *e, aio_rail *r, fi_addr_t fa);
+static void posted_to(aio_engine *e, aio_rail *r, uint64_t peer);
 
 /* Puts ops back at the head of the poller's queue, in order (their rail's queue was full). */
 static void direct_requeue(aio_engine *e, aio_op *list) {
@@ -1308,7 +1308,7 @@ static int direct_run(aio_engine *e) {
             list = op->dnext;
             if (op->dpost) {
                 atomic_fetch_sub(&r->ndeferred, 1);
-                if (!ret && r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, d->peer);
+                if (!ret) posted_to(e, r, d->peer);
             }
             if (ret) complete_op(e, r, op, (int)ret, 0);
         } else {
@@ -2517,6 +2517,14 @@ static int hold_rail(rail_hold *h, aio_rail *r, int how) {
     return 1;
 }
 
+/* A request to `peer` went to the rail's provider (caller holds the rail's lock): its tcp
+ * connection's send buffer is set (at the first posts), and requests to it may be handed to
+ * the poller again. */
+static void posted_to(aio_engine *e, aio_rail *r, uint64_t peer) {
+    if (r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, peer);
+    if (peer < DEFER_PEERS) atomic_store(&r->defer_ok[peer], 1);
+}
+
 /* Takes an op for `it` and counts it in flight (group, region, engine). */
 static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const aio_op_desc *it) {
     aio_op *op = op_get(r);
@@ -2585,8 +2593,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
             if (ret != -FI_EAGAIN) break;
             if (!post_progress(e, r, deadline, &idle)) break;
         }
-        if (!ret && r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, it->peer);
-        if (!ret && ngather <= 1 && it->peer < DEFER_PEERS) atomic_store(&r->defer_ok[it->peer], 1);
+        if (!ret) posted_to(e, r, it->peer);
     }
     if (ret) {
         atomic_fetch_sub(&m->inflight, 1);

@@ -1833,7 +1833,6 @@ static int t_tcp_sndbuf(fix_t *f) {
     return 0;
 }
 
-
 static uint64_t handed_of(aio_engine *e) {
     aio_stats st;
     aio_get_stats(e, &st);
@@ -1886,10 +1885,22 @@ static int t_handed(fix_t *f) {
         CHECK(bad < 0, "handed read %d: byte %lld differs", i, (long long)bad);
     }
     CHECK(aio_mr_inflight(a->mr) == 0, "inflight %lld", (long long)aio_mr_inflight(a->mr));
+    /* never (-1) hands nothing over; nor does the default (0) on shm, busy or not */
+    CHECK_OK(aio_engine_set_hand_posts(a->e, -1));
+    h0 = handed_of(a->e);
+    if (run_group(a, w, N, NULL)) return -1;
+    CHECK(handed_of(a->e) == h0, "mode -1 handed %llu writes", (unsigned long long)(handed_of(a->e) - h0));
+    CHECK(wait_take(b, 0x7001, N * U, TIMEOUT) == 0, "mode -1 writes: credits missing");
+    CHECK_OK(aio_engine_set_hand_posts(a->e, 0));
     if (!strcmp(a->info.provider, "shm")) { /* shm reports no error at the initiator */
-        CHECK_OK(aio_engine_set_hand_posts(a->e, 0));
+        h0 = handed_of(a->e);
+        if (run_group(a, w, N, NULL)) return -1;
+        CHECK(handed_of(a->e) == h0, "shm handed %llu writes by default",
+              (unsigned long long)(handed_of(a->e) - h0));
+        CHECK(wait_take(b, 0x7001, N * U, TIMEOUT) == 0, "default shm writes: credits missing");
         return 0;
     }
+    CHECK_OK(aio_engine_set_hand_posts(a->e, 1));
     /* a handed write that fails (a wrong key: tcp drops the connection) */
     aio_op_desc badk = op_to(a, b, AIO_OP_WRITE, 0, 8192, 4096, AIO_F_DATA, 0x7002);
     badk.rkey ^= 0x5a5a5a5a5a5aULL;
