@@ -310,3 +310,20 @@ def test_aiote_bench_plot_without_matplotlib_says_so(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--plot needs matplotlib" in out.stderr and "aiote[bench]" in out.stderr
+
+
+def test_bench_buffers_start_on_a_huge_page_boundary_as_the_c_benchs() -> None:
+    """aiote bench's regions from 4 MiB on start on a 2 MiB boundary (every page can be a huge
+    one, as in the C bench and the peers' benchmarks); smaller ones are plain arrays."""
+    import numpy as np
+
+    from aiote.cli._benchnet import HUGE_PAGE, bench_buffer
+
+    for n in (4 << 20, (4 << 20) + 4096, 64 << 20):
+        a = bench_buffer(n)
+        assert a.dtype == np.uint8 and a.nbytes == n and a.flags.c_contiguous and a.flags.writeable
+        assert a.ctypes.data % HUGE_PAGE == 0
+        a[-1] = 7  # the whole length is ours
+        assert a[-1] == 7
+    small = bench_buffer(64 << 10)
+    assert small.nbytes == 64 << 10 and small.base is None

@@ -38,9 +38,25 @@ CDEPS = Path(__file__).resolve().parents[2] / "cdeps"  # a source checkout's C c
 CSRC = Path(__file__).resolve().parents[1] / "_native" / "csrc"  # the same sources, in a wheel
 CBENCH = CDEPS / "build" / "aiote_cbench"  # where a source checkout builds it
 READY = "AIOTE_BENCH_LISTEN"
+HUGE_PAGE = 2 << 20
 BULK = ord("S")
 ECHO = ord("E")
 _built: list[Path] = []  # the C bench that build_cbench() made or found
+
+
+def bench_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 array of ``nbytes`` for a benchmark's region, laid out as the C bench lays out its
+    own (``posix_memalign`` and ``MADV_HUGEPAGE`` from 4 MiB on): from 4 MiB on it starts on a 2
+    MiB boundary inside a larger NumPy block, which NumPy advises for transparent huge pages, so
+    every page of it can be a huge one (a plain ``np.empty`` of 4 MiB starts 16 bytes into its
+    mapping, and only half of it is). Same-host copies pin the pages they touch, so the layout
+    changes their speed; every library's benchmark (``benchmarks/peers``) allocates the same
+    way. Smaller arrays: a plain ``np.empty``."""
+    if nbytes < 2 * HUGE_PAGE:
+        return np.empty(nbytes, np.uint8)
+    raw = np.empty(nbytes + HUGE_PAGE, np.uint8)
+    off = -raw.ctypes.data % HUGE_PAGE
+    return raw[off : off + nbytes]
 
 
 def cbench() -> Path:
@@ -213,7 +229,7 @@ class _Server:
                 if name in self.regions:
                     await e.unregister(self.regions.pop(name))
                 # "arena": from the engine's host arena (Engine.alloc_host), as `aiote bench --arena`
-                arr = e.alloc_host(cmd["size"]) if cmd.get("arena") else np.empty(cmd["size"], np.uint8)
+                arr = e.alloc_host(cmd["size"]) if cmd.get("arena") else bench_buffer(cmd["size"])
                 arr.fill(0x5A)  # touched: reads of untouched pages would read the kernel's zero page
                 self.regions[name] = await e.register(arr, remote_write=True, remote_read=True)
                 body["desc"] = bytes(self.regions[name].descriptor).hex()

@@ -45,6 +45,7 @@ from ._benchnet import (
     ECHO,
     READY,
     Remote,
+    bench_buffer,
     bench_same_host,
     build_cbench,
     c_provider_args,
@@ -130,7 +131,7 @@ async def py_transfer(
     e = remote.engine
     lanes, per = lanes_of(window)
     region = size * lanes * per
-    local = e.alloc_host(region) if arena else np.empty(region, np.uint8)
+    local = e.alloc_host(region) if arena else bench_buffer(region)
     local.fill(7)
     mr = await e.register(local, remote_write=op == "read")
     try:
@@ -221,7 +222,7 @@ async def py_paged(remote: Remote, page: int, npages: int, calls: int) -> float:
     """GB/s of ``calls`` paged writes of ``npages`` pages (permuted destinations), one awaited
     at a time."""
     e = remote.engine
-    src = np.empty(page * npages, np.uint8)
+    src = bench_buffer(page * npages)
     src.fill(5)
     mr = await e.register(src, remote_write=False)
     try:

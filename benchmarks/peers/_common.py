@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 HOST = "127.0.0.1"
 DEFAULT_SIZES = "64KiB,1MiB,16MiB"
 DEFAULT_WINDOW = 64
@@ -25,6 +27,21 @@ DEFAULT_REPEATS = 3
 RESULT_PREFIX = "RESULT "
 SKIP_PREFIX = "skipped: "
 INSTALL_HINT = "pip install 'aiote[peers]' or scripts/setup-peers.sh"
+HUGE_PAGE = 2 << 20
+
+
+def buffer(nbytes: int) -> np.ndarray:
+    """A uint8 array for a benchmark's source or destination, laid out as ``aiote bench`` and
+    its C core lay out theirs (``aiote.cli._benchnet.bench_buffer``; aiote is not installed
+    beside the peers): from 4 MiB on, it starts on a 2 MiB boundary of a NumPy block advised
+    for transparent huge pages, so all of it can be huge pages. Same-host copies pin the pages
+    they touch, and a plain ``np.empty`` of 4 MiB is only half huge pages: every library
+    measures on the same kind of memory."""
+    if nbytes < 2 * HUGE_PAGE:
+        return np.empty(nbytes, np.uint8)
+    raw = np.empty(nbytes + HUGE_PAGE, np.uint8)
+    off = -raw.ctypes.data % HUGE_PAGE
+    return raw[off : off + nbytes]
 
 
 def parse_size(text: str) -> int:

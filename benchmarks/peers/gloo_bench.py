@@ -61,7 +61,8 @@ def both_sides(args, rank: int) -> None:  # type: ignore[no-untyped-def]
     window = args.window
     ack = torch.zeros(1, dtype=torch.int64)
     for size in c.sizes_of(args):
-        buf = torch.full((size * window,), 7, dtype=torch.uint8)
+        buf = torch.from_numpy(c.buffer(size * window))
+        buf.fill_(7)
 
         def slot(i: int, size: int = size, buf=buf):  # type: ignore[no-untyped-def]
             k = i % window

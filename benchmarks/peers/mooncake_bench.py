@@ -66,7 +66,8 @@ def target(args) -> int:  # type: ignore[no-untyped-def]
     _, TransferNotify, TransferOpcode = import_mooncake()
     e, session = make_engine()
     region = max(c.sizes_of(args)) * args.window
-    dst = np.zeros(region + PING_SLOT, np.uint8)
+    dst = c.buffer(region + PING_SLOT)
+    dst.fill(0)
     register(e, dst)
     print(
         "INFO " + json.dumps({"session": session, "dst": dst.ctypes.data, "ping": dst.ctypes.data + region})
@@ -100,7 +101,7 @@ def target(args) -> int:  # type: ignore[no-untyped-def]
 
 def throughput(e, session: str, dst: int, size: int, args) -> list[float]:  # type: ignore[no-untyped-def]
     window = args.window
-    src = np.empty(size * window, np.uint8)
+    src = c.buffer(size * window)
     src.fill(7)
     register(e, src)
     base = src.ctypes.data

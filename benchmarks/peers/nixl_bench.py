@@ -89,7 +89,8 @@ def wait_notif(agent, want: bytes, handle, timeout: float = 30.0) -> None:  # ty
 def target(args) -> int:  # type: ignore[no-untyped-def]
     agent = make_agent("target", PROG_THREAD)
     region = max(c.sizes_of(args)) * args.window
-    dst = np.zeros(region + PING_SLOT, np.uint8)
+    dst = c.buffer(region + PING_SLOT)
+    dst.fill(0)
     agent.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
     print("META " + agent.get_agent_metadata().hex(), flush=True)
     print("INFO " + json.dumps({"dst": dst.ctypes.data, "ping": dst.ctypes.data + region}), flush=True)
@@ -120,7 +121,7 @@ def target(args) -> int:  # type: ignore[no-untyped-def]
 
 def throughput(agent, remote: str, dst: int, size: int, args) -> list[float]:  # type: ignore[no-untyped-def]
     window = args.window
-    src = np.empty(size * window, np.uint8)
+    src = c.buffer(size * window)
     src.fill(7)
     reg = agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
     local = agent.prep_xfer_dlist(

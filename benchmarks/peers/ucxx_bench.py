@@ -83,7 +83,7 @@ async def serve(ep, window: int, dst: np.ndarray, finished: asyncio.Event) -> No
 async def target_main(args) -> None:  # type: ignore[no-untyped-def]
     ucxx = import_ucxx()
     finished = asyncio.Event()
-    dst = np.empty(max(c.sizes_of(args)) * args.window, np.uint8)  # one receive buffer, every size
+    dst = c.buffer(max(c.sizes_of(args)) * args.window)  # one receive buffer, every size
 
     async def handler(ep) -> None:  # type: ignore[no-untyped-def]
         await serve(ep, args.window, dst, finished)
@@ -102,7 +102,7 @@ async def initiator_main(args, proc) -> None:  # type: ignore[no-untyped-def]
     ack = np.empty(1, np.int64)
     window = args.window
     for size in c.sizes_of(args):
-        src = np.empty(size * window, np.uint8)
+        src = c.buffer(size * window)
         src.fill(7)
 
         async def run(n: int, size: int = size, src: np.ndarray = src) -> float:
