@@ -314,6 +314,7 @@ struct aio_engine {
     _Atomic int sndbuf_got; /* SO_SNDBUF as the kernel reported it after the last setting */
     _Atomic uint64_t st_tuned;
     _Atomic uint64_t st_handed;  /* requests handed to the poller to post (post_item_g) */
+    _Atomic uint64_t st_handed_waited; /* ... of which the provider refused for room at first */
     _Atomic int32_t hand_posts;  /* aio_engine_set_hand_posts */
 
     /* stats */
@@ -1260,10 +1261,27 @@ static void direct_requeue(aio_engine *e, aio_op *list) {
     pthread_mutex_unlock(&e->dmu);
 }
 
+/* A connection (rail, peer) whose provider refused a queued request for room during one
+ * direct_run: the queue's later requests to it wait behind that one. */
+typedef struct {
+    int32_t rail;
+    uint64_t peer;
+} dq_key;
+#define DQ_BLOCKED_MAX 16
+
+static int dq_blocked(const dq_key *k, int n, int32_t rail, uint64_t peer) {
+    for (int i = 0; i < n; i++)
+        if (k[i].rail == rail && k[i].peer == peer) return 1;
+    return 0;
+}
+
 /* The poller's part: makes the queued copies in order; a write carrying an immediate then
  * posts it as a zero-byte write on the op's rail, whose completion completes the op. Posts the
- * queued requests (dpost) to their rails' providers. Returns how many ops it handled; ops left
- * (the rail's queue is full) stay queued, first. */
+ * queued requests (dpost) to their rails' providers. A request the provider refuses for room
+ * stays queued, and so do the later ones to the same connection (rail and peer), in order;
+ * requests to other peers and other rails, and copies, go on past it (one slow or stopped
+ * peer does not hold up the rest). Returns how many ops it handled, plus one while ops wait
+ * for room (the poller polls on at once: room comes as the rails' requests complete). */
 static int direct_run(aio_engine *e) {
     if (!atomic_load_explicit(&e->dq_pending, memory_order_acquire)) return 0;
     pthread_mutex_lock(&e->dmu);
@@ -1273,15 +1291,26 @@ static int direct_run(aio_engine *e) {
     pthread_mutex_unlock(&e->dmu);
     e->drun++;
     int n = 0;
+    dq_key blocked[DQ_BLOCKED_MAX];
+    int nblocked = 0;
+    aio_op *left = NULL, **left_tail = &left; /* ops kept for later, in order */
     while (list) {
         aio_op *op = list;
+        const aio_op_desc *d = &op->d;
+        int posts = op->dpost || (d->flags & AIO_F_DATA);
+        if (posts && dq_blocked(blocked, nblocked, d->rail, d->peer)) {
+            list = op->dnext;
+            op->dnext = NULL;
+            *left_tail = op;
+            left_tail = &op->dnext;
+            continue;
+        }
         if (!op->dcopied) {
             op->dstatus = direct_copy(e, &op->d);
             op->dcopied = 1;
             if (!op->dstatus) atomic_fetch_add_explicit(&e->st_direct, 1, memory_order_relaxed);
         }
         aio_rail *r = e->rails[op->rail];
-        const aio_op_desc *d = &op->d;
         pthread_mutex_lock(&r->mu);
         if (op->dpost || (!op->dstatus && (d->flags & AIO_F_DATA))) {
             aio_mr *m = d->mr;
@@ -1294,16 +1323,30 @@ static int direct_run(aio_engine *e) {
                  * any more) or it waited DEFER_STALL_NS; then it fails, and the caller's retry
                  * policy posts it anew in its own thread */
                 int64_t t = now_ns();
-                if (!op->dsince) op->dsince = t;
+                if (!op->dsince) {
+                    op->dsince = t;
+                    atomic_fetch_add_explicit(&e->st_handed_waited, 1, memory_order_relaxed);
+                }
                 if ((d->peer < DEFER_PEERS && !atomic_load(&r->defer_ok[d->peer])) ||
                     t - op->dsince > DEFER_STALL_NS)
                     ret = -FI_ETIMEDOUT;
             }
-            if (ret == -FI_EAGAIN) { /* the rest waits, in order, for room */
+            if (ret == -FI_EAGAIN) { /* this and its connection's later ops wait, in order, for room */
                 progress_locked(e, r);
                 pthread_mutex_unlock(&r->mu);
-                direct_requeue(e, list);
-                return n + 1;
+                list = op->dnext;
+                op->dnext = NULL;
+                *left_tail = op;
+                left_tail = &op->dnext;
+                if (nblocked < DQ_BLOCKED_MAX) {
+                    blocked[nblocked].rail = d->rail;
+                    blocked[nblocked].peer = d->peer;
+                    nblocked++;
+                } else { /* too many connections full at once: the rest waits, in order */
+                    *left_tail = list;
+                    list = NULL;
+                }
+                continue;
             }
             list = op->dnext;
             if (op->dpost) {
@@ -1316,6 +1359,10 @@ static int direct_run(aio_engine *e) {
             complete_op(e, r, op, op->dstatus, op->dstatus ? -op->dstatus : 0);
         }
         pthread_mutex_unlock(&r->mu);
+        n++;
+    }
+    if (left) {
+        direct_requeue(e, left);
         n++;
     }
     return n;
@@ -2809,6 +2856,7 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->direct_mapped = atomic_load(&e->st_mapped);
     o->tcp_tuned = atomic_load(&e->st_tuned);
     o->posts_handed = atomic_load(&e->st_handed);
+    o->posts_handed_waited = atomic_load(&e->st_handed_waited);
 }
 
 int aio_engine_set_hand_posts(aio_engine *e, int mode) {

@@ -400,6 +400,7 @@ typedef struct aio_stats {
     uint64_t direct_mapped;  /* ... of which into or out of a peer's arena (memcpy) */
     uint64_t tcp_tuned;      /* tcp sockets whose send buffer the core set (aio_engine_set_tcp_sndbuf) */
     uint64_t posts_handed;   /* requests aio_post handed to the poller to post (below) */
+    uint64_t posts_handed_waited; /* ... of which their connection's queue was full at first */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
 
@@ -410,7 +411,9 @@ void aio_get_stats(aio_engine *e, aio_stats *out);
  * connection carried a request since its last failure, and never for direct copies or gathered
  * pages. A handed request that the provider still refuses for room after 1 s, or whose peer's
  * connection failed meanwhile, completes with -FI_ETIMEDOUT (the caller's retry policy posts it
- * anew). mode: 0 (default) hand over only when the rail is busy, and only on tcp rails; 1 hand
+ * anew). While it waits, later handed requests to the same connection (rail and peer) wait
+ * behind it, in order; the poller's other work (other rails, other peers, direct copies) goes
+ * on (aio_stats.posts_handed_waited counts the requests that waited). mode: 0 (default) hand over only when the rail is busy, and only on tcp rails; 1 hand
  * over every eligible request, on any rail (tests); -1 never. -FI_EINVAL for another mode. */
 int aio_engine_set_hand_posts(aio_engine *e, int mode);
 

@@ -362,7 +362,8 @@ class Engine:
         :meth:`alloc_host` (page-rounded);
         ``tcp_buffers_set``: tcp sockets whose send buffer the engine set, see ``open_engine``'s
         ``tcp_send_buffer``; ``posts_handed``: tcp writes and reads the loop thread handed to
-        the poller to post because the poller was busy on their NIC), the
+        the poller to post because the poller was busy on their NIC; ``posts_handed_waited``:
+        those of them that found their connection's queue full, its peer slow or stopped), the
         operations and regions in flight (``pending``: groups whose completion record the loop
         has not read yet; a posted transfer's quiet record is read at the next wake-up), and
         ``peers``: peer NIC addresses resolved (each is
@@ -388,6 +389,7 @@ class Engine:
             "arena_bytes": self._arena.in_use if self._arena is not None else 0,
             "tcp_buffers_set": st.tcp_tuned,
             "posts_handed": st.posts_handed,
+            "posts_handed_waited": st.posts_handed_waited,
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._pending),

@@ -131,7 +131,9 @@ static void eng_free(eng_t *x) {
     memset(x, 0, sizeof(*x));
 }
 
-static int eng_init(eng_t *x, const char *prov, const char *nic, uint64_t region_len) {
+/* An engine with `nrails` rails of the provider (x->rail: the first), its region registered
+ * on all of them. */
+static int eng_init_n(eng_t *x, const char *prov, const char *nic, uint64_t region_len, int nrails) {
     memset(x, 0, sizeof(*x));
     char err[512] = "";
     aio_engine_config cfg;
@@ -141,10 +143,12 @@ static int eng_init(eng_t *x, const char *prov, const char *nic, uint64_t region
     cfg.sleep_ms = 100;
     int ret = aio_engine_create(&cfg, &x->e, err, sizeof(err));
     CHECK(ret == 0, "aio_engine_create: %s (%s)", aio_strerror(ret), err);
-    ret = aio_engine_add_rail(x->e, prov, nic, SLOTS, SLOT_SIZE, err, sizeof(err));
-    CHECK(ret >= 0, "aio_engine_add_rail(%s, %s): %s (%s)", prov, nic ? nic : "-",
-          aio_strerror(ret), err);
-    x->rail = ret;
+    for (int i = 0; i < nrails; i++) {
+        ret = aio_engine_add_rail(x->e, prov, nic, SLOTS, SLOT_SIZE, err, sizeof(err));
+        CHECK(ret >= 0, "aio_engine_add_rail(%s, %s): %s (%s)", prov, nic ? nic : "-",
+              aio_strerror(ret), err);
+        if (i == 0) x->rail = ret;
+    }
     CHECK_OK(aio_rail_get_info(x->e, x->rail, &x->info));
     CHECK_OK(aio_engine_start(x->e));
     x->inbox = calloc(INBOX, sizeof(aio_record));
@@ -161,6 +165,10 @@ static int eng_init(eng_t *x, const char *prov, const char *nic, uint64_t region
         CHECK(ret == 0, "aio_mr_register: %s (%s)", aio_strerror(ret), err);
     }
     return 0;
+}
+
+static int eng_init(eng_t *x, const char *prov, const char *nic, uint64_t region_len) {
+    return eng_init_n(x, prov, nic, region_len, 1);
 }
 
 /* Drains the engine's ring into its inbox. */
@@ -1416,11 +1424,30 @@ static int peer_body(const char *prov, const char *nic, int rfd, int wfd) {
     return 0;
 }
 
+/* the child of t_handed_stall: --stall-peer PROV NIC RFD WFD. Serves writes until the goodbye;
+ * the parent stops and continues this process meanwhile. */
+static int stall_peer_body(const char *prov, const char *nic, int rfd, int wfd) {
+    eng_t c;
+    if (eng_init(&c, prov, nic, XP_LEN)) return -1;
+    peer_info mine;
+    my_info(&c, &mine);
+    CHECK(write_full(wfd, &mine, sizeof(mine)) == 0, "pipe write");
+    char bye;
+    CHECK(read_full(rfd, &bye, 1, 120000) == 0, "stall peer: no goodbye");
+    eng_free(&c);
+    return 0;
+}
+
 static char g_self[4096];
 
-static int t_two_process(fix_t *f) {
+/* Starts this program again as a peer process (`mode`: --peer or --stall-peer) for f's
+ * provider, connected by two pipes: *to_child (write end) and *from_child (read end). */
+static pid_t spawn_peer(fix_t *f, const char *mode, int *to_child, int *from_child) {
     int p2c[2], c2p[2];
-    CHECK(pipe(p2c) == 0 && pipe(c2p) == 0, "pipe");
+    if (pipe(p2c) || pipe(c2p)) {
+        fail_msg(__FILE__, __LINE__, "pipe: %s", strerror(errno));
+        return -1;
+    }
     char rfd[16], wfd[16];
     snprintf(rfd, sizeof(rfd), "%d", p2c[0]);
     snprintf(wfd, sizeof(wfd), "%d", c2p[1]);
@@ -1428,15 +1455,49 @@ static int t_two_process(fix_t *f) {
     fflush(stdout);
     fflush(stderr);
     pid_t pid = fork();
-    CHECK(pid >= 0, "fork");
     if (pid == 0) {
         close(p2c[1]);
         close(c2p[0]);
-        execl(g_self, g_self, "--peer", f->prov, nic, rfd, wfd, (char *)NULL);
+        execl(g_self, g_self, mode, f->prov, nic, rfd, wfd, (char *)NULL);
         _exit(127);
     }
     close(p2c[0]);
     close(c2p[1]);
+    if (pid < 0) {
+        close(p2c[1]);
+        close(c2p[0]);
+        fail_msg(__FILE__, __LINE__, "fork: %s", strerror(errno));
+        return -1;
+    }
+    *to_child = p2c[1];
+    *from_child = c2p[0];
+    return pid;
+}
+
+/* Says goodbye to a spawn_peer child, closes the pipes and reaps it (killed after 30 s):
+ * the child's exit status, or -1 if it had to be killed. */
+static int reap_peer(pid_t pid, int to_child, int from_child, int *said_bye) {
+    char bye = 'x';
+    *said_bye = write_full(to_child, &bye, 1) == 0;
+    close(to_child);
+    close(from_child);
+    double t0 = now_s();
+    int status = -1;
+    pid_t w;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && now_s() - t0 < 30) sleep_us(1000);
+    if (w == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        return -1;
+    }
+    return status;
+}
+
+static int t_two_process(fix_t *f) {
+    int to_child, from_child;
+    pid_t pid = spawn_peer(f, "--peer", &to_child, &from_child);
+    if (pid < 0) return -1;
+    int p2c[2] = {-1, to_child}, c2p[2] = {from_child, -1};
     eng_t p;
     int rc = -1, status = -1;
     memset(&p, 0, sizeof(p));
@@ -1470,20 +1531,12 @@ static int t_two_process(fix_t *f) {
         }
         rc = 0;
     } while (0);
-    char bye = 'x';
-    if (write_full(p2c[1], &bye, 1)) rc = -1;
-    close(p2c[1]);
-    close(c2p[0]);
-    double t0 = now_s();
-    pid_t w;
-    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && now_s() - t0 < 30) sleep_us(1000);
-    if (w == 0) {
-        kill(pid, SIGKILL);
-        waitpid(pid, &status, 0);
-    }
+    int said_bye;
+    status = reap_peer(pid, p2c[1], c2p[0], &said_bye);
+    if (!said_bye) rc = -1;
     eng_free(&p);
     if (rc == 0) {
-        CHECK(w == pid, "the child did not exit");
+        CHECK(status != -1, "the child did not exit");
         CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child failed (status 0x%x)",
               status);
     }
@@ -1932,6 +1985,143 @@ static int t_handed(fix_t *f) {
     return 0;
 }
 
+static uint64_t waited_of(aio_engine *e) {
+    aio_stats st;
+    aio_get_stats(e, &st);
+    return st.posts_handed_waited;
+}
+
+/* A handed request whose connection is full (its peer process stopped) waits in the poller's
+ * queue with the later ones to that connection; handed requests on another rail go on past
+ * them, and on shm (a queue per peer) so do those to another peer on the same rail. On tcp the
+ * same rail's other peers wait too: rxm's pool of send buffers is per endpoint, so a stopped
+ * peer that holds all of it leaves none to them. Once the peer continues, its requests complete. */
+static int t_handed_stall(fix_t *f) {
+    eng_t *b = &f->b, x; /* x: an initiator with two rails */
+    if (eng_init_n(&x, f->prov, f->nic, MiB, 2)) {
+        eng_free(&x);
+        return -1;
+    }
+    int to_child, from_child;
+    pid_t pid = spawn_peer(f, "--stall-peer", &to_child, &from_child);
+    if (pid < 0) {
+        eng_free(&x);
+        return -1;
+    }
+    int rc = -1, stopped = 0;
+    uint64_t tok = 0;
+    do {
+        peer_info theirs;
+        if (read_full(from_child, &theirs, sizeof(theirs), 30000)) {
+            fail_msg(__FILE__, __LINE__, "no descriptor from the child");
+            break;
+        }
+        uint64_t pc, pb0, pb1;
+        int ret = aio_av_insert(x.e, 0, theirs.addr, theirs.addr_len, &pc);
+        if (!ret) ret = aio_av_insert(x.e, 0, b->info.addr, b->info.addr_len, &pb0);
+        if (!ret) ret = aio_av_insert(x.e, 1, b->info.addr, b->info.addr_len, &pb1);
+        if (ret) {
+            fail_msg(__FILE__, __LINE__, "av_insert: %s", aio_strerror(ret));
+            break;
+        }
+        /* first requests in the posting thread: every connection carries */
+        aio_op_desc wc = op_remote(&x, &theirs, AIO_OP_WRITE, 0, 0, 65536, 0, 0);
+        wc.peer = pc;
+        aio_op_desc wb[2]; /* to b on rail 0 (c's rail) and on rail 1 */
+        for (int i = 0; i < 2; i++) {
+            wb[i] = op_to(&x, b, AIO_OP_WRITE, 0, (uint64_t)i * 64, 64, AIO_F_DATA, 0x7200);
+            wb[i].rail = i;
+            wb[i].peer = i ? pb1 : pb0;
+        }
+        if (run_group(&x, &wc, 1, NULL) || run_group(&x, wb, 2, NULL)) break;
+        if (wait_take(b, 0x7200, 2 * U, TIMEOUT)) {
+            fail_msg(__FILE__, __LINE__, "first writes to b: no credit");
+            break;
+        }
+        if (aio_engine_set_hand_posts(x.e, 1)) break;
+        if (kill(pid, SIGSTOP)) {
+            fail_msg(__FILE__, __LINE__, "SIGSTOP: %s", strerror(errno));
+            break;
+        }
+        stopped = 1;
+        /* handed writes to the stopped peer, until one finds its connection full */
+        tok = g_token++;
+        int64_t g = aio_group_open(x.e, tok);
+        if (g < 0) {
+            fail_msg(__FILE__, __LINE__, "aio_group_open: %s", aio_strerror((int)g));
+            break;
+        }
+        uint64_t w0 = waited_of(x.e);
+        int posted = 0;
+        double t0 = now_s();
+        while (waited_of(x.e) == w0 && posted < 32768 && now_s() - t0 < 10) {
+            if (post_all(&x, g, &wc, 1, TIMEOUT)) break;
+            if (++posted % 32 == 0) sleep_us(2000);
+        }
+        double t_full = now_s();
+        if (aio_group_seal(x.e, g)) break;
+        if (waited_of(x.e) == w0) {
+            fail_msg(__FILE__, __LINE__, "none of %d handed writes to the stopped peer met a full queue", posted);
+            break;
+        }
+        /* handed writes to b go past them: rail 1's, and on shm rail 0's (until the queue let
+         * requests past a full connection, they waited for the stopped peer's first request to
+         * time out, 1 s) */
+        int nb = strcmp(f->prov, "shm") ? 1 : 2;
+        for (int i = 0; i < 2; i++) wb[i].data = 0x7201;
+        uint64_t h0 = handed_of(x.e);
+        aio_record r;
+        if (group_record(&x, nb == 2 ? wb : wb + 1, nb, &r)) break;
+        double waited = now_s() - t_full;
+        if (r.status || handed_of(x.e) - h0 != (uint64_t)nb) {
+            fail_msg(__FILE__, __LINE__, "the writes to b: status %d (%s), %llu of %d handed", r.status,
+                     aio_strerror(r.status), (unsigned long long)(handed_of(x.e) - h0), nb);
+            break;
+        }
+        if (wait_take(b, 0x7201, (uint64_t)nb * U, TIMEOUT)) {
+            fail_msg(__FILE__, __LINE__, "the writes to b: no credit");
+            break;
+        }
+        pump(&x);
+        if (count_rec(&x, AIO_REC_GROUP, tok)) {
+            fail_msg(__FILE__, __LINE__, "the stopped peer's writes completed while it was stopped");
+            break;
+        }
+        if (waited > 0.5) {
+            fail_msg(__FILE__, __LINE__, "the writes to b completed %.2f s after the stopped peer's queue filled", waited);
+            break;
+        }
+        kill(pid, SIGCONT);
+        stopped = 0;
+        if (wait_rec(&x, AIO_REC_GROUP, tok, TIMEOUT, &r)) {
+            fail_msg(__FILE__, __LINE__, "no record for the stopped peer's %d writes", posted);
+            break;
+        }
+        tok = 0;
+        /* handed requests that waited over 1 s for room fail as timed out (the caller retries) */
+        double held = now_s() - t_full;
+        if (!(r.status == 0 || (r.status == -FI_ETIMEDOUT && held > 0.9))) {
+            fail_msg(__FILE__, __LINE__, "the stopped peer's writes: status %d (%s) after %.2f s",
+                     r.status, aio_strerror(r.status), held);
+            break;
+        }
+        rc = 0;
+    } while (0);
+    if (stopped) kill(pid, SIGCONT);
+    if (tok) { /* a failure above: let the group's record come before the engine goes */
+        aio_record r;
+        wait_rec(&x, AIO_REC_GROUP, tok, TIMEOUT, &r);
+    }
+    int64_t inflight = aio_mr_inflight(x.mr);
+    eng_free(&x);
+    int said_bye, status = reap_peer(pid, to_child, from_child, &said_bye);
+    if (rc) return rc;
+    CHECK(said_bye && status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "the stall peer failed (status 0x%x)", status);
+    CHECK(inflight == 0, "inflight %lld", (long long)inflight);
+    return 0;
+}
+
 static const test_t TESTS[] = {
     {"write_sizes", t_write_sizes},   {"zero_byte_imm", t_zero_byte_imm},
     {"weight", t_weight},             {"counters", t_counters},
@@ -1947,6 +2137,7 @@ static const test_t TESTS[] = {
     {"submit_quiet", t_submit_quiet}, {"spin_window", t_spin_window},
     {"direct", t_direct},             {"direct_retire", t_direct_retire},
     {"tcp_sndbuf", t_tcp_sndbuf},     {"handed", t_handed},
+    {"handed_stall", t_handed_stall},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {
@@ -2009,9 +2200,10 @@ int main(int argc, char **argv) {
     ssize_t n = readlink("/proc/self/exe", g_self, sizeof(g_self) - 1);
     if (n <= 0) snprintf(g_self, sizeof(g_self), "%s", argv[0]);
     else g_self[n] = 0;
-    if (argc == 6 && !strcmp(argv[1], "--peer")) {
+    if (argc == 6 && (!strcmp(argv[1], "--peer") || !strcmp(argv[1], "--stall-peer"))) {
         const char *nic = strcmp(argv[3], "-") ? argv[3] : NULL;
-        int rc = peer_body(argv[2], nic, atoi(argv[4]), atoi(argv[5]));
+        int rc = !strcmp(argv[1], "--peer") ? peer_body(argv[2], nic, atoi(argv[4]), atoi(argv[5]))
+                                            : stall_peer_body(argv[2], nic, atoi(argv[4]), atoi(argv[5]));
         if (rc) fprintf(stderr, "peer (%s): %s\n", argv[2], g_why);
         return rc ? 1 : 0;
     }
