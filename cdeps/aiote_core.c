@@ -1269,6 +1269,15 @@ typedef struct {
 } dq_key;
 #define DQ_BLOCKED_MAX 16
 
+/* Moves the head of *list to the end of the list whose last link is **tail. */
+static void dq_keep(aio_op **list, aio_op ***tail) {
+    aio_op *op = *list;
+    *list = op->dnext;
+    op->dnext = NULL;
+    **tail = op;
+    *tail = &op->dnext;
+}
+
 static int dq_blocked(const dq_key *k, int n, int32_t rail, uint64_t peer) {
     for (int i = 0; i < n; i++)
         if (k[i].rail == rail && k[i].peer == peer) return 1;
@@ -1299,10 +1308,7 @@ static int direct_run(aio_engine *e) {
         const aio_op_desc *d = &op->d;
         int posts = op->dpost || (d->flags & AIO_F_DATA);
         if (posts && dq_blocked(blocked, nblocked, d->rail, d->peer)) {
-            list = op->dnext;
-            op->dnext = NULL;
-            *left_tail = op;
-            left_tail = &op->dnext;
+            dq_keep(&list, &left_tail);
             continue;
         }
         if (!op->dcopied) {
@@ -1334,10 +1340,7 @@ static int direct_run(aio_engine *e) {
             if (ret == -FI_EAGAIN) { /* this and its connection's later ops wait, in order, for room */
                 progress_locked(e, r);
                 pthread_mutex_unlock(&r->mu);
-                list = op->dnext;
-                op->dnext = NULL;
-                *left_tail = op;
-                left_tail = &op->dnext;
+                dq_keep(&list, &left_tail);
                 if (nblocked < DQ_BLOCKED_MAX) {
                     blocked[nblocked].rail = d->rail;
                     blocked[nblocked].peer = d->peer;

@@ -1497,7 +1497,6 @@ static int t_two_process(fix_t *f) {
     int to_child, from_child;
     pid_t pid = spawn_peer(f, "--peer", &to_child, &from_child);
     if (pid < 0) return -1;
-    int p2c[2] = {-1, to_child}, c2p[2] = {from_child, -1};
     eng_t p;
     int rc = -1, status = -1;
     memset(&p, 0, sizeof(p));
@@ -1506,8 +1505,8 @@ static int t_two_process(fix_t *f) {
         fill(p.buf, XP_LEN, 0, XP_SEED);
         peer_info mine, theirs;
         my_info(&p, &mine);
-        if (write_full(p2c[1], &mine, sizeof(mine)) ||
-            read_full(c2p[0], &theirs, sizeof(theirs), 30000)) {
+        if (write_full(to_child, &mine, sizeof(mine)) ||
+            read_full(from_child, &theirs, sizeof(theirs), 30000)) {
             fail_msg(__FILE__, __LINE__, "exchanging descriptors with the child failed");
             break;
         }
@@ -1532,7 +1531,7 @@ static int t_two_process(fix_t *f) {
         rc = 0;
     } while (0);
     int said_bye;
-    status = reap_peer(pid, p2c[1], c2p[0], &said_bye);
+    status = reap_peer(pid, to_child, from_child, &said_bye);
     if (!said_bye) rc = -1;
     eng_free(&p);
     if (rc == 0) {
@@ -1803,10 +1802,10 @@ typedef struct test {
     int (*fn)(fix_t *);
 } test_t;
 
-static uint64_t tuned_of(aio_engine *e) {
+static aio_stats stats_of(aio_engine *e) {
     aio_stats st;
     aio_get_stats(e, &st);
-    return st.tcp_tuned;
+    return st;
 }
 
 /* SO_SNDBUF of this process's TCP connection to `port` on the same IP, or -1 if none. */
@@ -1847,7 +1846,7 @@ static int t_tcp_sndbuf(fix_t *f) {
     int bad = aio_engine_set_tcp_sndbuf(e, -1, 0), off = aio_engine_set_tcp_sndbuf(e, 0, 0);
     int rail = aio_engine_add_rail(e, "tcp", f->nic, 4, 4096, err, sizeof(err));
     int late = aio_engine_set_tcp_sndbuf(e, 4096, 0);
-    uint64_t n_off = tuned_of(e);
+    uint64_t n_off = stats_of(e).tcp_tuned;
     aio_engine_destroy(e);
     CHECK(bad == -FI_EINVAL && off == 0 && rail >= 0 && late == -FI_EINVAL,
           "set_tcp_sndbuf: -1 -> %d, 0 -> %d, add_rail %d, after a rail %d", bad, off, rail, late);
@@ -1859,14 +1858,14 @@ static int t_tcp_sndbuf(fix_t *f) {
     int rc = eng_init(&c, "tcp", f->nic, MiB);
     if (!rc) rc = eng_init(&d, "tcp", f->nic, MiB);
     if (!rc) rc = connect_pair(&c, &d);
-    uint64_t at_open = rc ? 0 : tuned_of(c.e);
+    uint64_t at_open = rc ? 0 : stats_of(c.e).tcp_tuned;
     if (!rc) {
         fill(c.buf, MiB, 0, 0x5b);
         aio_op_desc op = op_to(&c, &d, AIO_OP_WRITE, 0, 0, MiB, 0, 0);
         rc = run_group(&c, &op, 1, NULL);
     }
     int64_t differs = rc ? 0 : verify(d.buf, MiB, 0, 0x5b);
-    uint64_t after = rc ? 0 : tuned_of(c.e);
+    uint64_t after = rc ? 0 : stats_of(c.e).tcp_tuned;
     const struct sockaddr_in *dl = (const struct sockaddr_in *)(const void *)d.info.addr;
     int got = rc ? -1 : sndbuf_to(ntohs(dl->sin_port));
     FILE *fm = fopen("/proc/sys/net/core/wmem_max", "r");
@@ -1884,12 +1883,6 @@ static int t_tcp_sndbuf(fix_t *f) {
     long want = 2 * (cap < AIO_TCP_SNDBUF_AUTO ? cap : AIO_TCP_SNDBUF_AUTO);
     CHECK(got == want, "the connection's SO_SNDBUF is %d, want %ld", got, want);
     return 0;
-}
-
-static uint64_t handed_of(aio_engine *e) {
-    aio_stats st;
-    aio_get_stats(e, &st);
-    return st.posts_handed;
 }
 
 /* Requests handed to the poller (aio_engine_set_hand_posts(1): every eligible one) arrive
@@ -1915,10 +1908,10 @@ static int t_handed(fix_t *f) {
         off += (lens[i] + 4095) & ~4095ULL;
     }
     CHECK(off <= a->len / 2, "test layout exceeds half the region");
-    uint64_t h0 = handed_of(a->e);
+    uint64_t h0 = stats_of(a->e).posts_handed;
     if (run_group(a, w, N, NULL)) return -1;
-    CHECK(handed_of(a->e) - h0 == N, "handed %llu of %d writes",
-          (unsigned long long)(handed_of(a->e) - h0), N);
+    CHECK(stats_of(a->e).posts_handed - h0 == N, "handed %llu of %d writes",
+          (unsigned long long)(stats_of(a->e).posts_handed - h0), N);
     CHECK(wait_take(b, 0x7001, N * U, TIMEOUT) == 0, "handed writes: credits missing");
     for (int i = 0; i < N; i++) {
         int64_t bad = verify(b->buf + loffs[i], lens[i], 0, 0x7100 + (uint32_t)i);
@@ -1930,9 +1923,9 @@ static int t_handed(fix_t *f) {
     uint64_t half = a->len / 2;
     memset(a->buf + half, 0, off);
     for (int i = 0; i < N; i++) rd[i] = op_to(a, b, AIO_OP_READ, half + loffs[i], loffs[i], lens[i], 0, 0);
-    h0 = handed_of(a->e);
+    h0 = stats_of(a->e).posts_handed;
     if (run_group(a, rd, N, NULL)) return -1;
-    CHECK(handed_of(a->e) - h0 == N, "handed %llu of %d reads", (unsigned long long)(handed_of(a->e) - h0), N);
+    CHECK(stats_of(a->e).posts_handed - h0 == N, "handed %llu of %d reads", (unsigned long long)(stats_of(a->e).posts_handed - h0), N);
     for (int i = 0; i < N; i++) {
         int64_t bad = verify(a->buf + half + loffs[i], lens[i], 0, 0x7100 + (uint32_t)i);
         CHECK(bad < 0, "handed read %d: byte %lld differs", i, (long long)bad);
@@ -1940,16 +1933,16 @@ static int t_handed(fix_t *f) {
     CHECK(aio_mr_inflight(a->mr) == 0, "inflight %lld", (long long)aio_mr_inflight(a->mr));
     /* never (-1) hands nothing over; nor does the default (0) on shm, busy or not */
     CHECK_OK(aio_engine_set_hand_posts(a->e, -1));
-    h0 = handed_of(a->e);
+    h0 = stats_of(a->e).posts_handed;
     if (run_group(a, w, N, NULL)) return -1;
-    CHECK(handed_of(a->e) == h0, "mode -1 handed %llu writes", (unsigned long long)(handed_of(a->e) - h0));
+    CHECK(stats_of(a->e).posts_handed == h0, "mode -1 handed %llu writes", (unsigned long long)(stats_of(a->e).posts_handed - h0));
     CHECK(wait_take(b, 0x7001, N * U, TIMEOUT) == 0, "mode -1 writes: credits missing");
     CHECK_OK(aio_engine_set_hand_posts(a->e, 0));
     if (!strcmp(a->info.provider, "shm")) { /* shm reports no error at the initiator */
-        h0 = handed_of(a->e);
+        h0 = stats_of(a->e).posts_handed;
         if (run_group(a, w, N, NULL)) return -1;
-        CHECK(handed_of(a->e) == h0, "shm handed %llu writes by default",
-              (unsigned long long)(handed_of(a->e) - h0));
+        CHECK(stats_of(a->e).posts_handed == h0, "shm handed %llu writes by default",
+              (unsigned long long)(stats_of(a->e).posts_handed - h0));
         CHECK(wait_take(b, 0x7001, N * U, TIMEOUT) == 0, "default shm writes: credits missing");
         return 0;
     }
@@ -1958,17 +1951,17 @@ static int t_handed(fix_t *f) {
     aio_op_desc badk = op_to(a, b, AIO_OP_WRITE, 0, 8192, 4096, AIO_F_DATA, 0x7002);
     badk.rkey ^= 0x5a5a5a5a5a5aULL;
     aio_record r;
-    h0 = handed_of(a->e);
+    h0 = stats_of(a->e).posts_handed;
     if (group_record(a, &badk, 1, &r)) return -1;
     CHECK(r.status != 0, "a write with a wrong key succeeded");
-    CHECK(handed_of(a->e) - h0 == 1, "the wrong-key write was not handed");
+    CHECK(stats_of(a->e).posts_handed - h0 == 1, "the wrong-key write was not handed");
     /* the next requests go in the posting thread until one gets through */
     int delivered = 0;
     aio_op_desc ok = op_to(a, b, AIO_OP_WRITE, 0, 0, 64, AIO_F_DATA, 0x7003);
     for (int attempt = 0; attempt < 40 && !delivered; attempt++) {
-        h0 = handed_of(a->e);
+        h0 = stats_of(a->e).posts_handed;
         if (group_record(a, &ok, 1, &r)) return -1;
-        CHECK(handed_of(a->e) == h0, "a write to a failed peer was handed (attempt %d)", attempt);
+        CHECK(stats_of(a->e).posts_handed == h0, "a write to a failed peer was handed (attempt %d)", attempt);
         if (r.status) {
             sleep_us(10000);
             continue;
@@ -1976,19 +1969,13 @@ static int t_handed(fix_t *f) {
         if (wait_take(b, 0x7003, U, 0.5) == 0) delivered = 1;
     }
     CHECK(delivered, "no write got through after the failed one");
-    h0 = handed_of(a->e);
+    h0 = stats_of(a->e).posts_handed;
     if (run_group(a, &ok, 1, NULL)) return -1;
-    CHECK(handed_of(a->e) - h0 == 1, "handing did not resume after a write got through");
+    CHECK(stats_of(a->e).posts_handed - h0 == 1, "handing did not resume after a write got through");
     CHECK(wait_take(b, 0x7003, U, TIMEOUT) == 0, "no credit after handing resumed");
     CHECK_OK(aio_engine_set_hand_posts(a->e, 0));
     CHECK(aio_mr_inflight(a->mr) == 0, "inflight");
     return 0;
-}
-
-static uint64_t waited_of(aio_engine *e) {
-    aio_stats st;
-    aio_get_stats(e, &st);
-    return st.posts_handed_waited;
 }
 
 /* A handed request whose connection is full (its peer process stopped) waits in the poller's
@@ -2051,16 +2038,16 @@ static int t_handed_stall(fix_t *f) {
             fail_msg(__FILE__, __LINE__, "aio_group_open: %s", aio_strerror((int)g));
             break;
         }
-        uint64_t w0 = waited_of(x.e);
+        uint64_t w0 = stats_of(x.e).posts_handed_waited;
         int posted = 0;
         double t0 = now_s();
-        while (waited_of(x.e) == w0 && posted < 32768 && now_s() - t0 < 10) {
+        while (stats_of(x.e).posts_handed_waited == w0 && posted < 32768 && now_s() - t0 < 10) {
             if (post_all(&x, g, &wc, 1, TIMEOUT)) break;
             if (++posted % 32 == 0) sleep_us(2000);
         }
         double t_full = now_s();
         if (aio_group_seal(x.e, g)) break;
-        if (waited_of(x.e) == w0) {
+        if (stats_of(x.e).posts_handed_waited == w0) {
             fail_msg(__FILE__, __LINE__, "none of %d handed writes to the stopped peer met a full queue", posted);
             break;
         }
@@ -2069,13 +2056,13 @@ static int t_handed_stall(fix_t *f) {
          * time out, 1 s) */
         int nb = strcmp(f->prov, "shm") ? 1 : 2;
         for (int i = 0; i < 2; i++) wb[i].data = 0x7201;
-        uint64_t h0 = handed_of(x.e);
+        uint64_t h0 = stats_of(x.e).posts_handed;
         aio_record r;
         if (group_record(&x, nb == 2 ? wb : wb + 1, nb, &r)) break;
         double waited = now_s() - t_full;
-        if (r.status || handed_of(x.e) - h0 != (uint64_t)nb) {
+        if (r.status || stats_of(x.e).posts_handed - h0 != (uint64_t)nb) {
             fail_msg(__FILE__, __LINE__, "the writes to b: status %d (%s), %llu of %d handed", r.status,
-                     aio_strerror(r.status), (unsigned long long)(handed_of(x.e) - h0), nb);
+                     aio_strerror(r.status), (unsigned long long)(stats_of(x.e).posts_handed - h0), nb);
             break;
         }
         if (wait_take(b, 0x7201, (uint64_t)nb * U, TIMEOUT)) {
