@@ -2775,11 +2775,12 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
     return k - start;
 }
 
-int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *buf, uint64_t len,
-                  int64_t budget_ns) {
+int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *head, uint64_t hlen,
+                   const void *body, uint64_t blen, int64_t budget_ns) {
     if (rail < 0 || rail >= e->nrails || !group_postable(e, g)) return -FI_EINVAL;
     aio_rail *r = e->rails[rail];
-    if (len > r->slot_size) return -FI_EMSGSIZE;
+    uint64_t len = hlen + blen;
+    if (hlen > r->slot_size || blen > r->slot_size || len > r->slot_size) return -FI_EMSGSIZE;
     int64_t deadline = now_ns() + budget_ns;
     pthread_mutex_lock(&r->mu);
     aio_op *op = NULL;
@@ -2795,7 +2796,11 @@ int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void 
     }
     uint32_t slot = r->send_free[--r->send_nfree];
     char *sbuf = r->send_buf + (uint64_t)slot * r->slot_size;
-    if (len) memcpy(sbuf, buf, len);
+    /* the slot and the op are ours alone now: copy without the rail's lock, so the poller
+     * drives the rail meanwhile (a large message is a long copy) */
+    pthread_mutex_unlock(&r->mu);
+    if (hlen) memcpy(sbuf, head, hlen);
+    if (blen) memcpy(sbuf + hlen, body, blen);
     op->kind = OPK_SEND;
     op->rail = rail;
     op->group = g;
@@ -2804,6 +2809,7 @@ int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void 
     atomic_fetch_add(&e->groups[g].posted, 1);
     atomic_fetch_add(&e->groups[g].outstanding, 1);
     atomic_fetch_add(&e->ops_in_flight, 1);
+    pthread_mutex_lock(&r->mu);
     ssize_t ret;
     for (;;) {
         ret = fi_send(r->ep, sbuf, len, r->send_desc, peer, &op->ctx);
@@ -2825,6 +2831,11 @@ int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void 
     pthread_mutex_unlock(&r->mu);
     kick(e);
     return 1;
+}
+
+int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *buf, uint64_t len,
+                  int64_t budget_ns) {
+    return aio_post_sendv(e, g, rail, peer, buf, len, NULL, 0, budget_ns);
 }
 
 void *aio_recv_slot(aio_engine *e, int rail, uint32_t slot) {

@@ -249,6 +249,10 @@ int64_t aio_post(aio_engine *e, int64_t group, const aio_op_desc *items, int64_t
  * 1 if posted, 0 if no send slot or queue space is free now, negative on error. */
 int aio_post_send(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *buf,
                   uint64_t len, int64_t budget_ns);
+/* aio_post_send of a message in two parts, head then body, copied one after the other into
+ * one send slot (the copy is made without the rail's lock held). */
+int aio_post_sendv(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *head,
+                   uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns);
 /* Paged writes: page k (start <= k < n) copies page_size bytes from the local region at
  * src_offset + src_stride*src_pages[k] to the remote region at
  * dst_offset + dst_stride*dst_pages[k], over routes[(first_route + k) % nroutes]. Each page

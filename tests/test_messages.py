@@ -178,3 +178,51 @@ async def test_concurrent_receivers_each_get_one_message(aiote_engine_pair) -> N
         for i in range(n):
             await a.send(b.address, f"{i}".encode(), timeout=30)
     assert sorted(got) == sorted(f"{i}".encode() for i in range(n))
+
+
+async def test_a_receiver_that_falls_behind_holds_its_sender_back() -> None:
+    """Large messages nobody receives stay in the receiver's slots (after a few copied out):
+    the sender's transport waits for a slot, so the backlog does not pile up in the
+    receiver's memory. Every message still arrives, whole and in order, once it is taken."""
+    size, n = 128 << 10, 48  # 16 slots: 12 held, 8 copied out (1 MiB), 4 more held, then wait
+    msgs = [pattern(size, seed=i).tobytes() for i in range(n)]
+    async with aiote.testing.engine_pair() as (a, b):
+        sent = 0
+
+        async def sender() -> None:
+            nonlocal sent
+            for m in msgs:
+                await a.send(b.address, m, timeout=60)
+                sent += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender)
+            await eventually(lambda: sent >= 16, "the first messages to be sent")
+            await anyio.sleep(0.5)
+            assert 16 <= sent < n  # held back: nobody took a message yet
+            assert len(b._inbox) <= 24 and b._spilled <= 1 << 20  # white-box: what b keeps
+            got = [await b.recv(timeout=30) for _ in range(n)]
+        assert sent == n
+        assert [s for s, _ in got] == [a.address] * n
+        assert [p for _, p in got] == msgs
+        assert not any(b._held) and b._spilled == 0  # every slot went back to the transport
+
+
+async def test_engine_messages_pass_while_user_messages_wait() -> None:
+    """Small messages nobody receives do not stop the messages the engine consumes itself:
+    a staged write into (emulated) GPU memory, whose completion notice is such a message,
+    completes while 40 messages wait, and they are all there afterwards."""
+    async with aiote.testing.engine_pair(gpu_backend="host", gpu_ipc=False) as (a, b):
+        msgs = [f"waiting {i}".encode() * 100 for i in range(40)]
+        for m in msgs:
+            await a.send(b.address, m, timeout=30)
+        dev = aiote.testing.HostDeviceArray(1 << 20)
+        dst = await b.register(dev)
+        assert dst.on_gpu
+        src = pattern(1 << 20, seed=3)
+        ms = await a.register(src)
+        await a.write(ms, dst.descriptor, imm=9, timeout=30)
+        await b.imm_counter(9).wait(1, timeout=30)
+        assert bytes(dev.host) == src.tobytes()
+        assert a.stats()["gpu_staged"] == 1
+        assert [await b.recv(timeout=30) for _ in msgs] == [(a.address, m) for m in msgs]

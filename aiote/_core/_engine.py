@@ -66,6 +66,7 @@ _log = get_logger(component="engine")
 
 _U32 = 1 << 32
 _CREDIT = int(lib.AIO_CREDIT_UNIT)
+_SPILL_BYTES = 1 << 20  # see Engine._held: queued copies of messages that were not held
 _MSG_HEADER = struct.Struct("<H")  # the sender's address length; the top bit marks internal messages
 _INTERNAL = 0x8000
 _GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_direct", "gpu_parts_in")
@@ -193,6 +194,20 @@ class _Group:
         self.first = first
 
 
+class _Held:
+    """A received message still in its registered slot: its payload is copied out (and the
+    slot handed back to the transport) when :meth:`Engine.recv` takes it."""
+
+    __slots__ = ("end", "rail", "sender", "slot", "start")
+
+    def __init__(self, rail: int, slot: int, sender: bytes, start: int, end: int) -> None:
+        self.rail = rail
+        self.slot = slot
+        self.sender = sender
+        self.start = start
+        self.end = end
+
+
 class _RecvWaiter:
     __slots__ = ("event", "item")
 
@@ -254,6 +269,7 @@ class Engine:
         streams: int = 1,
         same_host_direct: bool = True,
         arena: Arena | None = None,
+        message_slots: int = 16,
     ) -> None:
         self._h = handle
         self._arena = arena
@@ -281,7 +297,15 @@ class Engine:
         self._peers: dict[tuple[int, bytes], int] = {}
         self._desc_paths: dict[int, tuple[MemoryDescriptor, tuple[tuple[int, int, int, int], ...]]] = {}
         self._imm_memos: dict[tuple[int, int], Any] = {}  # single-route write_imms (see _memo_post)
-        self._inbox: deque[tuple[bytes, bytes]] = deque()
+        self._inbox: deque[tuple[bytes, bytes] | _Held] = deque()
+        # Messages nobody waits for stay in their slots until recv() takes them (one copy,
+        # made then), which also holds back the sender (its transport waits for a slot).
+        # A quarter of each rail's slots is kept posted for messages the engine consumes
+        # itself (GPU staging): a message that would take one of them is copied out and
+        # queued instead, up to _SPILL_BYTES queued that way; past that it is held too.
+        self._held = [0] * len(rails)
+        self._hold_max = max(0, message_slots - max(1, message_slots // 4))
+        self._spilled = 0  # bytes of copied-out messages in the inbox
         self._recv_waiters: deque[_RecvWaiter] = deque()
         self._recs = ffi.new("aio_record[256]")
         self._gout = ffi.new("int64_t[1]")  # aio_submit's group (the loop thread only)
@@ -613,34 +637,60 @@ class Engine:
         self._log.warning("link down: NIC out of rotation", nic=name, operations_moved=woken)
 
     def _on_message(self, rail: int, slot: int, length: int, status: int) -> None:
-        if status == 0:
-            raw = bytes(ffi.buffer(lib.aio_recv_slot(self._h, rail, slot), length))
+        """A message arrived in ``slot``. Handed to a waiting receiver (copied out now), or
+        queued in its slot (copied out when :meth:`recv` takes it) while the rail holds fewer
+        than ``_hold_max``, or else copied out and queued. Internal messages are consumed here."""
+        n = _MSG_HEADER.size
+        end = alen = internal = 0
+        raw: Any = None
+        if status == 0 and length >= n:
+            raw = ffi.buffer(lib.aio_recv_slot(self._h, rail, slot), length)
+            (alen,) = _MSG_HEADER.unpack_from(raw)
+            internal = alen & _INTERNAL
+            alen &= ~_INTERNAL
+            end = n + alen
+        if raw is None or end > length:
+            lib.aio_recv_repost(self._h, rail, slot)
+            if status != 0:
+                self._log.warning("message dropped", rail=rail, error=_strerror(-status))
+            else:
+                self._log.warning("malformed message dropped", rail=rail, length=length)
+            return
+        if (
+            not internal
+            and not self._recv_waiters
+            and (self._held[rail] < self._hold_max or self._spilled + length - end > _SPILL_BYTES)
+        ):
+            self._held[rail] += 1
+            self._inbox.append(_Held(rail, slot, raw[n:end], end, length))
+            return
+        item = (raw[n:end], raw[end:length])  # sender and payload copied out, once each
         lib.aio_recv_repost(self._h, rail, slot)
-        if status != 0:
-            self._log.warning("message dropped", rail=rail, error=_strerror(-status))
-            return
-        if len(raw) < _MSG_HEADER.size:
-            self._log.warning("malformed message dropped", rail=rail, length=length)
-            return
-        (alen,) = _MSG_HEADER.unpack_from(raw)
-        internal = alen & _INTERNAL
-        alen &= ~_INTERNAL
-        if _MSG_HEADER.size + alen > len(raw):
-            self._log.warning("malformed message dropped", rail=rail, length=length)
-            return
-        item = (raw[2 : 2 + alen], raw[2 + alen :])
         if internal:
             if self._gpu is None:
                 self._log.warning("GPU staging message for an engine without GPU regions dropped")
             else:
                 self._gpu.on_part(*item)
             return
-        while self._recv_waiters:
+        if self._recv_waiters:
             w = self._recv_waiters.popleft()
             w.item = item
             w.event.set()
             return
+        self._spilled += len(item[1])
         self._inbox.append(item)
+
+    def _take(self, item: tuple[bytes, bytes] | _Held) -> tuple[bytes, bytes]:
+        """``item`` as ``(sender, payload)``; a held one is copied out of its slot, which goes
+        back to the transport."""
+        if not isinstance(item, _Held):
+            self._spilled -= len(item[1])
+            return item
+        h = self._check_open() if self._closed else self._h  # closing: the slots are still there
+        payload = ffi.buffer(lib.aio_recv_slot(h, item.rail, item.slot), item.end)[item.start :]
+        lib.aio_recv_repost(h, item.rail, item.slot)
+        self._held[item.rail] -= 1
+        return item.sender, payload
 
     # ------------------------------------------------------------------ memory
 
@@ -2058,11 +2108,15 @@ class Engine:
         ``connect_timeout``; after a broken connection the message is sent again as the policy
         says, so a peer whose connection was reset (not restarted) may receive it twice.
 
+        A receiver that does not keep up holds its senders back: its messages wait in its
+        receive slots, so once they are all taken, a send waits (up to ``timeout``) until the
+        receiver takes one with :meth:`recv` (see there).
+
         Raises :class:`InvalidArgument` (bad address, payload too large),
-        :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`. Costs two
-        copies of the payload (prefixed with the sender's address, then into a registered send
-        slot) and one send work request, awaited to completion; with no send slot free it waits
-        (back-off) instead of failing."""
+        :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`. Costs one
+        copy of the payload (into a registered send slot, behind the sender's address, made
+        without the NIC's lock held) and one send work request, awaited to completion; with no
+        send slot free it waits (back-off) instead of failing."""
         check_timeout(timeout)
         self._check_open()
         await self._send_msg(peer, payload, timeout, retry)
@@ -2092,26 +2146,39 @@ class Engine:
         path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
         rail, fa = path[0][0], path[0][1]
         me = self._address_bytes
-        msg = b"".join((_MSG_HEADER.pack(len(me) | (_INTERNAL if internal else 0)), me, data))
+        head = _MSG_HEADER.pack(len(me) | (_INTERNAL if internal else 0)) + me
+        body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
-            return int(lib.aio_post_send(h, g, rail, fa, msg, len(msg), budget))
+            return int(lib.aio_post_sendv(h, g, rail, fa, head, len(head), body, data.nbytes, budget))
 
         await self._attempts(lambda t: self._run_group(post, 1, None, t, "send"), timeout, retry, "send")
 
     async def recv(self, *, timeout: float | None = None) -> tuple[bytes, bytes]:
-        """Receives the next message: ``(sender_address, payload)``. Messages are queued from
-        the engine's start, so nothing is lost while nobody waits. Cancel-safe: a cancelled
-        receive takes no message. Raises :class:`TransferTimeout`, :class:`EngineClosed`,
-        :class:`InvalidArgument` (bad ``timeout``). Costs no copy or I/O of its own (a message
-        is copied out of its slot when it arrives): a queued message returns after one
-        checkpoint, otherwise the task sleeps until the next message wakes it."""
+        """Receives the next message: ``(sender_address, payload)``. Messages are kept from
+        the engine's start, in order, so nothing is lost while nobody waits. Cancel-safe: a
+        cancelled receive takes no message.
+
+        Flow control: a message that arrives while nobody waits stays in its receive slot
+        (``message_slots`` per NIC) until it is taken; only then is it copied out and the slot
+        given back. A quarter of the slots is kept for the engine's own messages (the notices
+        of staged GPU writes): messages that would take those are copied out and queued
+        instead, up to 1 MiB of them; past that they hold the last slots too, and the sender's
+        transport waits. So a backlog costs the receiver its slots and at most 1 MiB more,
+        and senders to an engine that never receives stall (their sends time out); staged GPU
+        writes into it stall too once large messages hold every slot.
+
+        Raises :class:`TransferTimeout`, :class:`EngineClosed`, :class:`InvalidArgument` (bad
+        ``timeout``). Costs one copy of the payload (out of its slot, here or when it arrived
+        for a waiting receiver) and no I/O: a queued message returns after one checkpoint,
+        otherwise the task sleeps until the next message wakes it."""
         check_timeout(timeout)
         self._handle()
         await anyio.lowlevel.checkpoint_if_cancelled()
         if self._inbox:
-            item = self._inbox.popleft()  # taken before yielding: no other receiver can race for it
+            # taken before yielding: no other receiver can race for it
+            item = self._take(self._inbox.popleft())
             await anyio.lowlevel.cancel_shielded_checkpoint()
             return item
         w = _RecvWaiter(self._event())
@@ -2915,6 +2982,7 @@ async def open_engine(
         streams=streams,
         same_host_direct=bool(same_host_direct),
         arena=arena,
+        message_slots=message_slots,
     )
     try:
         await engine._start()

@@ -493,7 +493,10 @@ static int t_sendrecv(fix_t *f) {
     for (int i = 0; i < 3; i++) {
         double t0 = now_s();
         int r;
-        while ((r = aio_post_send(a->e, g, a->rail, a->peer, bufs[i], lens[i], 1000000)) == 0) {
+        /* the slot-sized one in two parts (aio_post_sendv): head and body land back to back */
+        while ((r = i < 2 ? aio_post_send(a->e, g, a->rail, a->peer, bufs[i], lens[i], 1000000)
+                          : aio_post_sendv(a->e, g, a->rail, a->peer, big, 100, big + 100, slot - 100,
+                                           1000000)) == 0) {
             CHECK(now_s() - t0 < TIMEOUT, "send of %llu never posted", (unsigned long long)lens[i]);
             sleep_us(50);
         }
@@ -526,6 +529,8 @@ static int t_sendrecv(fix_t *f) {
     CHECK(g >= 0, "group");
     int rs = aio_post_send(a->e, g, a->rail, a->peer, big, slot + 1, 1000000);
     CHECK(rs == -FI_EMSGSIZE, "send of slot_size+1 returned %d, want -FI_EMSGSIZE", rs);
+    rs = aio_post_sendv(a->e, g, a->rail, a->peer, big, 1, big, slot, 1000000);
+    CHECK(rs == -FI_EMSGSIZE, "sendv of 1 + slot_size returned %d, want -FI_EMSGSIZE", rs);
     CHECK(aio_group_pending(a->e, g) == 0, "the oversized send was posted");
     CHECK_OK(aio_group_seal(a->e, g));
     CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.a == 0 && r.status == 0,
