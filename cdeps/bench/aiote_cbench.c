@@ -53,6 +53,7 @@
  *          Engine.alloc_host arrays do: the peer's writes and reads are a memcpy),
  *          --sndbuf N (tcp: the send buffer the core sets on same-host connections,
  *          aio_engine_set_tcp_sndbuf; 0 = the kernel's autotuning; default: the core's),
+ *          --hand N (aio_engine_set_hand_posts: 0 the core's default, 1 always, -1 never),
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
  *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000),
  *          --msg-slots N (message slots per side: sendrecv, msgpingpong; 16),
@@ -106,6 +107,7 @@ typedef struct opts {
     int small_pages; /* --small-pages: no transparent huge pages for the region */
     int arena;       /* --arena: the region in a published arena (aiote's Engine.alloc_host) */
     int no_direct;   /* --no-direct: shm READs through the provider (aiote: same_host_direct=False) */
+    int hand;        /* --hand N: aio_engine_set_hand_posts (0: the core's default) */
     int64_t sndbuf;  /* --sndbuf N: tcp send buffers (aio_engine_set_tcp_sndbuf; -1: the core's default) */
     uint64_t iters, warmup;
     uint64_t page_size, npages, calls;
@@ -210,6 +212,7 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     cfg.sleep_ms = 100;
     int ret = aio_engine_create(&cfg, &s->e, err, sizeof(err));
     if (ret) die("aio_engine_create: %s %s", aio_strerror(ret), err);
+    if (o->hand) aio_engine_set_hand_posts(s->e, o->hand);
     if (o->sndbuf >= 0 && (ret = aio_engine_set_tcp_sndbuf(s->e, (int32_t)o->sndbuf, 0)))
         die("aio_engine_set_tcp_sndbuf: %s", aio_strerror(ret));
     uint64_t slot_size = 4096;
@@ -534,14 +537,14 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
            "\"recv_gbps\":%.3f,\"recv_seconds\":%.6f,\"wait\":\"%s\",\"spin_ns\":%lld,"
            "\"writer_cpu_s\":%.3f,\"receiver_cpu_s\":%.3f,\"eventfd_polls\":%llu,"
            "\"eventfd_wakeups\":%llu,\"poller_sleeps\":%llu,\"poller_polls\":%llu,"
-           "\"post_calls\":%llu,\"post_us_mean\":%.2f,\"post_us_max\":%.1f}\n",
+           "\"posts_handed\":%llu,\"post_calls\":%llu,\"post_us_mean\":%.2f,\"post_us_max\":%.1f}\n",
            o->provider, o->nic ? o->nic : "", (unsigned long long)o->size,
            (unsigned long long)o->window, (unsigned long long)o->batch, (unsigned long long)slots,
            (unsigned long long)n, bytes,
            bytes / secs / 1e9, secs, bytes / rsecs / 1e9, rsecs, wait_name(o), (long long)o->spin_ns,
            cpu, rcpu, (unsigned long long)s->polls, (unsigned long long)s->wakeups,
            (unsigned long long)(st1.sleeps - st0.sleeps), (unsigned long long)(st1.polls - st0.polls),
-           (unsigned long long)s->post_calls,
+           (unsigned long long)(st1.posts_handed - st0.posts_handed), (unsigned long long)s->post_calls,
            s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0,
            (double)s->post_max_ns / 1e3);
     if (warm_total != warm * U) fprintf(stderr, "warning: warm-up credits %llu, want %llu\n",
@@ -996,6 +999,7 @@ static void usage(void) {
             "         --no-direct (shm: READs through the provider, not direct copies)\n"
             "         --arena (shm: the region in a published arena; peers memcpy into it)\n"
             "         --sndbuf N (tcp: same-host send buffers, 0 = the kernel's autotuning)\n"
+            "         --hand N (posts handed to the poller: 0 when busy (default), 1 always, -1 never)\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
@@ -1051,6 +1055,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--arena")) o.arena = 1;
         else if (!strcmp(a, "--no-direct")) o.no_direct = 1;
         else if (!strcmp(a, "--sndbuf") && i + 1 < argc) o.sndbuf = (int64_t)parse_size(argv[++i]);
+        else if (!strcmp(a, "--hand") && i + 1 < argc) o.hand = atoi(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--listen") && i + 1 < argc) o.listen_port = (int)parse_size(argv[++i]);
