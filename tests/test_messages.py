@@ -143,6 +143,7 @@ async def test_recv_cancelled_while_a_message_arrives_loses_and_duplicates_nothi
     assert received == [f"m{r}".encode() for r in range(rounds)]
     with pytest.raises(aiote.TransferTimeout):
         await b.recv(timeout=0.05)  # and no duplicate is left over
+    assert b._spilled == 0 and not any(b._held)  # white-box: the accounting came back to zero
 
 
 async def test_two_receivers_racing_for_one_queued_message(aiote_engine_pair) -> None:
@@ -226,3 +227,29 @@ async def test_engine_messages_pass_while_user_messages_wait() -> None:
         assert bytes(dev.host) == src.tobytes()
         assert a.stats()["gpu_staged"] == 1
         assert [await b.recv(timeout=30) for _ in msgs] == [(a.address, m) for m in msgs]
+
+
+async def test_a_receiver_that_falls_behind_does_not_hold_up_sends_to_others() -> None:
+    """Sends to a receiver that takes nothing stay in flight in the sender's send slots; one
+    peer gets at most three quarters of them, so a message to another engine still goes."""
+    size, n = 128 << 10, 40
+    async with aiote.testing.engine_pair() as (a, b), aiote.open_engine("tcp") as c:
+        done = 0
+
+        async def to_b(k: int) -> None:
+            nonlocal done
+            await a.send(b.address, bytes([k]) * size, timeout=60)
+            done += 1
+
+        async with anyio.create_task_group() as tg:
+            for k in range(n):
+                tg.start_soon(to_b, k)
+            await anyio.sleep(0.5)
+            assert done < n  # b takes nothing: the sends to it wait
+            with anyio.fail_after(5):
+                await a.send(c.address, b"to c", timeout=5)
+            assert await c.recv(timeout=5) == (a.address, b"to c")
+            got = [await b.recv(timeout=30) for _ in range(n)]
+        assert done == n
+        assert sorted(p[0] for _, p in got) == list(range(n))
+        assert all(p == bytes([p[0]]) * size for _, p in got)

@@ -306,6 +306,10 @@ class Engine:
         self._held = [0] * len(rails)
         self._hold_max = max(0, message_slots - max(1, message_slots // 4))
         self._spilled = 0  # bytes of copied-out messages in the inbox
+        # sends in flight per (rail, peer), at most _send_cap each (see _send_msg)
+        self._sends: dict[tuple[int, int], int] = {}
+        self._send_room: dict[tuple[int, int], Any] = {}
+        self._send_cap = max(1, message_slots - max(1, message_slots // 4))
         self._recv_waiters: deque[_RecvWaiter] = deque()
         self._recs = ffi.new("aio_record[256]")
         self._gout = ffi.new("int64_t[1]")  # aio_submit's group (the loop thread only)
@@ -686,7 +690,9 @@ class Engine:
         if not isinstance(item, _Held):
             self._spilled -= len(item[1])
             return item
-        h = self._check_open() if self._closed else self._h  # closing: the slots are still there
+        if self._closed:  # after the teardown the slots are gone (closing: still there)
+            raise EngineClosed("the engine closed while receiving")
+        h = self._h
         payload = ffi.buffer(lib.aio_recv_slot(h, item.rail, item.slot), item.end)[item.start :]
         lib.aio_recv_repost(h, item.rail, item.slot)
         self._held[item.rail] -= 1
@@ -2110,7 +2116,9 @@ class Engine:
 
         A receiver that does not keep up holds its senders back: its messages wait in its
         receive slots, so once they are all taken, a send waits (up to ``timeout``) until the
-        receiver takes one with :meth:`recv` (see there).
+        receiver takes one with :meth:`recv` (see there). Sends to one peer take at most three
+        quarters of this engine's send slots per NIC; further ones wait here, so messages to
+        other engines still go.
 
         Raises :class:`InvalidArgument` (bad address, payload too large),
         :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`. Costs one
@@ -2142,9 +2150,24 @@ class Engine:
                 f"payload of {data.nbytes} B exceeds max_message_size={self._max_message} B; "
                 "use a one-sided write for bulk data"
             )
-        # messages keep to the first live route: they are delivered in order on it
-        path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
-        rail, fa = path[0][0], path[0][1]
+        end = _end(timeout)
+        while True:
+            # messages keep to the first live route: they are delivered in order on it
+            path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
+            key = (path[0][0], path[0][1])
+            n = self._sends.get(key, 0)
+            if internal or n < self._send_cap:
+                break
+            # A receiver holds back its senders (see recv): a send stays in flight, in one of
+            # the rail's send slots, until it takes the message. So one peer gets at most
+            # _send_cap of them; the rest stay free for other peers and the engine's notices.
+            room = self._send_room.get(key)
+            if room is None:
+                room = self._send_room[key] = self._event()
+            if not await wait_until(room, end):
+                assert timeout is not None
+                raise timeout_error("send", timeout)
+        rail, fa = key
         me = self._address_bytes
         head = _MSG_HEADER.pack(len(me) | (_INTERNAL if internal else 0)) + me
         body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
@@ -2153,7 +2176,20 @@ class Engine:
         def post(h: Any, g: int, posted: int) -> int:
             return int(lib.aio_post_sendv(h, g, rail, fa, head, len(head), body, data.nbytes, budget))
 
-        await self._attempts(lambda t: self._run_group(post, 1, None, t, "send"), timeout, retry, "send")
+        self._sends[key] = n + 1
+        try:
+            await self._attempts(
+                lambda t: self._run_group(post, 1, None, t, "send"), _left(end), retry, "send"
+            )
+        finally:
+            left = self._sends[key] - 1
+            if left:
+                self._sends[key] = left
+            else:
+                del self._sends[key]
+            room = self._send_room.pop(key, None)
+            if room is not None:
+                room.set()
 
     async def recv(self, *, timeout: float | None = None) -> tuple[bytes, bytes]:
         """Receives the next message: ``(sender_address, payload)``. Messages are kept from
@@ -2193,8 +2229,14 @@ class Engine:
                 if not self._closed:
                     lib.aio_waiters_add(self._h, -1)
         except BaseException:
-            if w.item is not None:
-                self._inbox.appendleft(w.item)
+            if w.item is not None:  # delivered, but the receive was cancelled: give it back
+                if self._recv_waiters:
+                    nxt = self._recv_waiters.popleft()
+                    nxt.item = w.item
+                    nxt.event.set()
+                else:
+                    self._spilled += len(w.item[1])
+                    self._inbox.appendleft(w.item)
             else:
                 with suppress(ValueError):
                     self._recv_waiters.remove(w)
