@@ -304,12 +304,13 @@ class Engine:
         # itself (GPU staging): a message that would take one of them is copied out and
         # queued instead, up to _SPILL_BYTES queued that way; past that it is held too.
         self._held = [0] * len(rails)
-        self._hold_max = max(0, message_slots - max(1, message_slots // 4))
+        self._hold_max = message_slots - max(1, message_slots // 4)
         self._spilled = 0  # bytes of copied-out messages in the inbox
-        # sends in flight per (rail, peer), at most _send_cap each (see _send_msg)
+        # sends in flight per (rail, peer), at most _send_cap each: the same three quarters
+        # of the slots, on the sending side (see _send_msg)
         self._sends: dict[tuple[int, int], int] = {}
         self._send_room: dict[tuple[int, int], Any] = {}
-        self._send_cap = max(1, message_slots - max(1, message_slots // 4))
+        self._send_cap = max(1, self._hold_max)
         self._recv_waiters: deque[_RecvWaiter] = deque()
         self._recs = ffi.new("aio_record[256]")
         self._gout = ffi.new("int64_t[1]")  # aio_submit's group (the loop thread only)
@@ -643,9 +644,10 @@ class Engine:
     def _on_message(self, rail: int, slot: int, length: int, status: int) -> None:
         """A message arrived in ``slot``. Handed to a waiting receiver (copied out now), or
         queued in its slot (copied out when :meth:`recv` takes it) while the rail holds fewer
-        than ``_hold_max``, or else copied out and queued. Internal messages are consumed here."""
+        than ``_hold_max`` or the queued copies already reach ``_SPILL_BYTES``, or else copied
+        out and queued. Internal messages are consumed here."""
         n = _MSG_HEADER.size
-        end = alen = internal = 0
+        end = internal = 0
         raw: Any = None
         if status == 0 and length >= n:
             raw = ffi.buffer(lib.aio_recv_slot(self._h, rail, slot), length)
