@@ -21,6 +21,10 @@ from typing import Any
 BEGIN = "<!-- bench:begin -->"
 END = "<!-- bench:end -->"
 LATENCY = {"imm-latency": "WriteImm", "sendrecv-latency": "send/recv"}
+SOCKETS_NOTE = (" Bare sockets (tcp writes): the same sizes, messages in flight and buffers over one plain "
+                "TCP connection, no libfabric (`aiote_cbench sockets`), in the same run: the most one "
+                "connection moves here.")
+LIBRARY_LABEL = {"sockets": "bare sockets (no library)"}
 
 
 def size_label(n: int) -> str:
@@ -52,6 +56,7 @@ def _during(b: dict[str, Any]) -> str:
 
 def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
     rows = b["rows"]
+    sockets = any(r.get("sockets_gbps") is not None for r in rows)
     m = b.get("machine") or {}
     out = [
         f"Machine: {m.get('cpu') or '?'}, {m.get('cores') or '?'} cores, Python {m.get('python', '?')}, "
@@ -59,10 +64,11 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
         f"{b.get('date', '?')}; the CPU was "
         f"{b['cpu_busy_before']:.0%} busy before and {b['cpu_busy_after']:.0%} after the run (other "
         f"processes){_during(b)}. Median of {b['repeats']} (spread min-max in brackets); GB/s = 1e9 B/s; "
-        "latency rows are one-way µs (round trip / 2), lower is better; ratio = aiote / C core.",
+        "latency rows are one-way µs (round trip / 2), lower is better; ratio = aiote / C core."
+        + (SOCKETS_NOTE if sockets else ""),
         "",
-        "| case | path | C core | aiote | ratio |",
-        "| --- | --- | ---: | ---: | ---: |",
+        "| case | path | C core | aiote | ratio |" + (" bare sockets |" if sockets else ""),
+        "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if sockets else ""),
     ]
     if max(b["cpu_busy_before"], b["cpu_busy_after"], b.get("cpu_others_during", 0.0),
            b.get("cpu_steal_during", 0.0)) > 0.10:
@@ -82,7 +88,8 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
             path.append(r.get("loop", ""))
         ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
         out.append(f"| {case} | {' '.join(path)} | {_fig(r.get('c_gbps'), r.get('c_spread'))} | "
-                   f"{_fig(r['py_gbps'], r.get('py_spread'))} | {ratio} |")
+                   f"{_fig(r['py_gbps'], r.get('py_spread'))} | {ratio} |"
+                   + (f" {_fig(r.get('sockets_gbps'), r.get('sockets_spread'))} |" if sockets else ""))
     if plot:
         out += ["", f"![aiote bench: throughput against size, latency percentiles]({plot})"]
     return out
@@ -115,8 +122,9 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
     ]
     for k in keys:
         cells = [f"{tput[k][s]:.2f}" if s in tput.get(k, {}) else "-" for s in sizes]
-        out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + f" | {rtt[k]:.1f} |"
-                   if k in rtt else f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " | - |")
+        name = LIBRARY_LABEL.get(k[0], k[0])
+        out.append(f"| {name} | {k[1]} | {k[2]} | " + " | ".join(cells) + f" | {rtt[k]:.1f} |"
+                   if k in rtt else f"| {name} | {k[1]} | {k[2]} | " + " | ".join(cells) + " | - |")
     if versus:  # aiote against the peers round by round (benchmarks/peers/run.py --rounds)
         out += versus_lines(versus)
     elif b:  # aiote's writes against the best peer at each size and path (tcp: tcp, shm: same-host)
@@ -164,6 +172,14 @@ def versus_lines(versus: list[dict[str, Any]]) -> list[str]:
                          for v in sorted(ws, key=lambda v: v["size"])]
                 out += ["", f"aiote write ({prov}{how}) / best peer on a {label} path, median of the "
                             "rounds' ratios: " + "; ".join(parts) + "."]
+                bare = [v for v in sorted(ws, key=lambda v: v["size"]) if "sockets_gbps" in v]
+                if bare:
+                    figs = "; ".join(f"{size_label(v['size'])}: aiote {v['aiote_of_sockets']:.2f}, best peer "
+                                     f"{v['peer_of_sockets']:.2f} (sockets {v['sockets_gbps']:.2f} GB/s)"
+                                     for v in bare)
+                    out += ["", f"Against bare sockets ({prov}: one plain TCP connection, no library, "
+                                "measured by the same rounds' `aiote bench write`), median of the rounds' "
+                                "ratios: " + figs + "."]
     for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
         for setting in ("default", "low-latency"):
             for v in versus:

@@ -103,6 +103,12 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
         assert r["unit"] == ("us" if r["mode"].endswith("latency") else "GB/s")
         if r["unit"] == "GB/s":
             assert r["py_gbps"] < 1000  # GB/s over loopback
+        if r["mode"] == "write" and r["provider"] == "tcp" and r.get("memory") != "arena":
+            # beside it, one bare TCP connection moving the same messages (no libfabric)
+            assert 0 < r["sockets_gbps"] < 1000
+            assert r["sockets_spread"][0] <= r["sockets_gbps"] <= r["sockets_spread"][1]
+        else:
+            assert r["sockets_gbps"] is None and r["sockets_spread"] is None
 
 
 def test_aiote_bench_all_beside_the_c_core_with_plot(tmp_path: Path) -> None:
@@ -123,7 +129,7 @@ def test_aiote_bench_all_beside_the_c_core_with_plot(tmp_path: Path) -> None:
         ("sendrecv-latency", 50, None), ("sendrecv-latency", 99, None),
     ]
     _check_rows(result["rows"])
-    assert "C core" in out.stdout and "ratio" in out.stdout
+    assert "C core" in out.stdout and "ratio" in out.stdout and "bare sockets" in out.stdout
     assert "read 64 KiB x64" in out.stdout and "send/recv one-way p50" in out.stdout
     if plot:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

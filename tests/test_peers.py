@@ -176,6 +176,28 @@ def test_head_to_head_compares_within_each_round_then_takes_the_median() -> None
     assert "low-latency: aiote 30.0 us, UCXX asyncio 60.0 us, ratio 0.50 (faster in 2 of 2 rounds" in text
 
 
+def test_head_to_head_sets_aiote_and_the_best_peer_against_bare_sockets_of_the_same_round(
+    tmp_path: Path,
+) -> None:
+    # aiote bench write measures one plain TCP connection beside its tcp rows (sockets_gbps):
+    # it is no peer (never the best peer), but both aiote and the best peer are read against it
+    rounds = []
+    for aiote_64k, nixl_64k, bare in [(1.0, 1.1, 2.0), (2.0, 2.2, 2.5), (1.2, 1.0, 1.5)]:
+        recs, jobs = _round(aiote_64k, nixl_64k, 0.5, 50.0, 80.0)
+        jobs["write"]["rows"][0]["sockets_gbps"] = bare
+        rounds.append((recs, jobs))
+    assert run.load_sockets(rounds[0][1]["write"]) == {("tcp", KIB64): 2.0}
+    w = next(v for v in run.head_to_head(rounds, 64) if v["kind"] == "write")
+    assert w["best_peers"] == ["nixl"] and w["ratio"] == pytest.approx(1.0 / 1.1)
+    assert w["sockets_gbps"] == pytest.approx(2.0)
+    assert w["aiote_of_sockets"] == pytest.approx(0.8)  # median of 0.5, 0.8, 0.8
+    assert w["peer_of_sockets"] == pytest.approx(0.667, abs=1e-3)  # median of 0.55, 0.88, 0.667
+    assert "bare sockets 2.00 GB/s: aiote at 0.80 of them, the best peer at 0.67" in run.versus_table([w])
+    text = _render_peers(tmp_path, [w])
+    assert "Against bare sockets (tcp: one plain TCP connection" in text
+    assert "64 KiB: aiote 0.80, best peer 0.67 (sockets 2.00 GB/s)" in text
+
+
 def _render_peers(tmp_path: Path, records: list[dict[str, Any]]) -> str:
     """The generated section benchmarks/render_docs.py writes for these peer records."""
     (tmp_path / "peers.json").write_text(json.dumps(records))

@@ -98,21 +98,39 @@ def path_label(r: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return " ".join(parts)
 
 
+def _with_sockets(rows: list[dict[str, Any]]) -> bool:
+    """Whether any row has a bare-socket figure (tcp writes): the table then shows them."""
+    return any(r.get("sockets_gbps") is not None for r in rows)
+
+
+def _cells(r: dict[str, Any], sockets: bool) -> list[str]:
+    """A row's figures: C core, aiote, ratio, and (``sockets``) the bare sockets'."""
+    cells = [_fmt(r["c_gbps"], r["c_spread"]), _fmt(r["py_gbps"], r["py_spread"]),
+             f"{r['ratio']:.2f}" if r["ratio"] else "-"]
+    if sockets:
+        cells.append(_fmt(r.get("sockets_gbps"), r.get("sockets_spread")))
+    return cells
+
+
 def table_lines(result: dict[str, Any]) -> list[str]:
-    """The plain-text table."""
+    """The plain-text table (with a column for bare TCP sockets when tcp writes ran)."""
     rows = result["rows"]
+    sockets = _with_sockets(rows)
     head = (
         f"aiote bench: {result['provider']}, window {result['window']}, {result['loop']}, "
         f"median of {result['repeats']} (GB/s unless noted; spread min-max)"
     )
     if result.get("setting") == "low-latency":
         head += "; low-latency setting (spin_us=1000, loop_spin_us=500)"
-    lines = [head, f"{'case':30} {'path':14} {'C core':>24} {'aiote':>24} {'ratio':>6}"]
+    if sockets:
+        head += "; bare sockets: one plain TCP connection, no libfabric (the kernel's ceiling)"
+    cols = f"{'case':30} {'path':14} {'C core':>24} {'aiote':>24} {'ratio':>6}"
+    lines = [head, cols + (f" {'bare sockets':>24}" if sockets else "")]
     for r in rows:
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
+        c = _cells(r, sockets)
         lines.append(
-            f"{row_label(r):30} {path_label(r, rows):14} {_fmt(r['c_gbps'], r['c_spread']):>24} "
-            f"{_fmt(r['py_gbps'], r['py_spread']):>24} {ratio:>6}"
+            f"{row_label(r):30} {path_label(r, rows):14} {c[0]:>24} {c[1]:>24} {c[2]:>6}"
+            + (f" {c[3]:>24}" if sockets else "")
         )
     return lines
 
@@ -127,13 +145,14 @@ def print_table(result: dict[str, Any]) -> None:
             pass
         else:
             rows = result["rows"]
+            sockets = _with_sockets(rows)
             t = Table(title=table_lines(result)[0])
             for name, just in (("case", "left"), ("path", "left"), ("C core", "right"),
-                               ("aiote", "right"), ("ratio", "right")):
+                               ("aiote", "right"), ("ratio", "right")) + ((("bare sockets", "right"),)
+                                                                          if sockets else ()):
                 t.add_column(name, justify=just)  # type: ignore[arg-type]
             for r in rows:
-                t.add_row(row_label(r), path_label(r, rows), _fmt(r["c_gbps"], r["c_spread"]),
-                          _fmt(r["py_gbps"], r["py_spread"]), f"{r['ratio']:.2f}" if r["ratio"] else "-")
+                t.add_row(row_label(r), path_label(r, rows), *_cells(r, sockets))
             Console().print(t)
             return
     for line in table_lines(result):

@@ -299,6 +299,17 @@ def _c_case_args(args: argparse.Namespace, case: Case) -> list[str]:
     return ["pingpong" if mode == "imm-latency" else "msgpingpong", str(args.iters), *low]
 
 
+def sockets_args(args: argparse.Namespace, case: Case) -> list[str] | None:
+    """The C bench's bare-socket run for a write case over tcp (``aiote_cbench sockets``: the
+    same sizes, messages in flight and buffers over one plain TCP connection, no libfabric):
+    the kernel's ceiling for one connection, or None where it does not apply (other modes,
+    arenas)."""
+    if case[0] != "write" or args.arena:
+        return None
+    sndbuf = [] if args.tcp_send_buffer is None else ["--sndbuf", str(args.tcp_send_buffer)]
+    return ["sockets", *_c_case_args(args, case)[1:4], *sndbuf]
+
+
 def _c_values(mode: str, r: dict[str, Any], size: int) -> dict[int, float]:
     if mode in LATENCY:
         return {50: float(r["p50_us"]), 99: float(r["p99_us"])}
@@ -308,15 +319,20 @@ def _c_values(mode: str, r: dict[str, Any], size: int) -> dict[int, float]:
 # ---------------------------------------------------------------------------- one configuration
 
 
+Figures = dict[tuple[Case, int], float]
+
+
 async def run_config(
     args: argparse.Namespace, config: Config, cases: list[Case], with_c: bool, progress: _benchout.Progress,
-) -> tuple[dict[tuple[Case, int], float], dict[tuple[Case, int], float]]:
+) -> tuple[Figures, Figures, Figures]:
     """Runs every case once on one (provider, NICs, loop): Python figures, and (``with_c``)
-    the C core's figures, interleaved case by case."""
+    the C core's figures and, for tcp writes, the bare sockets' (:func:`sockets_args`),
+    interleaved case by case."""
     provider, nics, loop = config
     same_host = bench_same_host(provider)
-    py: dict[tuple[Case, int], float] = {}
-    cc: dict[tuple[Case, int], float] = {}
+    py: Figures = {}
+    cc: Figures = {}
+    sk: Figures = {}
     proc = None
     try:
         if args.connect:
@@ -346,14 +362,16 @@ async def run_config(
                     where = f"{provider} {','.join(nics) if nics else ''} {loop}".replace("  ", " ")
                     if with_c:
                         progress.step(f"C core  {what} ({where})")
-                        cargs = c_args(args, case) + c_provider_args(provider, nics)
-                        if args.connect:
-                            port = (await remote.call(op="cbench", args=c_args(args, case)))["port"]
-                            cargs += ["--connect", f"{host_of(address)}:{port}"]
-                        r = await anyio.to_thread.run_sync(partial(c_run, *cargs))
+                        r = await _c_remote(remote, address, args.connect, c_args(args, case), provider, nics)
                         for k, v in _c_values(mode, r, size).items():
                             cc[(case, k)] = v
                         progress.advance()
+                        bare = sockets_args(args, case) if provider == "tcp" else None
+                        if bare:
+                            progress.step(f"sockets {what} ({where})")
+                            r = await _c_remote(remote, address, args.connect, bare, provider, nics)
+                            sk[(case, size)] = float(r["gbps"])
+                            progress.advance()
                     progress.step(f"aiote   {what} ({where})")
                     for k, v in (await py_case(remote, args, case)).items():
                         py[(case, k)] = v
@@ -364,7 +382,20 @@ async def run_config(
     finally:
         if proc is not None:
             await stop_process(proc)
-    return py, cc
+    return py, cc, sk
+
+
+async def _c_remote(
+    remote: Remote, address: bytes, connect: str | None, cargs: list[str], provider: str,
+    nics: tuple[str, ...] | None,
+) -> dict[str, Any]:
+    """One C bench run on this host (it forks its peer), or, with ``--connect``, against a
+    peer that the serving side starts on request; its JSON result."""
+    full = cargs + c_provider_args(provider, nics)
+    if connect:
+        port = (await remote.call(op="cbench", args=cargs))["port"]
+        full += ["--connect", f"{host_of(address)}:{port}"]
+    return await anyio.to_thread.run_sync(partial(c_run, *full))
 
 
 # ---------------------------------------------------------------------------- command line
@@ -509,7 +540,10 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"no C baseline: {why_no_c}\n")
     py: dict[tuple[Config, Case, int], list[float]] = {}
     cc: dict[tuple[str, Any, Case, int], list[float]] = {}
-    per_run = len(cases) * len(configs) + (0 if why_no_c else len(cases) * len(providers) * len(nic_sets))
+    sk: dict[tuple[str, Any, Case, int], list[float]] = {}
+    n_bare = sum(sockets_args(args, case) is not None for case in cases) if "tcp" in providers else 0
+    per_c = (len(cases) * len(providers) + n_bare) * len(nic_sets)  # C core runs, bare-socket runs
+    per_run = len(cases) * len(configs) + (0 if why_no_c else per_c)
     progress = _benchout.Progress(per_run * args.repeats)
     during = _OthersCpu()
     try:
@@ -520,7 +554,7 @@ def main(args: argparse.Namespace) -> int:
                 if loop == "uvloop":
                     backend, options = "asyncio", {"use_uvloop": True}
                 with_c = not why_no_c and loop == loops[0]
-                got_py, got_c = anyio.run(
+                got_py, got_c, got_sk = anyio.run(
                     run_config, args, config, cases, with_c, progress,
                     backend=backend, backend_options=options,
                 )
@@ -528,6 +562,8 @@ def main(args: argparse.Namespace) -> int:
                     py.setdefault((config, case, k), []).append(v)
                 for (case, k), v in got_c.items():
                     cc.setdefault((provider, nics, case, k), []).append(v)
+                for (case, k), v in got_sk.items():
+                    sk.setdefault((provider, nics, case, k), []).append(v)
     finally:
         progress.close()
     rows = []
@@ -541,6 +577,7 @@ def main(args: argparse.Namespace) -> int:
                 if not p:
                     continue
                 c = cc.get((provider, nics, case, k), [])
+                bare = sk.get((provider, nics, case, k), [])
                 row: dict[str, Any] = {
                     "mode": mode,
                     "size": k,
@@ -557,6 +594,8 @@ def main(args: argparse.Namespace) -> int:
                     "py_spread": [min(p), max(p)],
                     "c_gbps": statistics.median(c) if c else None,
                     "c_spread": [min(c), max(c)] if c else None,
+                    "sockets_gbps": statistics.median(bare) if bare else None,
+                    "sockets_spread": [min(bare), max(bare)] if bare else None,
                 }
                 row["ratio"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
                 rows.append(row)

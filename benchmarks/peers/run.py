@@ -38,6 +38,7 @@ if str(HERE) not in sys.path:
 import _common as c  # noqa: E402
 
 LIBRARIES = ("nixl", "mooncake", "ucxx", "gloo")
+SOCKETS = "sockets"  # one plain TCP connection (aiote bench's bare-socket figure), not a peer
 PEERS_VENV = HERE.parents[1] / ".venv-peers" / "bin" / "python"
 PATHS = ("tcp", "same-host")
 
@@ -247,6 +248,19 @@ def load_aiote(data: Any, window: int | None = None) -> dict[str, Any]:
     return out
 
 
+def load_sockets(data: Any) -> dict[tuple[str, int], float]:
+    """The bare-socket figures that ``aiote bench write`` measures beside its tcp rows
+    (``sockets_gbps``: one plain TCP connection, no libfabric, same sizes, window and buffers):
+    ``{("tcp", size): gbps}``."""
+    out: dict[tuple[str, int], float] = {}
+    for row in _rows(data, {}):
+        if str(row.get("mode")) == "write" and isinstance(row.get("sockets_gbps"), (int, float)):
+            path = _path_of(row.get("path")) or _path_of(row.get("provider"))
+            if path and isinstance(row.get("size"), int):
+                out.setdefault((path, int(row["size"])), float(row["sockets_gbps"]))
+    return out
+
+
 def compare(
     aiote: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
 ) -> dict[str, list[dict[str, Any]]]:
@@ -348,7 +362,9 @@ def head_to_head(
     - ``kind: write``: per (path, size, memory), ``ratio`` = median of aiote / best peer of the
       round (>= 1 meets the target), ``ratios`` (one per round), ``ahead`` (rounds with ratio
       >= 1); ``memory``: ``numpy`` (ordinary arrays), or ``arena`` (the ``write-arena`` job:
-      both sides' buffers from ``Engine.alloc_host``);
+      both sides' buffers from ``Engine.alloc_host``); where the round's ``aiote bench write``
+      measured bare sockets too (tcp), ``sockets_gbps`` and the medians of aiote / sockets
+      (``aiote_of_sockets``) and best peer / sockets (``peer_of_sockets``);
     - ``kind: rtt``: per (path, setting: default or low-latency), ``ratio`` = median of aiote's
       WriteImm round trip / UCXX asyncio's round trip of the round (< 1 meets the target),
       ``ahead`` (rounds with ratio < 1).
@@ -359,10 +375,12 @@ def head_to_head(
     for recs, jobs in per_round:
         base = load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs], window)
         arena = load_aiote([jobs["write-arena"]], window) if "write-arena" in jobs else {"write": {}}
+        bare = load_sockets(jobs["write"]) if "write" in jobs else {}
         for memory, got in (("numpy", base), ("arena", arena)):
             for w in compare({"write": got["write"], "rtt_us": {}}, recs)["write"]:
                 if w["ratio"] is not None:
-                    writes.setdefault((w["path"], w["size"], memory), []).append(w)
+                    sk = bare.get((w["path"], w["size"])) if memory == "numpy" else None
+                    writes.setdefault((w["path"], w["size"], memory), []).append({**w, "sockets_gbps": sk})
         for setting, job in (("default", "imm-latency"), ("low-latency", "imm-latency-low")):
             if job not in jobs:
                 continue
@@ -375,14 +393,20 @@ def head_to_head(
         writes.items(), key=lambda kv: (PATHS.index(kv[0][0]), kv[0][2] == "arena", kv[0][1])
     ):
         ratios = [float(w["ratio"]) for w in ws]
-        out.append({
+        rec: dict[str, Any] = {
             "mode": "versus", "kind": "write", "path": path, "size": size, "memory": memory,
             "rounds": len(ws),
             "ratio": med(ratios), "ratios": ratios, "ahead": sum(x >= 1 for x in ratios),
             "aiote_gbps": med(float(w["aiote_gbps"]) for w in ws),
             "best_peer_gbps": med(float(w["best_peer_gbps"]) for w in ws),
             "best_peers": sorted({str(w["best_peer"]) for w in ws}),
-        })
+        }
+        with_sk = [w for w in ws if w["sockets_gbps"]]
+        if with_sk:  # against one plain TCP connection measured in the same rounds
+            rec["sockets_gbps"] = med(float(w["sockets_gbps"]) for w in with_sk)
+            rec["aiote_of_sockets"] = med(float(w["aiote_gbps"]) / w["sockets_gbps"] for w in with_sk)
+            rec["peer_of_sockets"] = med(float(w["best_peer_gbps"]) / w["sockets_gbps"] for w in with_sk)
+        out.append(rec)
     for (path, setting), rs in sorted(rtts.items(), key=lambda kv: (PATHS.index(kv[0][0]), kv[0][1])):
         ratios = [float(r["ratio"]) for r in rs]
         out.append({
@@ -405,6 +429,11 @@ def versus_table(versus: Sequence[Mapping[str, Any]]) -> str:
                 f"best peer ({'/'.join(v['best_peers'])}) {v['best_peer_gbps']:.2f} GB/s, "
                 f"ratio {v['ratio']:.2f} (ahead in {v['ahead']} of {n} rounds; >= 1: aiote is ahead)"
             )
+            if "sockets_gbps" in v:
+                lines.append(
+                    f"    bare sockets {v['sockets_gbps']:.2f} GB/s: aiote at {v['aiote_of_sockets']:.2f} "
+                    f"of them, the best peer at {v['peer_of_sockets']:.2f}"
+                )
         else:
             lines.append(
                 f"  round trip {v['path']:9} {v['setting']:11}: aiote {v['aiote_rtt_us']:.1f} us, "
@@ -569,9 +598,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if jobs:
             got_round += _aiote_records(load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs],
                                                    args.window), n)
+            if "write" in jobs:  # the bare sockets measured by the same aiote bench run
+                got_round += _aiote_records({"write": load_sockets(jobs["write"])}, n, SOCKETS)
             if "write-arena" in jobs:
                 got_round += _aiote_records(load_aiote([jobs["write-arena"]], args.window), n, "aiote-arena")
-        per_round.append(([r for r in got_round if not r["library"].startswith("aiote")], jobs))
+        per_round.append(([r for r in got_round if r["library"] in LIBRARIES], jobs))
         all_records += got_round
     records = merge_rounds(all_records)
     after = c.cpu_busy()

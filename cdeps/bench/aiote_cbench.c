@@ -40,6 +40,17 @@
  *       over the pipe/socket, so it holds across hosts too).
  *   msgpingpong ITERS
  *       8-byte send/recv ping-pong; one-way = RTT / 2, p50 / p99 in microseconds.
+ *   sockets SIZE WINDOW TOTAL_BYTES
+ *       no libfabric at all: the same SIZE-byte messages from the same --slots buffers
+ *       (WINDOW by default, the same memory as write's), sent over one bare TCP connection
+ *       (TCP_NODELAY) by a nonblocking send loop and taken by a nonblocking recv loop, both
+ *       spinning as the pollers do. The kernel's ceiling for one connection, beside which
+ *       the core's and the peers' tcp figures can be read. The sender's send buffer is
+ *       --sndbuf (default: what the core sets on same-host connections, AIO_TCP_SNDBUF_AUTO;
+ *       across hosts the kernel's autotuning). --nic NAME: the connection goes to that
+ *       interface's IPv4 address (lo: 127.0.0.1). Reports GB/s at the sender, from the first
+ *       send to the receiver's report that every byte arrived; --listen / --connect run it
+ *       across hosts over the control connection itself.
  *
  * Options: --provider tcp|shm (tcp), --nic NAME (lo for tcp, none for shm),
  *          --spin-ns N (poller spin after activity, 50000), --busy-spin-ns N (poller
@@ -71,6 +82,8 @@
 #include <netdb.h>
 #include <sys/mman.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <ifaddrs.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -202,6 +215,22 @@ static void read_full(int fd, void *p, size_t n) {
 
 /* ------------------------------------------------------------------ engine side */
 
+/* A benchmark region as NumPy allocates the arrays aiote's benches register: 4 MiB or more
+ * asks for transparent huge pages (MADV_HUGEPAGE; granted where THP is "madvise" or
+ * "always"), unless small_pages. Every 64th byte is written (first touch, before timing). */
+static uint8_t *region_alloc(uint64_t region, int small_pages) {
+    int huge = region >= (4ULL << 20) && !small_pages;
+    void *b = NULL;
+    if (posix_memalign(&b, huge ? (2ULL << 20) : 4096, region))
+        die("out of memory for %llu bytes", (unsigned long long)region);
+    if (huge) (void)madvise(b, region, MADV_HUGEPAGE); /* a hint: refused is fine */
+    return b;
+}
+
+static void region_touch(uint8_t *b, uint64_t region) {
+    for (uint64_t i = 0; i < region; i += 64) b[i] = (uint8_t)(i >> 6);
+}
+
 static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     char err[512] = "";
     aio_engine_config cfg;
@@ -231,12 +260,9 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     s->efd = aio_engine_eventfd(s->e);
     s->busy = o->busy;
     s->loop_poll_ns = o->loop_poll_ns;
-    /* As NumPy allocates the arrays aiote's benches register: 4 MiB or more asks for
-     * transparent huge pages (MADV_HUGEPAGE; granted where THP is "madvise" or "always").
-     * The page size weighs on shm, whose CMA copies pin the pages they touch one by one: with
-     * 4 KiB pages this core measured about half of what the same code does on NumPy arrays.
-     * --small-pages: 4 KiB pages. */
-    int huge = region >= (4ULL << 20) && !o->small_pages && !o->arena;
+    /* region_alloc: huge pages as NumPy's arrays get them. The page size weighs on shm, whose
+     * CMA copies pin the pages they touch one by one: with 4 KiB pages this core measured
+     * about half of what the same code does on NumPy arrays. --small-pages: 4 KiB pages. */
     void *b = NULL;
     uint64_t alen = o->arena ? (region + 4095) & ~4095ULL : 0;
     if (alen) { /* as Engine.alloc_host: a memfd this process maps and publishes */
@@ -248,13 +274,13 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
             (ret = aio_engine_set_arena(s->e, afd, b, alen, err, sizeof(err))))
             die("aio_engine_set_arena: %s %s", aio_strerror(ret), err);
         close(afd); /* the core keeps its own; the mapping stays for the run */
-    } else if (posix_memalign(&b, huge ? (2ULL << 20) : 4096, region))
-        die("out of memory for %llu bytes", (unsigned long long)region);
-    if (huge) (void)madvise(b, region, MADV_HUGEPAGE); /* a hint: refused is fine */
+    } else {
+        b = region_alloc(region, o->small_pages);
+    }
     s->buf = b;
     s->len = region;
     s->arena_len = alen;
-    for (uint64_t i = 0; i < region; i += 64) s->buf[i] = (uint8_t)(i >> 6); /* touch it */
+    region_touch(s->buf, region);
     ret = aio_mr_register(s->e, s->buf, region, AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ,
                           &s->mr, err, sizeof(err));
     if (ret) die("aio_mr_register: %s %s", aio_strerror(ret), err);
@@ -908,6 +934,133 @@ static void run_msgpingpong(side_t *s, const opts_t *o, int rank) {
     pingpong_report(s, o, "msgpingpong", rtt, total, cpu_s() - c0);
 }
 
+/* ------------------------------------------------------------------ bare sockets */
+
+/* Moves messages first .. first+n-1 (slot i % slots of buf) over fd, spinning on a
+ * nonblocking send or recv as a poller spins on its queue; the calls it made. */
+static uint64_t sock_pump(int fd, uint8_t *buf, const opts_t *o, uint64_t first, uint64_t n, int sending) {
+    uint64_t calls = 0;
+    for (uint64_t i = first; i < first + n; i++) {
+        uint8_t *p = buf + (i % o->slots) * o->size;
+        uint64_t off = 0;
+        while (off < o->size) {
+            ssize_t r = sending ? send(fd, p + off, o->size - off, MSG_DONTWAIT | MSG_NOSIGNAL)
+                                : recv(fd, p + off, o->size - off, MSG_DONTWAIT);
+            calls++;
+            if (r > 0) off += (uint64_t)r;
+            else if (r == 0) die("sockets: the peer closed the connection");
+            else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                die("sockets %s: %s", sending ? "send" : "recv", strerror(errno));
+        }
+    }
+    return calls;
+}
+
+typedef struct sock_report {
+    double cpu_s;
+    uint64_t calls;
+} sock_report;
+
+/* sockets SIZE WINDOW TOTAL: rank 0 sends, rank 1 receives, over the connected socket fd
+ * (blocking; the pumps pass MSG_DONTWAIT). The control bytes travel back over it too. */
+static void run_sockets(const opts_t *o, int rank, int fd, int same_host) {
+    uint64_t n = transfer_count(o), warm = n < o->window ? n : o->window, region = o->size * o->slots;
+    int one = 1, got = 0;
+    socklen_t gl = sizeof(got);
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))) die("TCP_NODELAY: %s", strerror(errno));
+    int64_t want = o->sndbuf >= 0 ? o->sndbuf : (same_host ? AIO_TCP_SNDBUF_AUTO : 0);
+    if (rank == 0 && want > 0) {
+        int v = (int)want;
+        if (setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof(v))) die("SO_SNDBUF: %s", strerror(errno));
+    }
+    getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &got, &gl);
+    uint8_t *buf = region_alloc(region, o->small_pages);
+    region_touch(buf, region);
+    char go = 'g';
+    if (rank == 1) {
+        sock_pump(fd, buf, o, 0, warm, 0); /* warm-up: connection, first touch, not timed */
+        write_full(fd, &go, 1);
+        double c0 = cpu_s();
+        sock_report rep = {0, sock_pump(fd, buf, o, warm, n, 0)};
+        rep.cpu_s = cpu_s() - c0;
+        write_full(fd, &rep, sizeof(rep));
+        free(buf);
+        return;
+    }
+    sock_pump(fd, buf, o, 0, warm, 1);
+    read_full(fd, &go, 1);
+    double c0 = cpu_s();
+    int64_t t0 = now_ns();
+    uint64_t calls = sock_pump(fd, buf, o, warm, n, 1);
+    sock_report rep;
+    read_full(fd, &rep, sizeof(rep));
+    int64_t t1 = now_ns();
+    double cpu = cpu_s() - c0, secs = (double)(t1 - t0) * 1e-9, bytes = (double)n * (double)o->size;
+    printf("{\"mode\":\"sockets\",\"provider\":\"sockets\",\"nic\":\"%s\",\"size\":%llu,"
+           "\"window\":%llu,\"slots\":%llu,\"messages\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,"
+           "\"seconds\":%.6f,\"writer_cpu_s\":%.3f,\"receiver_cpu_s\":%.3f,\"sndbuf\":%lld,"
+           "\"sndbuf_got\":%d,\"send_calls\":%llu,\"recv_calls\":%llu}\n",
+           o->nic ? o->nic : "", (unsigned long long)o->size, (unsigned long long)o->window,
+           (unsigned long long)o->slots, (unsigned long long)n, bytes, bytes / secs / 1e9, secs, cpu,
+           rep.cpu_s, (long long)want, got, (unsigned long long)calls, (unsigned long long)rep.calls);
+    free(buf);
+}
+
+/* The address the forked sockets run connects to: --nic's IPv4 address (lo: 127.0.0.1). */
+static struct sockaddr_in sockets_addr(const opts_t *o) {
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (!o->nic || !strcmp(o->nic, "lo")) return a;
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs)) die("getifaddrs: %s", strerror(errno));
+    int found = 0;
+    for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next)
+        if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && !strcmp(i->ifa_name, o->nic)) {
+            a.sin_addr = ((struct sockaddr_in *)i->ifa_addr)->sin_addr;
+            found = 1;
+        }
+    freeifaddrs(ifs);
+    if (!found) die("sockets: --nic %s has no IPv4 address", o->nic);
+    return a;
+}
+
+/* Forks the sockets run over one connection to sockets_addr: the parent sends. */
+static int sockets_forked(const opts_t *o) {
+    struct sockaddr_in a = sockets_addr(o);
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    socklen_t al = sizeof(a);
+    if (ls < 0 || bind(ls, (struct sockaddr *)&a, sizeof(a)) || listen(ls, 1) ||
+        getsockname(ls, (struct sockaddr *)&a, &al))
+        die("sockets: listen on the NIC's address: %s", strerror(errno));
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) die("fork: %s", strerror(errno));
+    if (pid == 0) {
+        g_role = "peer";
+        close(ls);
+        int c = socket(AF_INET, SOCK_STREAM, 0);
+        if (c < 0 || connect(c, (struct sockaddr *)&a, sizeof(a))) die("sockets: connect: %s", strerror(errno));
+        run_sockets(o, 1, c, 1);
+        close(c);
+        _exit(0);
+    }
+    int c;
+    while ((c = accept(ls, NULL, NULL)) < 0 && errno == EINTR) {}
+    if (c < 0) die("accept: %s", strerror(errno));
+    close(ls);
+    run_sockets(o, 0, c, 1);
+    close(c);
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "aiote_cbench: the peer process failed (status 0x%x)\n", status);
+        return 1;
+    }
+    return 0;
+}
+
 /* --listen: one connection on PORT (0: any), announced on stdout. */
 static int sock_listen(int port) {
     int ls = socket(AF_INET6, SOCK_STREAM, 0), v6 = 1;
@@ -992,6 +1145,7 @@ static void usage(void) {
             "       aiote_cbench read SIZE WINDOW TOTAL_BYTES [options]\n"
             "       aiote_cbench sendrecv SIZE WINDOW TOTAL_BYTES [options]\n"
             "       aiote_cbench msgpingpong ITERS [options]\n"
+            "       aiote_cbench sockets SIZE WINDOW TOTAL_BYTES [options] (bare TCP, no libfabric)\n"
             "options: --provider tcp|shm  --nic NAME  --spin-ns N  --busy-spin-ns N  --busy\n"
             "         --slots N  --warmup N  --no-gather (paged)  --msg-slots N\n"
             "         --batch N (write, read: N requests per group and aio_post call)\n"
@@ -1071,7 +1225,8 @@ int main(int argc, char **argv) {
     uint64_t region;
     if (o.msg_slots == 0 || o.msg_slots > 65536 || o.listen_port > 65535) usage();
     if (o.listen_port >= 0 && o.connect) usage();
-    if (!strcmp(o.mode, "write") || !strcmp(o.mode, "read") || !strcmp(o.mode, "sendrecv")) {
+    int sockets = !strcmp(o.mode, "sockets");
+    if (!strcmp(o.mode, "write") || !strcmp(o.mode, "read") || !strcmp(o.mode, "sendrecv") || sockets) {
         if (npos != 4) usage();
         o.size = parse_size(pos[1]);
         o.window = parse_size(pos[2]);
@@ -1099,6 +1254,8 @@ int main(int argc, char **argv) {
         usage();
     }
 
+    if (sockets && strcmp(o.provider, "tcp")) usage();
+    if (sockets && o.listen_port < 0 && !o.connect) return sockets_forked(&o);
     side_t s;
     memset(&s, 0, sizeof(s));
     int rank;
@@ -1128,6 +1285,11 @@ int main(int argc, char **argv) {
             s.rfd = c2p[0];
             s.wfd = p2c[1];
         }
+    }
+    if (sockets) { /* across hosts: the control connection carries the data */
+        run_sockets(&o, rank, s.rfd, 0);
+        close(s.rfd);
+        return 0;
     }
     side_init(&s, &o, region);
     side_exchange(&s);
