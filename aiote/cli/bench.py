@@ -366,16 +366,16 @@ async def run_config(
                         for k, v in _c_values(mode, r, size).items():
                             cc[(case, k)] = v
                         progress.advance()
-                        bare = sockets_args(args, case) if provider == "tcp" else None
-                        if bare:
-                            progress.step(f"sockets {what} ({where})")
-                            r = await _c_remote(remote, address, args.connect, bare, provider, nics)
-                            sk[(case, size)] = float(r["gbps"])
-                            progress.advance()
                     progress.step(f"aiote   {what} ({where})")
                     for k, v in (await py_case(remote, args, case)).items():
                         py[(case, k)] = v
                     progress.advance()
+                    bare = sockets_args(args, case) if with_c and provider == "tcp" else None
+                    if bare:  # after aiote's run: aiote follows the C core directly, as before
+                        progress.step(f"sockets {what} ({where})")
+                        r = await _c_remote(remote, address, args.connect, bare, provider, nics)
+                        sk[(case, size)] = float(r["gbps"])
+                        progress.advance()
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     await remote.call(10, op="exit", stop=proc is not None)
