@@ -25,6 +25,7 @@ SOCKETS_NOTE = (" Bare sockets (tcp writes): the same sizes, messages in flight 
                 "TCP connection, no libfabric (`aiote_cbench sockets`), in the same run: the most one "
                 "connection moves here.")
 LIBRARY_LABEL = {"sockets": "bare sockets (no library)"}
+NOT_PEERS = ("aiote", "aiote-arena", "sockets")  # rows of the peers' table that are no peer
 
 
 def size_label(n: int) -> str:
@@ -134,7 +135,7 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
             parts = []
             for s in sizes:
                 best = max(((v[s], k[0]) for k, v in tput.items()
-                            if s in v and k[1].lower() == label and k[0] != "aiote"),
+                            if s in v and k[1].lower() == label and k[0] not in NOT_PEERS),
                            default=None)
                 if best and s in aiote:
                     parts.append(f"{size_label(s)}: {aiote[s] / best[0]:.2f} (best: {best[1]})")

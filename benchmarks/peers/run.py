@@ -248,17 +248,19 @@ def load_aiote(data: Any, window: int | None = None) -> dict[str, Any]:
     return out
 
 
-def load_sockets(data: Any) -> dict[tuple[str, int], float]:
+def load_sockets(data: Any, window: int | None = None) -> dict[tuple[str, int], float]:
     """The bare-socket figures that ``aiote bench write`` measures beside its tcp rows
     (``sockets_gbps``: one plain TCP connection, no libfabric, same sizes, window and buffers):
     ``{("tcp", size): gbps}``."""
-    out: dict[tuple[str, int], float] = {}
+    best: dict[tuple[str, int], tuple[tuple[int, int, int], float]] = {}
     for row in _rows(data, {}):
         if str(row.get("mode")) == "write" and isinstance(row.get("sockets_gbps"), (int, float)):
             path = _path_of(row.get("path")) or _path_of(row.get("provider"))
             if path and isinstance(row.get("size"), int):
-                out.setdefault((path, int(row["size"])), float(row["sockets_gbps"]))
-    return out
+                key, pref = (path, int(row["size"])), _preference(row, window)
+                if key not in best or pref < best[key][0]:  # the row load_aiote would take
+                    best[key] = (pref, float(row["sockets_gbps"]))
+    return {k: v for k, (_, v) in best.items()}
 
 
 def compare(
@@ -375,7 +377,7 @@ def head_to_head(
     for recs, jobs in per_round:
         base = load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs], window)
         arena = load_aiote([jobs["write-arena"]], window) if "write-arena" in jobs else {"write": {}}
-        bare = load_sockets(jobs["write"]) if "write" in jobs else {}
+        bare = load_sockets(jobs["write"], window) if "write" in jobs else {}
         for memory, got in (("numpy", base), ("arena", arena)):
             for w in compare({"write": got["write"], "rtt_us": {}}, recs)["write"]:
                 if w["ratio"] is not None:
@@ -599,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             got_round += _aiote_records(load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs],
                                                    args.window), n)
             if "write" in jobs:  # the bare sockets measured by the same aiote bench run
-                got_round += _aiote_records({"write": load_sockets(jobs["write"])}, n, SOCKETS)
+                got_round += _aiote_records({"write": load_sockets(jobs["write"], args.window)}, n, SOCKETS)
             if "write-arena" in jobs:
                 got_round += _aiote_records(load_aiote([jobs["write-arena"]], args.window), n, "aiote-arena")
         per_round.append(([r for r in got_round if r["library"] in LIBRARIES], jobs))

@@ -196,7 +196,7 @@ static void write_full(int fd, const void *p, size_t n) {
     while (n) {
         ssize_t w = write(fd, c, n);
         if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) die("pipe write: %s", strerror(errno));
+        if (w <= 0) die("control write: %s", strerror(errno));
         c += w;
         n -= (size_t)w;
     }
@@ -207,7 +207,7 @@ static void read_full(int fd, void *p, size_t n) {
     while (n) {
         ssize_t r = read(fd, c, n);
         if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) die("pipe read: %s", r == 0 ? "peer closed the pipe" : strerror(errno));
+        if (r <= 0) die("control read: %s", r == 0 ? "the peer closed its end" : strerror(errno));
         c += r;
         n -= (size_t)r;
     }
@@ -961,12 +961,29 @@ typedef struct sock_report {
     uint64_t calls;
 } sock_report;
 
+/* Whether both ends of the connected socket fd have the same IP address, as the core's
+ * tcp_tune decides "same host" for its send buffers. */
+static int same_host_socket(int fd) {
+    struct sockaddr_storage a, b;
+    socklen_t al = sizeof(a), bl = sizeof(b);
+    if (getsockname(fd, (struct sockaddr *)&a, &al) || getpeername(fd, (struct sockaddr *)&b, &bl) ||
+        a.ss_family != b.ss_family)
+        return 0;
+    if (a.ss_family == AF_INET)
+        return ((struct sockaddr_in *)&a)->sin_addr.s_addr == ((struct sockaddr_in *)&b)->sin_addr.s_addr;
+    if (a.ss_family == AF_INET6)
+        return !memcmp(&((struct sockaddr_in6 *)&a)->sin6_addr, &((struct sockaddr_in6 *)&b)->sin6_addr,
+                       sizeof(struct in6_addr));
+    return 0;
+}
+
 /* sockets SIZE WINDOW TOTAL: rank 0 sends, rank 1 receives, over the connected socket fd
  * (blocking; the pumps pass MSG_DONTWAIT). The control bytes travel back over it too. */
-static void run_sockets(const opts_t *o, int rank, int fd, int same_host) {
+static void run_sockets(const opts_t *o, int rank, int fd) {
     uint64_t n = transfer_count(o), warm = n < o->window ? n : o->window, region = o->size * o->slots;
-    int one = 1, got = 0;
+    int one = 1, got = 0, same_host = same_host_socket(fd);
     socklen_t gl = sizeof(got);
+    signal(SIGPIPE, SIG_IGN); /* a peer gone: EPIPE and a message, not a silent death */
     if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))) die("TCP_NODELAY: %s", strerror(errno));
     int64_t want = o->sndbuf >= 0 ? o->sndbuf : (same_host ? AIO_TCP_SNDBUF_AUTO : 0);
     if (rank == 0 && want > 0) {
@@ -1043,15 +1060,21 @@ static int sockets_forked(const opts_t *o) {
         close(ls);
         int c = socket(AF_INET, SOCK_STREAM, 0);
         if (c < 0 || connect(c, (struct sockaddr *)&a, sizeof(a))) die("sockets: connect: %s", strerror(errno));
-        run_sockets(o, 1, c, 1);
+        run_sockets(o, 1, c);
         close(c);
         _exit(0);
     }
-    int c;
-    while ((c = accept(ls, NULL, NULL)) < 0 && errno == EINTR) {}
-    if (c < 0) die("accept: %s", strerror(errno));
+    struct pollfd pl = {.fd = ls, .events = POLLIN};
+    int c = -1;
+    if (poll(&pl, 1, 30000) == 1) /* the peer connects at once, or it failed */
+        while ((c = accept(ls, NULL, NULL)) < 0 && errno == EINTR) {}
+    if (c < 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        die("sockets: the peer did not connect within 30 s");
+    }
     close(ls);
-    run_sockets(o, 0, c, 1);
+    run_sockets(o, 0, c);
     close(c);
     int status = 0;
     if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
@@ -1208,7 +1231,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--small-pages")) o.small_pages = 1;
         else if (!strcmp(a, "--arena")) o.arena = 1;
         else if (!strcmp(a, "--no-direct")) o.no_direct = 1;
-        else if (!strcmp(a, "--sndbuf") && i + 1 < argc) o.sndbuf = (int64_t)parse_size(argv[++i]);
+        else if (!strcmp(a, "--sndbuf") && i + 1 < argc) {
+            uint64_t v = parse_size(argv[++i]);
+            if (v > INT32_MAX / 2) usage(); /* the kernel doubles it into an int */
+            o.sndbuf = (int64_t)v;
+        }
         else if (!strcmp(a, "--hand") && i + 1 < argc) o.hand = atoi(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);
@@ -1287,7 +1314,7 @@ int main(int argc, char **argv) {
         }
     }
     if (sockets) { /* across hosts: the control connection carries the data */
-        run_sockets(&o, rank, s.rfd, 0);
+        run_sockets(&o, rank, s.rfd);
         close(s.rfd);
         return 0;
     }
