@@ -2817,7 +2817,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
         progress_locked(e, r);
         if (now_ns() >= deadline) break;
     }
-    if (!ret && r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, peer);
+    if (!ret) posted_to(e, r, peer);
     if (ret) {
         atomic_fetch_sub(&e->groups[g].posted, 1);
         atomic_fetch_sub(&e->groups[g].outstanding, 1);

@@ -678,13 +678,21 @@ class Engine:
             else:
                 self._gpu.on_part(*item)
             return
+        self._deliver(item)
+
+    def _deliver(self, item: tuple[bytes, bytes], first: bool = False) -> None:
+        """A copied-out message to the longest-waiting receiver, or else into the inbox (at its
+        end, or ``first``: at its front), counted in ``_spilled``."""
         if self._recv_waiters:
             w = self._recv_waiters.popleft()
             w.item = item
             w.event.set()
             return
         self._spilled += len(item[1])
-        self._inbox.append(item)
+        if first:
+            self._inbox.appendleft(item)
+        else:
+            self._inbox.append(item)
 
     def _take(self, item: tuple[bytes, bytes] | _Held) -> tuple[bytes, bytes]:
         """``item`` as ``(sender, payload)``; a held one is copied out of its slot, which goes
@@ -2232,13 +2240,7 @@ class Engine:
                     lib.aio_waiters_add(self._h, -1)
         except BaseException:
             if w.item is not None:  # delivered, but the receive was cancelled: give it back
-                if self._recv_waiters:
-                    nxt = self._recv_waiters.popleft()
-                    nxt.item = w.item
-                    nxt.event.set()
-                else:
-                    self._spilled += len(w.item[1])
-                    self._inbox.appendleft(w.item)
+                self._deliver(w.item, first=True)
             else:
                 with suppress(ValueError):
                     self._recv_waiters.remove(w)

@@ -123,7 +123,7 @@ def table_lines(result: dict[str, Any]) -> list[str]:
     if result.get("setting") == "low-latency":
         head += "; low-latency setting (spin_us=1000, loop_spin_us=500)"
     if sockets:
-        head += "; bare sockets: one plain TCP connection, no libfabric (the kernel's ceiling)"
+        head += "; bare sockets: one plain TCP connection, no libfabric (the most one connection moves)"
     cols = f"{'case':30} {'path':14} {'C core':>24} {'aiote':>24} {'ratio':>6}"
     lines = [head, cols + (f" {'bare sockets':>24}" if sockets else "")]
     for r in rows:

@@ -217,7 +217,7 @@ static void read_full(int fd, void *p, size_t n) {
 
 /* A benchmark region as NumPy allocates the arrays aiote's benches register: 4 MiB or more
  * asks for transparent huge pages (MADV_HUGEPAGE; granted where THP is "madvise" or
- * "always"), unless small_pages. Every 64th byte is written (first touch, before timing). */
+ * "always"), unless small_pages. */
 static uint8_t *region_alloc(uint64_t region, int small_pages) {
     int huge = region >= (4ULL << 20) && !small_pages;
     void *b = NULL;
@@ -227,6 +227,7 @@ static uint8_t *region_alloc(uint64_t region, int small_pages) {
     return b;
 }
 
+/* Writes every 64th byte: first touch, before timing. */
 static void region_touch(uint8_t *b, uint64_t region) {
     for (uint64_t i = 0; i < region; i += 64) b[i] = (uint8_t)(i >> 6);
 }
@@ -241,7 +242,8 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
     cfg.sleep_ms = 100;
     int ret = aio_engine_create(&cfg, &s->e, err, sizeof(err));
     if (ret) die("aio_engine_create: %s %s", aio_strerror(ret), err);
-    if (o->hand) aio_engine_set_hand_posts(s->e, o->hand);
+    if (o->hand && (ret = aio_engine_set_hand_posts(s->e, o->hand)))
+        die("--hand %d: %s", o->hand, aio_strerror(ret));
     if (o->sndbuf >= 0 && (ret = aio_engine_set_tcp_sndbuf(s->e, (int32_t)o->sndbuf, 0)))
         die("aio_engine_set_tcp_sndbuf: %s", aio_strerror(ret));
     uint64_t slot_size = 4096;
@@ -934,6 +936,16 @@ static void run_msgpingpong(side_t *s, const opts_t *o, int rank) {
     pingpong_report(s, o, "msgpingpong", rtt, total, cpu_s() - c0);
 }
 
+/* Waits for the forked peer process: 0 if it exited cleanly, else 1 (said on stderr). */
+static int wait_peer(pid_t pid) {
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "aiote_cbench: the peer process failed (status 0x%x)\n", status);
+        return 1;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ bare sockets */
 
 /* Moves messages first .. first+n-1 (slot i % slots of buf) over fd, spinning on a
@@ -1076,12 +1088,7 @@ static int sockets_forked(const opts_t *o) {
     close(ls);
     run_sockets(o, 0, c);
     close(c);
-    int status = 0;
-    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        fprintf(stderr, "aiote_cbench: the peer process failed (status 0x%x)\n", status);
-        return 1;
-    }
-    return 0;
+    return wait_peer(pid);
 }
 
 /* --listen: one connection on PORT (0: any), announced on stdout. */
@@ -1329,10 +1336,5 @@ int main(int argc, char **argv) {
     side_free(&s);
     if (pid < 0) return 0; /* --listen / --connect */
     if (rank == 1) _exit(0);
-    int status = 0;
-    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        fprintf(stderr, "aiote_cbench: the peer process failed (status 0x%x)\n", status);
-        return 1;
-    }
-    return 0;
+    return wait_peer(pid);
 }
