@@ -131,7 +131,7 @@ typedef struct direct_peer { /* a peer's table this engine attached to */
     uint64_t nonce;
     int index;           /* our bit in its slots' busy words */
     _Atomic int dead;    /* its process exited */
-    uint64_t checked;    /* the direct_run pass that last checked it is alive */
+    _Atomic uint64_t checked; /* the direct_run pass that last checked it is alive */
     char *amap;          /* its arena, mapped here (NULL: none), ... */
     uint64_t abase;      /* ... which is at abase in its process, */
     uint64_t alen;       /* alen bytes long */
@@ -187,6 +187,7 @@ typedef struct aio_rail {
     /* link state of the interface behind a tcp rail (ifindex 0: not watched) */
     int ifindex;
     _Atomic int link_up;
+    int poller; /* the poller thread that drives it (aio_engine_start: rail index % pollers) */
 } aio_rail;
 
 struct aio_mr {
@@ -238,6 +239,27 @@ typedef struct overflow_node {
     struct overflow_node *next;
 } overflow_node;
 
+/* One poller thread and what it drives: its rails (rail i goes to poller i % npollers), the
+ * queue of requests handed to it and of direct copies on those rails, and its sleep (an epoll
+ * set of its rails' wait fds and its kick eventfd). Poller 0 also reads the watched words and
+ * the link monitor. */
+typedef struct aio_poller {
+    struct aio_engine *e;
+    int index;
+    pthread_t thread;
+    int running; /* its thread was started (a poller whose rail failed to open has none) */
+    int epfd;
+    int kick_fd;
+    _Atomic int sleeping;
+    _Atomic uint64_t post_seq;  /* bumped by every kick: posts to its rails, new watches */
+    _Atomic int64_t inflight;   /* our ops in flight on its rails */
+    int nrails;
+    aio_rail *rails[AIO_MAX_RAILS];
+    pthread_mutex_t qmu;        /* the queue below */
+    aio_op *dq_head, *dq_tail;  /* handed-over requests and direct copies, in order */
+    _Atomic int32_t dq_pending;
+} aio_poller;
+
 struct aio_engine {
     aio_engine_config cfg;
     int nrails;
@@ -269,14 +291,12 @@ struct aio_engine {
     pthread_mutex_t mr_mu;
     aio_mr *mrs;
 
-    /* poller */
-    pthread_t thread;
+    /* pollers */
+    int npollers_want;   /* aio_engine_set_pollers (default 1) */
+    int npollers;        /* started: min(npollers_want, nrails) */
+    aio_poller pollers[AIO_MAX_RAILS];
     int started;
     _Atomic int stop;
-    _Atomic int sleeping;
-    _Atomic uint64_t post_seq;
-    int kick_fd;
-    int epfd;
     int nl_fd;           /* netlink socket for link changes, or -1 */
     int64_t nl_checked;  /* last time the poller drained it while spinning */
     _Atomic int64_t ops_in_flight;
@@ -301,9 +321,7 @@ struct aio_engine {
     pthread_mutex_t dmu;
     direct_peer *dpeers; /* AIO_DIRECT_ATTACH, allocated on the first attach */
     _Atomic int32_t ndpeers;
-    aio_op *dq_head, *dq_tail; /* queued direct copies, for the poller */
-    _Atomic int32_t dq_pending;
-    uint64_t drun;
+    _Atomic uint64_t drun; /* direct_run passes, over all pollers */
     _Atomic uint64_t st_direct;
     _Atomic uint64_t st_mapped;
     int afd; /* the arena's memfd (aio_engine_set_arena), -1: none */
@@ -724,6 +742,12 @@ static int post_recv_locked(aio_rail *r, uint32_t slot) {
     return ret;
 }
 
+/* Counts d ops in flight on rail r: in the engine, and for the rail's poller (its spin). */
+static inline void inflight_add(aio_engine *e, aio_rail *r, int64_t d) {
+    atomic_fetch_add(&e->ops_in_flight, d);
+    atomic_fetch_add(&e->pollers[r->poller].inflight, d);
+}
+
 /* Completes our own op (write/read/send). Caller holds r->mu. */
 static void complete_op(aio_engine *e, aio_rail *r, aio_op *op, int status, int prov_errno) {
     if (op->mr) atomic_fetch_sub(&op->mr->inflight, 1);
@@ -731,7 +755,7 @@ static void complete_op(aio_engine *e, aio_rail *r, aio_op *op, int status, int 
     else if (status && op->peer < DEFER_PEERS) atomic_store(&r->defer_ok[op->peer], 0);
     int64_t g = op->group;
     op_put(r, op);
-    atomic_fetch_sub(&e->ops_in_flight, 1);
+    inflight_add(e, r, -1);
     group_op_done(e, g, status, prov_errno);
     int64_t w = atomic_load_explicit(&e->want_below, memory_order_relaxed);
     if (w >= 0 && atomic_load(&e->ops_in_flight) <= w &&
@@ -1171,12 +1195,12 @@ int aio_direct_mark(aio_engine *e, int attach, int32_t slot, int on) {
 }
 
 /* Makes one direct copy (the poller's thread): 0, or a negative error for its op. */
-static int direct_copy(aio_engine *e, const aio_op_desc *d) {
+static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
     uint32_t idx = (uint32_t)d->direct & 0xffff;
     if (atomic_load(&p->dead)) return -FI_ECONNRESET;
-    if (p->checked != e->drun) { /* once per pass: has its process exited (pid reuse)? */
-        p->checked = e->drun;
+    /* once per pass (direct_run's `run`): has its process exited (pid reuse)? */
+    if (atomic_exchange_explicit(&p->checked, run, memory_order_relaxed) != run) {
         struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
         if (poll(&pf, 1, 0) > 0 || atomic_load(&p->t->closed)) {
             atomic_store(&p->dead, 1);
@@ -1226,8 +1250,9 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d) {
 }
 
 /* Queues a direct copy (`post` 0), or a request for the poller to post to the rail's provider
- * (`post` 1, see post_item_g), for the poller. */
+ * (`post` 1, see post_item_g), for the poller of the op's rail (the caller kicks it). */
 static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int post) {
+    aio_poller *q = &e->pollers[e->rails[it->rail]->poller];
     op->d = *it;
     op->dcopied = post;
     op->dstatus = 0;
@@ -1238,27 +1263,27 @@ static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int
         atomic_fetch_add(&e->rails[op->rail]->ndeferred, 1);
         atomic_fetch_add_explicit(&e->st_handed, 1, memory_order_relaxed);
     }
-    pthread_mutex_lock(&e->dmu);
-    if (e->dq_tail) e->dq_tail->dnext = op;
-    else e->dq_head = op;
-    e->dq_tail = op;
-    atomic_store(&e->dq_pending, 1);
-    pthread_mutex_unlock(&e->dmu);
+    pthread_mutex_lock(&q->qmu);
+    if (q->dq_tail) q->dq_tail->dnext = op;
+    else q->dq_head = op;
+    q->dq_tail = op;
+    atomic_store(&q->dq_pending, 1);
+    pthread_mutex_unlock(&q->qmu);
 }
 
 static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op);
 static void posted_to(aio_engine *e, aio_rail *r, uint64_t peer);
 
-/* Puts ops back at the head of the poller's queue, in order (their rail's queue was full). */
-static void direct_requeue(aio_engine *e, aio_op *list) {
-    pthread_mutex_lock(&e->dmu);
+/* Puts ops back at the head of poller q's queue, in order (their rail's queue was full). */
+static void direct_requeue(aio_poller *q, aio_op *list) {
+    pthread_mutex_lock(&q->qmu);
     aio_op *tail = list;
     while (tail->dnext) tail = tail->dnext;
-    tail->dnext = e->dq_head;
-    if (!e->dq_head) e->dq_tail = tail;
-    e->dq_head = list;
-    atomic_store(&e->dq_pending, 1);
-    pthread_mutex_unlock(&e->dmu);
+    tail->dnext = q->dq_head;
+    if (!q->dq_head) q->dq_tail = tail;
+    q->dq_head = list;
+    atomic_store(&q->dq_pending, 1);
+    pthread_mutex_unlock(&q->qmu);
 }
 
 /* A connection (rail, peer) whose provider refused a queued request for room during one
@@ -1291,14 +1316,15 @@ static int dq_blocked(const dq_key *k, int n, int32_t rail, uint64_t peer) {
  * requests to other peers and other rails, and copies, go on past it (one slow or stopped
  * peer does not hold up the rest). Returns how many ops it handled, plus one while ops wait
  * for room (the poller polls on at once: room comes as the rails' requests complete). */
-static int direct_run(aio_engine *e) {
-    if (!atomic_load_explicit(&e->dq_pending, memory_order_acquire)) return 0;
-    pthread_mutex_lock(&e->dmu);
-    aio_op *list = e->dq_head;
-    e->dq_head = e->dq_tail = NULL;
-    atomic_store(&e->dq_pending, 0);
-    pthread_mutex_unlock(&e->dmu);
-    e->drun++;
+static int direct_run(aio_poller *q) {
+    aio_engine *e = q->e;
+    if (!atomic_load_explicit(&q->dq_pending, memory_order_acquire)) return 0;
+    pthread_mutex_lock(&q->qmu);
+    aio_op *list = q->dq_head;
+    q->dq_head = q->dq_tail = NULL;
+    atomic_store(&q->dq_pending, 0);
+    pthread_mutex_unlock(&q->qmu);
+    uint64_t run = atomic_fetch_add(&e->drun, 1) + 1;
     int n = 0;
     dq_key blocked[DQ_BLOCKED_MAX];
     int nblocked = 0;
@@ -1312,7 +1338,7 @@ static int direct_run(aio_engine *e) {
             continue;
         }
         if (!op->dcopied) {
-            op->dstatus = direct_copy(e, &op->d);
+            op->dstatus = direct_copy(e, &op->d, run);
             op->dcopied = 1;
             if (!op->dstatus) atomic_fetch_add_explicit(&e->st_direct, 1, memory_order_relaxed);
         }
@@ -1365,7 +1391,7 @@ static int direct_run(aio_engine *e) {
         n++;
     }
     if (left) {
-        direct_requeue(e, left);
+        direct_requeue(q, left);
         n++;
     }
     return n;
@@ -1391,13 +1417,36 @@ static void direct_destroy(aio_engine *e) {
 
 /* ------------------------------------------------------------------ engine */
 
-static void kick(aio_engine *e) {
-    atomic_fetch_add(&e->post_seq, 1);
-    if (atomic_load(&e->sleeping)) {
+/* Tells poller q there is work (its spin restarts), waking it if it sleeps. */
+static void kick_poller(aio_poller *q) {
+    atomic_fetch_add(&q->post_seq, 1);
+    if (atomic_load(&q->sleeping)) {
         uint64_t one = 1;
-        ssize_t w = write(e->kick_fd, &one, sizeof(one));
+        ssize_t w = write(q->kick_fd, &one, sizeof(one));
         (void)w;
     }
+}
+
+/* Kicks the pollers of the rails in `mask` (bit i: rail i). */
+static void kick_rails(aio_engine *e, uint32_t mask) {
+    uint32_t done = 0;
+    for (int i = 0; i < e->nrails && mask; i++, mask >>= 1) {
+        int q = e->rails[i]->poller;
+        if ((mask & 1) && q < e->npollers && !(done & (1u << q))) {
+            done |= 1u << q;
+            kick_poller(&e->pollers[q]);
+        }
+    }
+}
+
+/* Kicks every poller. */
+static void kick(aio_engine *e) {
+    for (int i = 0; i < e->npollers; i++) kick_poller(&e->pollers[i]);
+}
+
+/* Kicks poller 0, which reads the watched words. */
+static void kick_watcher(aio_engine *e) {
+    if (e->npollers) kick_poller(&e->pollers[0]);
 }
 
 /* ------------------------------------------------------------------ watched words */
@@ -1408,7 +1457,7 @@ uint64_t aio_word_load(const volatile uint64_t *word) {
 
 void aio_word_store(aio_engine *e, volatile uint64_t *word, uint64_t value) {
     __atomic_store_n((uint64_t *)word, value, __ATOMIC_RELEASE);
-    kick(e);
+    kick_watcher(e);
 }
 
 int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token) {
@@ -1437,7 +1486,7 @@ int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, u
     if (id >= e->watch_hi) e->watch_hi = id + 1;
     atomic_fetch_add(&e->nwatch, 1);
     pthread_mutex_unlock(&e->watch_mu);
-    kick(e); /* a sleeping poller must start reading it */
+    kick_watcher(e); /* a sleeping poller must start reading it */
     return id;
 }
 
@@ -1540,7 +1589,7 @@ static void open_netlink(aio_engine *e) {
         return;
     }
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd};
-    if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+    if (epoll_ctl(e->pollers[0].epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
         close(fd);
         return;
     }
@@ -1558,9 +1607,9 @@ int aio_rail_link_up(aio_engine *e, int rail) {
  * as ready; another error does not (it would keep the poller from ever sleeping). Rails whose
  * wait fd does not signal bytes (shm has none; verbs and efa signal completions) are not looked
  * at: their completions are their activity. */
-static int rails_ready(aio_engine *e) {
-    for (int i = 0; i < e->nrails; i++) {
-        aio_rail *r = e->rails[i];
+static int rails_ready(aio_poller *q) {
+    for (int i = 0; i < q->nrails; i++) {
+        aio_rail *r = q->rails[i];
         if (!r->bytes_fd) continue;
         int tw = rail_trywait(r);
         if (tw == -FI_EAGAIN) return 1;
@@ -1572,7 +1621,9 @@ static int rails_ready(aio_engine *e) {
 }
 
 static void *poller_main(void *arg) {
-    aio_engine *e = arg;
+    aio_poller *q = arg;
+    aio_engine *e = q->e;
+    int watcher = q->index == 0; /* poller 0 also reads the watched words and the link monitor */
     /* short timed sleeps (watched words) must not be stretched by the default 50 us slack */
     prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
     int64_t last_active = now_ns();
@@ -1591,31 +1642,31 @@ static void *poller_main(void *arg) {
     int slept = 0;   /* the poller slept since the last activity */
     int io_wake = 0; /* a rail's wait fd was ready: bytes are moving */
     int64_t io_checked = 0;
-    uint64_t seen_seq = atomic_load(&e->post_seq);
+    uint64_t seen_seq = atomic_load(&q->post_seq);
     int all_fd = 1, any_fd = 0; /* any_fd: some rail's wait fd signals bytes arriving */
-    for (int i = 0; i < e->nrails; i++) {
-        if (e->rails[i]->wait_fd < 0) all_fd = 0;
-        if (e->rails[i]->bytes_fd) any_fd = 1;
+    for (int i = 0; i < q->nrails; i++) {
+        if (q->rails[i]->wait_fd < 0) all_fd = 0;
+        if (q->rails[i]->bytes_fd) any_fd = 1;
     }
     while (!atomic_load(&e->stop)) {
-        int got = direct_run(e);
+        int got = direct_run(q);
         int64_t t_poll = now_ns(); /* idle gaps end here: reading a large message is not idle */
-        for (int i = 0; i < e->nrails; i++) {
-            aio_rail *r = e->rails[i];
+        for (int i = 0; i < q->nrails; i++) {
+            aio_rail *r = q->rails[i];
             pthread_mutex_lock(&r->mu);
             got += progress_locked(e, r);
             pthread_mutex_unlock(&r->mu);
         }
-        got += poll_watches(e);
+        if (watcher) got += poll_watches(e);
         atomic_fetch_add_explicit(&e->st_polls, 1, memory_order_relaxed);
-        if (e->nl_fd >= 0) {
+        if (watcher && e->nl_fd >= 0) {
             int64_t t = now_ns();
             if (t - e->nl_checked > 1000000) {
                 e->nl_checked = t;
                 drain_netlink(e);
             }
         }
-        uint64_t seq = atomic_load(&e->post_seq);
+        uint64_t seq = atomic_load(&q->post_seq);
         if (got || seq != seen_seq || io_wake) {
             int64_t t = now_ns();
             int64_t idle = t_poll - last_active;
@@ -1633,7 +1684,7 @@ static void *poller_main(void *arg) {
         }
         /* spin a short budget after the last activity; longer while work of ours
          * is in flight (manual-progress providers move data only when polled) */
-        int64_t inflight = atomic_load(&e->ops_in_flight);
+        int64_t inflight = atomic_load(&q->inflight);
         int64_t spin = e->cfg.spin_ns;
         if (inflight > 0 && spin < e->cfg.busy_spin_ns) spin = e->cfg.busy_spin_ns;
         if (spin < adapt) spin = adapt;
@@ -1645,7 +1696,7 @@ static void *poller_main(void *arg) {
              * activity, and its posting thread needs the rail's lock. */
             if (any_fd && inflight == 0 && t - io_checked > 5000) {
                 io_checked = t;
-                io_wake = rails_ready(e);
+                io_wake = rails_ready(q);
                 if (io_wake) continue;
             }
             /* yield rather than only pause: with few cores, the thread this spin
@@ -1655,14 +1706,14 @@ static void *poller_main(void *arg) {
             continue;
         }
         /* go to sleep */
-        atomic_store(&e->sleeping, 1);
-        if (atomic_load(&e->post_seq) != seen_seq) {
-            atomic_store(&e->sleeping, 0);
+        atomic_store(&q->sleeping, 1);
+        if (atomic_load(&q->post_seq) != seen_seq) {
+            atomic_store(&q->sleeping, 0);
             continue;
         }
         int can_sleep = 1, fd_broken = 0;
-        for (int i = 0; i < e->nrails && can_sleep; i++) {
-            aio_rail *r = e->rails[i];
+        for (int i = 0; i < q->nrails && can_sleep; i++) {
+            aio_rail *r = q->rails[i];
             if (r->wait_fd < 0) continue;
             int tw = rail_trywait(r);
             /* -FI_EAGAIN: work pending in the provider, poll again at once. Another error: its
@@ -1672,7 +1723,7 @@ static void *poller_main(void *arg) {
             else if (tw != FI_SUCCESS) fd_broken = 1;
         }
         if (can_sleep) {
-            struct epoll_event evs[AIO_MAX_RAILS + 1];
+            struct epoll_event evs[AIO_MAX_RAILS + 2]; /* rails, kick, netlink */
             int timeout = e->cfg.sleep_ms;
             /* a rail without a wait object, or work of ours in flight on a
              * manual-progress provider: sleep in short steps */
@@ -1684,19 +1735,19 @@ static void *poller_main(void *arg) {
             /* a rail without a wait object (shm) tells nobody that an immediate arrived: while
              * a task awaits one, poll it every 50 us rather than every millisecond */
             long short_us = (!all_fd && atomic_load(&e->nwant) > 0) ? 50 : 0;
-            if (atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
+            if (watcher && atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
                 short_us = e->cfg.watch_us; /* watched words: read them again soon */
             slept = 1;
             if (short_us) {
                 struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};
-                ne = epoll_pwait2(e->epfd, evs, AIO_MAX_RAILS + 1, &ts, NULL);
+                ne = epoll_pwait2(q->epfd, evs, AIO_MAX_RAILS + 2, &ts, NULL);
             } else {
-                ne = epoll_wait(e->epfd, evs, AIO_MAX_RAILS + 1, timeout);
+                ne = epoll_wait(q->epfd, evs, AIO_MAX_RAILS + 2, timeout);
             }
             for (int k = 0; k < ne; k++) {
-                if (evs[k].data.fd == e->kick_fd) {
+                if (evs[k].data.fd == q->kick_fd) {
                     uint64_t v;
-                    ssize_t rr = read(e->kick_fd, &v, sizeof(v));
+                    ssize_t rr = read(q->kick_fd, &v, sizeof(v));
                     (void)rr;
                 } else if (evs[k].data.fd == e->nl_fd) {
                     drain_netlink(e);
@@ -1707,10 +1758,39 @@ static void *poller_main(void *arg) {
                 }
             }
         }
-        atomic_store(&e->sleeping, 0);
+        atomic_store(&q->sleeping, 0);
     }
     return NULL;
 }
+
+/* Opens the next poller's kick eventfd and epoll set (not its thread: aio_engine_start): 0, or
+ * -1 with errno (nothing left open). */
+static int poller_open(aio_engine *e) {
+    aio_poller *q = &e->pollers[e->npollers];
+    q->e = e;
+    q->index = e->npollers;
+    q->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    q->epfd = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = q->kick_fd};
+    if (q->kick_fd < 0 || q->epfd < 0 || epoll_ctl(q->epfd, EPOLL_CTL_ADD, q->kick_fd, &ev) != 0) {
+        int saved = errno;
+        if (q->kick_fd >= 0) close(q->kick_fd);
+        if (q->epfd >= 0) close(q->epfd);
+        errno = saved;
+        return -1;
+    }
+    pthread_mutex_init(&q->qmu, NULL);
+    e->npollers++;
+    return 0;
+}
+
+int aio_engine_set_pollers(aio_engine *e, int n) {
+    if (e->started || e->nrails || n < 1 || n > AIO_MAX_RAILS) return -FI_EINVAL;
+    e->npollers_want = n;
+    return 0;
+}
+
+int aio_engine_num_pollers(aio_engine *e) { return e->npollers; }
 
 int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err, size_t errlen) {
     aio_engine *e = calloc(1, sizeof(*e));
@@ -1747,20 +1827,15 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->nl_fd = -1;
     atomic_store(&e->want_below, -1);
-    e->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    e->epfd = epoll_create1(EPOLL_CLOEXEC);
-    if (e->efd < 0 || e->kick_fd < 0 || e->epfd < 0) {
+    e->npollers_want = 1;
+    if (e->efd < 0 || poller_open(e) != 0) {
         set_err(err, errlen, "eventfd/epoll: %s", strerror(errno));
         goto fail;
     }
-    struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->kick_fd};
-    epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->kick_fd, &ev);
     *out = e;
     return 0;
 fail:
     if (e->efd > 0) close(e->efd);
-    if (e->kick_fd > 0) close(e->kick_fd);
-    if (e->epfd > 0) close(e->epfd);
     free(e->ring);
     free(e->groups);
     free(e->cslots);
@@ -2079,6 +2154,12 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
         set_err(err, errlen, "at most %d NICs per engine", AIO_MAX_RAILS);
         return -FI_EINVAL;
     }
+    /* rail i goes to poller i % npollers_want: open that poller first if it is new */
+    int qi = e->nrails % e->npollers_want;
+    if (qi >= e->npollers && poller_open(e) != 0) {
+        set_err(err, errlen, "eventfd/epoll for poller %d: %s", qi, strerror(errno));
+        return -FI_ENOMEM;
+    }
     if (recv_slots == 0) recv_slots = 1;
     if (slot_size < 64) slot_size = 64;
     if (!strcmp(map_provider(provider), "shm")) shm_sweep_stale();
@@ -2257,23 +2338,50 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
           "registering send slots");
     for (uint32_t i = 0; i < recv_slots; i++) CHECK(post_recv_locked(r, i), "posting receives");
 #undef CHECK
+    aio_poller *q = &e->pollers[qi];
     if (r->wait_fd >= 0) {
         struct epoll_event ev = {.events = EPOLLIN, .data.fd = r->wait_fd};
-        if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, r->wait_fd, &ev) != 0) {
+        if (epoll_ctl(q->epfd, EPOLL_CTL_ADD, r->wait_fd, &ev) != 0) {
             r->wait_fd = -1;
             r->bytes_fd = 0;
         }
     }
+    r->poller = qi;
+    q->rails[q->nrails++] = r;
     e->rails[e->nrails] = r;
     return e->nrails++;
+}
+
+/* Stops and joins the running poller threads. */
+static void pollers_join(aio_engine *e) {
+    atomic_store(&e->stop, 1);
+    for (int i = 0; i < e->npollers; i++) {
+        uint64_t one = 1;
+        ssize_t w = write(e->pollers[i].kick_fd, &one, sizeof(one));
+        (void)w;
+    }
+    for (int i = 0; i < e->npollers; i++) {
+        if (!e->pollers[i].running) continue;
+        pthread_join(e->pollers[i].thread, NULL);
+        e->pollers[i].running = 0;
+    }
 }
 
 int aio_engine_start(aio_engine *e) {
     if (e->started) return 0;
     if (e->nrails == 0) return -FI_EINVAL;
-    open_netlink(e);
-    int ret = pthread_create(&e->thread, NULL, poller_main, e);
-    if (ret) return -ret;
+    if (e->nl_fd < 0) open_netlink(e);
+    for (int i = 0; i < e->npollers; i++) {
+        aio_poller *q = &e->pollers[i];
+        if (!q->nrails) continue; /* its rail failed to open, and no later one came */
+        int ret = pthread_create(&q->thread, NULL, poller_main, q);
+        if (ret) {
+            pollers_join(e);
+            atomic_store(&e->stop, 0);
+            return -ret;
+        }
+        q->running = 1;
+    }
     e->started = 1;
     return 0;
 }
@@ -2282,13 +2390,7 @@ int aio_engine_num_rails(aio_engine *e) { return e->nrails; }
 
 void aio_engine_destroy(aio_engine *e) {
     if (!e) return;
-    if (e->started) {
-        atomic_store(&e->stop, 1);
-        uint64_t one = 1;
-        ssize_t w = write(e->kick_fd, &one, sizeof(one));
-        (void)w;
-        pthread_join(e->thread, NULL);
-    }
+    pollers_join(e);
     /* endpoints first: nothing can touch memory after this */
     for (int i = 0; i < e->nrails; i++) {
         aio_rail *r = e->rails[i];
@@ -2319,8 +2421,11 @@ void aio_engine_destroy(aio_engine *e) {
         free(x);
     }
     close(e->efd);
-    close(e->kick_fd);
-    close(e->epfd);
+    for (int i = 0; i < e->npollers; i++) {
+        close(e->pollers[i].kick_fd);
+        close(e->pollers[i].epfd);
+        pthread_mutex_destroy(&e->pollers[i].qmu);
+    }
     if (e->nl_fd >= 0) close(e->nl_fd);
     free(e->ring);
     free(e->groups);
@@ -2588,7 +2693,7 @@ static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const 
     atomic_fetch_add(&m->inflight, 1);
     atomic_fetch_add(&gr->posted, 1);
     atomic_fetch_add(&gr->outstanding, 1);
-    atomic_fetch_add(&e->ops_in_flight, 1);
+    inflight_add(e, r, 1);
     return op;
 }
 
@@ -2649,7 +2754,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
         atomic_fetch_sub(&m->inflight, 1);
         atomic_fetch_sub(&gr->posted, 1);
         atomic_fetch_sub(&gr->outstanding, 1);
-        atomic_fetch_sub(&e->ops_in_flight, 1);
+        inflight_add(e, r, -1);
         op_put(r, op);
     }
     if (ret == -FI_EAGAIN) return 0;
@@ -2667,12 +2772,14 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
     int64_t i = 0;
     int rc = 0;
     rail_hold h = {0};
+    uint32_t mask = 0; /* the rails posted to: their pollers are kicked */
     for (; i < n; i++) {
         rc = post_item_g(e, g, &items[i], NULL, 1, deadline, &h);
         if (rc <= 0) break;
+        mask |= 1u << items[i].rail;
     }
     release_rail(&h);
-    if (i > 0) kick(e);
+    if (i > 0) kick_rails(e, mask);
     if (i == 0 && rc < 0) return rc;
     return i;
 }
@@ -2732,6 +2839,7 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
     int rc = 0;
     uint64_t gather[AIO_MAX_GATHER];
     int64_t req = 0; /* requests posted by this call: the route of the next one */
+    uint32_t mask = 0; /* the rails posted to: their pollers are kicked */
     rail_hold h = {0};
     while (k < n) {
         const aio_route *rt = &d->routes[(uint64_t)(d->first_route + start + req) % (uint64_t)d->nroutes];
@@ -2766,11 +2874,12 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
         if ((d->flags & AIO_F_DATA) && cnt > 1) it.data = (d->data & 0xffffffffULL) | (((uint64_t)cnt * AIO_CREDIT_UNIT) << 32);
         rc = post_item_g(e, g, &it, gather, cnt, deadline, &h);
         if (rc <= 0) break;
+        mask |= 1u << it.rail;
         k += cnt;
         req++;
     }
     release_rail(&h);
-    if (k > start) kick(e);
+    if (k > start) kick_rails(e, mask);
     if (k == start && rc < 0) return rc;
     return k - start;
 }
@@ -2791,7 +2900,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     }
     if (!op) {
         pthread_mutex_unlock(&r->mu);
-        kick(e);
+        kick_rails(e, 1u << rail);
         return 0;
     }
     uint32_t slot = r->send_free[--r->send_nfree];
@@ -2808,7 +2917,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     op->slot = slot;
     atomic_fetch_add(&e->groups[g].posted, 1);
     atomic_fetch_add(&e->groups[g].outstanding, 1);
-    atomic_fetch_add(&e->ops_in_flight, 1);
+    inflight_add(e, r, 1);
     pthread_mutex_lock(&r->mu);
     ssize_t ret;
     for (;;) {
@@ -2821,15 +2930,15 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     if (ret) {
         atomic_fetch_sub(&e->groups[g].posted, 1);
         atomic_fetch_sub(&e->groups[g].outstanding, 1);
-        atomic_fetch_sub(&e->ops_in_flight, 1);
+        inflight_add(e, r, -1);
         r->send_free[r->send_nfree++] = slot;
         op_put(r, op);
         pthread_mutex_unlock(&r->mu);
-        kick(e);
+        kick_rails(e, 1u << rail);
         return ret == -FI_EAGAIN ? 0 : (int)ret;
     }
     pthread_mutex_unlock(&r->mu);
-    kick(e);
+    kick_rails(e, 1u << rail);
     return 1;
 }
 
@@ -2852,7 +2961,7 @@ int aio_recv_repost(aio_engine *e, int rail, uint32_t slot) {
     pthread_mutex_lock(&r->mu);
     int ret = post_recv_locked(r, slot);
     pthread_mutex_unlock(&r->mu);
-    kick(e);
+    kick_rails(e, 1u << rail);
     return ret;
 }
 

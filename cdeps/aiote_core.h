@@ -149,6 +149,15 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
  * -FI_EINVAL. */
 #define AIO_TCP_SNDBUF_AUTO (512 * 1024)
 int aio_engine_set_tcp_sndbuf(aio_engine *e, int32_t bytes, int all);
+/* Poller threads. Each rail is driven by one poller thread: rail i by poller i % n, so an engine
+ * with several rails (NICs, or connections per NIC) moves data on several cores at once (one
+ * thread copies into one tcp connection at about one core's speed). Poller 0 also reads the
+ * watched words and the link monitor. Every thread spins only after activity on its own rails,
+ * then sleeps. n: 1 (default) to AIO_MAX_RAILS; the engine runs min(n, rails) threads. Before
+ * the first aio_engine_add_rail; 0 or -FI_EINVAL. */
+int aio_engine_set_pollers(aio_engine *e, int n);
+/* The poller threads the engine runs (after aio_engine_start), or will run. */
+int aio_engine_num_pollers(aio_engine *e);
 /* Adds a rail (one libfabric domain + RDM endpoint). provider: "tcp", "shm",
  * "verbs", "efa" or a full libfabric provider string. nic: domain name or NULL.
  * Returns the rail index. Must be called before aio_engine_start. */

@@ -198,6 +198,25 @@ def test_aiote_bench_arena_buffers_on_both_sides_and_the_c_core(tmp_path: Path) 
     assert bad.returncode == 2 and "unknown mode 'bogus'" in bad.stderr
 
 
+def test_aiote_bench_streams_and_pollers_on_both_sides_and_the_c_core(tmp_path: Path) -> None:
+    out_file = tmp_path / "streams.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "aiote", "bench", "write,read", *BENCH_QUICK, "--sizes", "1MiB", "--total",
+         "32MiB", "--streams", "2", "--pollers", "2", "--json", str(out_file)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["streams"] == 2 and result["pollers"] == 2
+    assert [(r["mode"], r["size"], r["streams"], r["pollers"]) for r in result["rows"]] == [
+        ("write", 1 << 20, 2, 2), ("read", 1 << 20, 2, 2)
+    ]
+    _check_rows(result["rows"])
+    bad = subprocess.run([sys.executable, "-m", "aiote", "bench", "write", "--pollers", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--pollers must be between 1 and 16" in bad.stderr
+
+
 def test_aiote_bench_sweeps_sendrecv_over_loops_and_windows(tmp_path: Path) -> None:
     out_file = tmp_path / "bench.json"
     out = subprocess.run(

@@ -401,7 +401,8 @@ class Engine:
         (their bytes land again if the link recovers). GPU: ``gpu_ipc`` / ``gpu_staged`` /
         ``gpu_direct``: operations sent through CUDA IPC / staged through pinned host memory /
         posted on GPU memory the NICs registered (FI_HMEM),
-        ``gpu_parts_in``: staged parts this engine copied into its GPU memory.
+        ``gpu_parts_in``: staged parts this engine copied into its GPU memory;
+        ``pollers``: the native poller threads that drive the rails (``open_engine``'s ``pollers``).
         O(1) but ``stranded``: O(pending). Raises :class:`EngineClosed` once the engine closed."""
         st = ffi.new("aio_stats*")
         lib.aio_get_stats(self._handle(), st)
@@ -419,6 +420,7 @@ class Engine:
             "tcp_buffers_set": st.tcp_tuned,
             "posts_handed": st.posts_handed,
             "posts_handed_waited": st.posts_handed_waited,
+            "pollers": int(lib.aio_engine_num_pollers(self._h)),
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._pending),
@@ -2724,6 +2726,16 @@ class Transfer:
             pass
 
 
+def auto_pollers(rails: int) -> int:
+    """``open_engine``'s default ``pollers`` for an engine of ``rails`` rails: one thread per
+    rail, up to the cores this process may run on (at least two)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(rails, max(2, cores)))
+
+
 def _open_native(
     provider: str,
     nics: Sequence[str | None],
@@ -2739,6 +2751,7 @@ def _open_native(
     direct: bool = False,
     sndbuf: int | None = None,
     arena: int = 0,
+    pollers: int | None = None,
 ) -> tuple[Any, list[RailInfo], Arena | None]:
     cfg = ffi.new(
         "aio_engine_config*",
@@ -2765,6 +2778,10 @@ def _open_native(
     wanted: list[tuple[str, str | None, bool]] = [(provider, nic, True) for nic in nics]
     if same_host is not None and same_host != provider:
         wanted.append((same_host, None, False))
+    threads = auto_pollers(len(wanted)) if pollers is None else min(pollers, len(wanted))
+    if lib.aio_engine_set_pollers(h, threads) != 0:  # pragma: no cover - checked by open_engine
+        lib.aio_engine_destroy(h)
+        raise InvalidArgument(f"pollers: {pollers} not accepted")
     try:
         for prov, nic, required in wanted:
             rc = lib.aio_engine_add_rail(
@@ -2869,6 +2886,7 @@ async def open_engine(
     same_host_direct: bool = True,
     tcp_send_buffer: int | None = None,
     host_arena: int = 4 << 30,
+    pollers: int | None = None,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -2948,6 +2966,14 @@ async def open_engine(
     it, so the core sets it on the provider's own sockets: the rail's listener and, at the
     first posts to a peer, the connection to it (see ``aio_engine_set_tcp_sndbuf``). The
     kernel caps it at ``net.core.wmem_max``.
+    ``pollers``: native poller threads (1 to 16). Rail *i* (a NIC, a stream of one, or the
+    same-host rail last) is driven by thread *i* % ``pollers``, so an engine with several
+    rails moves data on several cores at once: over tcp one thread copies into one
+    connection at about one core's speed, so ``streams=2`` needs two pollers to move more than
+    one connection does (docs/benchmarks.md). Each thread spins only after activity on its
+    own rails, then sleeps. ``None`` (default): one per rail, up to the cores this process may
+    use (at least two); more than the rails is capped at the rails. :meth:`stats` reports the
+    count.
 
     Raises :class:`ProviderError` naming what is missing (unknown provider or NIC, no RMA).
     The engine closes when the block exits (see :meth:`Engine.aclose`). Opening costs a few
@@ -2986,6 +3012,8 @@ async def open_engine(
     if tcp_send_buffer is not None:
         tcp_send_buffer = as_index(tcp_send_buffer, "tcp_send_buffer", lo=0, hi=1 << 30)
     host_arena = as_index(host_arena, "host_arena", lo=0, hi=1 << 46)
+    if pollers is not None:
+        pollers = as_index(pollers, "pollers", lo=1, hi=17)
     watch_interval_us = as_index(watch_interval_us, "watch_interval_us", lo=1, hi=1_000_001)
     known = isinstance(gpu_backend, str) and (
         gpu_backend in ("cuda", "host") or gpu_backend.startswith("host:")
@@ -3009,6 +3037,7 @@ async def open_engine(
             direct=bool(same_host_direct),
             sndbuf=tcp_send_buffer,
             arena=host_arena,
+            pollers=pollers,
         )
     )
     engine = Engine(

@@ -292,14 +292,17 @@ class _Server:
                     return
 
 
-def tuning(low_latency: bool, streams: int = 1, tcp_send_buffer: int | None = None) -> dict[str, Any]:
+def tuning(low_latency: bool, streams: int = 1, tcp_send_buffer: int | None = None,
+           pollers: int | None = None) -> dict[str, Any]:
     """``open_engine`` arguments of ``--low-latency`` (aiote's documented low-latency setting:
     the poller spins 1 ms after activity and the loop thread polls up to 500 us while it
-    waits), ``--streams`` (connections per NIC) and ``--tcp-send-buffer``, or none (the
-    defaults)."""
+    waits), ``--streams`` (connections per NIC), ``--tcp-send-buffer`` and ``--pollers``, or
+    none (the defaults)."""
     out: dict[str, Any] = {"spin_us": 1000.0, "loop_spin_us": 500.0} if low_latency else {}
     if streams != 1:
         out["streams"] = streams
+    if pollers is not None:
+        out["pollers"] = pollers
     if tcp_send_buffer is not None:
         out["tcp_send_buffer"] = tcp_send_buffer
     return out
@@ -314,13 +317,13 @@ def bench_same_host(provider: str) -> str | None:
 
 async def serve(provider: str, nics: Sequence[str] | None, *, port: int | None, once: bool,
                 max_message: int, low_latency: bool = False, streams: int = 1,
-                tcp_send_buffer: int | None = None) -> None:
+                tcp_send_buffer: int | None = None, pollers: int | None = None) -> None:
     """The ``--listen`` side: opens an engine, prints ``AIOTE_BENCH_LISTEN <address hex>`` and
     serves measuring sides one after the other (with ``once``: until the first one leaves)."""
     same_host = bench_same_host(provider)
     async with aiote.open_engine(
         provider, list(nics) if nics else None, same_host=same_host, port=port, max_message_size=max_message,
-        **tuning(low_latency, streams, tcp_send_buffer),
+        **tuning(low_latency, streams, tcp_send_buffer, pollers),
     ) as e:
         sys.stdout.write(f"{READY} {e.address.hex()}\n")
         sys.stdout.flush()

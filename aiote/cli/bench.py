@@ -36,7 +36,7 @@ import anyio
 import numpy as np
 
 import aiote
-from aiote._core._engine import KNOWN_PROVIDERS, available_providers
+from aiote._core._engine import KNOWN_PROVIDERS, auto_pollers, available_providers
 from aiote.testing import ready_line, stop_process
 
 from . import _benchout
@@ -279,9 +279,20 @@ async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[
 
 
 def c_args(args: argparse.Namespace, case: Case) -> list[str]:
-    """The C bench's arguments for the same case (and the same tcp send buffers and arenas)."""
+    """The C bench's arguments for the same case (and the same tcp send buffers, arenas,
+    connections per NIC and poller threads)."""
     arena = ["--arena"] if args.arena and case[0] in TRANSFERS else []
-    return _c_case_args(args, case) + _sndbuf_args(args) + arena
+    return _c_case_args(args, case) + _sndbuf_args(args) + arena + _rails_args(args, case[0])
+
+
+def _rails_args(args: argparse.Namespace, mode: str) -> list[str]:
+    """Writes and reads: the C bench opens as many connections (``--streams``) and poller
+    threads as aiote's engines (``pollers``, or aiote's default for that many rails)."""
+    if mode not in TRANSFERS:
+        return []
+    pollers = args.pollers if args.pollers is not None else auto_pollers(args.streams)
+    out = ["--streams", str(args.streams)] if args.streams != 1 else []
+    return out + (["--pollers", str(min(pollers, args.streams))] if pollers != 1 else [])
 
 
 def _sndbuf_args(args: argparse.Namespace) -> list[str]:
@@ -349,6 +360,8 @@ async def run_config(
             address = bytes.fromhex(args.connect)
         else:
             sndbuf = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
+            if args.pollers is not None:
+                sndbuf += ["--pollers", str(args.pollers)]
             cmd = [sys.executable, "-m", "aiote", "bench", "--listen", "--once", "--provider", provider,
                    "--max-message", str(args.max_message), "--streams", str(args.streams), *sndbuf] + (
                        ["--low-latency"] if args.low_latency else [])
@@ -358,7 +371,7 @@ async def run_config(
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
-            **tuning(args.low_latency, args.streams, args.tcp_send_buffer),
+            **tuning(args.low_latency, args.streams, args.tcp_send_buffer, args.pollers),
         ) as e:
             remote = Remote(e, address)
             hello = await remote.call(op="hello")
@@ -448,7 +461,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "waits the same way")
     ap.add_argument("--streams", type=int, default=1,
                     help="connections per NIC of both sides' engines (open_engine(streams=N)): writes "
-                         "of at least 1 MiB are split across them; the C core keeps one")
+                         "of at least 1 MiB are split across them; the C core's writes and reads "
+                         "take them in turn")
+    ap.add_argument("--pollers", type=int, default=None, metavar="N",
+                    help="poller threads of both sides' engines (open_engine(pollers=N)); default: "
+                         "aiote's (one per rail, up to a quarter of the cores); the C core's the same")
     ap.add_argument("--tcp-send-buffer", type=parse_size, default=None, metavar="SIZE",
                     help="SO_SNDBUF of both sides' tcp connections (open_engine(tcp_send_buffer=)), "
                          "and the C core's the same; 0: the kernel's autotuning; default: aiote's "
@@ -514,6 +531,8 @@ def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> 
             return f"--loop {lp} needs {lp}: pip install {lp}"
     if not 1 <= args.streams <= 8:
         return f"--streams must be between 1 and 8, not {args.streams}"
+    if args.pollers is not None and not 1 <= args.pollers <= 16:
+        return f"--pollers must be between 1 and 16, not {args.pollers}"
     if args.connect and (len(providers) > 1 or len(args.nics or []) > 1):
         return "--connect measures one provider and one set of NICs (the serving side's)"
     if args.connect:
@@ -538,7 +557,8 @@ def main(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends serving
             anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
                                     max_message=args.max_message, low_latency=args.low_latency,
-                                    streams=args.streams, tcp_send_buffer=args.tcp_send_buffer))
+                                    streams=args.streams, tcp_send_buffer=args.tcp_send_buffer,
+                                    pollers=args.pollers))
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
@@ -600,6 +620,7 @@ def main(args: argparse.Namespace) -> int:
                     "loop": loop,
                     "setting": "low-latency" if args.low_latency else "default",
                     "streams": args.streams,
+                    "pollers": args.pollers,
                     "tcp_send_buffer": args.tcp_send_buffer,
                     "memory": "arena" if args.arena and mode in TRANSFERS else "numpy",
                     "window": window or None,
@@ -630,6 +651,7 @@ def main(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "setting": "low-latency" if args.low_latency else "default",
         "streams": args.streams,
+        "pollers": args.pollers,
         "tcp_send_buffer": args.tcp_send_buffer,
         "arena": args.arena,
         "connect": args.connect,

@@ -65,6 +65,9 @@
  *          --sndbuf N (tcp: the send buffer the core sets on same-host connections,
  *          aio_engine_set_tcp_sndbuf; 0 = the kernel's autotuning; default: the core's),
  *          --hand N (aio_engine_set_hand_posts: 0 the core's default, 1 always, -1 never),
+ *          --streams N (write, read: N rails on the NIC, request k on rail k % N; the peer
+ *          opens as many), --pollers N (aio_engine_set_pollers: rail i on poller thread
+ *          i % N; default one thread),
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
  *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000),
  *          --msg-slots N (message slots per side: sendrecv, msgpingpong; 16),
@@ -107,6 +110,7 @@
 #define PAGED_BUDGET_NS 200000 /* as the engine's post_budget_us default */
 #define NREC 256
 #define MAX_BATCH 1024 /* --batch */
+#define MAX_STREAMS 8  /* --streams */
 
 typedef struct opts {
     const char *mode;
@@ -121,6 +125,8 @@ typedef struct opts {
     int arena;       /* --arena: the region in a published arena (aiote's Engine.alloc_host) */
     int no_direct;   /* --no-direct: shm READs through the provider (aiote: same_host_direct=False) */
     int hand;        /* --hand N: aio_engine_set_hand_posts (0: the core's default) */
+    int streams;     /* --streams N: rails on the NIC (write, read: request k on rail k % N) */
+    int pollers;     /* --pollers N: aio_engine_set_pollers (0: the core's default, one) */
     int64_t sndbuf;  /* --sndbuf N: tcp send buffers (aio_engine_set_tcp_sndbuf; -1: the core's default) */
     uint64_t iters, warmup;
     uint64_t page_size, npages, calls;
@@ -133,10 +139,16 @@ typedef struct opts {
     int64_t think_ns;     /* --think-ns N: pingpong: busy work after each wait (an application's) */
 } opts_t;
 
-typedef struct peer_info {
+typedef struct peer_rail {
     uint32_t addr_len;
     uint8_t addr[AIO_MAX_ADDR];
-    uint64_t base, key, len;
+    uint64_t base, key;
+} peer_rail;
+
+typedef struct peer_info {
+    int32_t nrails; /* --streams: both sides open the same number */
+    peer_rail rail[MAX_STREAMS];
+    uint64_t len;
     aio_direct_info direct; /* the region table, where direct same-host copies are on */
     int32_t direct_slot;    /* -1: none */
     int32_t pad;
@@ -144,9 +156,11 @@ typedef struct peer_info {
 
 typedef struct side {
     aio_engine *e;
-    int rail;
+    int rail;   /* the first rail (paged, sends, ping-pong) */
+    int nrails; /* --streams */
     int efd;
-    uint64_t peer;
+    uint64_t peer; /* the peer on the first rail */
+    uint64_t peers[MAX_STREAMS];
     uint8_t *buf;
     uint64_t len;
     aio_mr *mr;
@@ -246,15 +260,21 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
         die("--hand %d: %s", o->hand, aio_strerror(ret));
     if (o->sndbuf >= 0 && (ret = aio_engine_set_tcp_sndbuf(s->e, (int32_t)o->sndbuf, 0)))
         die("aio_engine_set_tcp_sndbuf: %s", aio_strerror(ret));
+    if (o->pollers && (ret = aio_engine_set_pollers(s->e, o->pollers)))
+        die("--pollers %d: %s", o->pollers, aio_strerror(ret));
     uint64_t slot_size = 4096;
     uint32_t nslots = 16;
     if (!strcmp(o->mode, "sendrecv") || !strcmp(o->mode, "msgpingpong")) {
         nslots = (uint32_t)o->msg_slots;
         if (o->size > slot_size) slot_size = o->size;
     }
-    ret = aio_engine_add_rail(s->e, o->provider, o->nic, nslots, slot_size, err, sizeof(err));
-    if (ret < 0) die("aio_engine_add_rail: %s %s", aio_strerror(ret), err);
-    s->rail = ret;
+    s->nrails = o->streams;
+    for (int i = 0; i < s->nrails; i++) {
+        ret = aio_engine_add_rail(s->e, o->provider, o->nic, nslots, slot_size, err, sizeof(err));
+        if (ret < 0) die("aio_engine_add_rail: %s %s", aio_strerror(ret), err);
+        if (ret != i) die("aio_engine_add_rail: rail %d, expected %d", ret, i);
+    }
+    s->rail = 0;
     if (!strcmp(o->provider, "shm") && !o->no_direct &&
         (ret = aio_engine_enable_direct(s->e, err, sizeof(err))))
         die("aio_engine_enable_direct: %s %s", aio_strerror(ret), err);
@@ -290,21 +310,29 @@ static void side_init(side_t *s, const opts_t *o, uint64_t region) {
 
 /* both sides write first, then read: a pipe holds far more than one peer_info */
 static void side_exchange(side_t *s) {
-    aio_rail_info ri;
-    aio_rail_get_info(s->e, s->rail, &ri);
     peer_info mine;
     memset(&mine, 0, sizeof(mine));
-    mine.addr_len = ri.addr_len;
-    memcpy(mine.addr, ri.addr, ri.addr_len);
-    mine.base = aio_mr_remote_base(s->mr, s->rail);
-    mine.key = aio_mr_key(s->mr, s->rail);
+    mine.nrails = s->nrails;
+    for (int i = 0; i < s->nrails; i++) {
+        aio_rail_info ri;
+        aio_rail_get_info(s->e, i, &ri);
+        mine.rail[i].addr_len = ri.addr_len;
+        memcpy(mine.rail[i].addr, ri.addr, ri.addr_len);
+        mine.rail[i].base = aio_mr_remote_base(s->mr, i);
+        mine.rail[i].key = aio_mr_key(s->mr, i);
+    }
     mine.len = s->len;
     mine.direct_slot = -1;
     if (aio_direct_info_get(s->e, &mine.direct) == 0) mine.direct_slot = aio_mr_direct_slot(s->mr);
     write_full(s->wfd, &mine, sizeof(mine));
     read_full(s->rfd, &s->remote, sizeof(s->remote));
-    int ret = aio_av_insert(s->e, s->rail, s->remote.addr, s->remote.addr_len, &s->peer);
-    if (ret) die("aio_av_insert: %s", aio_strerror(ret));
+    if (s->remote.nrails != s->nrails) die("--streams: %d here, %d at the peer", s->nrails, s->remote.nrails);
+    for (int i = 0; i < s->nrails; i++) {
+        peer_rail *pr = &s->remote.rail[i];
+        int ret = aio_av_insert(s->e, i, pr->addr, pr->addr_len, &s->peers[i]);
+        if (ret) die("aio_av_insert: %s", aio_strerror(ret));
+    }
+    s->peer = s->peers[0];
     if (mine.direct_slot >= 0 && s->remote.direct_slot >= 0) { /* both sides take direct copies */
         char err[512] = "";
         int at = aio_direct_attach(s->e, &s->remote.direct, err, sizeof(err));
@@ -387,32 +415,37 @@ static void side_wait_credit(side_t *s, uint32_t imm, uint64_t units) {
     if (!aio_counter_take(s->e, imm, units)) die("counter watch fired but take failed");
 }
 
-static aio_op_desc side_read(side_t *s, uint64_t loff, uint64_t roff, uint64_t len) {
+/* Request k's rail (--streams: k % N) into d: its peer, and the target's base and key there. */
+static void side_route(side_t *s, uint64_t k, aio_op_desc *d, uint64_t roff) {
+    int i = (int)(k % (uint64_t)s->nrails);
+    d->rail = i;
+    d->peer = s->peers[i];
+    d->raddr = s->remote.rail[i].base + roff;
+    d->rkey = s->remote.rail[i].key;
+}
+
+/* Request k, a READ of len bytes at roff into loff, on request k's rail. */
+static aio_op_desc side_read(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len) {
     aio_op_desc d;
     memset(&d, 0, sizeof(d));
     d.mr = s->mr;
     d.offset = loff;
     d.length = len;
-    d.peer = s->peer;
-    d.raddr = s->remote.base + roff;
-    d.rkey = s->remote.key;
-    d.rail = s->rail;
+    side_route(s, k, &d, roff);
     d.op = AIO_OP_READ;
     d.direct = s->direct;
     return d;
 }
 
-static aio_op_desc side_write(side_t *s, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm) {
+/* Request k, a write of len bytes from loff to roff carrying imm, on request k's rail. */
+static aio_op_desc side_write(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm) {
     aio_op_desc d;
     memset(&d, 0, sizeof(d));
     d.mr = s->mr;
     d.offset = loff;
     d.length = len;
-    d.peer = s->peer;
-    d.raddr = s->remote.base + roff;
-    d.rkey = s->remote.key;
+    side_route(s, k, &d, roff);
     d.data = imm;
-    d.rail = s->rail;
     d.op = AIO_OP_WRITE;
     d.flags = AIO_F_DATA;
     d.direct = s->direct;
@@ -514,7 +547,9 @@ static void run_window(side_t *s, const opts_t *o, uint64_t n, int is_write) {
         while (posted < ngroups && posted - s->groups_done < gmax) {
             for (uint64_t k = in_group; k < b; k++) {
                 uint64_t off = ((posted * b + k) % o->slots) * o->size;
-                d[k] = is_write ? side_write(s, off, off, o->size, IMM_MAIN) : side_read(s, off, off, o->size);
+                uint64_t req = posted * b + k;
+                d[k] = is_write ? side_write(s, req, off, off, o->size, IMM_MAIN)
+                                : side_read(s, req, off, off, o->size);
             }
             uint64_t before = in_group;
             int sealed = side_post_n(s, &g, &in_group, b, posted, d + in_group, 0);
@@ -537,7 +572,7 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
     }
     /* warm-up: connection set-up and first-touch, not timed */
     for (uint64_t i = 0; i < warm; i++) {
-        aio_op_desc d = side_write(s, (i % slots) * o->size, (i % slots) * o->size, o->size, IMM_WARM);
+        aio_op_desc d = side_write(s, i, (i % slots) * o->size, (i % slots) * o->size, o->size, IMM_WARM);
         side_post_blocking(s, 1ULL << 40 | i, &d);
     }
     side_wait_groups(s, warm);
@@ -565,7 +600,8 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
            "\"recv_gbps\":%.3f,\"recv_seconds\":%.6f,\"wait\":\"%s\",\"spin_ns\":%lld,"
            "\"writer_cpu_s\":%.3f,\"receiver_cpu_s\":%.3f,\"eventfd_polls\":%llu,"
            "\"eventfd_wakeups\":%llu,\"poller_sleeps\":%llu,\"poller_polls\":%llu,"
-           "\"posts_handed\":%llu,\"post_calls\":%llu,\"post_us_mean\":%.2f,\"post_us_max\":%.1f}\n",
+           "\"posts_handed\":%llu,\"post_calls\":%llu,\"post_us_mean\":%.2f,\"post_us_max\":%.1f,"
+           "\"streams\":%d,\"pollers\":%d}\n",
            o->provider, o->nic ? o->nic : "", (unsigned long long)o->size,
            (unsigned long long)o->window, (unsigned long long)o->batch, (unsigned long long)slots,
            (unsigned long long)n, bytes,
@@ -574,7 +610,7 @@ static void run_write(side_t *s, const opts_t *o, int rank) {
            (unsigned long long)(st1.sleeps - st0.sleeps), (unsigned long long)(st1.polls - st0.polls),
            (unsigned long long)(st1.posts_handed - st0.posts_handed), (unsigned long long)s->post_calls,
            s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0,
-           (double)s->post_max_ns / 1e3);
+           (double)s->post_max_ns / 1e3, s->nrails, aio_engine_num_pollers(s->e));
     if (warm_total != warm * U) fprintf(stderr, "warning: warm-up credits %llu, want %llu\n",
                                         (unsigned long long)(warm_total / U), (unsigned long long)warm);
 }
@@ -617,7 +653,7 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
             side_wait_credit(s, IMM_PING, U);
             for (int64_t t0 = now_ns(); now_ns() - t0 < o->think_ns;) {
             }
-            aio_op_desc d = side_write(s, 8, 8, 8, IMM_PONG);
+            aio_op_desc d = side_write(s, 0, 8, 8, 8, IMM_PONG);
             side_post_blocking(s, i, &d);
             if (o->await_write)
                 side_wait_groups(s, i + 1);
@@ -633,7 +669,7 @@ static void run_pingpong(side_t *s, const opts_t *o, int rank) {
     for (uint64_t i = 0; i < total; i++) {
         if (i == o->warmup) c0 = cpu_s();
         *(uint64_t *)s->buf = i;
-        aio_op_desc d = side_write(s, 0, 0, 8, IMM_PING);
+        aio_op_desc d = side_write(s, 0, 0, 0, 8, IMM_PING);
         int64_t t = now_ns();
         side_post_blocking(s, i, &d);
         if (o->await_write) /* as `await engine.write(...)` does */
@@ -727,8 +763,8 @@ static void run_paged(side_t *s, const opts_t *o, int rank) {
     d.nroutes = 1;
     d.routes[0].rail = s->rail;
     d.routes[0].peer = s->peer;
-    d.routes[0].rbase = s->remote.base;
-    d.routes[0].rkey = s->remote.key;
+    d.routes[0].rbase = s->remote.rail[0].base;
+    d.routes[0].rkey = s->remote.rail[0].key;
     /* warm-up: connection set-up and first touch, not timed */
     d.data = IMM_WARM;
     paged_call(s, &d, np, 1ULL << 40);
@@ -791,7 +827,7 @@ static void run_read(side_t *s, const opts_t *o, int rank) {
     }
     uint64_t warm = n < o->window ? n : o->window;
     for (uint64_t i = 0; i < warm; i++) {
-        aio_op_desc d = side_read(s, (i % slots) * o->size, (i % slots) * o->size, o->size);
+        aio_op_desc d = side_read(s, i, (i % slots) * o->size, (i % slots) * o->size, o->size);
         side_post_blocking(s, 1ULL << 40 | i, &d);
     }
     side_wait_groups(s, warm);
@@ -1184,6 +1220,8 @@ static void usage(void) {
             "         --arena (shm: the region in a published arena; peers memcpy into it)\n"
             "         --sndbuf N (tcp: same-host send buffers, 0 = the kernel's autotuning)\n"
             "         --hand N (posts handed to the poller: 0 when busy (default), 1 always, -1 never)\n"
+            "         --streams N (write, read: N rails on the NIC, request k on rail k %% N)\n"
+            "         --pollers N (poller threads, rail i on thread i %% N; default 1)\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
@@ -1219,6 +1257,7 @@ int main(int argc, char **argv) {
     o.msg_slots = MSG_SLOTS;
     o.listen_port = -1;
     o.sndbuf = -1;
+    o.streams = 1;
     int nic_given = 0;
     const char *pos[5];
     int npos = 0;
@@ -1244,6 +1283,8 @@ int main(int argc, char **argv) {
             o.sndbuf = (int64_t)v;
         }
         else if (!strcmp(a, "--hand") && i + 1 < argc) o.hand = atoi(argv[++i]);
+        else if (!strcmp(a, "--streams") && i + 1 < argc) o.streams = atoi(argv[++i]);
+        else if (!strcmp(a, "--pollers") && i + 1 < argc) o.pollers = atoi(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);
         else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--listen") && i + 1 < argc) o.listen_port = (int)parse_size(argv[++i]);
@@ -1258,6 +1299,7 @@ int main(int argc, char **argv) {
     if (o.nic && !*o.nic) o.nic = NULL;
     uint64_t region;
     if (o.msg_slots == 0 || o.msg_slots > 65536 || o.listen_port > 65535) usage();
+    if (o.streams < 1 || o.streams > MAX_STREAMS || o.pollers < 0 || o.pollers > 16) usage();
     if (o.listen_port >= 0 && o.connect) usage();
     int sockets = !strcmp(o.mode, "sockets");
     if (!strcmp(o.mode, "write") || !strcmp(o.mode, "read") || !strcmp(o.mode, "sendrecv") || sockets) {

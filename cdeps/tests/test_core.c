@@ -131,9 +131,10 @@ static void eng_free(eng_t *x) {
     memset(x, 0, sizeof(*x));
 }
 
-/* An engine with `nrails` rails of the provider (x->rail: the first), its region registered
- * on all of them. */
-static int eng_init_n(eng_t *x, const char *prov, const char *nic, uint64_t region_len, int nrails) {
+/* An engine with `nrails` rails of the provider (x->rail: the first) driven by `pollers`
+ * poller threads, its region registered on all of them. */
+static int eng_init_p(eng_t *x, const char *prov, const char *nic, uint64_t region_len, int nrails,
+                      int pollers) {
     memset(x, 0, sizeof(*x));
     char err[512] = "";
     aio_engine_config cfg;
@@ -143,6 +144,7 @@ static int eng_init_n(eng_t *x, const char *prov, const char *nic, uint64_t regi
     cfg.sleep_ms = 100;
     int ret = aio_engine_create(&cfg, &x->e, err, sizeof(err));
     CHECK(ret == 0, "aio_engine_create: %s (%s)", aio_strerror(ret), err);
+    if (pollers != 1) CHECK_OK(aio_engine_set_pollers(x->e, pollers));
     for (int i = 0; i < nrails; i++) {
         ret = aio_engine_add_rail(x->e, prov, nic, SLOTS, SLOT_SIZE, err, sizeof(err));
         CHECK(ret >= 0, "aio_engine_add_rail(%s, %s): %s (%s)", prov, nic ? nic : "-",
@@ -165,6 +167,10 @@ static int eng_init_n(eng_t *x, const char *prov, const char *nic, uint64_t regi
         CHECK(ret == 0, "aio_mr_register: %s (%s)", aio_strerror(ret), err);
     }
     return 0;
+}
+
+static int eng_init_n(eng_t *x, const char *prov, const char *nic, uint64_t region_len, int nrails) {
+    return eng_init_p(x, prov, nic, region_len, nrails, 1);
 }
 
 static int eng_init(eng_t *x, const char *prov, const char *nic, uint64_t region_len) {
@@ -2114,6 +2120,161 @@ static int t_handed_stall(fix_t *f) {
     return 0;
 }
 
+/* The threads of this process (/proc/self/status), or -1. */
+static int thread_count(void) {
+    FILE *fp = fopen("/proc/self/status", "r");
+    if (!fp) return -1;
+    char line[256];
+    int n = -1;
+    while (fgets(line, sizeof(line), fp))
+        if (sscanf(line, "Threads: %d", &n) == 1) break;
+    fclose(fp);
+    return n;
+}
+
+/* Several poller threads: rail i is driven by poller i % n. aio_engine_set_pollers refuses bad
+ * values and comes before the rails; an engine with 3 rails and 3 pollers runs two threads
+ * more than one with a single poller; writes with immediates and reads on all three rails at
+ * once land whole, and every counter gets exactly its credits; the watched words (poller 0)
+ * still report. */
+static int t_pollers(fix_t *f) {
+    enum { NR = 3, PER = 24 };
+    const uint64_t len = 256 * 1024;
+    eng_t x, y, one;
+    memset(&x, 0, sizeof(x));
+    memset(&y, 0, sizeof(y));
+    memset(&one, 0, sizeof(one));
+    int rc = -1;
+    do {
+        int t0 = thread_count();
+        if (eng_init_p(&one, f->prov, f->nic, 0, NR, 1)) break;
+        int t1 = thread_count();
+        if (eng_init_p(&x, f->prov, f->nic, 2 * NR * PER * len, NR, NR) ||
+            eng_init_p(&y, f->prov, f->nic, 2 * NR * PER * len, NR, 8)) /* 8: capped at 3 */
+            break;
+        int t2 = thread_count();
+        if (aio_engine_num_pollers(one.e) != 1 || aio_engine_num_pollers(x.e) != NR ||
+            aio_engine_num_pollers(y.e) != NR) {
+            fail_msg(__FILE__, __LINE__, "pollers: %d %d %d, want 1 3 3", aio_engine_num_pollers(one.e),
+                     aio_engine_num_pollers(x.e), aio_engine_num_pollers(y.e));
+            break;
+        }
+        /* each 3-poller engine: two threads more than the 1-poller one */
+        if (t0 < 0 || (t2 - t1) != 2 * (t1 - t0) + 4) {
+            fail_msg(__FILE__, __LINE__, "threads: %d, %d after a 1-poller engine, %d after two "
+                     "3-poller ones", t0, t1, t2);
+            break;
+        }
+        char err[256];
+        aio_engine *late = NULL;
+        aio_engine_config cfg;
+        memset(&cfg, 0, sizeof(cfg));
+        if (aio_engine_create(&cfg, &late, err, sizeof(err)) != 0) {
+            fail_msg(__FILE__, __LINE__, "aio_engine_create: %s", err);
+            break;
+        }
+        int bad0 = aio_engine_set_pollers(late, 0), bad17 = aio_engine_set_pollers(late, AIO_MAX_RAILS + 1);
+        int rail = aio_engine_add_rail(late, f->prov, f->nic, 4, 4096, err, sizeof(err));
+        int after = aio_engine_set_pollers(late, 2);
+        aio_engine_destroy(late);
+        if (bad0 != -FI_EINVAL || bad17 != -FI_EINVAL || rail < 0 || after != -FI_EINVAL) {
+            fail_msg(__FILE__, __LINE__, "set_pollers: 0 -> %d, 17 -> %d, add_rail %d, after a rail %d",
+                     bad0, bad17, rail, after);
+            break;
+        }
+        uint64_t peer[NR];
+        aio_rail_info yi;
+        int ret = 0;
+        for (int i = 0; i < NR && !ret; i++) {
+            ret = aio_rail_get_info(y.e, i, &yi);
+            if (!ret) ret = aio_av_insert(x.e, i, yi.addr, yi.addr_len, &peer[i]);
+        }
+        if (ret) {
+            fail_msg(__FILE__, __LINE__, "av_insert: %s", aio_strerror(ret));
+            break;
+        }
+        /* writes: the rails interleaved in one batch, each rail its own immediate */
+        aio_op_desc w[NR * PER];
+        for (int k = 0; k < NR * PER; k++) {
+            int i = k % NR;
+            fill(x.buf + (uint64_t)k * len, len, 0, 0x500u + (uint32_t)k);
+            memset(&w[k], 0, sizeof(w[k]));
+            w[k].mr = x.mr;
+            w[k].offset = (uint64_t)k * len;
+            w[k].length = len;
+            w[k].rail = i;
+            w[k].peer = peer[i];
+            w[k].raddr = aio_mr_remote_base(y.mr, i) + (uint64_t)k * len;
+            w[k].rkey = aio_mr_key(y.mr, i);
+            w[k].op = AIO_OP_WRITE;
+            w[k].flags = AIO_F_DATA;
+            w[k].data = 0x7300u + (uint32_t)i;
+        }
+        if (run_group(&x, w, NR * PER, NULL)) break;
+        int bad = 0;
+        for (int i = 0; i < NR && !bad; i++)
+            if (wait_take(&y, 0x7300u + (uint32_t)i, PER * U, TIMEOUT)) {
+                fail_msg(__FILE__, __LINE__, "rail %d: credits missing", i);
+                bad = 1;
+            } else if (aio_counter_total(y.e, 0x7300u + (uint32_t)i) != PER * U) {
+                fail_msg(__FILE__, __LINE__, "rail %d: %llu credits, want %llu", i,
+                         (unsigned long long)aio_counter_total(y.e, 0x7300u + (uint32_t)i),
+                         (unsigned long long)(PER * U));
+                bad = 1;
+            }
+        for (int k = 0; k < NR * PER && !bad; k++) {
+            int64_t off = verify(y.buf + (uint64_t)k * len, len, 0, 0x500u + (uint32_t)k);
+            if (off >= 0) {
+                fail_msg(__FILE__, __LINE__, "write %d (rail %d): byte %lld differs", k, k % NR, (long long)off);
+                bad = 1;
+            }
+        }
+        if (bad) break;
+        /* reads back into the second half, all rails at once */
+        aio_op_desc r[NR * PER];
+        for (int k = 0; k < NR * PER; k++) {
+            r[k] = w[k];
+            r[k].op = AIO_OP_READ;
+            r[k].flags = 0;
+            r[k].data = 0;
+            r[k].offset = (uint64_t)(NR * PER + k) * len;
+        }
+        if (run_group(&x, r, NR * PER, NULL)) break;
+        for (int k = 0; k < NR * PER && !bad; k++) {
+            int64_t off = verify(x.buf + (uint64_t)(NR * PER + k) * len, len, 0, 0x500u + (uint32_t)k);
+            if (off >= 0) {
+                fail_msg(__FILE__, __LINE__, "read %d (rail %d): byte %lld differs", k, k % NR, (long long)off);
+                bad = 1;
+            }
+        }
+        if (bad) break;
+        /* a watched word reports through poller 0 */
+        static volatile uint64_t word = 0;
+        int id = aio_watch_add(x.e, &word, 0, 0x77);
+        if (id < 0) {
+            fail_msg(__FILE__, __LINE__, "aio_watch_add: %s", aio_strerror(id));
+            break;
+        }
+        aio_word_store(x.e, &word, 5);
+        aio_record rec;
+        int got = wait_rec(&x, AIO_REC_WATCH, 0x77, TIMEOUT, &rec);
+        aio_watch_remove(x.e, id);
+        if (got || rec.a != 5) {
+            fail_msg(__FILE__, __LINE__, "watched word: %s", got ? "no record" : "wrong value");
+            break;
+        }
+        rc = 0;
+    } while (0);
+    if (x.mr && aio_mr_inflight(x.mr) != 0 && !rc) {
+        fail_msg(__FILE__, __LINE__, "inflight %lld", (long long)aio_mr_inflight(x.mr));
+        rc = -1;
+    }
+    eng_free(&x);
+    eng_free(&y);
+    eng_free(&one);
+    return rc;
+}
+
 static const test_t TESTS[] = {
     {"write_sizes", t_write_sizes},   {"zero_byte_imm", t_zero_byte_imm},
     {"weight", t_weight},             {"counters", t_counters},
@@ -2129,7 +2290,7 @@ static const test_t TESTS[] = {
     {"submit_quiet", t_submit_quiet}, {"spin_window", t_spin_window},
     {"direct", t_direct},             {"direct_retire", t_direct_retire},
     {"tcp_sndbuf", t_tcp_sndbuf},     {"handed", t_handed},
-    {"handed_stall", t_handed_stall},
+    {"handed_stall", t_handed_stall}, {"pollers", t_pollers},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {

@@ -1,0 +1,127 @@
+"""Several native poller threads (``open_engine(pollers=N)``): rail *i* is driven by thread
+*i* % N. The default (one per rail, up to the cores, at least two), the validation, and
+transfers of every kind on two streams each with its own poller, in this process and to a
+peer process, landing whole and counted exactly."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+from _util import digest, pattern, zeros
+
+import aiote
+from aiote.testing import spawn_peer
+
+pytestmark = pytest.mark.anyio
+
+TCP = {"same_host": None}
+
+
+async def test_the_default_is_one_poller_per_rail_and_pollers_caps_it() -> None:
+    async with aiote.open_engine(**TCP) as e:
+        assert e.stats()["pollers"] == 1  # one rail
+    async with aiote.open_engine(streams=2, **TCP) as e:
+        assert e.stats()["pollers"] == 2  # every machine gets at least two
+    async with aiote.open_engine(streams=2, pollers=1, **TCP) as e:
+        assert e.stats()["pollers"] == 1
+    async with aiote.open_engine(streams=3, pollers=16, **TCP) as e:
+        assert e.stats()["pollers"] == 3  # capped at the rails
+    # the same-host rail comes last, on its own poller where there are threads enough
+    async with aiote.open_engine(streams=2, pollers=3) as e:
+        assert [r.provider.split(";")[0] for r in e.rails][:2] == ["tcp", "tcp"]
+        assert e.stats()["pollers"] == len(e.rails)
+
+
+def _threads() -> int:
+    """The threads of this process as the OS counts them (native ones included)."""
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("Threads:"))
+
+
+async def test_each_poller_is_a_thread_and_they_end_with_the_engine() -> None:
+    async with aiote.open_engine(**TCP):  # anyio's worker thread (opening runs in it) exists now
+        pass
+    t0 = _threads()
+    async with aiote.open_engine(streams=3, pollers=3, **TCP):
+        t1 = _threads()
+        async with aiote.open_engine(streams=3, pollers=1, **TCP):
+            t2 = _threads()
+    # two threads more with three pollers than with one; none left once both closed
+    assert (t1 - t0) - (t2 - t1) == 2, (t0, t1, t2)
+    assert _threads() <= t0
+
+
+@pytest.mark.parametrize("bad", [0, 17, True, 1.5, "2"])
+async def test_bad_pollers_raise_before_opening(bad: object) -> None:
+    with pytest.raises(aiote.InvalidArgument, match="pollers"):
+        async with aiote.open_engine(pollers=bad, **TCP):  # type: ignore[arg-type]
+            pass
+
+
+async def test_concurrent_transfers_over_two_pollers_land_whole_and_count_exactly() -> None:
+    async with (
+        aiote.open_engine(streams=2, pollers=2, **TCP) as a,
+        aiote.open_engine(streams=2, pollers=2, **TCP) as b,
+    ):
+        assert a.stats()["pollers"] == b.stats()["pollers"] == 2
+        size = 48 << 20
+        src = pattern(size, seed=11)
+        dst = zeros(size)
+        ms, md = await a.register(src), await b.register(dst)
+        # 1 MiB writes (split over both streams), 64 KiB ones (one stream each, in turn), and
+        # immediates, all at once from many tasks
+        big, small = 1 << 20, 64 << 10
+        async with anyio.create_task_group() as tg:
+            for k in range(32):
+                tg.start_soon(lambda k=k: a.write(ms, md.descriptor, length=big, src_offset=k * big,
+                                                  dst_offset=k * big, imm=21))
+            for k in range(256):
+                off = 32 * big + k * small
+                tg.start_soon(lambda off=off: a.write(ms, md.descriptor, length=small, src_offset=off,
+                                                      dst_offset=off, imm=22))
+            for _ in range(64):
+                tg.start_soon(lambda: a.write_imm(md.descriptor, imm=23))
+        await b.imm_counter(21).wait(32, timeout=30)
+        await b.imm_counter(22).wait(256, timeout=30)
+        await b.imm_counter(23).wait(64, timeout=30)
+        assert [b.imm_counter(i).total for i in (21, 22, 23)] == [32, 256, 64]
+        used = 32 * big + 256 * small
+        assert np.array_equal(dst[:used], src[:used])
+        # reads back on both pollers, and messages both ways meanwhile
+        back = zeros(used)
+        mb = await a.register(back)
+        got: list[bytes] = []
+
+        async def receive() -> None:
+            for _ in range(20):
+                got.append(bytes((await b.recv())[1]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            for k in range(8):
+                n = used // 8
+                tg.start_soon(lambda k=k, n=n: a.read(mb, md.descriptor, length=n, src_offset=k * n,
+                                                      dst_offset=k * n))
+            for i in range(20):
+                await a.send(b.address, b"m%d" % i)
+        assert digest(back) == digest(src[:used])
+        assert sorted(got) == sorted(b"m%d" % i for i in range(20))
+        assert a.stats()["ops_in_flight"] == 0
+
+
+async def test_two_pollers_to_a_peer_process() -> None:
+    async with (
+        aiote.open_engine(streams=2, pollers=2, **TCP) as e,
+        spawn_peer(engine=e, same_host=None, peer_streams=2) as peer,
+    ):
+        size = 16 << 20
+        src = pattern(size, seed=5)
+        ms = await e.register(src)
+        desc = await peer.register("buf", size)
+        async with anyio.create_task_group() as tg:
+            for k in range(16):
+                tg.start_soon(lambda k=k: e.write(ms, desc, length=1 << 20, src_offset=k << 20,
+                                                  dst_offset=k << 20, imm=31))
+        await peer.wait(imm=31, n=16)
+        assert await peer.digest("buf") == digest(src)
