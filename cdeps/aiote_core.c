@@ -293,7 +293,7 @@ struct aio_engine {
 
     /* pollers */
     int npollers_want;   /* aio_engine_set_pollers (default 1) */
-    int npollers;        /* started: min(npollers_want, nrails) */
+    int npollers;        /* opened (add_rail): min(npollers_want, rails added so far) */
     aio_poller pollers[AIO_MAX_RAILS];
     int started;
     _Atomic int stop;
@@ -1194,7 +1194,8 @@ int aio_direct_mark(aio_engine *e, int attach, int32_t slot, int on) {
     return 0;
 }
 
-/* Makes one direct copy (the poller's thread): 0, or a negative error for its op. */
+/* Makes one direct copy (poller 0's thread, the only one that copies: a peer's slot has one busy
+ * bit per engine, set and cleared around each copy): 0, or a negative error for its op. */
 static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
     uint32_t idx = (uint32_t)d->direct & 0xffff;
@@ -1249,10 +1250,11 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     return rc;
 }
 
-/* Queues a direct copy (`post` 0), or a request for the poller to post to the rail's provider
- * (`post` 1, see post_item_g), for the poller of the op's rail (the caller kicks it). */
+/* Queues a direct copy (`post` 0) for poller 0, which makes every direct copy (see
+ * direct_copy), or a request for the poller of the op's rail to post to the rail's provider
+ * (`post` 1, see post_item_g). The caller kicks that poller. */
 static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int post) {
-    aio_poller *q = &e->pollers[e->rails[it->rail]->poller];
+    aio_poller *q = &e->pollers[post ? e->rails[it->rail]->poller : 0];
     op->d = *it;
     op->dcopied = post;
     op->dstatus = 0;
@@ -1790,7 +1792,11 @@ int aio_engine_set_pollers(aio_engine *e, int n) {
     return 0;
 }
 
-int aio_engine_num_pollers(aio_engine *e) { return e->npollers; }
+int aio_engine_num_pollers(aio_engine *e) {
+    int n = 0; /* a poller whose rail failed to open, with no rail after it, runs no thread */
+    for (int i = 0; i < e->npollers; i++) n += e->pollers[i].nrails > 0;
+    return n;
+}
 
 int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err, size_t errlen) {
     aio_engine *e = calloc(1, sizeof(*e));
@@ -2777,6 +2783,7 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
         rc = post_item_g(e, g, &items[i], NULL, 1, deadline, &h);
         if (rc <= 0) break;
         mask |= 1u << items[i].rail;
+        if (items[i].direct) mask |= 1u; /* a direct copy may be queued for poller 0 (rail 0's) */
     }
     release_rail(&h);
     if (i > 0) kick_rails(e, mask);

@@ -125,3 +125,35 @@ async def test_two_pollers_to_a_peer_process() -> None:
                                                   dst_offset=k << 20, imm=31))
         await peer.wait(imm=31, n=16)
         assert await peer.digest("buf") == digest(src)
+
+
+async def test_direct_same_host_copies_over_two_shm_streams_on_two_pollers() -> None:
+    # reads (direct copies out of the peer's memory) and writes into the peer's arena (memcpy),
+    # striped over two shm rails whose pollers differ: every copy lands whole
+    async with (
+        aiote.open_engine("shm", streams=2, pollers=2) as a,
+        aiote.open_engine("shm", streams=2, pollers=2) as b,
+    ):
+        assert a.stats()["pollers"] == 2
+        size = 16 << 20
+        src = b.alloc_host(size)
+        src[:] = pattern(size, seed=9)
+        ms = await b.register(src)
+        back = zeros(size)
+        mb = await a.register(back)
+        c0 = a.stats()["direct_copies"]
+        async with anyio.create_task_group() as tg:
+            for k in range(16):
+                tg.start_soon(lambda k=k: a.read(mb, ms.descriptor, length=1 << 20, src_offset=k << 20,
+                                                 dst_offset=k << 20))
+            await a.read(mb, ms.descriptor)  # one large read, split over both streams
+        assert digest(back) == digest(src)
+        mine = pattern(size, seed=10)
+        mm = await a.register(mine)
+        async with anyio.create_task_group() as tg:
+            for k in range(16):
+                tg.start_soon(lambda k=k: a.write(mm, ms.descriptor, length=1 << 20, src_offset=k << 20,
+                                                  dst_offset=k << 20, imm=41))
+        await b.imm_counter(41).wait(16, timeout=30)
+        assert digest(src) == digest(mine)
+        assert a.stats()["direct_copies"] - c0 >= 32
