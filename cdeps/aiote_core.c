@@ -131,7 +131,7 @@ typedef struct direct_peer { /* a peer's table this engine attached to */
     uint64_t nonce;
     int index;           /* our bit in its slots' busy words */
     _Atomic int dead;    /* its process exited */
-    _Atomic uint64_t checked; /* the direct_run pass that last checked it is alive */
+    uint64_t checked;    /* poller 0's direct_run pass that last checked it is alive */
     char *amap;          /* its arena, mapped here (NULL: none), ... */
     uint64_t abase;      /* ... which is at abase in its process, */
     uint64_t alen;       /* alen bytes long */
@@ -187,7 +187,7 @@ typedef struct aio_rail {
     /* link state of the interface behind a tcp rail (ifindex 0: not watched) */
     int ifindex;
     _Atomic int link_up;
-    int poller; /* the poller thread that drives it (aio_engine_start: rail index % pollers) */
+    int poller; /* the poller thread that drives it (aio_engine_add_rail: rail index % pollers) */
 } aio_rail;
 
 struct aio_mr {
@@ -240,9 +240,9 @@ typedef struct overflow_node {
 } overflow_node;
 
 /* One poller thread and what it drives: its rails (rail i goes to poller i % npollers), the
- * queue of requests handed to it and of direct copies on those rails, and its sleep (an epoll
- * set of its rails' wait fds and its kick eventfd). Poller 0 also reads the watched words and
- * the link monitor. */
+ * queue of requests handed to it for those rails, and its sleep (an epoll set of its rails' wait
+ * fds and its kick eventfd). Poller 0 also makes every direct copy (its queue holds them) and
+ * reads the watched words and the link monitor. */
 typedef struct aio_poller {
     struct aio_engine *e;
     int index;
@@ -256,8 +256,9 @@ typedef struct aio_poller {
     int nrails;
     aio_rail *rails[AIO_MAX_RAILS];
     pthread_mutex_t qmu;        /* the queue below */
-    aio_op *dq_head, *dq_tail;  /* handed-over requests and direct copies, in order */
+    aio_op *dq_head, *dq_tail;  /* handed-over requests (and, on poller 0, direct copies), in order */
     _Atomic int32_t dq_pending;
+    uint64_t drun;              /* direct_run passes (poller 0's tell direct_copy its pass) */
 } aio_poller;
 
 struct aio_engine {
@@ -321,7 +322,6 @@ struct aio_engine {
     pthread_mutex_t dmu;
     direct_peer *dpeers; /* AIO_DIRECT_ATTACH, allocated on the first attach */
     _Atomic int32_t ndpeers;
-    _Atomic uint64_t drun; /* direct_run passes, over all pollers */
     _Atomic uint64_t st_direct;
     _Atomic uint64_t st_mapped;
     int afd; /* the arena's memfd (aio_engine_set_arena), -1: none */
@@ -1200,8 +1200,8 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
     uint32_t idx = (uint32_t)d->direct & 0xffff;
     if (atomic_load(&p->dead)) return -FI_ECONNRESET;
-    /* once per pass (direct_run's `run`): has its process exited (pid reuse)? */
-    if (atomic_exchange_explicit(&p->checked, run, memory_order_relaxed) != run) {
+    if (p->checked != run) { /* once per pass: has its process exited (pid reuse)? */
+        p->checked = run;
         struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
         if (poll(&pf, 1, 0) > 0 || atomic_load(&p->t->closed)) {
             atomic_store(&p->dead, 1);
@@ -1326,7 +1326,7 @@ static int direct_run(aio_poller *q) {
     q->dq_head = q->dq_tail = NULL;
     atomic_store(&q->dq_pending, 0);
     pthread_mutex_unlock(&q->qmu);
-    uint64_t run = atomic_fetch_add(&e->drun, 1) + 1;
+    uint64_t run = ++q->drun;
     int n = 0;
     dq_key blocked[DQ_BLOCKED_MAX];
     int nblocked = 0;
@@ -1434,7 +1434,7 @@ static void kick_rails(aio_engine *e, uint32_t mask) {
     uint32_t done = 0;
     for (int i = 0; i < e->nrails && mask; i++, mask >>= 1) {
         int q = e->rails[i]->poller;
-        if ((mask & 1) && q < e->npollers && !(done & (1u << q))) {
+        if ((mask & 1) && !(done & (1u << q))) {
             done |= 1u << q;
             kick_poller(&e->pollers[q]);
         }

@@ -151,8 +151,8 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
 int aio_engine_set_tcp_sndbuf(aio_engine *e, int32_t bytes, int all);
 /* Poller threads. Each rail is driven by one poller thread: rail i by poller i % n, so an engine
  * with several rails (NICs, or connections per NIC) moves data on several cores at once (one
- * thread copies into one tcp connection at about one core's speed). Poller 0 also reads the
- * watched words and the link monitor. Every thread spins only after activity on its own rails,
+ * thread copies into one tcp connection at about one core's speed). Poller 0 also makes every
+ * direct same-host copy and reads the watched words and the link monitor. Every thread spins only after activity on its own rails,
  * then sleeps. n: 1 (default) to AIO_MAX_RAILS; the engine runs min(n, rails) threads. Before
  * the first aio_engine_add_rail; 0 or -FI_EINVAL. */
 int aio_engine_set_pollers(aio_engine *e, int n);

@@ -2778,7 +2778,7 @@ def _open_native(
     wanted: list[tuple[str, str | None, bool]] = [(provider, nic, True) for nic in nics]
     if same_host is not None and same_host != provider:
         wanted.append((same_host, None, False))
-    threads = auto_pollers(len(wanted)) if pollers is None else min(pollers, len(wanted))
+    threads = auto_pollers(len(wanted)) if pollers is None else pollers  # the core caps it at the rails
     if lib.aio_engine_set_pollers(h, threads) != 0:  # pragma: no cover - checked by open_engine
         lib.aio_engine_destroy(h)
         raise InvalidArgument(f"pollers: {pollers} not accepted")

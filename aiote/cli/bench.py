@@ -359,11 +359,11 @@ async def run_config(
         if args.connect:
             address = bytes.fromhex(args.connect)
         else:
-            sndbuf = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
+            tuned = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
             if args.pollers is not None:
-                sndbuf += ["--pollers", str(args.pollers)]
+                tuned += ["--pollers", str(args.pollers)]
             cmd = [sys.executable, "-m", "aiote", "bench", "--listen", "--once", "--provider", provider,
-                   "--max-message", str(args.max_message), "--streams", str(args.streams), *sndbuf] + (
+                   "--max-message", str(args.max_message), "--streams", str(args.streams), *tuned] + (
                        ["--low-latency"] if args.low_latency else [])
             if nics:
                 cmd += ["--nics", ",".join(nics)]
@@ -465,7 +465,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "take them in turn")
     ap.add_argument("--pollers", type=int, default=None, metavar="N",
                     help="poller threads of both sides' engines (open_engine(pollers=N)); default: "
-                         "aiote's (one per rail, up to a quarter of the cores); the C core's the same")
+                         "aiote's (one per rail, up to the cores, at least two); the C core's the same")
     ap.add_argument("--tcp-send-buffer", type=parse_size, default=None, metavar="SIZE",
                     help="SO_SNDBUF of both sides' tcp connections (open_engine(tcp_send_buffer=)), "
                          "and the C core's the same; 0: the kernel's autotuning; default: aiote's "
