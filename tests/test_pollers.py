@@ -156,4 +156,7 @@ async def test_direct_same_host_copies_over_two_shm_streams_on_two_pollers() -> 
                                                   dst_offset=k << 20, imm=41))
         await b.imm_counter(41).wait(16, timeout=30)
         assert digest(src) == digest(mine)
-        assert a.stats()["direct_copies"] - c0 >= 32
+        # direct copies go over the first shm stream (the region table publishes its key; the
+        # other stream's requests go through shm): one piece of each split transfer, and the
+        # whole ones (transfers that found both streams busy) that took that stream, about half
+        assert a.stats()["direct_copies"] - c0 >= 12

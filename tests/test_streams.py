@@ -77,6 +77,45 @@ async def test_small_writes_carry_their_immediate_and_large_ones_are_split_and_c
         assert digest(back) == digest(src)
 
 
+async def test_a_busy_engine_sends_large_writes_whole_over_its_streams() -> None:
+    """With as many operations in flight (or ahead in the same batch) as streams, a large
+    write is not split: the streams take whole writes in turn, each with its immediate."""
+    async with (
+        aiote.open_engine(streams=2, **TCP) as a,
+        aiote.open_engine(streams=2, **TCP) as b,
+    ):
+        piece, k = 2 << 20, 8
+        src = pattern(piece * k, seed=11)
+        dst = zeros(piece * k)
+        ms, md = await a.register(src), await b.register(dst)
+        # a batch of k large writes: only the first is split (nothing in flight or ahead of
+        # it); each later one finds two requests ahead of it and goes whole
+        c0 = a.stats()["completions"]
+        batch = a.batch()
+        for i in range(k):
+            batch.write(ms, md.descriptor, length=piece, src_offset=i * piece, dst_offset=i * piece, imm=21)
+        await batch.submit()
+        await b.imm_counter(21).wait(k, timeout=30)
+        # two pieces and a credit for the first, one request each for the rest (all split: 3 k)
+        assert a.stats()["completions"] - c0 == k + 2
+        assert b.imm_counter(21).available == 0 and b.imm_counter(21).total == k
+        assert digest(dst) == digest(src)
+        # posted one after the other (post_write posts at once): from the third on, both
+        # streams are busy and each goes whole
+        dst[:] = 0
+        c0 = a.stats()["completions"]
+        posted = [
+            a.post_write(ms, md.descriptor, length=piece, src_offset=i * piece, dst_offset=i * piece, imm=22)
+            for i in range(k)
+        ]
+        for t in posted:
+            await t
+        await b.imm_counter(22).wait(k, timeout=30)
+        assert a.stats()["completions"] - c0 <= 2 * 3 + (k - 2)
+        assert b.imm_counter(22).available == 0 and b.imm_counter(22).total == k
+        assert digest(dst) == digest(src)
+
+
 async def test_streams_to_a_peer_process() -> None:
     async with (
         aiote.open_engine(streams=2, **TCP) as e,

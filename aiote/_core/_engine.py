@@ -292,6 +292,7 @@ class Engine:
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
         self._pending: dict[int, _Op] = {}
+        self._opening = 0  # writes and reads between their rows and their groups (see _rows)
         self._counters: dict[int, ImmCounter] = {}
         self._regions: set[MemoryRegion] = set()
         self._peers: dict[tuple[int, bytes], int] = {}
@@ -1030,11 +1031,14 @@ class Engine:
         op: int,
         credits: dict[tuple[Any, int], int] | None = None,
         gpu_ok: bool = False,
+        load: int = 0,
     ) -> tuple[list[tuple[int, ...]], Any]:
         """Validates one transfer and returns its aio_op_desc rows and the full route set to
         the peer. Rows: one, or one shard per
         route when it is at least ``stripe_min`` bytes and the peer is reached over several
-        NICs.
+        NICs; over the streams of one NIC only while fewer operations are in flight, plus
+        ``load`` (requests already in the caller's batch), than streams (otherwise the
+        streams take whole transfers in turn).
 
         Counting rule: over a single route the immediate travels with the data. Over several
         routes (NICs) the data rows carry none; the credit is added to ``credits[(path, imm)]``
@@ -1058,9 +1062,17 @@ class Engine:
         # writes stay with shm, which copies at the target (process_vm_writev measured slower
         # here; see docs/benchmarks.md)
         dcode, dkey = self._direct(rdesc) if rdesc.direct is not None and mr._dev is None else _NO_DIRECT
-        if n > 1 and self._streams > 1 and length < self._stripe_min and self._on_one_nic(path):
+        if (
+            n > 1
+            and self._streams > 1
+            and (length < self._stripe_min or max(len(self._pending), self._opening) + load >= n)
+            and self._on_one_nic(path)
+        ):
             # streams of one NIC, not striped: as over a single NIC (the immediate travels with
             # the data; the streams take turns). A link failure takes every stream of the NIC.
+            # A large transfer is split only while fewer operations are in flight (plus those
+            # ahead of it in the caller's batch) than streams: with every stream busy, a split
+            # adds work requests and a credit message and moves nothing faster
             hop = path[start % n]
             rail, fa, base, key = hop
             dc = dcode if key == dkey and rail in self._shm_rails else 0
@@ -1580,7 +1592,11 @@ class Engine:
             if credits:
                 await self._send_credits(credits, end, "write")
 
-        await self._attempts(attempt, timeout, retry, "write")
+        self._opening += 1  # seen by the next transfers' _rows before this one's group opens
+        try:
+            await self._attempts(attempt, timeout, retry, "write")
+        finally:
+            self._opening -= 1
 
     async def write_imm(
         self,
@@ -1805,7 +1821,11 @@ class Engine:
             mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ, gpu_ok=True
         )
         table = self._table(rows)
-        await self._attempts(lambda t: self._run(table, mr, t, "read", full), timeout, retry, "read")
+        self._opening += 1
+        try:
+            await self._attempts(lambda t: self._run(table, mr, t, "read", full), timeout, retry, "read")
+        finally:
+            self._opening -= 1
 
     async def write_paged(
         self,
@@ -2035,8 +2055,9 @@ class Engine:
         for i, t in enumerate(targets):
             if not isinstance(t, ScatterTarget):
                 raise InvalidArgument(f"targets[{i}] must be an aiote.ScatterTarget, not {type(t).__name__}")
+            n = len(rows)  # requests ahead of this one in the call
             rows += self._rows(
-                mr, t.desc, t.length, t.src_offset, t.dst_offset, imm, lib.AIO_OP_WRITE, credits
+                mr, t.desc, t.length, t.src_offset, t.dst_offset, imm, lib.AIO_OP_WRITE, credits, load=n
             )[0]
         if not rows:
             await anyio.lowlevel.checkpoint()
@@ -2491,7 +2512,7 @@ class TransferBatch:
         when striped) to the batch: nothing is posted until :meth:`submit` or :meth:`post`;
         the first request to a new peer resolves its address once (cached)."""
         rows, _ = self._engine._rows(
-            mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, self._credits
+            mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, self._credits, load=self._n
         )
         self._add(rows)
         self._refs.add(mr)
@@ -2516,7 +2537,10 @@ class TransferBatch:
         nothing is added then. Costs only validating and appending one request (one per NIC
         when striped) to the batch: nothing is posted until :meth:`submit` or :meth:`post`;
         the first request to a new peer resolves its address once (cached)."""
-        self._add(self._engine._rows(mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ)[0])
+        rows, _ = self._engine._rows(
+            mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ, load=self._n
+        )
+        self._add(rows)
         self._refs.add(mr)
         return self
 
@@ -2950,9 +2974,10 @@ async def open_engine(
     without it fails at registration.
     ``streams``: connections per NIC (1 to 8; each is one more rail on the same NIC, so a
     peer opened with the same ``streams`` is reached over that many connections per NIC).
-    A write or read of at least ``stripe_min`` bytes is split across them (its immediate, if
-    any, follows as one credit once every piece landed); smaller ones take the streams in
-    turn and carry their immediate themselves, as over a single NIC. On tcp two streams move
+    A write or read of at least ``stripe_min`` bytes is split across them while fewer
+    operations are in flight than streams (its immediate, if any, follows as one credit once
+    every piece landed); otherwise, and for smaller ones, the streams take whole transfers in
+    turn, each carrying its immediate, as over a single NIC. On tcp two streams move
     large writes faster where one TCP connection's receive path is the limit (loopback here:
     see docs/benchmarks.md); the price is a rail's memory and poller work per stream.
     ``tcp_send_buffer``: the send buffer (``SO_SNDBUF``, bytes; the kernel doubles it) of the

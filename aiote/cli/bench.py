@@ -461,8 +461,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "waits the same way")
     ap.add_argument("--streams", type=int, default=1,
                     help="connections per NIC of both sides' engines (open_engine(streams=N)): writes "
-                         "of at least 1 MiB are split across them; the C core's writes and reads "
-                         "take them in turn")
+                         "of at least 1 MiB are split across them while fewer are in flight than "
+                         "streams; the C core's writes and reads take them in turn")
     ap.add_argument("--pollers", type=int, default=None, metavar="N",
                     help="poller threads of both sides' engines (open_engine(pollers=N)); default: "
                          "aiote's (one per rail, up to the cores, at least two); the C core's the same")
