@@ -292,7 +292,7 @@ class Engine:
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
         self._pending: dict[int, _Op] = {}
-        self._opening = 0  # writes and reads between their rows and their groups (see _rows)
+        self._opening = 0  # transfers in _run: seen by _rows before their groups open
         self._counters: dict[int, ImmCounter] = {}
         self._regions: set[MemoryRegion] = set()
         self._peers: dict[tuple[int, bytes], int] = {}
@@ -1193,6 +1193,17 @@ class Engine:
     async def _run(
         self, table: np.ndarray, refs: Any, timeout: float | None, what: str, path: Any = None
     ) -> None:
+        """:meth:`_run_routes`, counted in ``_opening`` from its first step (before its groups
+        open, so a transfer another task builds meanwhile sees it: see :meth:`_rows`)."""
+        self._opening += 1
+        try:
+            await self._run_routes(table, refs, timeout, what, path)
+        finally:
+            self._opening -= 1
+
+    async def _run_routes(
+        self, table: np.ndarray, refs: Any, timeout: float | None, what: str, path: Any = None
+    ) -> None:
         """Posts the rows of ``table`` and waits for all of them.
 
         ``path``: the full route set of the one peer region every row addresses (single-peer
@@ -1207,14 +1218,14 @@ class Engine:
         end = _end(timeout)
         if len(table) == 1 or bool((rails == rails[0]).all()):
             if await self._run_table(table, refs, timeout, what, {int(rails[0])}, path):
-                await self._run(self._reroute(table, path), refs, _left(end), what, path)
+                await self._run_routes(self._reroute(table, path), refs, _left(end), what, path)
             return
         errors: list[BaseException] = []
 
         async def one(sub: np.ndarray, rail: int) -> None:
             try:
                 if await self._run_table(sub, refs, _left(end), what, {rail}, path):
-                    await self._run(self._reroute(sub, path), refs, _left(end), what, path)
+                    await self._run_routes(self._reroute(sub, path), refs, _left(end), what, path)
             except Exception as exc:
                 errors.append(exc)
 
@@ -1592,11 +1603,7 @@ class Engine:
             if credits:
                 await self._send_credits(credits, end, "write")
 
-        self._opening += 1  # seen by the next transfers' _rows before this one's group opens
-        try:
-            await self._attempts(attempt, timeout, retry, "write")
-        finally:
-            self._opening -= 1
+        await self._attempts(attempt, timeout, retry, "write")
 
     async def write_imm(
         self,
@@ -1821,11 +1828,7 @@ class Engine:
             mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ, gpu_ok=True
         )
         table = self._table(rows)
-        self._opening += 1
-        try:
-            await self._attempts(lambda t: self._run(table, mr, t, "read", full), timeout, retry, "read")
-        finally:
-            self._opening -= 1
+        await self._attempts(lambda t: self._run(table, mr, t, "read", full), timeout, retry, "read")
 
     async def write_paged(
         self,
