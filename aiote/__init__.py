@@ -11,7 +11,15 @@ from . import kv  # the KV-cache flow (prefill/decode), built on the core
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._core._device import GpuUnavailable
-from ._core._engine import Engine, RailInfo, ScatterTarget, Transfer, TransferBatch, open_engine
+from ._core._engine import (
+    Engine,
+    RailInfo,
+    ScatterTarget,
+    Transfer,
+    TransferBatch,
+    default_streams,
+    open_engine,
+)
 from ._core._errors import (
     AioteError,
     DescriptorError,
@@ -60,6 +68,7 @@ __all__ = [
     "TransferError",
     "TransferTimeout",
     "UvmWatcher",
+    "default_streams",
     "kv",
     "open_engine",
 ]

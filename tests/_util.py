@@ -55,6 +55,16 @@ def zeros(n: int) -> np.ndarray:
     return np.zeros(n, np.uint8)
 
 
+async def streams_open(e: Any, peers: int = 1) -> None:
+    """Waits until every connection of ``e``'s ``streams`` to its ``peers`` peers is open
+    (a transfer's first contact opens the other streams in the background)."""
+    k = e.domains.streams
+    want = 0 if k == 1 else k * peers
+    await eventually(
+        lambda: e.stats()["routes_opening"] == 0 and e.stats()["routes_open"] >= want, "the streams to open"
+    )
+
+
 async def eventually(pred: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
     """Polls ``pred`` (on real engine state) until it holds; fails the test after ``timeout``."""
     with anyio.move_on_after(timeout):

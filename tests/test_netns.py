@@ -10,7 +10,7 @@ import anyio
 import numpy as np
 import pytest
 from _netns import Hosts, netns_unavailable, two_hosts
-from _util import digest, eventually, kernel_sndbuf, pattern, tcp_sockets
+from _util import digest, eventually, kernel_sndbuf, pattern, streams_open, tcp_sockets
 
 import aiote
 from aiote.testing import spawn_peer
@@ -170,6 +170,7 @@ async def test_send_buffers_of_connections_to_another_host(hosts: Hosts, asked: 
         ms = await e.register(src)
         await e.write(ms, d, imm=81)
         await p.wait(imm=81, n=1)
+        await streams_open(e)  # every stream's connection, for the send buffers below
         assert await p.digest("buf", 0, size) == digest(src)
         ours = [
             sndbuf

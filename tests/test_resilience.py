@@ -330,3 +330,8 @@ async def test_a_striped_timed_out_write_settles_every_nics_group() -> None:
         with anyio.fail_after(60):
             await info.value.settled()
         assert e.stats()["ops_in_flight"] == 0  # both NICs' groups, not only the first
+        # the deferred credit of the striped write followed once both pieces had landed
+        # (settled() waits for it too): counted once, as a single-NIC write would be
+        await p.wait(imm=2)
+        assert await p.counter(2) == 0
+        assert await p.digest("buf") == digest(ms.buffer)

@@ -4,9 +4,13 @@ ones split across the streams and counted once, and a peer process on the other 
 
 from __future__ import annotations
 
+import os
+import signal
+
+import anyio
 import numpy as np
 import pytest
-from _util import digest, pattern, zeros
+from _util import digest, pattern, streams_open, zeros
 
 import aiote
 from aiote.testing import spawn_peer
@@ -16,14 +20,20 @@ pytestmark = pytest.mark.anyio
 TCP = {"same_host": None}
 
 
+
 async def test_streams_are_rails_of_one_nic() -> None:
     async with aiote.open_engine(nics=["lo"], streams=3, **TCP) as e:
         assert [r.domain for r in e.rails] == ["lo"] * 3
         assert len({r.address for r in e.rails}) == 3  # three endpoints, three connections per peer
         d = e.domains
         assert d.streams == 3 and d.nics == ("lo", "lo", "lo")
-    async with aiote.open_engine(**TCP) as e:
+    async with aiote.open_engine(**TCP) as e:  # tcp with one NIC: two by default
+        assert len(e.rails) == 2 and e.domains.streams == aiote.default_streams("tcp", ["lo"]) == 2
+    async with aiote.open_engine(streams=1, **TCP) as e:
         assert len(e.rails) == 1 and e.domains.streams == 1
+    async with aiote.open_engine(nics=["lo", "lo"], **TCP) as e:  # several NICs: one each
+        assert len(e.rails) == 2 and e.domains.streams == aiote.default_streams("tcp", ["lo", "lo"]) == 1
+    assert aiote.default_streams("shm") == aiote.default_streams("verbs", ["mlx5_0"]) == 1
 
 
 @pytest.mark.parametrize("bad", [0, 9, True, 1.5, "2"])
@@ -46,6 +56,14 @@ async def test_small_writes_carry_their_immediate_and_large_ones_are_split_and_c
         dst = zeros(size)
         ms, md = await a.register(src), await b.register(dst)
         assert len(a.route(md.descriptor).pairs) == 2
+        # the first transfer to the peer goes whole over the first stream, even a large one
+        # (the second connection is not made yet: it opens meanwhile, by a zero-byte write)
+        c0 = a.stats()["completions"]
+        await a.write(ms, md.descriptor, imm=4)
+        await b.imm_counter(4).wait(1, timeout=30)
+        assert digest(dst) == digest(src)
+        await streams_open(a)
+        assert a.stats()["completions"] - c0 == 2  # the write, and the opening of stream 2
         # below stripe_min: one work request each, immediate included (no credit message after
         # it, as a multi-NIC write would send): one completion per write at the writer
         c0 = a.stats()["completions"]
@@ -88,6 +106,8 @@ async def test_a_busy_engine_sends_large_writes_whole_over_its_streams() -> None
         src = pattern(piece * k, seed=11)
         dst = zeros(piece * k)
         ms, md = await a.register(src), await b.register(dst)
+        await a.write(ms, md.descriptor, length=64)
+        await streams_open(a)
         # a batch of k large writes: only the first is split (nothing in flight or ahead of
         # it); each later one finds two requests ahead of it and goes whole
         c0 = a.stats()["completions"]
@@ -127,7 +147,42 @@ async def test_streams_to_a_peer_process() -> None:
         desc = await peer.register("buf", size)
         assert len(e.route(desc).pairs) == 2
         assert len((await peer.route(e.address))["pairs"]) == 2
+        await e.write(ms, desc, length=64)  # the first transfer opens the streams
+        await streams_open(e)
         await e.write(ms, desc, imm=9)  # split across both connections
         await e.write(ms, desc, length=4096, imm=9)  # one of them, immediate included
         await peer.wait(imm=9, n=2)
         assert await peer.digest("buf") == digest(src)
+
+
+async def test_a_timed_out_split_write_is_counted_once_it_lands() -> None:
+    """A write split over the streams that times out (the peer frozen) goes on; its credit
+    follows once both pieces landed, and ``settled()`` returns after that credit."""
+    async with (
+        aiote.open_engine(streams=2, **TCP) as e,
+        spawn_peer(engine=e, same_host=None, peer_streams=2) as p,
+    ):
+        size = 64 << 20  # more than the kernel buffers for a frozen receiver
+        d = await p.register("buf", size)
+        src = pattern(size, seed=12)
+        ms = await e.register(src)
+        await e.write(ms, d, length=64, imm=1)
+        await p.wait(imm=1)
+        await streams_open(e)
+        c0 = e.stats()["completions"]
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(aiote.TransferTimeout) as info:
+                await e.write(ms, d, imm=2, timeout=0.3)  # split: an idle engine
+            with anyio.move_on_after(0.3) as scope:
+                await info.value.settled()
+            assert scope.cancelled_caught
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        with anyio.fail_after(60):
+            await info.value.settled()
+        assert e.stats()["ops_in_flight"] == 0
+        assert e.stats()["completions"] - c0 == 3  # two pieces, then the credit
+        await p.wait(imm=2)
+        assert await p.counter(2) == 0
+        assert await p.digest("buf") == digest(src)

@@ -7,7 +7,7 @@ processes over tcp loopback (and two network namespaces in tests/test_netns.py).
 from __future__ import annotations
 
 import pytest
-from _util import digest, kernel_sndbuf, pattern, tcp_sockets
+from _util import digest, kernel_sndbuf, pattern, streams_open, tcp_sockets
 
 import aiote
 from aiote._core._descriptor import EngineAddress
@@ -49,16 +49,18 @@ async def _write_and_check(peer, e: aiote.Engine, imm: int, size: int = 4 << 20)
 async def test_same_host_connections_get_a_fixed_send_buffer() -> None:
     async with spawn_peer("tcp", same_host=None) as peer:
         e = peer.engine
-        assert e.stats()["tcp_buffers_set"] == 1  # the listener on lo, at open
+        k = e.domains.streams  # a listener and a connection per stream
+        assert e.stats()["tcp_buffers_set"] == k  # the listeners on lo, at open
         await _write_and_check(peer, e, 71)
+        await streams_open(e)
         accepted, active = engine_sockets(e, peer.address)
         assert accepted and active, (accepted, active)
         assert set(accepted) == set(active) == {kernel_sndbuf(_AUTO)}
-        assert e.stats()["tcp_buffers_set"] == 2  # + the connection to the peer
-        # the peer set its own: its listener (the connection it accepted inherited it)
-        assert (await peer.stats())["tcp_buffers_set"] == 1
+        assert e.stats()["tcp_buffers_set"] == 2 * k  # + the connections to the peer
+        # the peer set its own: its listeners (the connections they accepted inherited it)
+        assert (await peer.stats())["tcp_buffers_set"] == k
         await _write_and_check(peer, e, 72)
-        assert e.stats()["tcp_buffers_set"] == 2  # once per connection
+        assert e.stats()["tcp_buffers_set"] == 2 * k  # once per connection
 
 
 async def test_zero_leaves_the_kernel_autotuning() -> None:

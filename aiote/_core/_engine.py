@@ -282,6 +282,11 @@ class Engine:
         # transfer that is not striped takes one of them like a single-NIC engine (see _rows)
         self._streams = streams
         self._one_nic: dict[int, tuple[Any, bool]] = {}
+        # several routes to a peer: the (rail, peer) connections known to be open, those being
+        # opened by a zero-byte request, and the paths whose every route is open (_open_routes)
+        self._routes_open: set[tuple[int, int]] = set()
+        self._routes_opening: set[tuple[int, int]] = set()
+        self._paths_open: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
         self._loop_spin_ns = loop_spin_ns
         self._rails = rails
         self._closed = False
@@ -366,7 +371,8 @@ class Engine:
             nics=tuple(r.domain for r in self._rails if r.provider == main),
             same_host=next((r.provider for r in self._rails if r.provider != main), None),
             stripe_min=self._stripe_min,
-            down=tuple(self._rails[i].domain for i in sorted(self._router.down)),
+            # one entry per NIC: its streams go down together
+            down=tuple(self._rails[i].domain for i in sorted(self._router.down) if i % self._streams == 0),
             streams=self._streams,
         )
 
@@ -397,11 +403,13 @@ class Engine:
         operations and regions in flight (``pending``: groups whose completion record the loop
         has not read yet; a posted transfer's quiet record is read at the next wake-up), and
         ``peers``: peer NIC addresses resolved (each is
-        resolved once and cached), ``failovers``: requests re-posted on another NIC after a link
-        failure, ``stranded``: groups left on a failed link, still owned by the transport
-        (their bytes land again if the link recovers). GPU: ``gpu_ipc`` / ``gpu_staged`` /
-        ``gpu_direct``: operations sent through CUDA IPC / staged through pinned host memory /
-        posted on GPU memory the NICs registered (FI_HMEM),
+        resolved once and cached), ``routes_open`` / ``routes_opening``: connections to peers
+        reached over several NICs or ``streams`` known open / being opened by a zero-byte
+        request (a transfer to such a peer goes only over open ones), ``failovers``: requests
+        re-posted on another NIC after a link failure, ``stranded``: groups left on a failed
+        link, still owned by the transport (their bytes land again if the link recovers).
+        GPU: ``gpu_ipc`` / ``gpu_staged`` / ``gpu_direct``: operations sent through CUDA IPC /
+        staged through pinned host memory / posted on GPU memory the NICs registered (FI_HMEM),
         ``gpu_parts_in``: staged parts this engine copied into its GPU memory;
         ``pollers``: the native poller threads that drive the rails (``open_engine``'s ``pollers``).
         O(1) but ``stranded``: O(pending). Raises :class:`EngineClosed` once the engine closed."""
@@ -427,6 +435,8 @@ class Engine:
             "pending": len(self._pending),
             "regions": len(self._regions),
             "peers": len(self._peers),
+            "routes_open": len(self._routes_open),
+            "routes_opening": len(self._routes_opening),
             "failovers": self._failovers,
             "stranded": sum(1 for op in self._pending.values() if op.failover),
             **(self._gpu.counts if self._gpu is not None else dict.fromkeys(_GPU_COUNTS, 0)),
@@ -1056,27 +1066,32 @@ class Engine:
         path = self._router.live(full)
         n = len(path)
         start = self._router.start(full)
+        opened = self._open_routes(path, op) if n > 1 else path
         ptr = mr._ptr
         # a same-host peer that published the region, over shm: a direct copy by our poller.
         # The core makes READs directly, and writes only into the peer's arena (memcpy); other
         # writes stay with shm, which copies at the target (process_vm_writev measured slower
         # here; see docs/benchmarks.md)
         dcode, dkey = self._direct(rdesc) if rdesc.direct is not None and mr._dev is None else _NO_DIRECT
-        if (
-            n > 1
-            and self._streams > 1
-            and (length < self._stripe_min or max(len(self._pending), self._opening) + load >= n)
-            and self._on_one_nic(path)
-        ):
-            # streams of one NIC, not striped: as over a single NIC (the immediate travels with
-            # the data; the streams take turns). A link failure takes every stream of the NIC.
-            # A large transfer is split only while fewer operations are in flight (plus those
-            # ahead of it in the caller's batch) than streams: with every stream busy, a split
-            # adds work requests and a credit message and moves nothing faster
-            hop = path[start % n]
-            rail, fa, base, key = hop
-            dc = dcode if key == dkey and rail in self._shm_rails else 0
-            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
+        if n > 1 and self._streams > 1 and self._on_one_nic(path):
+            # streams of one NIC: until every one is connected, transfers go whole over the
+            # open ones
+            live = opened
+            if (
+                live is not path
+                or length < self._stripe_min
+                or max(len(self._pending), self._opening) + load >= n
+            ):
+                # not striped: as over a single NIC (the immediate travels with the data; the
+                # streams take turns). A link failure takes every stream of the NIC. A large
+                # transfer is split only while fewer operations are in flight (plus those ahead
+                # of it in the caller's batch) than streams: with every stream busy, a split
+                # adds work requests and a credit message and moves nothing faster
+                hop = live[start % len(live)]
+                rail, fa, base, key = hop
+                dc = dcode if key == dkey and rail in self._shm_rails else 0
+                return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
+        path, n = opened, len(opened)  # NICs not connected yet take nothing until they are
         if len(full) > 1 and flags and length:
             if credits is None:
                 raise AssertionError("a multi-NIC write with an immediate needs a credit list")
@@ -1141,6 +1156,87 @@ class Engine:
             self._one_nic.clear()
         self._one_nic[id(path)] = (path, one)  # holds path: its id cannot be reused meanwhile
         return one
+
+    def _open_routes(self, path: tuple[tuple[int, int, int, int], ...], op: int) -> tuple[Any, ...]:
+        """The routes of ``path`` (several NICs or streams to one peer) whose connections are
+        open: ``path`` itself once all are. A connection is opened at its first request, so
+        every route not yet open gets a zero-byte request of kind ``op`` (READ or WRITE, so
+        that the region's access rights allow it; no immediate, nothing counted) in a
+        background task when a transfer first reaches the peer; meanwhile transfers go over
+        the open ones (the first: over the first route, which it opens itself). So a transfer
+        is never split onto a connection that has yet to be made: a peer that stops answering
+        (frozen, overloaded) makes every piece wait on an established connection, instead of
+        one piece failing with PeerUnreachable after ``connect_timeout`` (or, timed out, never
+        posted). A failed opening is logged and tried again at the next transfer. Costs one
+        dict lookup once every route is open."""
+        if self._paths_open.get(id(path)) is path:
+            return path
+        opened = self._routes_open
+        if not any((h[0], h[1]) in opened for h in path):
+            opened.add((path[0][0], path[0][1]))  # this transfer opens it
+        live = tuple(h for h in path if (h[0], h[1]) in opened)
+        if len(live) == len(path):
+            if len(self._paths_open) >= 1024:
+                self._paths_open.clear()
+            self._paths_open[id(path)] = path  # holds path: its id cannot be reused meanwhile
+            return path
+        for hop in path:
+            if (hop[0], hop[1]) not in opened and (hop[0], hop[1]) not in self._routes_opening:
+                self._routes_opening.add((hop[0], hop[1]))
+                assert self._bridge is not None
+                self._bridge.spawn(partial(self._open_route, hop, op))
+        return live
+
+    async def _open_route(self, hop: tuple[int, int, int, int], op: int) -> None:
+        """Opens the connection of one route to a peer with a zero-byte request (see
+        :meth:`_open_routes`); never raises (a failure is logged, and the next transfer to
+        the peer tries again)."""
+        assert self._scratch is not None
+        rail, fa, base, key = hop
+        row = (self._scratch._ptr, 0, 0, fa, base, key, 0, rail, op, 0, 0)
+        try:
+            if not await self._run_table(self._table([row]), None, None, "opening a connection"):
+                self._routes_open.add((rail, fa))
+        except Exception as exc:  # the transfer that needs the peer reports the failure
+            self._log.info("a connection to a peer did not open (tried again)", rail=rail, error=str(exc))
+        finally:
+            self._routes_opening.discard((rail, fa))
+
+    async def _then_credit(
+        self, data: Awaitable[None], credits: dict[tuple[Any, int], int], end: float | None, what: str
+    ) -> None:
+        """Awaits ``data`` (the rows of an operation over several routes), then sends its
+        deferred ``credits`` (see :meth:`_rows`). When ``data`` times out after posting, a
+        background task sends the credits once every posted request has landed, and the
+        :class:`TransferTimeout`'s ``settled()`` waits for that too: a timed-out operation is
+        counted once its data is in place, as over a single route (never when a request failed
+        or was never posted)."""
+        try:
+            await data
+        except TransferTimeout as exc:
+            if credits and exc._waiter is not None:
+                self._credit_later(exc, dict(credits), what)
+            raise
+        if credits:
+            await self._send_credits(credits, end, what)
+
+    def _credit_later(self, exc: TransferTimeout, credits: dict[tuple[Any, int], int], what: str) -> None:
+        settle, landed = exc._waiter, exc._landed
+        done = self._event()
+
+        async def later() -> None:
+            try:
+                await settle()
+                if landed is not None and landed() and not self._closed:
+                    await self._send_credits(credits, None, f"{what} (credit after its timeout)")
+            except Exception as err:  # the peer is gone or the engine closed: never counted
+                self._log.info("a timed-out transfer's credit was not sent", what=what, error=str(err))
+            finally:
+                done.set()
+
+        assert self._bridge is not None
+        self._bridge.spawn(later)
+        exc._waiter = done.wait
 
     async def _send_credits(self, credits: dict[tuple[Any, int], int], end: float | None, what: str) -> None:
         """Sends deferred credits (see :meth:`_rows`): one zero-byte write per (peer, imm)
@@ -1247,6 +1343,8 @@ class Engine:
             first = timed_out[0]
             first._waiter = all_settled
             others = [e for e in errors if not isinstance(e, TransferTimeout)]
+            landed = [e._landed for e in timed_out]
+            first._landed = lambda: not others and all(f is not None and f() for f in landed)
             raise first from (others[0] if others else None)
 
     async def _run_table(
@@ -1428,6 +1526,8 @@ class Engine:
             if posted == 0:
                 raise TransferTimeout(f"{what}: nothing could be posted before the deadline") from None
             timed_out._waiter = partial(self._settle, op)
+            whole = posted == n  # every request posted: all land unless one fails
+            timed_out._landed = lambda: whole and op.done is True and op.status == 0 and not op.failover
             raise
         except BaseException:
             if not sealed:
@@ -1599,9 +1699,7 @@ class Engine:
             if len(full) == 1:  # one NIC each side: the common, fast case
                 await self._run_table(table, mr, t, "write")
                 return
-            await self._run(table, mr, t, "write", full)
-            if credits:
-                await self._send_credits(credits, end, "write")
+            await self._then_credit(self._run(table, mr, t, "write", full), credits, end, "write")
 
         await self._attempts(attempt, timeout, retry, "write")
 
@@ -2017,7 +2115,11 @@ class Engine:
         """One attempt of a paged write: the pages as one group, moved to the NICs still up
         when one loses its link, then the deferred credit."""
         page_size, src_stride, dst_stride, src_offset, dst_offset, first = geometry
-        if await self._run_group(post, n, refs, timeout, what, rails if len(full) > 1 else None, full):
+
+        async def data() -> None:
+            on = rails if len(full) > 1 else None
+            if not await self._run_group(post, n, refs, timeout, what, on, full):
+                return
             # a NIC lost its link: the pages went as one group over every NIC, so all of them
             # are written again over the NICs still up (the same bytes; the credit follows)
             live = self._router.live(full)
@@ -2035,8 +2137,8 @@ class Engine:
             )
             self._failovers += n
             await self._run(rows, refs, _left(end), what, full)
-        if credits:
-            await self._send_credits(credits, end, what)
+
+        await self._then_credit(data(), credits, end, what)
 
     async def scatter(
         self,
@@ -2070,9 +2172,7 @@ class Engine:
         table = self._table(rows)
 
         async def attempt(t: float | None) -> None:
-            await self._run(table, mr, t, what)
-            if credits:
-                await self._send_credits(credits, end, what)
+            await self._then_credit(self._run(table, mr, t, what), credits, end, what)
 
         await self._attempts(attempt, timeout, retry, what)
 
@@ -2569,9 +2669,7 @@ class TransferBatch:
         eng = self._engine
 
         async def attempt(t: float | None) -> None:
-            await eng._run(table, self._refs, t, what)
-            if self._credits:
-                await eng._send_credits(self._credits, end, what)
+            await eng._then_credit(eng._run(table, self._refs, t, what), self._credits, end, what)
 
         await eng._attempts(attempt, timeout, retry, what)
 
@@ -2887,6 +2985,16 @@ def _open_arena(h: Any, size: int) -> Arena | None:
 _DEFAULT_NIC = {"tcp": "lo"}
 
 
+def default_streams(provider: str = "tcp", nics: Sequence[str] | None = None) -> int:
+    """The ``streams`` (connections per NIC) that :func:`open_engine` takes when none is
+    given: 2 on the ``tcp`` provider with one NIC, 1 otherwise. One TCP connection moves
+    large writes at about one core's copy speed and its receive path is the limit on
+    loopback (docs/benchmarks.md); several NICs already give several connections, and shm,
+    verbs and efa do not gain from more. Pure; raises nothing; O(NICs)."""
+    count = 1 if nics is None or isinstance(nics, str) else len(list(nics))
+    return 2 if provider == "tcp" and count == 1 else 1
+
+
 @asynccontextmanager
 async def open_engine(
     provider: str = "tcp",
@@ -2909,7 +3017,7 @@ async def open_engine(
     watch_interval_us: int = 100,
     gpu_backend: str = "cuda",
     gpu_direct: bool | None = None,
-    streams: int = 1,
+    streams: int | None = None,
     same_host_direct: bool = True,
     tcp_send_buffer: int | None = None,
     host_arena: int = 4 << 30,
@@ -2977,6 +3085,9 @@ async def open_engine(
     without it fails at registration.
     ``streams``: connections per NIC (1 to 8; each is one more rail on the same NIC, so a
     peer opened with the same ``streams`` is reached over that many connections per NIC).
+    ``None`` (default): :func:`default_streams` (2 on tcp with one NIC, else 1). Every
+    connection to a peer is opened when a transfer first reaches it (a zero-byte request in
+    the background); until then transfers go whole over the open ones.
     A write or read of at least ``stripe_min`` bytes is split across them while fewer
     operations are in flight than streams (its immediate, if any, follows as one credit once
     every piece landed); otherwise, and for smaller ones, the streams take whole transfers in
@@ -3019,6 +3130,8 @@ async def open_engine(
             raise InvalidArgument("nics must name at least one NIC")
         if len(nic_list) > 16:
             raise InvalidArgument("at most 16 NICs per engine")
+    if streams is None:
+        streams = default_streams(provider, [str(n) for n in nic_list])
     streams = as_index(streams, "streams", lo=1, hi=9)
     if len(nic_list) * streams > 16:
         raise InvalidArgument(f"at most 16 rails per engine: {len(nic_list)} NICs x {streams} streams")

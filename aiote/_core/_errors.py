@@ -72,6 +72,7 @@ class TransferTimeout(AioteError, TimeoutError):
     """
 
     _waiter: Any = None
+    _landed: Any = None  # after settling: whether every request was posted and succeeded
 
     async def settled(self) -> None:
         """Returns once every request the timed-out operation had posted has completed (or

@@ -292,14 +292,14 @@ class _Server:
                     return
 
 
-def tuning(low_latency: bool, streams: int = 1, tcp_send_buffer: int | None = None,
+def tuning(low_latency: bool, streams: int | None = None, tcp_send_buffer: int | None = None,
            pollers: int | None = None) -> dict[str, Any]:
     """``open_engine`` arguments of ``--low-latency`` (aiote's documented low-latency setting:
     the poller spins 1 ms after activity and the loop thread polls up to 500 us while it
     waits), ``--streams`` (connections per NIC), ``--tcp-send-buffer`` and ``--pollers``, or
     none (the defaults)."""
     out: dict[str, Any] = {"spin_us": 1000.0, "loop_spin_us": 500.0} if low_latency else {}
-    if streams != 1:
+    if streams is not None:
         out["streams"] = streams
     if pollers is not None:
         out["pollers"] = pollers
@@ -316,7 +316,7 @@ def bench_same_host(provider: str) -> str | None:
 
 
 async def serve(provider: str, nics: Sequence[str] | None, *, port: int | None, once: bool,
-                max_message: int, low_latency: bool = False, streams: int = 1,
+                max_message: int, low_latency: bool = False, streams: int | None = None,
                 tcp_send_buffer: int | None = None, pollers: int | None = None) -> None:
     """The ``--listen`` side: opens an engine, prints ``AIOTE_BENCH_LISTEN <address hex>`` and
     serves measuring sides one after the other (with ``once``: until the first one leaves)."""

@@ -285,6 +285,13 @@ def c_args(args: argparse.Namespace, case: Case) -> list[str]:
     return _c_case_args(args, case) + _sndbuf_args(args) + arena + _rails_args(args, case[0])
 
 
+def config_streams(args: argparse.Namespace, config: Config) -> int:
+    """The streams both sides' engines (and the C core) use for ``config``: ``--streams``,
+    else aiote's default for its provider and NICs (:func:`aiote.default_streams`)."""
+    provider, nics, _ = config
+    return int(args.streams) if args.streams is not None else aiote.default_streams(provider, nics)
+
+
 def _rails_args(args: argparse.Namespace, mode: str) -> list[str]:
     """Writes and reads: the C bench opens as many connections (``--streams``) and poller
     threads as aiote's engines (``pollers``, or aiote's default for that many rails)."""
@@ -350,6 +357,7 @@ async def run_config(
     the C core's figures and, for tcp writes, the bare sockets' (:func:`sockets_args`),
     interleaved case by case."""
     provider, nics, loop = config
+    args = argparse.Namespace(**{**vars(args), "streams": config_streams(args, config)})
     same_host = bench_same_host(provider)
     py: Figures = {}
     cc: Figures = {}
@@ -459,10 +467,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="both sides' engines in aiote's low-latency setting (spin_us=1000, "
                          "loop_spin_us=500: the loop thread polls while it waits); the C core "
                          "waits the same way")
-    ap.add_argument("--streams", type=int, default=1,
+    ap.add_argument("--streams", type=int, default=None,
                     help="connections per NIC of both sides' engines (open_engine(streams=N)): writes "
                          "of at least 1 MiB are split across them while fewer are in flight than "
-                         "streams; the C core's writes and reads take them in turn")
+                         "streams; the C core's writes and reads take them in turn; default: "
+                         "aiote's (2 on tcp with one NIC, else 1)")
     ap.add_argument("--pollers", type=int, default=None, metavar="N",
                     help="poller threads of both sides' engines (open_engine(pollers=N)); default: "
                          "aiote's (one per rail, up to the cores, at least two); the C core's the same")
@@ -529,7 +538,7 @@ def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> 
             return f"unknown event loop {lp!r} (asyncio, uvloop, trio)"
         if lp != "asyncio" and importlib.util.find_spec(lp) is None:
             return f"--loop {lp} needs {lp}: pip install {lp}"
-    if not 1 <= args.streams <= 8:
+    if args.streams is not None and not 1 <= args.streams <= 8:
         return f"--streams must be between 1 and 8, not {args.streams}"
     if args.pollers is not None and not 1 <= args.pollers <= 16:
         return f"--pollers must be between 1 and 16, not {args.pollers}"
@@ -619,7 +628,7 @@ def main(args: argparse.Namespace) -> int:
                     "nics": list(nics) if nics else None,
                     "loop": loop,
                     "setting": "low-latency" if args.low_latency else "default",
-                    "streams": args.streams,
+                    "streams": config_streams(args, (provider, nics, loop)),
                     "pollers": args.pollers,
                     "tcp_send_buffer": args.tcp_send_buffer,
                     "memory": "arena" if args.arena and mode in TRANSFERS else "numpy",

@@ -236,7 +236,7 @@ async def spawn_peer(
     provider: str = "tcp", nics: Sequence[str] | None = None, *, engine: Engine | None = None,
     startup_timeout: float = 30.0, peer_nics: Sequence[str] | None = None,
     same_host: str | None = "shm", prefix: Sequence[str] = (), peer_port: int | None = None,
-    peer_gpu_backend: str | None = None, peer_gpu_direct: bool | None = None, peer_streams: int = 1,
+    peer_gpu_backend: str | None = None, peer_gpu_direct: bool | None = None, peer_streams: int | None = None,
     peer_same_host_direct: bool = True, **engine_kw: Any,
 ) -> AsyncIterator[PeerProcess]:
     """Starts a peer engine in a new Python process (``python -m aiote.testing._peer``).
@@ -246,7 +246,8 @@ async def spawn_peer(
     ``prefix`` runs it under a command (e.g. ``["ip", "netns", "exec", "h2"]``); with
     ``peer_port`` its (tcp) engine listens on that port, so a restarted peer has the same
     address; ``peer_gpu_backend``/``peer_gpu_direct`` open it with that ``gpu_backend`` and
-    ``gpu_direct``; ``peer_streams``: its connections per NIC (``open_engine(streams=)``);
+    ``gpu_direct``; ``peer_streams``: its connections per NIC (``open_engine(streams=)``;
+    default: aiote's for its provider and NICs);
     ``peer_same_host_direct``: its ``open_engine(same_host_direct=)``.
     The peer exits when
     the block ends; if it is still alive after 10 s it is killed.
@@ -266,7 +267,7 @@ async def spawn_peer(
         args += ["--gpu-backend", peer_gpu_backend]
     if peer_gpu_direct is not None:
         args += ["--gpu-direct", "yes" if peer_gpu_direct else "no"]
-    if peer_streams != 1:
+    if peer_streams is not None:
         args += ["--streams", str(peer_streams)]
     if not peer_same_host_direct:
         args += ["--no-direct"]

@@ -135,7 +135,7 @@ async def _main(
     port: int | None,
     gpu_backend: str,
     gpu_direct: bool | None,
-    streams: int = 1,
+    streams: int | None = None,
     same_host_direct: bool = True,
 ) -> None:
     async with open_engine(
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--gpu-backend", default="cuda", help="cuda, or host (GPU emulation for tests)")
     ap.add_argument("--gpu-direct", choices=["auto", "yes", "no"], default="auto")
-    ap.add_argument("--streams", type=int, default=1, help="connections per NIC")
+    ap.add_argument("--streams", type=int, default=None, help="connections per NIC (default: aiote's)")
     ap.add_argument("--no-direct", action="store_true", help="open_engine(same_host_direct=False)")
     a = ap.parse_args()
     same_host = None if a.same_host == "none" else a.same_host

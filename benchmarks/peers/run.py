@@ -121,7 +121,7 @@ def run_aiote(
         jobs = {
             "write": ["write", "--sizes", args.sizes, "--window", str(args.window), *common]
             + (["--total", args.total] if args.total else [])
-            + (["--streams", str(args.aiote_streams)] if args.aiote_streams != 1 else []),
+            + (["--streams", str(args.aiote_streams)] if args.aiote_streams is not None else []),
             # same-host writes between buffers of the engines' host arenas (Engine.alloc_host)
             "write-arena": ["write", "--sizes", args.sizes, "--window", str(args.window), "--provider", "shm",
                             "--repeats", str(repeats or args.repeats), "--arena"]
@@ -538,8 +538,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--aiote-streams",
         type=int,
-        default=1,
-        help="with --run-aiote: aiote's writes over this many connections per NIC (aiote bench --streams)",
+        default=None,
+        help="with --run-aiote: aiote's writes over this many connections per NIC (aiote bench "
+        "--streams; default: aiote's)",
     )
     ap.add_argument("--quiet", action="store_true", help="don't echo each bench's lines")
     args = ap.parse_args(argv)
