@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
-from _util import digest, eventually, landed, nothing_posted, pattern, zeros
+from _util import digest, eventually, landed, nothing_posted, pattern, streams_open, zeros
 
 import aiote
 from aiote.testing import PeerProcess, spawn_peer
@@ -210,6 +210,7 @@ async def test_unregister_waits_for_a_write_in_flight() -> None:
         src[::4097] = 7
         ms = await e.register(src)
         await e.write(ms, desc, length=8, imm=1)  # connect while the peer runs
+        await streams_open(e)
         await peer.wait(imm=1)
         done = anyio.Event()
         unregistered = anyio.Event()

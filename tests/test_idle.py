@@ -12,6 +12,7 @@ import time
 import anyio
 import numpy as np
 import pytest
+from _util import streams_open
 
 from aiote.testing import engine_pair, spawn_peer
 
@@ -93,6 +94,7 @@ async def test_a_stream_keeps_the_receiving_poller_awake_then_it_sleeps_again() 
         src, dst = np.full(slots * size, 7, np.uint8), np.zeros(slots * size, np.uint8)
         ms, md = await a.register(src), await b.register(dst)
         await a.write(ms, md.descriptor, length=size, imm=1)  # connected
+        await streams_open(a)
         await b.imm_counter(1).wait(1, timeout=30)
         before = b.stats()
         for r in range(writes // 16):

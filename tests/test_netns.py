@@ -75,6 +75,7 @@ async def test_failover_in_the_middle_of_a_1gib_write(hosts: Hosts) -> None:
         src = pattern(size, seed=77)
         ms = await e.register(src)
         await e.write(ms, d, length=1 << 20, imm=9)  # connect both pairs first
+        await streams_open(e)
         await p.wait(imm=9)
         before = e.stats()["failovers"]
 

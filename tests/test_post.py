@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
-from _util import digest, eventually, nothing_posted, pattern, zeros
+from _util import digest, eventually, nothing_posted, pattern, streams_open, zeros
 
 import aiote
 from aiote.testing import spawn_peer
@@ -52,6 +52,7 @@ async def test_posted_completions_do_not_wake_the_loop(aiote_engine_pair) -> Non
     a, b = aiote_engine_pair
     ms, md = await a.register(pattern(8 * 4096, seed=6)), await b.register(zeros(8 * 4096))
     await a.write(ms, md.descriptor, length=64)  # connected: the posts below go out at once
+    await streams_open(a)
     # the poller pushes a record, then signals the eventfd (when armed) and counts the wake-up:
     # the loop may read the record in between, so this write's wake-up can be counted after it
     # returned. Two more full polls and the poller is past it.
@@ -265,13 +266,15 @@ async def test_a_broken_connection_under_a_posted_write_is_retried(
 ) -> None:
     caplog.set_level(logging.INFO, logger="aiote")
     async with (
-        aiote.open_engine(retry=aiote.RetryPolicy(connect_timeout=1.0), **TCP) as e,
-        spawn_peer(engine=e, **TCP) as p,
+        # one stream: a large post_write over several goes split, from a background task
+        aiote.open_engine(retry=aiote.RetryPolicy(connect_timeout=1.0), streams=1, **TCP) as e,
+        spawn_peer(engine=e, peer_streams=1, **TCP) as p,
     ):
         size = 256 << 20
         d = await p.register("buf", size)
         ms = await e.register(pattern(size, seed=16))
         await e.write(ms, d, length=64, imm=1)  # connected
+        await streams_open(e)
         t = e.post_write(ms, d, imm=1)
         assert t._bg is None  # (internal: posted in the call)
         os.kill(p.pid, signal.SIGKILL)  # the connection breaks under the 256 MiB

@@ -12,7 +12,7 @@ import time
 
 import anyio
 import pytest
-from _util import digest, eventually, pattern, zeros
+from _util import digest, eventually, pattern, streams_open, zeros
 
 import aiote
 from aiote.testing import spawn_peer
@@ -33,6 +33,7 @@ async def test_killed_peer_fails_pending_work_in_bounded_time_and_others_go_on()
         src = pattern(size, seed=41)
         ms = await e.register(src)
         await e.write(ms, dv, length=1 << 20, imm=1)  # connected
+        await streams_open(e)
         outcome: dict[str, object] = {}
 
         async def to_victim() -> None:

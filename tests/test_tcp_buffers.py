@@ -44,6 +44,7 @@ async def _write_and_check(peer, e: aiote.Engine, imm: int, size: int = 4 << 20)
     await e.write(ms, d, imm=imm, timeout=30)
     await peer.wait(imm=imm)
     assert await peer.digest("dst", 0, size) == digest(src)
+    await streams_open(e)  # every stream's connection (each gets its send buffer)
 
 
 async def test_same_host_connections_get_a_fixed_send_buffer() -> None:
