@@ -311,18 +311,25 @@ async def test_a_timed_out_write_can_be_awaited_until_the_transport_lets_go() ->
         await p.wait(imm=3)
 
 
-async def test_a_striped_timed_out_write_settles_every_nics_group() -> None:
-    async with spawn_peer(nics=["lo", "lo"], **TCP) as p:
+@pytest.mark.parametrize("nics,streams", [(["lo", "lo"], 1), (["lo"], 2)], ids=["2nics", "2streams"])
+async def test_a_split_timed_out_write_settles_every_group_and_is_counted_once(
+    nics: list[str], streams: int
+) -> None:
+    """A write split over two NICs or two streams of one NIC (one group each) times out, the
+    peer frozen: settling waits for both groups, then the deferred credit follows, once."""
+    async with spawn_peer(nics=nics, streams=streams, peer_streams=streams, **TCP) as p:
         e = p.engine
         size = 64 << 20
         d = await p.register("buf", size)
         ms = await e.register(pattern(size, seed=9))
         await e.write_imm(d, 1)
         await p.wait(imm=1)
+        await streams_open(e)
+        c0 = e.stats()["completions"]
         os.kill(p.pid, signal.SIGSTOP)
         try:
             with pytest.raises(aiote.TransferTimeout) as info:
-                await e.write(ms, d, imm=2, timeout=0.3)  # striped: one group per NIC
+                await e.write(ms, d, imm=2, timeout=0.3)  # split: an idle engine
             with anyio.move_on_after(0.5) as scope:
                 await info.value.settled()
             assert scope.cancelled_caught
@@ -330,9 +337,10 @@ async def test_a_striped_timed_out_write_settles_every_nics_group() -> None:
             os.kill(p.pid, signal.SIGCONT)
         with anyio.fail_after(60):
             await info.value.settled()
-        assert e.stats()["ops_in_flight"] == 0  # both NICs' groups, not only the first
-        # the deferred credit of the striped write followed once both pieces had landed
-        # (settled() waits for it too): counted once, as a single-NIC write would be
+        assert e.stats()["ops_in_flight"] == 0  # both groups, not only the first
+        # the deferred credit followed once both pieces had landed (settled() waits for it
+        # too): counted once, as a write over one connection would be
+        assert e.stats()["completions"] - c0 == 3  # two pieces, then the credit
         await p.wait(imm=2)
         assert await p.counter(2) == 0
         assert await p.digest("buf") == digest(ms.buffer)

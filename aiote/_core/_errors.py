@@ -76,7 +76,9 @@ class TransferTimeout(AioteError, TimeoutError):
 
     async def settled(self) -> None:
         """Returns once every request the timed-out operation had posted has completed (or
-        at once when nothing was posted). Cancellable; no deadline of its own."""
+        at once when nothing was posted), and, for an operation split over several NICs or
+        streams, once the engine has sent its deferred credit (after every piece landed; none
+        when one failed). Cancellable; no deadline of its own."""
         if self._waiter is not None:
             await self._waiter()
 
