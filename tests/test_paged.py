@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from _util import digest, nothing_posted, pattern, snapshot, zeros
+from _util import digest, nothing_posted, pattern, snapshot, streams_open, zeros
 
 import aiote
 from aiote.testing import PeerProcess, engine_pair
@@ -101,6 +101,7 @@ async def test_paged_repeated_destination_and_lists(pair) -> None:
     assert np.array_equal(dst[9 * 64 :], src[192:256])
     assert np.array_equal(dst[5 * 64 : 6 * 64], src[99 * 64 :])
     # zero pages: nothing to do
+    await streams_open(a)  # (the first contact's openings of other streams, if any, are done)
     before = snapshot(a)
     await a.write_paged(ms, md.descriptor, page_size=64, src_pages=[], dst_pages=[])
     nothing_posted(a, before)

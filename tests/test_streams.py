@@ -150,3 +150,25 @@ async def test_streams_to_a_peer_process() -> None:
         await peer.wait(imm=9, n=2)
         assert await peer.digest("buf") == digest(src)
 
+
+
+async def test_a_paged_write_as_the_first_contact_opens_the_streams() -> None:
+    """A paged write that first reaches the peer goes over one stream while the others open;
+    the next one deals its pages over all of them. Data and counts are exact either way."""
+    async with (
+        aiote.open_engine(streams=2, **TCP) as a,
+        aiote.open_engine(streams=2, **TCP) as b,
+    ):
+        n, ps = 256, 4096
+        src = pattern(n * ps, seed=13)
+        dst = zeros(n * ps)
+        ms, md = await a.register(src), await b.register(dst)
+        perm = np.random.default_rng(3).permutation(n)
+        await a.write_paged(ms, md.descriptor, page_size=ps, src_pages=perm, dst_pages=np.arange(n), imm=31)
+        assert a.stats()["routes_open"] + a.stats()["routes_opening"] >= 2  # both being opened
+        await streams_open(a)
+        assert a.stats()["routes_open"] == 2
+        await a.write_paged(ms, md.descriptor, page_size=ps, src_pages=perm, dst_pages=np.arange(n), imm=31)
+        await b.imm_counter(31).wait(2 * n, timeout=30)
+        assert b.imm_counter(31).available == 0
+        assert np.array_equal(dst.reshape(n, ps), src.reshape(n, ps)[perm])

@@ -2044,6 +2044,9 @@ class Engine:
             sp, dp = sp[order], dp[order]
         full = self._path(rdesc)
         path = self._router.live(full)
+        if len(path) > 1 and not self._open_routes(path, lib.AIO_OP_WRITE):
+            # the first contact: every page over one route until all connections are open
+            path = (path[self._router.start(full) % len(path)],)
         credits: dict[tuple[Any, int], int] = {}
         if flags and len(full) > 1:  # counting rule: the credit follows the data (see _rows)
             credits[(full, data)] = n
