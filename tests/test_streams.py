@@ -4,6 +4,8 @@ ones split across the streams and counted once, and a peer process on the other 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from _util import digest, pattern, streams_open, zeros
@@ -164,11 +166,21 @@ async def test_a_paged_write_as_the_first_contact_opens_the_streams() -> None:
         dst = zeros(n * ps)
         ms, md = await a.register(src), await b.register(dst)
         perm = np.random.default_rng(3).permutation(n)
+        # the rails each paged group is posted on (the real attempt runs; this only looks)
+        rails_used: list[set[int]] = []
+        attempt = a._paged_attempt
+
+        async def looked(*args: Any) -> None:
+            rails_used.append(set(args[7]))
+            await attempt(*args)
+
+        a._paged_attempt = looked  # type: ignore[method-assign]
         await a.write_paged(ms, md.descriptor, page_size=ps, src_pages=perm, dst_pages=np.arange(n), imm=31)
         assert a.stats()["routes_open"] + a.stats()["routes_opening"] >= 2  # both being opened
         await streams_open(a)
         assert a.stats()["routes_open"] == 2
         await a.write_paged(ms, md.descriptor, page_size=ps, src_pages=perm, dst_pages=np.arange(n), imm=31)
+        assert [len(r) for r in rails_used] == [1, 2]  # one stream at first contact, then both
         await b.imm_counter(31).wait(2 * n, timeout=30)
         assert b.imm_counter(31).available == 0
         assert np.array_equal(dst.reshape(n, ps), src.reshape(n, ps)[perm])

@@ -1073,24 +1073,26 @@ class Engine:
         # writes stay with shm, which copies at the target (process_vm_writev measured slower
         # here; see docs/benchmarks.md)
         dcode, dkey = self._direct(rdesc) if rdesc.direct is not None and mr._dev is None else _NO_DIRECT
-        if n > 1 and self._streams > 1 and self._on_one_nic(path):
-            # streams of one NIC: until every one is connected, transfers go whole over the
-            # open ones
-            live = opened
-            if (
-                live is not path
+        if (
+            n > 1
+            and self._streams > 1
+            and (
+                opened is not path
                 or length < self._stripe_min
                 or max(len(self._pending), self._opening) + load >= n
-            ):
-                # not striped: as over a single NIC (the immediate travels with the data; the
-                # streams take turns). A link failure takes every stream of the NIC. A large
-                # transfer is split only while fewer operations are in flight (plus those ahead
-                # of it in the caller's batch) than streams: with every stream busy, a split
-                # adds work requests and a credit message and moves nothing faster
-                hop = live[start % len(live)]
-                rail, fa, base, key = hop
-                dc = dcode if key == dkey and rail in self._shm_rails else 0
-                return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
+            )
+            and self._on_one_nic(path)
+        ):
+            # streams of one NIC, not striped: as over a single NIC (the immediate travels with
+            # the data; the streams take turns over the open ones). A link failure takes every
+            # stream of the NIC. A large transfer is split only once every stream is connected
+            # (see _open_routes), and only while fewer operations are in flight (plus those
+            # ahead of it in the caller's batch) than streams: with every stream busy, a split
+            # adds work requests and a credit message and moves nothing faster
+            hop = opened[start % len(opened)]
+            rail, fa, base, key = hop
+            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
         path, n = opened, len(opened)  # NICs not connected yet take nothing until they are
         if len(full) > 1 and flags and length:
             if credits is None:
@@ -1221,6 +1223,8 @@ class Engine:
             await self._send_credits(credits, end, what)
 
     def _credit_later(self, exc: TransferTimeout, credits: dict[tuple[Any, int], int], what: str) -> None:
+        """Sends ``credits`` from a background task once the timed-out operation of ``exc``
+        has settled and every request of it landed; ``exc.settled()`` then waits for that task."""
         settle, landed = exc._waiter, exc._landed
         done = self._event()
 
@@ -2044,9 +2048,8 @@ class Engine:
             sp, dp = sp[order], dp[order]
         full = self._path(rdesc)
         path = self._router.live(full)
-        if len(path) > 1 and not self._open_routes(path, lib.AIO_OP_WRITE):
-            # the first contact: every page over one route until all connections are open
-            path = (path[self._router.start(full) % len(path)],)
+        if len(path) > 1:  # until every connection is open, pages go only over the open ones
+            path = self._open_routes(path, lib.AIO_OP_WRITE)
         credits: dict[tuple[Any, int], int] = {}
         if flags and len(full) > 1:  # counting rule: the credit follows the data (see _rows)
             credits[(full, data)] = n
