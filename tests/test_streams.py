@@ -106,16 +106,16 @@ async def test_a_busy_engine_sends_large_writes_whole_over_its_streams() -> None
         ms, md = await a.register(src), await b.register(dst)
         await a.write(ms, md.descriptor, length=64)
         await streams_open(a)
-        # a batch of k large writes: only the first is split (nothing in flight or ahead of
-        # it); each later one finds two requests ahead of it and goes whole
+        # a batch of k large writes: as many transfers as streams or more, so none is split
+        # (not even the first, added while the batch held nothing else): the streams take
+        # whole writes in turn, each carrying its immediate, and no credit follows
         c0 = a.stats()["completions"]
         batch = a.batch()
         for i in range(k):
             batch.write(ms, md.descriptor, length=piece, src_offset=i * piece, dst_offset=i * piece, imm=21)
         await batch.submit()
         await b.imm_counter(21).wait(k, timeout=30)
-        # two pieces and a credit for the first, one request each for the rest (all split: 3 k)
-        assert a.stats()["completions"] - c0 == k + 2
+        assert a.stats()["completions"] - c0 == k  # one request each (split: 2 k + credits)
         assert b.imm_counter(21).available == 0 and b.imm_counter(21).total == k
         assert digest(dst) == digest(src)
         # posted one after the other (post_write posts at once): from the third on, both
@@ -184,3 +184,57 @@ async def test_a_paged_write_as_the_first_contact_opens_the_streams() -> None:
         await b.imm_counter(31).wait(2 * n, timeout=30)
         assert b.imm_counter(31).available == 0
         assert np.array_equal(dst.reshape(n, ps), src.reshape(n, ps)[perm])
+
+
+async def test_a_batch_settles_how_its_large_writes_go_when_it_is_submitted() -> None:
+    """A batch does not know, as a write is added, how many follow: a large write alone in a
+    batch is split over the streams (and counted once), but once the batch holds as many
+    writes as streams each goes whole, the ones added first included; a batch built while
+    the second connection was still opening uses it from the submission after it opened.
+    Data and counts are exact each time, and a submission in flight keeps its own rows."""
+    async with (
+        aiote.open_engine(streams=2, **TCP) as a,
+        aiote.open_engine(streams=2, **TCP) as b,
+    ):
+        piece, k = 2 << 20, 6
+        src = pattern(piece * k, seed=17)
+        dst = zeros(piece * k)
+        ms, md = await a.register(src), await b.register(dst)
+        d = md.descriptor
+
+        def rails(batch: aiote.TransferBatch) -> list[int]:
+            return [int(r) for r in batch._table[: len(batch)]["rail"]]
+
+        # built at first contact: every write on the one connection open so far
+        early = a.batch()
+        for i in range(k):
+            early.write(ms, d, length=piece, src_offset=i * piece, dst_offset=i * piece, imm=41)
+        await early.submit(timeout=30)
+        assert len(set(rails(early))) == 1
+        await streams_open(a)
+        dst[:] = 0
+        await early.submit(timeout=30)  # now dealt over both streams, whole writes
+        assert sorted(set(rails(early))) == [0, 1] and len(early) == k
+        await b.imm_counter(41).wait(2 * k, timeout=30)
+        assert b.imm_counter(41).available == 0 and b.imm_counter(41).total == 2 * k
+        assert digest(dst) == digest(src)
+
+        # one large write: split over both streams, one credit after it
+        grow = a.batch().write(ms, d, length=piece, imm=42)
+        c0 = a.stats()["completions"]
+        await grow.submit(timeout=30)
+        await b.imm_counter(42).wait(1, timeout=30)
+        assert len(grow) == 2 and a.stats()["completions"] - c0 == 3  # two pieces, the credit
+        # posted (not awaited), then grown: the posted rows stay as they were
+        posted = grow.post()
+        for i in range(1, k):
+            grow.write(ms, d, length=piece, src_offset=i * piece, dst_offset=i * piece, imm=42)
+        dst[:] = 0
+        await posted
+        c0 = a.stats()["completions"]
+        await grow.submit(timeout=30)
+        assert len(grow) == k and sorted(set(rails(grow))) == [0, 1]
+        assert a.stats()["completions"] - c0 == k  # whole writes now, no credit
+        await b.imm_counter(42).wait(1 + k, timeout=30)  # the posted one, then k
+        assert b.imm_counter(42).available == 0 and b.imm_counter(42).total == 2 + k
+        assert digest(dst) == digest(src)

@@ -1042,6 +1042,7 @@ class Engine:
         credits: dict[tuple[Any, int], int] | None = None,
         gpu_ok: bool = False,
         load: int = 0,
+        note: list[bool] | None = None,
     ) -> tuple[list[tuple[int, ...]], Any]:
         """Validates one transfer and returns its aio_op_desc rows and the full route set to
         the peer. Rows: one, or one shard per
@@ -1054,7 +1055,12 @@ class Engine:
         routes (NICs) the data rows carry none; the credit is added to ``credits[(path, imm)]``
         and sent by :meth:`_send_credits` once every row has landed, so a row retried on
         another NIC after a link failure is never counted twice. Zero-byte writes are their
-        own credit."""
+        own credit.
+
+        ``note`` (a list; batches): gets one bool for a peer of several routes, True when the
+        rows would be the same built later (every route was open, and over one NIC's streams
+        the transfer is below ``stripe_min``), False when they depend on what was in flight or
+        open (see :meth:`TransferBatch._place`)."""
         mr, rdesc, length, loc_off, rem_off, data, flags = self._span(
             mr, remote, length, src_offset, dst_offset, imm, op
         )
@@ -1067,6 +1073,9 @@ class Engine:
         n = len(path)
         start = self._router.start(full)
         opened = self._open_routes(path, op) if n > 1 else path
+        if note is not None and n > 1:
+            streams = self._streams > 1 and length >= self._stripe_min and self._on_one_nic(path)
+            note.append(opened is path and not streams)
         ptr = mr._ptr
         # a same-host peer that published the region, over shm: a direct copy by our poller.
         # The core makes READs directly, and writes only into the peer's arena (memcpy); other
@@ -2579,6 +2588,12 @@ class TransferBatch:
     one (``engine.batch()``). Each ``write``/``read`` validates its arguments at once and raises
     :class:`InvalidArgument` there, so a submitted batch never fails on bad input halfway.
     Costs about a microsecond of Python per request, plus one event-loop round trip per batch.
+
+    To a peer reached over several streams of one NIC, whether a large transfer is split over
+    them is settled when the batch is submitted or posted, from how many transfers it holds
+    then (as many as streams or more: each goes whole); transfers added while the peer's
+    connections were still opening are dealt over all of them from the first submission after
+    they opened. A submission in flight keeps its rows and credits whatever is added later.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -2587,6 +2602,11 @@ class TransferBatch:
         self._n = 0
         self._credits: dict[tuple[Any, int], int] = {}  # multi-NIC peers: sent after the data
         self._refs: set[MemoryRegion] = set()
+        self._entries = 0  # transfers added (a striped one is several rows)
+        # transfers to peers of several routes whose rows depend on the batch's final size or
+        # on connections still opening: [first row, rows, arguments, credits], see _place
+        self._moving: list[list[Any]] = []
+        self._placed = (0, 0)  # (self._entries, connections open) when _place last ran
 
     def __len__(self) -> int:
         return self._n
@@ -2599,6 +2619,73 @@ class TransferBatch:
         for r in rows:
             t[self._n] = r
             self._n += 1
+
+    def _append(self, mr: MemoryRegion, args: tuple[Any, ...]) -> None:
+        """Validates and adds one transfer (``args``: :meth:`Engine._rows`' from ``remote``
+        to ``op``), remembering it when its rows may change by :meth:`_place`."""
+        note: list[bool] = []
+        credits: dict[tuple[Any, int], int] = {}
+        rows = self._rows_of((mr, *args), credits, self._n, note)
+        first = self._n
+        self._add(rows)
+        self._refs.add(mr)
+        for key, k in credits.items():
+            self._credits[key] = self._credits.get(key, 0) + k
+        if note and not note[0]:
+            self._moving.append([first, len(rows), (mr, *args), credits])
+        self._entries += 1
+
+    def _rows_of(
+        self, spec: tuple[Any, ...], credits: dict[tuple[Any, int], int], load: int, note: list[bool]
+    ) -> list[tuple[int, ...]]:
+        mr, remote, length, src_offset, dst_offset, imm, op = spec
+        return self._engine._rows(
+            mr, remote, length, src_offset, dst_offset, imm, op, credits, load=load, note=note
+        )[0]
+
+    def _place(self) -> None:
+        """Settles the rows of transfers to peers of several routes before a submission.
+
+        When a transfer is added, the batch does not know how many will follow: over the
+        streams of one NIC a large one is split only while the batch (plus what is in flight)
+        holds fewer transfers than streams, and a transfer added while a peer's connections
+        were still opening goes over the open ones only. Before each submission, those
+        transfers are built again if transfers were added since, or while connections were
+        opening: a batch of many transfers deals whole ones over every stream (as the C core
+        does), a batch of one large transfer splits it. The rows of submissions in flight are
+        never rewritten (a new table replaces the old one). Costs nothing once settled;
+        otherwise about a microsecond of Python per such transfer."""
+        eng = self._engine
+        if not self._moving or self._placed == (self._entries, len(eng._routes_open)):
+            return
+        pieces: list[np.ndarray] = []
+        keep: list[list[Any]] = []
+        pos = shift = 0
+        for m in self._moving:
+            first, count, args, old = m
+            note: list[bool] = []
+            credits: dict[tuple[Any, int], int] = {}
+            rows = self._rows_of(args, credits, self._entries, note)
+            pieces.append(self._table[pos:first])
+            pieces.append(eng._table(rows))
+            pos = first + count
+            for key, k in old.items():
+                left = self._credits[key] - k
+                if left:
+                    self._credits[key] = left
+                else:
+                    del self._credits[key]
+            for key, k in credits.items():
+                self._credits[key] = self._credits.get(key, 0) + k
+            m[0], m[1], m[3] = first + shift, len(rows), credits
+            shift += len(rows) - count
+            if note and not note[0]:
+                keep.append(m)
+        pieces.append(self._table[pos : self._n])
+        table = np.concatenate(pieces)
+        self._table, self._n = table, len(table)
+        self._moving = keep
+        self._placed = (self._entries, len(eng._routes_open))
 
     def write(
         self,
@@ -2620,11 +2707,7 @@ class TransferBatch:
         nothing is added then. Costs only validating and appending one request (one per NIC
         when striped) to the batch: nothing is posted until :meth:`submit` or :meth:`post`;
         the first request to a new peer resolves its address once (cached)."""
-        rows, _ = self._engine._rows(
-            mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, self._credits, load=self._n
-        )
-        self._add(rows)
-        self._refs.add(mr)
+        self._append(mr, (remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE))
         return self
 
     def read(
@@ -2646,11 +2729,7 @@ class TransferBatch:
         nothing is added then. Costs only validating and appending one request (one per NIC
         when striped) to the batch: nothing is posted until :meth:`submit` or :meth:`post`;
         the first request to a new peer resolves its address once (cached)."""
-        rows, _ = self._engine._rows(
-            mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ, load=self._n
-        )
-        self._add(rows)
-        self._refs.add(mr)
+        self._append(mr, (remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ))
         return self
 
     async def submit(self, *, timeout: float | None = None, retry: RetryPolicy | None = None) -> None:
@@ -2669,13 +2748,26 @@ class TransferBatch:
             await anyio.lowlevel.checkpoint()
             return
         self._check_regions()
-        table = self._table[: self._n]  # rows are never rewritten; growth reallocates
-        what = f"batch of {self._n}"
+        self._place()
+        await self._submit(self._table[: self._n], self._credits.copy(), timeout, retry)
+
+    async def _submit(
+        self,
+        table: np.ndarray,
+        credits: dict[tuple[Any, int], int],
+        timeout: float | None,
+        retry: RetryPolicy | None,
+    ) -> None:
+        """One submission of ``table`` (the batch's rows when it was made: rows are never
+        rewritten, growth and :meth:`_place` reallocate) and its ``credits``, so a batch
+        that grows meanwhile changes only its later submissions."""
+        what = f"batch of {len(table)}"
         end = _end(timeout)
         eng = self._engine
+        refs = self._refs  # only ever grows: keeps this submission's regions too
 
         async def attempt(t: float | None) -> None:
-            await eng._then_credit(eng._run(table, self._refs, t, what), self._credits, end, what)
+            await eng._then_credit(eng._run(table, refs, t, what), credits, end, what)
 
         await eng._attempts(attempt, timeout, retry, what)
 
@@ -2699,12 +2791,15 @@ class TransferBatch:
         eng._check_open()
         _check_retry(retry)
         self._check_regions()
+        self._place()
         what = f"batch of {self._n}"
         if self._n == 0:
             return Transfer(eng, what)
+        table = self._table[: self._n]
         if self._credits:  # multi-NIC peers: credits follow the data
-            return eng._background(lambda: self.submit(retry=retry), what)
-        return eng._post_now(self._table[: self._n], self._refs, what, retry)
+            credits = self._credits.copy()
+            return eng._background(lambda: self._submit(table, credits, None, retry), what)
+        return eng._post_now(table, self._refs, what, retry)
 
 
 class Transfer:
