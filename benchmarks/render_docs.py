@@ -65,7 +65,9 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
         f"{b.get('date', '?')}; the CPU was "
         f"{b['cpu_busy_before']:.0%} busy before and {b['cpu_busy_after']:.0%} after the run (other "
         f"processes){_during(b)}. Median of {b['repeats']} (spread min-max in brackets); GB/s = 1e9 B/s; "
-        "latency rows are one-way µs (round trip / 2), lower is better; ratio = aiote / C core."
+        "latency rows are one-way µs (round trip / 2), lower is better; ratio = aiote / C core, the "
+        "median over the repeats of each repeat's ratio (the two run back to back, taking turns at "
+        "going first)."
         + (SOCKETS_NOTE if sockets else ""),
         "",
         "| case | path | C core | aiote | ratio |" + (" bare sockets |" if sockets else ""),

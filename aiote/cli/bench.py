@@ -13,7 +13,10 @@ ADDRESS`` on another runs across hosts; the C baseline then runs between the sam
 (the serving side starts the C bench's peer on request).
 
 GB/s are 1e9 B/s; each figure is the median of ``--repeats`` runs, printed with its spread
-(min-max). Warns when other processes kept the CPU more than 10 % busy before, during or after
+(min-max). In each repeat the C core and aiote run the case back to back (in turn first), and
+the ratio is the median over the repeats of that repeat's aiote / C core (the ratio of the
+medians is in the JSON too): the machine's speed drifts between repeats more than between two
+runs in a row. Warns when other processes kept the CPU more than 10 % busy before, during or after
 the run, or the hypervisor took more than 10 % (steal).
 """
 
@@ -368,10 +371,13 @@ Figures = dict[tuple[Case, int], float]
 
 async def run_config(
     args: argparse.Namespace, config: Config, cases: list[Case], with_c: bool, progress: _benchout.Progress,
+    c_first: bool = True,
 ) -> tuple[Figures, Figures, Figures]:
     """Runs every case once on one (provider, NICs, loop): Python figures, and (``with_c``)
     the C core's figures and, for tcp writes, the bare sockets' (:func:`sockets_args`),
-    interleaved case by case."""
+    interleaved case by case: the C core and aiote back to back (the C core first when
+    ``c_first``, else aiote: repeats alternate, so neither always runs on the heels of the
+    other), the bare sockets after both."""
     provider, nics, loop = config
     args = argparse.Namespace(**{**vars(args), "streams": config_streams(args, config)})
     same_host = bench_same_host(provider)
@@ -407,18 +413,21 @@ async def run_config(
                         continue
                     what = _benchout.case_label(mode, size, window)
                     where = f"{provider} {','.join(nics) if nics else ''} {loop}".replace("  ", " ")
-                    if with_c:
-                        progress.step(f"C core  {what} ({where})")
-                        r = await _c_remote(remote, address, args.connect, c_args(args, case), provider, nics)
-                        for k, v in _c_values(mode, r, size).items():
-                            cc[(case, k)] = v
-                        progress.advance()
-                    progress.step(f"aiote   {what} ({where})")
-                    for k, v in (await py_case(remote, args, case)).items():
-                        py[(case, k)] = v
-                    progress.advance()
+                    for side in ("c", "py") if c_first else ("py", "c"):
+                        if side == "c" and with_c:
+                            progress.step(f"C core  {what} ({where})")
+                            cargs = c_args(args, case)
+                            r = await _c_remote(remote, address, args.connect, cargs, provider, nics)
+                            for k, v in _c_values(mode, r, size).items():
+                                cc[(case, k)] = v
+                            progress.advance()
+                        elif side == "py":
+                            progress.step(f"aiote   {what} ({where})")
+                            for k, v in (await py_case(remote, args, case)).items():
+                                py[(case, k)] = v
+                            progress.advance()
                     bare = sockets_args(args, case) if with_c and provider == "tcp" else None
-                    if bare:  # after aiote's run: aiote follows the C core directly, as before
+                    if bare:  # after both: the C core and aiote run back to back
                         progress.step(f"sockets {what} ({where})")
                         try:
                             r = await _c_remote(remote, address, args.connect, bare, provider, nics)
@@ -596,8 +605,9 @@ def main(args: argparse.Namespace) -> int:
     why_no_c = build_cbench()
     if why_no_c:
         sys.stderr.write(f"no C baseline: {why_no_c}\n")
-    py: dict[tuple[Config, Case, int], list[float]] = {}
-    cc: dict[tuple[str, Any, Case, int], list[float]] = {}
+    # figures by repeat: the ratio pairs each aiote figure with the C core's of the same repeat
+    py: dict[tuple[Config, Case, int], dict[int, float]] = {}
+    cc: dict[tuple[str, Any, Case, int], dict[int, float]] = {}
     sk: dict[tuple[str, Any, Case, int], list[float]] = {}
     n_bare = sum(sockets_args(args, case) is not None for case in cases) if "tcp" in providers else 0
     per_c = (len(cases) * len(providers) + n_bare) * len(nic_sets)  # C core runs, bare-socket runs
@@ -605,7 +615,7 @@ def main(args: argparse.Namespace) -> int:
     progress = _benchout.Progress(per_run * args.repeats)
     during = _OthersCpu()
     try:
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             for config in configs:
                 provider, nics, loop = config
                 backend, options = loop, {}
@@ -613,13 +623,13 @@ def main(args: argparse.Namespace) -> int:
                     backend, options = "asyncio", {"use_uvloop": True}
                 with_c = not why_no_c and loop == loops[0]
                 got_py, got_c, got_sk = anyio.run(
-                    run_config, args, config, cases, with_c, progress,
+                    run_config, args, config, cases, with_c, progress, rep % 2 == 0,
                     backend=backend, backend_options=options,
                 )
                 for (case, k), v in got_py.items():
-                    py.setdefault((config, case, k), []).append(v)
+                    py.setdefault((config, case, k), {})[rep] = v
                 for (case, k), v in got_c.items():
-                    cc.setdefault((provider, nics, case, k), []).append(v)
+                    cc.setdefault((provider, nics, case, k), {})[rep] = v
                 for (case, k), v in got_sk.items():
                     sk.setdefault((provider, nics, case, k), []).append(v)
     finally:
@@ -631,10 +641,12 @@ def main(args: argparse.Namespace) -> int:
             mode, size, window = case
             keys = [50, 99] if mode in LATENCY else [size]
             for k in keys:
-                p = py.get((config, case, k))
-                if not p:
+                p_runs = py.get((config, case, k))
+                if not p_runs:
                     continue
-                c = cc.get((provider, nics, case, k), [])
+                c_runs = cc.get((provider, nics, case, k), {})
+                p, c = list(p_runs.values()), list(c_runs.values())
+                pairs = [v / c_runs[i] for i, v in p_runs.items() if c_runs.get(i)]
                 bare = sk.get((provider, nics, case, k), [])
                 row: dict[str, Any] = {
                     "mode": mode,
@@ -656,7 +668,12 @@ def main(args: argparse.Namespace) -> int:
                     "sockets_gbps": statistics.median(bare) if bare else None,
                     "sockets_spread": [min(bare), max(bare)] if bare else None,
                 }
-                row["ratio"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
+                # the ratio: the median over the repeats of each repeat's aiote / C core (run
+                # back to back), which the machine's drift between repeats does not move as it
+                # moves the medians; the ratio of the medians beside it
+                row["py_runs"], row["c_runs"] = p, c
+                row["ratio"] = statistics.median(pairs) if pairs else None
+                row["ratio_of_medians"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
                 rows.append(row)
     others, steal = during.shares()
     if others > 0.10:
