@@ -238,3 +238,65 @@ async def test_a_batch_settles_how_its_large_writes_go_when_it_is_submitted() ->
         await b.imm_counter(42).wait(1 + k, timeout=30)  # the posted one, then k
         assert b.imm_counter(42).available == 0 and b.imm_counter(42).total == 2 + k
         assert digest(dst) == digest(src)
+
+
+async def test_connect_opens_every_stream_before_the_first_transfer() -> None:
+    """``connect`` opens each stream's connection and returns once all are open, touching
+    nothing at the peer: the first transfer after it is already split over both."""
+    async with (
+        aiote.open_engine(streams=2, **TCP) as a,
+        aiote.open_engine(streams=2, **TCP) as b,
+    ):
+        size = 8 << 20
+        src = pattern(size, seed=19)
+        dst = zeros(size)
+        ms, md = await a.register(src), await b.register(dst)
+        assert a.stats()["routes_open"] == 0
+        c0 = a.stats()["completions"]
+        await a.connect(md.descriptor, timeout=30)
+        st = a.stats()
+        assert st["routes_open"] == 2 and st["routes_opening"] == 0
+        assert st["completions"] - c0 == 2  # one zero-byte request per connection
+        assert not dst.any() and b.stats()["completions"] == 0  # nothing written, nothing counted
+        # the first transfer: one piece per stream and its credit (no connection to wait for)
+        c0 = a.stats()["completions"]
+        await a.write(ms, bytes(md.descriptor), imm=8)
+        await b.imm_counter(8).wait(1, timeout=30)
+        assert a.stats()["completions"] - c0 == 3
+        assert b.imm_counter(8).total == 1 and digest(dst) == digest(src)
+        # everything open: nothing is posted
+        c0 = a.stats()["completions"]
+        await a.connect(md.descriptor)
+        assert a.stats()["completions"] == c0
+
+
+async def test_connect_to_read_only_regions_and_bad_input() -> None:
+    async with (
+        aiote.open_engine(streams=2, **TCP) as a,
+        aiote.open_engine(streams=2, **TCP) as b,
+    ):
+        ro = await b.register(pattern(4096, seed=5), remote_write=False)  # reads only: zero-byte READs
+        await a.connect(ro.descriptor, timeout=30)
+        assert a.stats()["routes_open"] == 2
+        sealed = await b.register(zeros(4096), remote_write=False, remote_read=False)
+        with pytest.raises(aiote.InvalidArgument, match="neither remote writes nor remote reads"):
+            await a.connect(sealed.descriptor)
+        with pytest.raises(aiote.DescriptorError):
+            await a.connect(b"AIOD" + bytes(8))
+        with pytest.raises(aiote.InvalidArgument, match="timeout"):
+            await a.connect(ro.descriptor, timeout=-1)
+        before = a.stats()["completions"]
+        with pytest.raises(aiote.InvalidArgument, match="MemoryDescriptor"):
+            await a.connect(42)  # type: ignore[arg-type]
+        assert a.stats()["completions"] == before
+
+
+async def test_connect_to_a_peer_that_never_answers_gives_up_within_connect_timeout() -> None:
+    async with aiote.open_engine(retry=aiote.RetryPolicy(connect_timeout=1.0), **TCP) as a:
+        async with aiote.open_engine(**TCP) as gone:
+            d = (await gone.register(zeros(4096))).descriptor
+        with pytest.raises(aiote.PeerUnreachable, match="did not answer"):
+            await a.connect(d)
+        assert a.stats()["routes_open"] == 0
+        with pytest.raises(aiote.TransferTimeout):
+            await a.connect(d, timeout=0.2)

@@ -125,21 +125,6 @@ def lanes_of(window: int) -> tuple[int, int]:
     return lanes, max(1, window // lanes)
 
 
-async def open_connections(
-    e: aiote.Engine, mr: aiote.MemoryRegion, d: aiote.MemoryDescriptor, op: str
-) -> None:
-    """One small ``op`` to the peer, then waits (up to 30 s) until every connection of the
-    engine's streams to it is open: the batches built next deal their requests over all of
-    them (a transfer's first contact opens them in the background)."""
-    if op == "write":
-        await e.write(mr, d, length=64, timeout=60)
-    else:
-        await e.read(mr, d, length=64, timeout=60)
-    with anyio.move_on_after(30):
-        while e.stats()["routes_opening"]:  # noqa: ASYNC110 (engine state, no event for it)
-            await anyio.sleep(0.005)
-
-
 async def py_transfer(
     remote: Remote, op: str, size: int, total: int, window: int, arena: bool = False
 ) -> float:
@@ -154,7 +139,7 @@ async def py_transfer(
     mr = await e.register(local, remote_write=op == "read")
     try:
         d = await remote.register(f"{op}-dst", region, arena=arena)
-        await open_connections(e, mr, d, op)
+        await e.connect(d, timeout=60)  # every stream's connection, as the C bench connects first
         batches = []
         for lane in range(lanes):
             b = e.batch()
