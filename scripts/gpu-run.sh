@@ -11,22 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-/tmp/aiote-gpu}}"
 mkdir -p "$OUTDIR"
-PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1 FI_PROVIDER=tcp,ofi_rxm,shm
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-if [ ! -e /usr/include/rdma/fabric.h ] && [ -d .deb ]; then
-    mkdir -p /opt/fab
-    for f in .deb/*.deb; do dpkg -x "$f" /opt/fab; done
-    export AIOTE_FABRIC_PREFIX=/opt/fab/usr
-    export LD_LIBRARY_PATH="/opt/fab/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    export FI_PROVIDER_PATH=/opt/fab/usr/lib/x86_64-linux-gnu/libfabric
-fi
+. scripts/_carried-env.sh
 {
     echo "# $(date -u +%FT%TZ) $(uname -srm)"
     nvidia-smi -L
