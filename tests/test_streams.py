@@ -300,3 +300,29 @@ async def test_connect_to_a_peer_that_never_answers_gives_up_within_connect_time
         assert a.stats()["routes_open"] == 0
         with pytest.raises(aiote.TransferTimeout):
             await a.connect(d, timeout=0.2)
+
+
+async def test_connect_makes_a_connection_that_a_batch_only_took() -> None:
+    """A transfer added to a batch at first contact takes the first stream (the batch will
+    open it when submitted) and starts opening the second: ``connect`` still makes both."""
+    async with (
+        aiote.open_engine(streams=2, **TCP) as a,
+        aiote.open_engine(streams=2, **TCP) as b,
+    ):
+        ms, md = await a.register(pattern(4096, seed=23)), await b.register(zeros(4096))
+        d = md.descriptor
+        batch = a.batch().write(ms, d, length=4096, imm=3)  # not submitted yet
+        probed: list[set[int]] = []
+        run = a._run
+
+        async def looked(table: Any, refs: Any, timeout: Any, what: str, path: Any = None) -> None:
+            if what.startswith("connect"):
+                probed.append({int(r) for r in table["rail"]})
+            await run(table, refs, timeout, what, path)
+
+        a._run = looked  # type: ignore[method-assign]
+        await a.connect(d, timeout=30)
+        assert probed and probed[0] == {0, 1}  # both streams, the one the batch took included
+        await batch.submit(timeout=30)
+        await b.imm_counter(3).wait(1, timeout=30)
+        assert b.imm_counter(3).total == 1

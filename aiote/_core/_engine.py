@@ -286,6 +286,9 @@ class Engine:
         # opened by a zero-byte request, and the paths whose every route is open (_open_routes)
         self._routes_open: set[tuple[int, int]] = set()
         self._routes_opening: set[tuple[int, int]] = set()
+        # connections a zero-byte request of _open_route or connect() completed on (a route
+        # in _routes_open may only have been taken by the first transfer, still to be posted)
+        self._routes_made: set[tuple[int, int]] = set()
         self._paths_open: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
         self._loop_spin_ns = loop_spin_ns
         self._rails = rails
@@ -946,12 +949,13 @@ class Engine:
         while the others open in the background, and transfers are split over all of them
         only after that (see the guide's streams section); after it, the first one already is.
 
-        Guarantees: one zero-byte request per connection not known open yet (a WRITE, or a
-        READ when the region allows only remote reads; no immediate: nothing is counted at the
-        peer, whose region is not touched), all posted at once and awaited together; with
-        every connection open already it posts nothing. Connections whose local NIC is down
-        are skipped. Cancellation and ``timeout`` behave as for :meth:`write` (a posted
-        request stays owned until the transport lets go of it).
+        Guarantees: one zero-byte request (a WRITE, or a READ when the region allows only
+        remote reads; no immediate: nothing is counted at the peer, whose region is not
+        touched) per connection that no such request of this engine completed on yet, all
+        posted at once and awaited together; once every connection was made this way it
+        posts nothing. Connections whose local NIC is down are skipped. Cancellation and
+        ``timeout`` behave as for :meth:`write` (a posted request stays owned until the
+        transport lets go of it).
 
         Raises :class:`InvalidArgument` when the region allows neither remote writes nor
         reads, :class:`DescriptorError` for corrupt descriptor bytes, :class:`EngineClosed`,
@@ -968,7 +972,7 @@ class Engine:
             op = lib.AIO_OP_READ
         else:
             raise InvalidArgument("connect: the region allows neither remote writes nor remote reads")
-        todo = [h for h in self._router.live(self._path(rdesc)) if (h[0], h[1]) not in self._routes_open]
+        todo = [h for h in self._router.live(self._path(rdesc)) if (h[0], h[1]) not in self._routes_made]
         if not todo:
             await anyio.lowlevel.checkpoint()
             return
@@ -977,7 +981,10 @@ class Engine:
         table = self._table([(ptr, 0, 0, fa, base, key, 0, rail, op, 0, 0) for rail, fa, base, key in todo])
         what = f"connect ({len(todo)} connection{'s' if len(todo) > 1 else ''})"
         await self._attempts(lambda t: self._run(table, None, t, what), timeout, None, what)
-        self._routes_open.update((h[0], h[1]) for h in todo)
+        made = [(h[0], h[1]) for h in todo]
+        self._routes_made.update(made)
+        if len(self._path(rdesc)) > 1:  # the routes transfers to several routes wait for
+            self._routes_open.update(made)
 
     @staticmethod
     def _engine_address(peer: Any) -> EngineAddress:
@@ -1248,6 +1255,7 @@ class Engine:
         try:
             if not await self._run_table(self._table([row]), None, None, "opening a connection"):
                 self._routes_open.add((rail, fa))
+                self._routes_made.add((rail, fa))
         except Exception as exc:  # the transfer that needs the peer reports the failure
             self._log.info("a connection to a peer did not open (tried again)", rail=rail, error=str(exc))
         finally:

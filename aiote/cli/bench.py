@@ -632,6 +632,7 @@ def main(args: argparse.Namespace) -> int:
                 c_runs = cc.get((provider, nics, case, k), {})
                 p, c = list(p_runs.values()), list(c_runs.values())
                 pairs = [v / c_runs[i] for i, v in p_runs.items() if c_runs.get(i)]
+                reps = range(args.repeats)
                 bare = sk.get((provider, nics, case, k), [])
                 row: dict[str, Any] = {
                     "mode": mode,
@@ -656,7 +657,9 @@ def main(args: argparse.Namespace) -> int:
                 # the ratio: the median over the repeats of each repeat's aiote / C core (run
                 # back to back), which the machine's drift between repeats does not move as it
                 # moves the medians; the ratio of the medians beside it
-                row["py_runs"], row["c_runs"] = p, c
+                # by repeat (None where that repeat has no figure), so they pair index by index
+                row["py_runs"] = [p_runs.get(i) for i in reps]
+                row["c_runs"] = [c_runs.get(i) for i in reps] if c_runs else None
                 row["ratio"] = statistics.median(pairs) if pairs else None
                 row["ratio_of_medians"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
                 rows.append(row)
