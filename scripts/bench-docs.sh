@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the benchmark figures of docs/benchmarks.md in one command:
-#   aiote bench all (tcp and shm, Python beside the C core, same run) -> docs/bench.json, docs/bench.png
+#   aiote bench all (tcp and shm, Python beside the C core, same run, 5 repeats) -> docs/bench.json, docs/bench.png
 #   aiote bench write,read --arena (shm, Engine.alloc_host buffers)    -> docs/bench-arena.json
 #   aiote bench imm-latency --low-latency (the same, low-latency setting) -> docs/bench-lowlat.json
 #   benchmarks/peers/run.py (peer libraries), when it exists          -> docs/peers.json
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-"$PY" -m aiote bench all --provider tcp,shm --sizes 4KiB,64KiB,1MiB,16MiB --repeats 3 \
+"$PY" -m aiote bench all --provider tcp,shm --sizes 4KiB,64KiB,1MiB,16MiB --repeats 5 \
     --json docs/bench.json --plot docs/bench.png "$@"
 # same-host writes and reads between buffers of the engines' host arenas (Engine.alloc_host)
 "$PY" -m aiote bench write,read --arena --provider shm --sizes 64KiB,1MiB,16MiB --repeats 3 \
