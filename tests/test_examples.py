@@ -319,6 +319,17 @@ def test_aiote_bench_pairs_each_repeat_and_takes_turns_at_going_first(tmp_path: 
     (row,) = json.loads(out_file.read_text())["rows"]
     assert len(row["py_runs"]) == len(row["c_runs"]) == 2
     _check_rows([row])
+    # rendered as the target case measured alone: its paired ratio and how many repeats passed
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
+    render = [sys.executable, str(ROOT / "benchmarks" / "render_docs.py"), "--target", str(out_file)]
+    r = subprocess.run([*render, "--doc", str(doc)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = doc.read_text()
+    passed = sum(p / c >= 0.95 for p, c in zip(row["py_runs"], row["c_runs"], strict=True))
+    assert "2 paired repeats, a run of its own on " in text
+    assert f"aiote / C core **{row['ratio']:.3f}**" in text
+    assert f"{passed} of 2 at or above 0.95" in text
 
 
 def test_aiote_bench_refuses_a_provider_not_usable_here_naming_those_that_are() -> None:
