@@ -4,6 +4,8 @@ ones split across the streams and counted once, and a peer process on the other 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,19 @@ from aiote.testing import spawn_peer
 pytestmark = pytest.mark.anyio
 
 TCP = {"same_host": None}
+
+
+@asynccontextmanager
+async def two_streams() -> AsyncIterator[tuple[aiote.Engine, aiote.Engine]]:
+    """Two engines on tcp loopback, two streams each (never shm)."""
+    async with aiote.open_engine(streams=2, **TCP) as a, aiote.open_engine(streams=2, **TCP) as b:
+        yield a, b
+
+
+async def regions(a: aiote.Engine, b: aiote.Engine, n: int, *, seed: int) -> tuple[Any, Any, Any, Any]:
+    """A patterned source of ``n`` bytes registered with ``a``, a zeroed destination with ``b``."""
+    src, dst = pattern(n, seed=seed), zeros(n)
+    return src, dst, await a.register(src), await b.register(dst)
 
 
 
@@ -45,14 +60,9 @@ async def test_bad_streams_raise_before_opening(bad: object) -> None:
 
 
 async def test_small_writes_carry_their_immediate_and_large_ones_are_split_and_counted_once() -> None:
-    async with (
-        aiote.open_engine(streams=2, **TCP) as a,
-        aiote.open_engine(streams=2, **TCP) as b,
-    ):
+    async with two_streams() as (a, b):
         size = 8 << 20
-        src = pattern(size, seed=7)
-        dst = zeros(size)
-        ms, md = await a.register(src), await b.register(dst)
+        src, dst, ms, md = await regions(a, b, size, seed=7)
         assert len(a.route(md.descriptor).pairs) == 2
         # the first transfer to the peer goes whole over the first stream, even a large one
         # (the second connection is not made yet: it opens meanwhile, by a zero-byte write)
@@ -96,14 +106,9 @@ async def test_small_writes_carry_their_immediate_and_large_ones_are_split_and_c
 async def test_a_busy_engine_sends_large_writes_whole_over_its_streams() -> None:
     """With as many operations in flight (or ahead in the same batch) as streams, a large
     write is not split: the streams take whole writes in turn, each with its immediate."""
-    async with (
-        aiote.open_engine(streams=2, **TCP) as a,
-        aiote.open_engine(streams=2, **TCP) as b,
-    ):
+    async with two_streams() as (a, b):
         piece, k = 2 << 20, 8
-        src = pattern(piece * k, seed=11)
-        dst = zeros(piece * k)
-        ms, md = await a.register(src), await b.register(dst)
+        src, dst, ms, md = await regions(a, b, piece * k, seed=11)
         await a.write(ms, md.descriptor, length=64)
         await streams_open(a)
         # a batch of k large writes: as many transfers as streams or more, so none is split
@@ -157,14 +162,9 @@ async def test_streams_to_a_peer_process() -> None:
 async def test_a_paged_write_as_the_first_contact_opens_the_streams() -> None:
     """A paged write that first reaches the peer goes over one stream while the others open;
     the next one deals its pages over all of them. Data and counts are exact either way."""
-    async with (
-        aiote.open_engine(streams=2, **TCP) as a,
-        aiote.open_engine(streams=2, **TCP) as b,
-    ):
+    async with two_streams() as (a, b):
         n, ps = 256, 4096
-        src = pattern(n * ps, seed=13)
-        dst = zeros(n * ps)
-        ms, md = await a.register(src), await b.register(dst)
+        src, dst, ms, md = await regions(a, b, n * ps, seed=13)
         perm = np.random.default_rng(3).permutation(n)
         # the rails each paged group is posted on (the real attempt runs; this only looks)
         rails_used: list[set[int]] = []
@@ -192,14 +192,9 @@ async def test_a_batch_settles_how_its_large_writes_go_when_it_is_submitted() ->
     writes as streams each goes whole, the ones added first included; a batch built while
     the second connection was still opening uses it from the submission after it opened.
     Data and counts are exact each time, and a submission in flight keeps its own rows."""
-    async with (
-        aiote.open_engine(streams=2, **TCP) as a,
-        aiote.open_engine(streams=2, **TCP) as b,
-    ):
+    async with two_streams() as (a, b):
         piece, k = 2 << 20, 6
-        src = pattern(piece * k, seed=17)
-        dst = zeros(piece * k)
-        ms, md = await a.register(src), await b.register(dst)
+        src, dst, ms, md = await regions(a, b, piece * k, seed=17)
         d = md.descriptor
 
         def rails(batch: aiote.TransferBatch) -> list[int]:
@@ -243,14 +238,9 @@ async def test_a_batch_settles_how_its_large_writes_go_when_it_is_submitted() ->
 async def test_connect_opens_every_stream_before_the_first_transfer() -> None:
     """``connect`` opens each stream's connection and returns once all are open, touching
     nothing at the peer: the first transfer after it is already split over both."""
-    async with (
-        aiote.open_engine(streams=2, **TCP) as a,
-        aiote.open_engine(streams=2, **TCP) as b,
-    ):
+    async with two_streams() as (a, b):
         size = 8 << 20
-        src = pattern(size, seed=19)
-        dst = zeros(size)
-        ms, md = await a.register(src), await b.register(dst)
+        src, dst, ms, md = await regions(a, b, size, seed=19)
         assert a.stats()["routes_open"] == 0
         c0 = a.stats()["completions"]
         await a.connect(md.descriptor, timeout=30)
@@ -271,10 +261,7 @@ async def test_connect_opens_every_stream_before_the_first_transfer() -> None:
 
 
 async def test_connect_to_read_only_regions_and_bad_input() -> None:
-    async with (
-        aiote.open_engine(streams=2, **TCP) as a,
-        aiote.open_engine(streams=2, **TCP) as b,
-    ):
+    async with two_streams() as (a, b):
         ro = await b.register(pattern(4096, seed=5), remote_write=False)  # reads only: zero-byte READs
         await a.connect(ro.descriptor, timeout=30)
         assert a.stats()["routes_open"] == 2
@@ -305,10 +292,7 @@ async def test_connect_to_a_peer_that_never_answers_gives_up_within_connect_time
 async def test_connect_makes_a_connection_that_a_batch_only_took() -> None:
     """A transfer added to a batch at first contact takes the first stream (the batch will
     open it when submitted) and starts opening the second: ``connect`` still makes both."""
-    async with (
-        aiote.open_engine(streams=2, **TCP) as a,
-        aiote.open_engine(streams=2, **TCP) as b,
-    ):
+    async with two_streams() as (a, b):
         ms, md = await a.register(pattern(4096, seed=23)), await b.register(zeros(4096))
         d = md.descriptor
         batch = a.batch().write(ms, d, length=4096, imm=3)  # not submitted yet
