@@ -972,18 +972,17 @@ class Engine:
             op = lib.AIO_OP_READ
         else:
             raise InvalidArgument("connect: the region allows neither remote writes nor remote reads")
-        todo = [h for h in self._router.live(self._path(rdesc)) if (h[0], h[1]) not in self._routes_made]
+        full = self._path(rdesc)
+        todo = [h for h in self._router.live(full) if (h[0], h[1]) not in self._routes_made]
         if not todo:
             await anyio.lowlevel.checkpoint()
             return
-        assert self._scratch is not None
-        ptr = self._scratch._ptr
-        table = self._table([(ptr, 0, 0, fa, base, key, 0, rail, op, 0, 0) for rail, fa, base, key in todo])
+        table = self._table([self._probe(h, op) for h in todo])
         what = f"connect ({len(todo)} connection{'s' if len(todo) > 1 else ''})"
         await self._attempts(lambda t: self._run(table, None, t, what), timeout, None, what)
         made = [(h[0], h[1]) for h in todo]
         self._routes_made.update(made)
-        if len(self._path(rdesc)) > 1:  # the routes transfers to several routes wait for
+        if len(full) > 1:  # the routes transfers to several routes wait for
             self._routes_open.update(made)
 
     @staticmethod
@@ -1245,15 +1244,21 @@ class Engine:
                 self._bridge.spawn(partial(self._open_route, hop, op))
         return live
 
+    def _probe(self, hop: tuple[int, int, int, int], op: int) -> tuple[int, ...]:
+        """The row of a zero-byte request of kind ``op`` (READ or WRITE, no immediate) over one
+        route: it makes the connection and touches nothing at the peer."""
+        assert self._scratch is not None
+        rail, fa, base, key = hop
+        return (self._scratch._ptr, 0, 0, fa, base, key, 0, rail, op, 0, 0)
+
     async def _open_route(self, hop: tuple[int, int, int, int], op: int) -> None:
         """Opens the connection of one route to a peer with a zero-byte request (see
         :meth:`_open_routes`); never raises (a failure is logged, and the next transfer to
         the peer tries again)."""
-        assert self._scratch is not None
-        rail, fa, base, key = hop
-        row = (self._scratch._ptr, 0, 0, fa, base, key, 0, rail, op, 0, 0)
+        rail, fa, _, _ = hop
+        table = self._table([self._probe(hop, op)])
         try:
-            if not await self._run_table(self._table([row]), None, None, "opening a connection"):
+            if not await self._run_table(table, None, None, "opening a connection"):
                 self._routes_open.add((rail, fa))
                 self._routes_made.add((rail, fa))
         except Exception as exc:  # the transfer that needs the peer reports the failure
@@ -2671,25 +2676,28 @@ class TransferBatch:
     def _append(self, mr: MemoryRegion, args: tuple[Any, ...]) -> None:
         """Validates and adds one transfer (``args``: :meth:`Engine._rows`' from ``remote``
         to ``op``), remembering it when its rows may change by :meth:`_place`."""
-        note: list[bool] = []
         credits: dict[tuple[Any, int], int] = {}
-        rows = self._rows_of((mr, *args), credits, self._n, note)
+        rows, settled = self._rows_of((mr, *args), credits, self._n)
         first = self._n
         self._add(rows)
         self._refs.add(mr)
         for key, k in credits.items():
             self._credits[key] = self._credits.get(key, 0) + k
-        if note and not note[0]:
+        if not settled:
             self._moving.append([first, len(rows), (mr, *args), credits])
         self._entries += 1
 
     def _rows_of(
-        self, spec: tuple[Any, ...], credits: dict[tuple[Any, int], int], load: int, note: list[bool]
-    ) -> list[tuple[int, ...]]:
+        self, spec: tuple[Any, ...], credits: dict[tuple[Any, int], int], load: int
+    ) -> tuple[list[tuple[int, ...]], bool]:
+        """The rows of one transfer (``spec``: :meth:`Engine._rows`' arguments from ``mr`` to
+        ``op``), and whether they are settled (see :meth:`_place`)."""
         mr, remote, length, src_offset, dst_offset, imm, op = spec
-        return self._engine._rows(
+        note: list[bool] = []
+        rows = self._engine._rows(
             mr, remote, length, src_offset, dst_offset, imm, op, credits, load=load, note=note
         )[0]
+        return rows, not note or note[0]
 
     def _place(self) -> None:
         """Settles the rows of transfers to peers of several routes before a submission.
@@ -2711,9 +2719,8 @@ class TransferBatch:
         total = self._credits.copy()
         pos = shift = 0
         for first, count, args, old in self._moving:  # built aside: nothing changes if one raises
-            note: list[bool] = []
             credits: dict[tuple[Any, int], int] = {}
-            rows = self._rows_of(args, credits, self._entries, note)
+            rows, settled = self._rows_of(args, credits, self._entries)
             pieces.append(self._table[pos:first])
             pieces.append(eng._table(rows))
             pos = first + count
@@ -2723,7 +2730,7 @@ class TransferBatch:
                     del total[key]
             for key, k in credits.items():
                 total[key] = total.get(key, 0) + k
-            if note and not note[0]:
+            if not settled:
                 keep.append([first + shift, len(rows), args, credits])
             shift += len(rows) - count
         pieces.append(self._table[pos : self._n])

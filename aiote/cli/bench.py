@@ -656,8 +656,8 @@ def main(args: argparse.Namespace) -> int:
                 }
                 # the ratio: the median over the repeats of each repeat's aiote / C core (run
                 # back to back), which the machine's drift between repeats does not move as it
-                # moves the medians; the ratio of the medians beside it
-                # by repeat (None where that repeat has no figure), so they pair index by index
+                # moves the medians; the ratio of the medians beside it. The runs are listed by
+                # repeat (None where that repeat has no figure), so they pair index by index
                 row["py_runs"] = [p_runs.get(i) for i in reps]
                 row["c_runs"] = [c_runs.get(i) for i in reps] if c_runs else None
                 row["ratio"] = statistics.median(pairs) if pairs else None
