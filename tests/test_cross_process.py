@@ -90,6 +90,7 @@ async def test_read_from_peer(aiote_peer: PeerProcess) -> None:
 
     closed = await aiote_peer.register("closed", 4096, fill="pattern", seed=1, remote_read=False)
     local[:] = 0
+    await streams_open(e)  # (the first read's openings of other streams are done)
     before = e.stats()
     with pytest.raises(aiote.InvalidArgument, match="remote_read"):
         await e.read(ml, closed, length=4096)
