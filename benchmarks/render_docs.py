@@ -197,6 +197,11 @@ def versus_lines(versus: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _ci(ci: list[float] | None) -> str:
+    """The median's 90% confidence interval (aiote bench's ``ratio_ci90``), as a clause."""
+    return f"with a 90% confidence interval of {ci[0]:.3f} to {ci[1]:.3f} " if ci else ""
+
+
 def target_section(t: dict[str, Any]) -> list[str]:
     """The issue's target case (tcp writes of 1 MiB against the C core), measured alone with
     more repeats than the table (``aiote bench write --sizes 1MiB --repeats N``): the table's
@@ -210,6 +215,7 @@ def target_section(t: dict[str, Any]) -> list[str]:
             f"The target case alone ({r['mode']} {size_label(r['size'])} x{r['window']}, {r['provider']}, "
             f"{t['repeats']} paired repeats, a run of its own on {t.get('date', '?')}): "
             f"aiote / C core **{r['ratio']:.3f}** "
+            f"{_ci(r.get('ratio_ci90'))}"
             f"(target >= 0.95; ratio of the medians {r['ratio_of_medians']:.3f}; C core "
             f"{_fig(r['c_gbps'], r['c_spread'])} GB/s, aiote {_fig(r['py_gbps'], r['py_spread'])} GB/s; "
             f"the repeats' ratios from {pairs[0]:.2f} to {pairs[-1]:.2f}, "

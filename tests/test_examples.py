@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +106,8 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
         pairs = [p / c for p, c in zip(r["py_runs"], r["c_runs"], strict=True) if p and c]
         assert abs(r["ratio"] - statistics.median(pairs)) < 1e-9
         assert abs(r["ratio_of_medians"] - r["py_gbps"] / r["c_gbps"]) < 1e-9
+        ci = r["ratio_ci90"]  # the median ratio's 90% confidence interval, from 5 repeats
+        assert ci is None if len(pairs) < 5 else min(pairs) <= ci[0] <= r["ratio"] <= ci[1] <= max(pairs)
         assert r["py_gbps"] == statistics.median(v for v in r["py_runs"] if v is not None)
         assert r["c_gbps"] == statistics.median(v for v in r["c_runs"] if v is not None)
         assert r["unit"] == ("us" if r["mode"].endswith("latency") else "GB/s")
@@ -116,6 +119,20 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
             assert r["sockets_spread"][0] <= r["sockets_gbps"] <= r["sockets_spread"][1]
         else:
             assert r["sockets_gbps"] is None and r["sockets_spread"] is None
+
+
+def test_median_confidence_interval_is_distribution_free_and_covers_the_median() -> None:
+    from aiote.cli._benchout import median_ci
+
+    assert median_ci([1.0, 2.0, 3.0, 4.0]) is None  # too few to bound the median at 90%
+    assert median_ci([5.0, 1.0, 3.0, 2.0, 4.0]) == [1.0, 5.0]  # 1 - 2 / 32 >= 0.90
+    assert median_ci([float(x) for x in range(1, 16)]) == [4.0, 12.0]  # ranks 4 and 12 of 15
+    assert median_ci([float(x) for x in range(1, 41)]) == [15.0, 26.0]
+    # it covers the true median of skewed draws at least 90% of the time
+    rng = np.random.default_rng(5)
+    draws = rng.lognormal(0.0, 0.5, size=(2000, 15))
+    hits = sum(ci[0] <= 1.0 <= ci[1] for ci in (median_ci(list(row)) for row in draws) if ci)
+    assert hits / len(draws) >= 0.90
 
 
 def test_aiote_bench_all_beside_the_c_core_with_plot(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ otherwise), the table at the end, and the plot (matplotlib, ``--plot FILE.png``)
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -15,6 +16,20 @@ def size_label(n: int) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"
     return f"{n} B"
+
+
+def median_ci(values: list[float], level: float = 0.90) -> list[float] | None:
+    """A distribution-free confidence interval for the median of ``values`` (independent
+    draws): the order statistics k and n - k + 1, k the largest rank with
+    P(Binomial(n, 1/2) < k) <= (1 - level) / 2, so the interval covers the median with at
+    least ``level``. None below 5 values (no such k)."""
+    xs = sorted(values)
+    n = len(xs)
+    tail, k, below = (1.0 - level) / 2.0, 0, 0.0
+    while k < n and below + math.comb(n, k) / 2.0**n <= tail:
+        below += math.comb(n, k) / 2.0**n
+        k += 1
+    return [xs[k - 1], xs[n - k]] if k >= 1 else None
 
 
 def case_label(mode: str, size: int, window: int) -> str:

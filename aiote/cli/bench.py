@@ -661,6 +661,7 @@ def main(args: argparse.Namespace) -> int:
                 row["py_runs"] = [p_runs.get(i) for i in reps]
                 row["c_runs"] = [c_runs.get(i) for i in reps] if c_runs else None
                 row["ratio"] = statistics.median(pairs) if pairs else None
+                row["ratio_ci90"] = _benchout.median_ci(pairs)  # None below 5 repeats
                 row["ratio_of_medians"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
                 rows.append(row)
     others, steal = during.shares()
