@@ -202,6 +202,17 @@ def _ci(ci: list[float] | None) -> str:
     return f"with a 90% confidence interval of {ci[0]:.3f} to {ci[1]:.3f} " if ci else ""
 
 
+def _cpu(r: dict[str, Any]) -> str:
+    """A write row's CPU seconds per GB at the writer (aiote bench's ``py_cpu_s_per_gb`` and
+    ``c_cpu_s_per_gb``), as a sentence; empty when not measured."""
+    py, c = r.get("py_cpu_s_per_gb"), r.get("c_cpu_s_per_gb")
+    if not py or not c:
+        return ""
+    return (f" The writer's CPU per GB (medians): aiote {py['writer']:.3f} s, of which its event loop's "
+            f"thread {py['writer_main']:.4f} s; the C core {c['writer']:.3f} s, of which its main "
+            f"thread {c['writer_main']:.4f} s.")
+
+
 def target_section(t: dict[str, Any]) -> list[str]:
     """The issue's target case (tcp writes of 1 MiB against the C core), measured alone with
     more repeats than the table (``aiote bench write --sizes 1MiB --repeats N``): the table's
@@ -219,7 +230,7 @@ def target_section(t: dict[str, Any]) -> list[str]:
             f"(target >= 0.95; ratio of the medians {r['ratio_of_medians']:.3f}; C core "
             f"{_fig(r['c_gbps'], r['c_spread'])} GB/s, aiote {_fig(r['py_gbps'], r['py_spread'])} GB/s; "
             f"the repeats' ratios from {pairs[0]:.2f} to {pairs[-1]:.2f}, "
-            f"{sum(x >= 0.95 for x in pairs)} of {len(pairs)} at or above 0.95)."
+            f"{sum(x >= 0.95 for x in pairs)} of {len(pairs)} at or above 0.95).{_cpu(r)}"
         )
     return out
 

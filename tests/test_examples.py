@@ -113,6 +113,12 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
         assert r["unit"] == ("us" if r["mode"].endswith("latency") else "GB/s")
         if r["unit"] == "GB/s":
             assert r["py_gbps"] < 1000  # GB/s over loopback
+        if r["mode"] == "write":  # the writer's CPU seconds per GB: all its threads, its posting one
+            py_cpu, c_cpu = r["py_cpu_s_per_gb"], r["c_cpu_s_per_gb"]
+            assert 0 < py_cpu["writer_main"] <= py_cpu["writer"] * 1.01 < 100
+            assert 0 <= c_cpu["writer_main"] < 100 and 0 < c_cpu["writer"] < 100
+        else:
+            assert "py_cpu_s_per_gb" not in r
         if r["mode"] == "write" and r["provider"] == "tcp" and r.get("memory") != "arena":
             # beside it, one bare TCP connection moving the same messages (no libfabric)
             assert 0 < r["sockets_gbps"] < 1000

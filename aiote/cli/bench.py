@@ -72,6 +72,10 @@ MSG_SLOTS = 16  # the engine's default message_slots: sends in flight at most
 
 MODES = ("write", "read", "sendrecv", "paged", "imm-latency", "all")
 TRANSFERS = ("write", "read")  # one-sided transfer modes (the ones --arena applies to)
+# writes: besides GB/s (keyed by size), the writer's CPU seconds per GB of the timed part, under
+# these keys of a run's figures: the whole writing process, and the thread that posts and
+# drains (aiote: the event loop's; the C core: its main thread), without the poller threads
+CPU_WRITER, CPU_WRITER_MAIN = -1, -2
 Case = tuple[str, int, int]  # mode, size (0 for latency), window (0 where it does not apply)
 Config = tuple[str, tuple[str, ...] | None, str]  # provider, NICs, event loop
 
@@ -126,11 +130,13 @@ def lanes_of(window: int) -> tuple[int, int]:
 
 
 async def py_transfer(
-    remote: Remote, op: str, size: int, total: int, window: int, arena: bool = False
+    remote: Remote, op: str, size: int, total: int, window: int, arena: bool = False,
+    cpu: dict[int, float] | None = None,
 ) -> float:
     """GB/s of one-sided ``op`` ("write" with an immediate, or "read") of ``size``, ``window``
     in flight (up to 4 reusable batches submitted concurrently); ``arena``: both sides' buffers
-    from their engines' ``alloc_host``."""
+    from their engines' ``alloc_host``. ``cpu``: receives this process's and the event loop
+    thread's CPU seconds per GB over the timed part (keys CPU_WRITER, CPU_WRITER_MAIN)."""
     e = remote.engine
     lanes, per = lanes_of(window)
     region = size * lanes * per
@@ -160,14 +166,19 @@ async def py_transfer(
             for _ in range(rounds):
                 await b.submit(timeout=120)
 
+        c0, m0 = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for b in batches:
                 tg.start_soon(lane_run, b)
         dt = time.perf_counter() - t0
+        gb = rounds * lanes * per * size / 1e9
+        if cpu is not None:
+            cpu[CPU_WRITER] = (time.process_time() - c0) / gb
+            cpu[CPU_WRITER_MAIN] = (time.thread_time() - m0) / gb
         if op == "write":
             await remote.wait(2, rounds * lanes * per)
-        return rounds * lanes * per * size / dt / 1e9
+        return gb / dt
     finally:
         await e.unregister(mr)
 
@@ -272,7 +283,9 @@ async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[
     """One Python measurement: {size: GB/s} for throughput, {percentile: µs} for latency."""
     mode, size, window = case
     if mode in TRANSFERS:
-        return {size: await py_transfer(remote, mode, size, args.total, window, args.arena)}
+        cpu: dict[int, float] = {}
+        gbps = await py_transfer(remote, mode, size, args.total, window, args.arena, cpu)
+        return {size: gbps, **(cpu if mode == "write" else {})}
     if mode == "sendrecv":
         return {size: await py_sendrecv(remote, size, args.total, window)}
     if mode == "paged":
@@ -345,6 +358,10 @@ def sockets_args(args: argparse.Namespace, case: Case) -> list[str] | None:
 def _c_values(mode: str, r: dict[str, Any], size: int) -> dict[int, float]:
     if mode in LATENCY:
         return {50: float(r["p50_us"]), 99: float(r["p99_us"])}
+    if mode == "write" and "writer_main_cpu_s" in r:
+        gb = float(r["total_bytes"]) / 1e9
+        return {size: float(r["gbps"]), CPU_WRITER: float(r["writer_cpu_s"]) / gb,
+                CPU_WRITER_MAIN: float(r["writer_main_cpu_s"]) / gb}
     return {size: float(r["gbps"])}
 
 
@@ -493,6 +510,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="write, read: both sides' buffers from their engines' host arenas "
                          "(Engine.alloc_host; same-host peers memcpy into them), and the C core's the same")
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
+
+
+def _cpu_medians(figures: dict[Any, dict[int, float]], key: tuple[Any, ...]) -> dict[str, float] | None:
+    """A write row's CPU seconds per GB (medians over the repeats): ``writer`` (the writing
+    process) and ``writer_main`` (its posting thread: aiote's event loop, the C core's main
+    thread); None when not measured."""
+    got = {name: list(figures.get((*key, k), {}).values())
+           for name, k in (("writer", CPU_WRITER), ("writer_main", CPU_WRITER_MAIN))}
+    return {name: statistics.median(v) for name, v in got.items()} if all(got.values()) else None
 
 
 def _split(text: str) -> list[str]:
@@ -663,6 +689,9 @@ def main(args: argparse.Namespace) -> int:
                 row["ratio"] = statistics.median(pairs) if pairs else None
                 row["ratio_ci90"] = _benchout.median_ci(pairs)  # None below 5 repeats
                 row["ratio_of_medians"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
+                if mode == "write":  # the writer's CPU seconds per GB, medians over the repeats
+                    row["py_cpu_s_per_gb"] = _cpu_medians(py, (config, case))
+                    row["c_cpu_s_per_gb"] = _cpu_medians(cc, (provider, nics, case))
                 rows.append(row)
     others, steal = during.shares()
     if others > 0.10:
