@@ -125,3 +125,28 @@ async def test_a_batch_can_be_submitted_again(aiote_engine_pair) -> None:
         await batch.submit()
     nothing_posted(a, before)
     assert b.imm_counter(9).total == 3 * n
+
+
+async def test_a_batch_that_grew_between_submissions_sends_what_it_holds_now(aiote_engine_pair) -> None:
+    # a submitted batch keeps its rows ready for the next submission (a static schedule);
+    # writes added since, within the rows' room or past it, go out with the next one
+    a, b = aiote_engine_pair
+    src = pattern(40 * 64, seed=8)
+    dst = zeros(40 * 64)
+    ms, md = await a.register(src), await b.register(dst)
+    batch = a.batch()
+
+    def add(i: int) -> None:
+        batch.write(ms, md.descriptor, length=64, src_offset=i * 64, dst_offset=i * 64, imm=10)
+
+    add(0)
+    sent = 0
+    for upto in (1, 2, 5, 17, 40):  # the first rows' room is 16: then it is made anew
+        for i in range(len(batch), upto):
+            add(i)
+        dst[:] = 0
+        await batch.submit(timeout=30)
+        sent += upto
+        await b.imm_counter(10).wait(upto, timeout=30)
+        assert b.imm_counter(10).total == sent
+        assert np.array_equal(dst[: upto * 64], src[: upto * 64]) and not dst[upto * 64 :].any()

@@ -2660,6 +2660,8 @@ class TransferBatch:
         # on connections still opening: [first row, rows, arguments, credits], see _place
         self._moving: list[list[Any]] = []
         self._placed = (0, 0)  # (self._entries, connections open) when _place last ran
+        # the rows as last submitted, ready to post: (table, n, rows, items, post, what)
+        self._ready: tuple[Any, ...] | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -2800,7 +2802,29 @@ class TransferBatch:
             return
         self._check_regions()
         self._place()
-        await self._submit(self._table[: self._n], self._credits.copy(), timeout, retry)
+        if self._credits:  # multi-NIC peers: credits follow the data
+            await self._submit(self._table[: self._n], self._credits.copy(), timeout, retry)
+            return
+        # one group, posted by aio_submit from the rows as they stand (kept between
+        # submissions of an unchanged batch: a static schedule re-submitted in a loop)
+        eng = self._engine
+        ready = self._ready
+        if ready is None or ready[0] is not self._table or ready[1] != self._n:
+            rows = self._table[: self._n]
+            items = ffi.from_buffer("aio_op_desc[]", rows)
+            ready = self._ready = (self._table, self._n, rows, items, eng._poster(items, self._n),
+                                   f"batch of {self._n}")
+        _, n, rows, items, post, what = ready
+        refs = (self._refs, rows)  # (_refs only ever grows: keeps this submission's regions)
+
+        async def attempt(t: float | None) -> None:
+            eng._opening += 1  # as _run counts it (see _rows)
+            try:
+                await eng._run_group(post, n, refs, t, what, None, None, items)
+            finally:
+                eng._opening -= 1
+
+        await eng._attempts(attempt, timeout, retry, what)
 
     async def _submit(
         self,
