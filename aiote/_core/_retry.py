@@ -25,7 +25,11 @@ class RetryPolicy:
       fails the operation with :class:`~aiote.PeerUnreachable`; the operation is posted again
       up to ``attempts`` more times, ``backoff`` seconds after the first failure, doubling up to
       ``max_backoff``, within its deadline. A write that failed this way may have landed before
-      the connection broke; posting it again writes the same bytes.
+      the connection broke; posting it again writes the same bytes. So re-posting is
+      at-least-once: a write with an immediate (or ``write_imm``) that landed before the break
+      gives the peer's ``imm_counter`` its credit again. Where every credit must count exactly
+      once, pass ``RetryPolicy(attempts=0)`` and decide at the application level (the peer's
+      counter says what arrived).
     - **A NIC whose link goes down** moves its work to the engine's other NICs (failover; see
       the guide), whatever the policy.
     - **Permanent errors are never retried**: a bad key or range (:class:`~aiote.RemoteAccessError`),
