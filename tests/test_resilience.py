@@ -251,6 +251,10 @@ async def test_outer_deadline_and_native_task_cancel(anyio_backend: str) -> None
         ms = await e.register(src)
         await e.write_imm(d, 1)
         await p.wait(imm=1)
+        # every stream open: the write below is split over them and its immediate follows as a
+        # deferred credit, which a cancellation after posting still sends once the data landed
+        await e.connect(d, timeout=30)
+        assert len(e.route(d).pairs) == 2
         os.kill(p.pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()

@@ -97,6 +97,8 @@ _ENOENT = 2
 _STALLED = -(1 << 29)  # posting made no progress for connect_timeout
 # where a caller collects the groups its operations left on a failed link (see collect_stranded)
 _STRANDED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("aiote_stranded", default=None)
+# where an operation with deferred credits collects the groups its data goes in (see _then_credit)
+_GROUPS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("aiote_groups", default=None)
 # the retry policy of the operation running in this task (and the tasks it starts)
 _POLICY: contextvars.ContextVar[RetryPolicy | None] = contextvars.ContextVar("aiote_retry", default=None)
 _CLOSED_STATUS = -(1 << 30)  # an operation failed because the engine closed under it
@@ -167,10 +169,11 @@ class ScatterTarget:
 
 
 class _Op:
-    __slots__ = ("alts", "done", "event", "failover", "prov_errno", "rails", "refs", "status")
+    __slots__ = ("alts", "done", "event", "failover", "posted", "prov_errno", "rails", "refs", "status")
 
     def __init__(self, refs: Any, event: Any) -> None:
         self.event = event
+        self.posted = 0  # requests of the group handed to the transport so far
         self.status = 0
         self.prov_errno = 0
         self.refs = refs
@@ -1267,22 +1270,59 @@ class Engine:
             self._routes_opening.discard((rail, fa))
 
     async def _then_credit(
-        self, data: Awaitable[None], credits: dict[tuple[Any, int], int], end: float | None, what: str
+        self, data: Awaitable[None], credits: dict[tuple[Any, int], int], end: float | None, what: str,
+        rows: int = 0,
     ) -> None:
-        """Awaits ``data`` (the rows of an operation over several routes), then sends its
-        deferred ``credits`` (see :meth:`_rows`). When ``data`` times out after posting, a
-        background task sends the credits once every posted request has landed, and the
-        :class:`TransferTimeout`'s ``settled()`` waits for that too: a timed-out operation is
-        counted once its data is in place, as over a single route (never when a request failed
-        or was never posted)."""
+        """Awaits ``data`` (the ``rows`` requests of an operation over several routes), then
+        sends its deferred ``credits`` (see :meth:`_rows`). When ``data`` times out after
+        posting, a background task sends the credits once every posted request has landed, and
+        the :class:`TransferTimeout`'s ``settled()`` waits for that too: a timed-out operation
+        is counted once its data is in place, as over a single route (never when a request
+        failed or was never posted). A cancelled one likewise, once all ``rows`` requests were
+        posted before the cancellation (see :meth:`_credit_after_cancel`)."""
+        if not credits:
+            await data
+            return
+        groups: list[_Op] = []
+        token = _GROUPS.set(groups)
         try:
             await data
         except TransferTimeout as exc:
-            if credits and exc._waiter is not None:
+            if exc._waiter is not None:
                 self._credit_later(exc, dict(credits), what)
             raise
-        if credits:
-            await self._send_credits(credits, end, what)
+        except Exception:  # a request failed: its data is not all in place, never counted
+            raise
+        except BaseException:  # cancelled (or interrupted) after the groups did what they could
+            self._credit_after_cancel(groups, rows, dict(credits), what)
+            raise
+        finally:
+            _GROUPS.reset(token)
+        await self._send_credits(credits, end, what)
+
+    def _credit_after_cancel(
+        self, groups: list[_Op], rows: int, credits: dict[tuple[Any, int], int], what: str
+    ) -> None:
+        """After a cancellation: when the groups of the operation (those not moved to other
+        NICs by a failover) had posted all its ``rows`` requests, a background task sends its
+        ``credits`` once every group completed without error, so the cancelled operation is
+        counted once, as over a single route where the immediate travels with the data. Not
+        all posted: never counted (only part of the data may land)."""
+        live = [op for op in groups if not op.failover]
+        if not live or sum(op.posted for op in live) != rows or self._closed:
+            return
+
+        async def later() -> None:
+            try:
+                for op in live:
+                    await self._settle(op)
+                if all(op.status == 0 and not op.failover for op in live) and not self._closed:
+                    await self._send_credits(credits, None, f"{what} (credit after its cancellation)")
+            except Exception as err:  # the peer is gone or the engine closed: never counted
+                self._log.info("a cancelled transfer's credit was not sent", what=what, error=str(err))
+
+        assert self._bridge is not None
+        self._bridge.spawn(later)
 
     def _credit_later(self, exc: TransferTimeout, credits: dict[tuple[Any, int], int], what: str) -> None:
         """Sends ``credits`` from a background task once the timed-out operation of ``exc``
@@ -1498,6 +1538,9 @@ class Engine:
         if path is not None:
             op.alts = frozenset(hop[0] for hop in path)
         token = next(self._tokens)
+        groups = _GROUPS.get()
+        if groups is not None:
+            groups.append(op)
         first: int | None = None  # what aio_submit posted (it opened, posted, sealed if all went)
         if items is not None and not self._router.down:
             submit = lib.aio_submit_quiet if quiet else lib.aio_submit
@@ -1562,6 +1605,7 @@ class Engine:
                     error = k
                     break
                 posted += k
+                op.posted = posted
                 if posted < n:
                     # queue or slots full, or peer still connecting: wait for the next
                     # completion (a timer alone would cost a full millisecond under
@@ -1765,7 +1809,7 @@ class Engine:
             if len(full) == 1:  # one NIC each side: the common, fast case
                 await self._run_table(table, mr, t, "write")
                 return
-            await self._then_credit(self._run(table, mr, t, "write", full), credits, end, "write")
+            await self._then_credit(self._run(table, mr, t, "write", full), credits, end, "write", len(table))
 
         await self._attempts(attempt, timeout, retry, "write")
 
@@ -1864,6 +1908,8 @@ class Engine:
             mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits, gpu_ok=True
         )
         if len(full) != 1 or self._router.down:  # several NICs: striping, failover, credits
+            # the rows above only validated the call: the task builds them again when it
+            # starts, so that the transfers posted before it count as in flight (see _rows)
             return self._background(
                 lambda: self._write_host(mr, rdesc, length, src_offset, dst_offset, imm, None, retry),
                 "write",
@@ -2206,7 +2252,7 @@ class Engine:
             self._failovers += n
             await self._run(rows, refs, _left(end), what, full)
 
-        await self._then_credit(data(), credits, end, what)
+        await self._then_credit(data(), credits, end, what, n)
 
     async def scatter(
         self,
@@ -2240,7 +2286,7 @@ class Engine:
         table = self._table(rows)
 
         async def attempt(t: float | None) -> None:
-            await self._then_credit(self._run(table, mr, t, what), credits, end, what)
+            await self._then_credit(self._run(table, mr, t, what), credits, end, what, len(table))
 
         await self._attempts(attempt, timeout, retry, what)
 
@@ -2842,7 +2888,7 @@ class TransferBatch:
         refs = self._refs  # only ever grows: keeps this submission's regions too
 
         async def attempt(t: float | None) -> None:
-            await eng._then_credit(eng._run(table, refs, t, what), credits, end, what)
+            await eng._then_credit(eng._run(table, refs, t, what), credits, end, what, len(table))
 
         await eng._attempts(attempt, timeout, retry, what)
 
