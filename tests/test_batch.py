@@ -134,6 +134,7 @@ async def test_a_batch_that_grew_between_submissions_sends_what_it_holds_now(aio
     src = pattern(40 * 64, seed=8)
     dst = zeros(40 * 64)
     ms, md = await a.register(src), await b.register(dst)
+    await a.connect(md.descriptor, timeout=30)  # every stream open: rows placed once, at adding
     batch = a.batch()
 
     def add(i: int) -> None:

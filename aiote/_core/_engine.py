@@ -1287,17 +1287,17 @@ class Engine:
         token = _GROUPS.set(groups)
         try:
             await data
-        except TransferTimeout as exc:
-            if exc._waiter is not None:
-                self._credit_later(exc, dict(credits), what)
+        except BaseException as exc:
+            _GROUPS.reset(token)  # (before a background task copies this context)
+            if isinstance(exc, TransferTimeout):
+                if exc._waiter is not None:
+                    self._credit_later(exc, dict(credits), what)
+            elif isinstance(exc, anyio.get_cancelled_exc_class()):
+                # cancelled after the groups did what they could (a request that failed
+                # raises an error instead: its data is not all in place, never counted)
+                self._credit_after_cancel(groups, rows, dict(credits), what)
             raise
-        except Exception:  # a request failed: its data is not all in place, never counted
-            raise
-        except BaseException:  # cancelled (or interrupted) after the groups did what they could
-            self._credit_after_cancel(groups, rows, dict(credits), what)
-            raise
-        finally:
-            _GROUPS.reset(token)
+        _GROUPS.reset(token)
         await self._send_credits(credits, end, what)
 
     def _credit_after_cancel(
@@ -1312,17 +1312,12 @@ class Engine:
         if not live or sum(op.posted for op in live) != rows or self._closed:
             return
 
-        async def later() -> None:
-            try:
-                for op in live:
-                    await self._settle(op)
-                if all(op.status == 0 and not op.failover for op in live) and not self._closed:
-                    await self._send_credits(credits, None, f"{what} (credit after its cancellation)")
-            except Exception as err:  # the peer is gone or the engine closed: never counted
-                self._log.info("a cancelled transfer's credit was not sent", what=what, error=str(err))
+        async def landed() -> bool:
+            for op in live:
+                await self._settle(op)
+            return all(op.done and op.status == 0 for op in live)
 
-        assert self._bridge is not None
-        self._bridge.spawn(later)
+        self._credits_later(credits, what, landed)
 
     def _credit_later(self, exc: TransferTimeout, credits: dict[tuple[Any, int], int], what: str) -> None:
         """Sends ``credits`` from a background task once the timed-out operation of ``exc``
@@ -1347,36 +1342,72 @@ class Engine:
     async def _send_credits(self, credits: dict[tuple[Any, int], int], end: float | None, what: str) -> None:
         """Sends deferred credits (see :meth:`_rows`): one zero-byte write per (peer, imm)
         carrying the number of units as its weight (several when more than 65535, or one per
-        unit on providers whose remote CQ data has no room for a weight)."""
+        unit on providers whose remote CQ data has no room for a weight). Cancelled meanwhile:
+        the credits not posted yet are sent by a background task (the data they count has
+        landed), so the operation is still counted once."""
         assert self._scratch is not None
-        for (full, imm), units in credits.items():
-            path = self._router.live(full)
-            rail, fa, base, key = path[self._router.start(full) % len(path)]
-            rows: list[tuple[int, ...]] = []
-            if self._weights_ok(path):
-                while units:
-                    k = min(units, 65535)
-                    units -= k
-                    rows.append(
-                        (
-                            self._scratch._ptr,
-                            0,
-                            0,
-                            fa,
-                            base,
-                            key,
-                            imm | ((k * _CREDIT) << 32),
-                            rail,
-                            lib.AIO_OP_WRITE,
-                            lib.AIO_F_DATA,
-                            0,
+        left = dict(credits)
+        try:
+            for key, units in credits.items():
+                full, imm = key
+                path = self._router.live(full)
+                rail, fa, base, ckey = path[self._router.start(full) % len(path)]
+                rows: list[tuple[int, ...]] = []
+                if self._weights_ok(path):
+                    while units:
+                        k = min(units, 65535)
+                        units -= k
+                        rows.append(
+                            (
+                                self._scratch._ptr,
+                                0,
+                                0,
+                                fa,
+                                base,
+                                ckey,
+                                imm | ((k * _CREDIT) << 32),
+                                rail,
+                                lib.AIO_OP_WRITE,
+                                lib.AIO_F_DATA,
+                                0,
+                            )
                         )
-                    )
-            else:
-                rows = [
-                    (self._scratch._ptr, 0, 0, fa, base, key, imm, rail, lib.AIO_OP_WRITE, lib.AIO_F_DATA, 0)
-                ] * units
-            await self._run(self._table(rows), None, _left(end), f"{what} (credit)", full)
+                else:
+                    rows = [
+                        (self._scratch._ptr, 0, 0, fa, base, ckey, imm, rail, lib.AIO_OP_WRITE,
+                         lib.AIO_F_DATA, 0)
+                    ] * units
+                groups: list[_Op] = []
+                token = _GROUPS.set(groups)
+                try:
+                    await self._run(self._table(rows), None, _left(end), f"{what} (credit)", full)
+                finally:
+                    _GROUPS.reset(token)
+                    if sum(op.posted for op in groups if not op.failover) == len(rows):
+                        del left[key]  # posted whole: it lands (or fails) on its own
+        except BaseException as exc:
+            if left and isinstance(exc, anyio.get_cancelled_exc_class()) and not self._closed:
+                self._credits_later(left, what)
+            raise
+
+    def _credits_later(
+        self,
+        credits: dict[tuple[Any, int], int],
+        what: str,
+        landed: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        """Sends the credits of a cancelled operation from a background task: once ``landed()``
+        says its data is all in place (None: it is), unless the engine closed meanwhile."""
+
+        async def later() -> None:
+            try:
+                if (landed is None or await landed()) and not self._closed:
+                    await self._send_credits(credits, None, f"{what} (credit after its cancellation)")
+            except Exception as err:  # the peer is gone or the engine closed: never counted
+                self._log.info("a cancelled transfer's credit was not sent", what=what, error=str(err))
+
+        assert self._bridge is not None
+        self._bridge.spawn(later)
 
     def _weights_ok(self, path: tuple[tuple[int, int, int, int], ...]) -> bool:
         """Whether credit weights travel on these rails (64-bit remote CQ data)."""

@@ -26,8 +26,8 @@ def median_ci(values: list[float], level: float = 0.90) -> list[float] | None:
     xs = sorted(values)
     n = len(xs)
     tail, k, below = (1.0 - level) / 2.0, 0, 0.0
-    while k < n and below + math.comb(n, k) / 2.0**n <= tail:
-        below += math.comb(n, k) / 2.0**n
+    while k < n and below + math.comb(n, k) / 2**n <= tail:  # (exact integers: any n)
+        below += math.comb(n, k) / 2**n
         k += 1
     return [xs[k - 1], xs[n - k]] if k >= 1 else None
 
