@@ -281,6 +281,42 @@ async def test_outer_deadline_and_native_task_cancel(anyio_backend: str) -> None
         assert await p.digest("buf") == digest(src)
 
 
+@pytest.mark.parametrize("how", ["batch", "paged"])
+async def test_a_cancelled_split_batch_or_paged_write_is_counted_once_it_landed(how: str) -> None:
+    """A batch of one large write, and a paged write, to a peer of two streams go as pieces
+    with deferred credits: cancelled after posting (the peer frozen), the credits still
+    follow once every piece landed, once."""
+    async with spawn_peer(cancel_grace=0.2, **TCP) as p:
+        e = p.engine
+        size = 32 << 20
+        d = await p.register("buf", size)
+        src = pattern(size, seed=9)
+        ms = await e.register(src)
+        await e.write_imm(d, 1)
+        await p.wait(imm=1)
+        await e.connect(d, timeout=30)
+        assert len(e.route(d).pairs) == 2
+        page = 1 << 20
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError), anyio.fail_after(0.3):
+                if how == "batch":
+                    batch = e.batch()
+                    batch.write(ms, d, imm=4)
+                    assert batch._credits  # (internal: split over both streams, its credit deferred)
+                    await batch.submit()
+                else:
+                    pages = list(range(size // page))
+                    await e.write_paged(ms, d, page_size=page, src_pages=pages, dst_pages=pages, imm=4)
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        credits = 1 if how == "batch" else size // page  # a paged write: one per page
+        await p.wait(imm=4, n=credits)  # every piece landed: the credit came from a background task
+        await eventually(lambda: e.stats()["ops_in_flight"] == 0, "the credits to land", 60)
+        assert await p.counter(4) == 0  # counted once
+        assert await p.digest("buf") == digest(src)
+
+
 async def test_a_timed_out_write_can_be_awaited_until_the_transport_lets_go() -> None:
     async with spawn_peer(**TCP) as p:
         e = p.engine
