@@ -62,6 +62,21 @@ async def streams_open(e: Any) -> None:
     await eventually(lambda: e.stats()["routes_opening"] == 0, "the connections to open")
 
 
+async def peer_buffer(p: Any, size: int, seed: int, *, connect: bool = False) -> tuple[Any, np.ndarray, Any]:
+    """A ``size``-byte region "buf" at the peer process ``p`` and a registered pattern of
+    ``seed`` on its engine, after a first WriteImm (imm 1) reached it: (descriptor, pattern,
+    region). ``connect``: every connection to it (each NIC and stream) open too."""
+    e = p.engine
+    d = await p.register("buf", size)
+    src = pattern(size, seed=seed)
+    ms = await e.register(src)
+    await e.write_imm(d, 1)
+    await p.wait(imm=1)
+    if connect:
+        await e.connect(d, timeout=30)
+    return d, src, ms
+
+
 async def eventually(pred: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
     """Polls ``pred`` (on real engine state) until it holds; fails the test after ``timeout``."""
     with anyio.move_on_after(timeout):

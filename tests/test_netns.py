@@ -10,7 +10,7 @@ import anyio
 import numpy as np
 import pytest
 from _netns import Hosts, netns_unavailable, two_hosts
-from _util import digest, eventually, kernel_sndbuf, pattern, streams_open, tcp_sockets
+from _util import digest, eventually, kernel_sndbuf, pattern, peer_buffer, streams_open, tcp_sockets
 
 import aiote
 from aiote.testing import spawn_peer
@@ -102,12 +102,8 @@ async def test_failover_in_the_middle_of_a_1gib_write(hosts: Hosts) -> None:
 async def test_failover_of_paged_writes(hosts: Hosts) -> None:
     async with aiote.open_engine(nics=hosts.local, same_host=None) as e, peer(hosts, e) as p:
         n, ps = 4096, 65536
-        d = await p.register("buf", n * ps)
-        src = pattern(n * ps, seed=78)
-        ms = await e.register(src)
+        d, src, ms = await peer_buffer(p, n * ps, seed=78)
         perm = np.random.default_rng(8).permutation(n)
-        await e.write_imm(d, 1)
-        await p.wait(imm=1)
 
         async def transfer() -> None:
             await e.write_paged(
@@ -129,12 +125,7 @@ async def test_every_link_down_with_a_deadline_then_back(hosts: Hosts, nics: int
     async with aiote.open_engine(nics=hosts.local[:nics], same_host=None) as e, peer(
         hosts, e, hosts.remote[:nics]
     ) as p:
-        size = 64 << 20
-        d = await p.register("buf", size)
-        src = pattern(size, seed=1)
-        ms = await e.register(src)
-        await e.write_imm(d, 1)
-        await p.wait(imm=1)
+        d, src, ms = await peer_buffer(p, 64 << 20, seed=1)
         try:
             for i in range(nics):
                 hosts.link(i, False)

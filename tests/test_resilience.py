@@ -12,7 +12,7 @@ import time
 
 import anyio
 import pytest
-from _util import digest, eventually, pattern, streams_open, zeros
+from _util import digest, eventually, pattern, peer_buffer, streams_open, zeros
 
 import aiote
 from aiote.testing import spawn_peer
@@ -245,15 +245,9 @@ async def test_outer_deadline_and_native_task_cancel(anyio_backend: str) -> None
     the engine stays usable and the write lands once the peer runs again."""
     async with spawn_peer(cancel_grace=0.5, **TCP) as p:
         e = p.engine
-        size = 64 << 20
-        d = await p.register("buf", size)
-        src = pattern(size, seed=6)
-        ms = await e.register(src)
-        await e.write_imm(d, 1)
-        await p.wait(imm=1)
         # every stream open: the write below is split over them and its immediate follows as a
         # deferred credit, which a cancellation after posting still sends once the data landed
-        await e.connect(d, timeout=30)
+        d, src, ms = await peer_buffer(p, 64 << 20, seed=6, connect=True)
         assert len(e.route(d).pairs) == 2
         os.kill(p.pid, signal.SIGSTOP)
         try:
@@ -289,12 +283,7 @@ async def test_a_cancelled_split_batch_or_paged_write_is_counted_once_it_landed(
     async with spawn_peer(cancel_grace=0.2, **TCP) as p:
         e = p.engine
         size = 32 << 20
-        d = await p.register("buf", size)
-        src = pattern(size, seed=9)
-        ms = await e.register(src)
-        await e.write_imm(d, 1)
-        await p.wait(imm=1)
-        await e.connect(d, timeout=30)
+        d, src, ms = await peer_buffer(p, size, seed=9, connect=True)
         assert len(e.route(d).pairs) == 2
         page = 1 << 20
         os.kill(p.pid, signal.SIGSTOP)
@@ -320,11 +309,7 @@ async def test_a_cancelled_split_batch_or_paged_write_is_counted_once_it_landed(
 async def test_a_timed_out_write_can_be_awaited_until_the_transport_lets_go() -> None:
     async with spawn_peer(**TCP) as p:
         e = p.engine
-        size = 64 << 20
-        d = await p.register("buf", size)
-        ms = await e.register(pattern(size, seed=8))
-        await e.write_imm(d, 1)
-        await p.wait(imm=1)
+        d, _, ms = await peer_buffer(p, 64 << 20, seed=8)
         os.kill(p.pid, signal.SIGSTOP)
         try:
             with pytest.raises(aiote.TransferTimeout) as info:
@@ -361,11 +346,7 @@ async def test_a_split_timed_out_write_settles_every_group_and_is_counted_once(
     peer frozen: settling waits for both groups, then the deferred credit follows, once."""
     async with spawn_peer(nics=nics, streams=streams, peer_streams=streams, **TCP) as p:
         e = p.engine
-        size = 64 << 20
-        d = await p.register("buf", size)
-        ms = await e.register(pattern(size, seed=9))
-        await e.write_imm(d, 1)
-        await p.wait(imm=1)
+        d, _, ms = await peer_buffer(p, 64 << 20, seed=9)
         await streams_open(e)
         c0 = e.stats()["completions"]
         os.kill(p.pid, signal.SIGSTOP)

@@ -1317,27 +1317,18 @@ class Engine:
                 await self._settle(op)
             return all(op.done and op.status == 0 for op in live)
 
-        self._credits_later(credits, what, landed)
+        self._credits_later(credits, what, "cancellation", landed)
 
     def _credit_later(self, exc: TransferTimeout, credits: dict[tuple[Any, int], int], what: str) -> None:
         """Sends ``credits`` from a background task once the timed-out operation of ``exc``
         has settled and every request of it landed; ``exc.settled()`` then waits for that task."""
         settle, landed = exc._waiter, exc._landed
-        done = self._event()
 
-        async def later() -> None:
-            try:
-                await settle()
-                if landed is not None and landed() and not self._closed:
-                    await self._send_credits(credits, None, f"{what} (credit after its timeout)")
-            except Exception as err:  # the peer is gone or the engine closed: never counted
-                self._log.info("a timed-out transfer's credit was not sent", what=what, error=str(err))
-            finally:
-                done.set()
+        async def all_landed() -> bool:
+            await settle()
+            return landed is not None and landed()
 
-        assert self._bridge is not None
-        self._bridge.spawn(later)
-        exc._waiter = done.wait
+        exc._waiter = self._credits_later(credits, what, "timeout", all_landed).wait
 
     async def _send_credits(self, credits: dict[tuple[Any, int], int], end: float | None, what: str) -> None:
         """Sends deferred credits (see :meth:`_rows`): one zero-byte write per (peer, imm)
@@ -1387,27 +1378,33 @@ class Engine:
                         del left[key]  # posted whole: it lands (or fails) on its own
         except BaseException as exc:
             if left and isinstance(exc, anyio.get_cancelled_exc_class()) and not self._closed:
-                self._credits_later(left, what)
+                self._credits_later(left, what, "cancellation")
             raise
 
     def _credits_later(
         self,
         credits: dict[tuple[Any, int], int],
         what: str,
+        after: str,
         landed: Callable[[], Awaitable[bool]] | None = None,
-    ) -> None:
-        """Sends the credits of a cancelled operation from a background task: once ``landed()``
-        says its data is all in place (None: it is), unless the engine closed meanwhile."""
+    ) -> Any:
+        """Sends the credits of an operation that timed out or was cancelled (``after``) from a
+        background task: once ``landed()`` says its data is all in place (None: it is), unless
+        the engine closed meanwhile. Returns the event set when that task is done."""
+        done = self._event()
 
         async def later() -> None:
             try:
                 if (landed is None or await landed()) and not self._closed:
-                    await self._send_credits(credits, None, f"{what} (credit after its cancellation)")
+                    await self._send_credits(credits, None, f"{what} (credit after its {after})")
             except Exception as err:  # the peer is gone or the engine closed: never counted
-                self._log.info("a cancelled transfer's credit was not sent", what=what, error=str(err))
+                self._log.info("a transfer's credit was not sent", what=what, after=after, error=str(err))
+            finally:
+                done.set()
 
         assert self._bridge is not None
         self._bridge.spawn(later)
+        return done
 
     def _weights_ok(self, path: tuple[tuple[int, int, int, int], ...]) -> bool:
         """Whether credit weights travel on these rails (64-bit remote CQ data)."""

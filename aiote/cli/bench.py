@@ -284,8 +284,9 @@ async def py_case(remote: Remote, args: argparse.Namespace, case: Case) -> dict[
     mode, size, window = case
     if mode in TRANSFERS:
         cpu: dict[int, float] = {}
-        gbps = await py_transfer(remote, mode, size, args.total, window, args.arena, cpu)
-        return {size: gbps, **(cpu if mode == "write" else {})}
+        gbps = await py_transfer(remote, mode, size, args.total, window, args.arena,
+                                 cpu if mode == "write" else None)
+        return {size: gbps, **cpu}
     if mode == "sendrecv":
         return {size: await py_sendrecv(remote, size, args.total, window)}
     if mode == "paged":
