@@ -367,3 +367,58 @@ async def test_a_split_timed_out_write_settles_every_group_and_is_counted_once(
         await p.wait(imm=2)
         assert await p.counter(2) == 0
         assert await p.digest("buf") == digest(ms.buffer)
+
+
+async def test_a_resubmitted_batch_that_times_out_or_is_cancelled_keeps_its_buffers_and_lands_once() -> None:
+    """A batch of whole writes (no deferred credit: the one-call path of TransferBatch.submit)
+    submitted again while the peer is frozen: a timeout raises at once and settled() waits for
+    the transport; a cancellation waits, shielded, for the completion before it propagates.
+    Each submission's writes land once."""
+    async with spawn_peer(**TCP) as p:
+        e = p.engine
+        d, src, ms = await peer_buffer(p, 64 << 20, seed=12)
+        await streams_open(e)
+        batch = e.batch()
+        for i in range(4):
+            batch.write(ms, d, length=16 << 20, src_offset=i << 24, dst_offset=i << 24, imm=2)
+        await batch.submit(timeout=60)
+        # (internal: placed at that submission as whole writes over the streams, no credit)
+        assert not batch._credits
+        await p.wait(imm=2, n=4)
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(aiote.TransferTimeout) as info:
+                await batch.submit(timeout=0.3)
+            with anyio.move_on_after(0.5) as scope:  # the peer is frozen: not settled yet
+                await info.value.settled()
+            assert scope.cancelled_caught
+            assert e.stats()["ops_in_flight"] > 0
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        with anyio.fail_after(60):
+            await info.value.settled()
+        assert e.stats()["ops_in_flight"] == 0
+        await p.wait(imm=2, n=4)
+        # cancelled while the peer is frozen: the cancellation waits for the completion
+        # (the batch's buffers stay the transport's until then), here until the peer thaws
+        os.kill(p.pid, signal.SIGSTOP)
+        thawed = anyio.Event()
+
+        async def thaw() -> None:
+            await anyio.sleep(1.0)
+            os.kill(p.pid, signal.SIGCONT)
+            thawed.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(thaw)
+                with anyio.move_on_after(0.3) as cancelled:
+                    await batch.submit(timeout=60)
+                assert cancelled.cancelled_caught
+                assert thawed.is_set()  # it returned only after the peer went on
+                assert e.stats()["ops_in_flight"] == 0  # ... and its writes completed
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        await p.wait(imm=2, n=4)
+        assert await p.counter(2) == 0  # three submissions, each counted once
+        assert await p.digest("buf") == digest(src)

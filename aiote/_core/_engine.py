@@ -1653,28 +1653,19 @@ class Engine:
             if not sealed:
                 self._seal(g)
                 sealed = True
-            if self._loop_spin_ns:
-                self._spin_until(op.event.is_set)
-            if not op.event.is_set() and not await wait_until(op.event, end):
-                assert timeout is not None
-                raise timeout_error(what, timeout)
-        except TransferTimeout as timed_out:
+        except TransferTimeout as timed_out:  # while posting: not everything went out
             if not sealed:
                 self._seal(g)
             if posted == 0:
                 raise TransferTimeout(f"{what}: nothing could be posted before the deadline") from None
             timed_out._waiter = partial(self._settle, op)
-            whole = posted == n  # every request posted: all land unless one fails
-            timed_out._landed = lambda: whole and op.done is True and op.status == 0 and not op.failover
+            timed_out._landed = lambda: False  # a part was never posted
             raise
         except BaseException:
             if not sealed:
                 self._seal(g)
             if posted and not op.done:
-                # a posted request cannot be taken back: keep its buffers until the NIC is
-                # done (a failover wake-up is not the completion: _settle waits for that)
-                with anyio.move_on_after(self._cancel_grace, shield=True):
-                    await self._settle(op)
+                await self._settle_cancelled(op)
             raise
         if error == _STALLED:
             stalled = PeerUnreachable(
@@ -1687,7 +1678,37 @@ class Engine:
             raise stalled
         if error:
             raise _post_error(error, what, posted)
+        return await self._await_group(op, end, timeout, what)
+
+    async def _await_group(self, op: _Op, end: float | None, timeout: float | None, what: str) -> bool:
+        """The end of a group's life once every request of it was posted and it was sealed:
+        waits for its completion record until ``end`` and returns :meth:`_outcome`. On
+        timeout raises TransferTimeout at once (the completion releases the buffers later;
+        its ``_landed`` says whether everything landed); on cancellation waits, shielded,
+        up to ``cancel_grace`` for the completion first (see :meth:`_run_group`)."""
+        try:
+            if self._loop_spin_ns:
+                self._spin_until(op.event.is_set)
+            if not op.event.is_set() and not await wait_until(op.event, end):
+                assert timeout is not None
+                raise timeout_error(what, timeout)
+        except TransferTimeout as timed_out:
+            timed_out._waiter = partial(self._settle, op)
+            # every request posted: all land unless one fails
+            timed_out._landed = lambda: op.done is True and op.status == 0 and not op.failover
+            raise
+        except BaseException:
+            if not op.done:
+                await self._settle_cancelled(op)
+            raise
         return self._outcome(op, what)
+
+    async def _settle_cancelled(self, op: _Op) -> None:
+        """A posted request cannot be taken back: keeps its buffers until the NIC is done
+        (a failover wake-up is not the completion: :meth:`_settle` waits for that), for at
+        most ``cancel_grace``, shielded from the cancellation being raised."""
+        with anyio.move_on_after(self._cancel_grace, shield=True):
+            await self._settle(op)
 
     @staticmethod
     def _outcome(op: _Op, what: str) -> bool:
@@ -2898,7 +2919,24 @@ class TransferBatch:
             finally:
                 eng._opening -= 1
 
-        await eng._attempts(attempt, timeout, retry, what)
+        if retry is not None:
+            await eng._attempts(attempt, timeout, retry, what)
+            return
+        # the first attempt inline (what _attempts and _run_group do, without their layers:
+        # the event loop runs this once per completion of a batch re-submitted in a loop)
+        end = _end(timeout)
+        try:
+            st = eng._begin(n, refs, None, None, items)
+            if st.first == n:  # one native call posted every request and sealed the group
+                await eng._await_group(st.op, end, timeout, what)
+                return
+            eng._opening += 1  # it may wait for a group slot or room before it has posted
+            try:
+                await eng._finish(st, post, n, end, timeout, what)
+            finally:
+                eng._opening -= 1
+        except PeerUnreachable as exc:
+            await eng._retry_after(exc, attempt, end, eng._retry, what)
 
     async def _submit(
         self,
@@ -2922,11 +2960,12 @@ class TransferBatch:
 
     def _check_regions(self) -> None:
         """Raises InvalidArgument if a region of this batch was unregistered since it was added."""
-        if any(mr._handle is None for mr in self._refs):
-            raise InvalidArgument(
-                "a region of this batch was unregistered since it was added: build the batch again "
-                "with registered regions"
-            )
+        for mr in self._refs:  # (a loop: cheaper than any() over a generator, on every submission)
+            if mr._handle is None:
+                raise InvalidArgument(
+                    "a region of this batch was unregistered since it was added: build the batch again "
+                    "with registered regions"
+                )
 
     def post(self, *, retry: RetryPolicy | None = None) -> Transfer:
         """:meth:`submit`, posted now and awaited later (see :meth:`Engine.post_write`): every
