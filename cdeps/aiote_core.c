@@ -71,6 +71,10 @@
  * still refuses (queue full, reconnecting) after DEFER_STALL_NS fails as "timed out". */
 #define DEFER_PEERS 256
 #define DEFER_STALL_NS 1000000000LL
+/* By default (hand mode 0) a tcp write of at least this many bytes is always handed to the
+ * poller: its bytes go into the socket from the poller's thread, never from the posting one
+ * (an event loop's). Smaller ones are posted in place when the rail is free, for latency. */
+#define HAND_MIN_BYTES (16 * 1024)
 #define LOOP_POLL_BLOCK_MAX_NS 1000000LL
 
 typedef struct aio_op {
@@ -2656,15 +2660,22 @@ static void release_rail(rail_hold *h) {
 }
 
 /* How post_item_g takes a rail's lock: waits for it; tries (hands the request to the poller if
- * the rail is busy); or does not take it (hands every eligible request over). */
-enum { HOLD_WAIT, HOLD_TRY, HOLD_NONE };
+ * the rail is busy); does not take it (hands every eligible request over); or hands the request
+ * over even when this call holds the rail (a large tcp write by default). */
+enum { HOLD_WAIT, HOLD_TRY, HOLD_NONE, HOLD_HAND };
 
 /* Takes rail r's lock into h (kept if h holds it already, under HOLD_MAX_POSTS): 1 held. HOLD_TRY:
  * only if it is free and no request of this rail waits in the poller's queue, else 0: the caller
  * hands its request to the poller rather than wait for a poller busy moving data (a wait that
  * costs the posting thread a futex sleep and wake-up, and on few cores the CPU the poller needs).
- * HOLD_NONE: 0 unless already held. */
+ * HOLD_NONE: 0 unless already held. HOLD_HAND: 0, letting go of a rail held: the poller posts
+ * the request as soon as it takes the lock, and this call's later requests to the rail queue
+ * behind it (HOLD_TRY sees it waiting), in order. */
 static int hold_rail(rail_hold *h, aio_rail *r, int how) {
+    if (how == HOLD_HAND) {
+        release_rail(h);
+        return 0;
+    }
     if (h->r == r && h->posts < HOLD_MAX_POSTS) return 1;
     release_rail(h);
     if (how == HOLD_NONE) return 0;
@@ -2726,11 +2737,18 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     aio_op *op;
     /* by default only on tcp, whose poller pushes bytes into sockets under the rail's lock: on
      * shm, handing 64 KiB writes to the poller cut them to a third (the poller then queues every
-     * write into the target's shm queue itself, against the target's lock) */
+     * write into the target's shm queue itself, against the target's lock). On tcp a write of
+     * HAND_MIN_BYTES or more is always handed: copied in the posting thread, a 1 MiB write
+     * held a Python event loop for about 100 us per write, and its posting thread became the
+     * bottleneck at 64 KiB and 16 MiB (aiote bench, 2 vCPUs) */
     int hand = atomic_load_explicit(&e->hand_posts, memory_order_relaxed);
     int how = HOLD_WAIT;
-    if (hand >= 0 && !direct && ngather <= 1 && it->peer < DEFER_PEERS && atomic_load(&r->defer_ok[it->peer]))
-        how = hand > 0 ? HOLD_NONE : r->is_tcp ? HOLD_TRY : HOLD_WAIT;
+    if (hand >= 0 && !direct && ngather <= 1 && it->peer < DEFER_PEERS && atomic_load(&r->defer_ok[it->peer])) {
+        if (hand > 0)
+            how = HOLD_NONE;
+        else if (r->is_tcp)
+            how = it->op == AIO_OP_WRITE && it->length >= HAND_MIN_BYTES ? HOLD_HAND : HOLD_TRY;
+    }
     if (!hold_rail(h, r, how)) {
         /* the poller holds the rail (it is moving data): it posts this request when it is done */
         if ((op = op_start(e, r, g, m, it))) {

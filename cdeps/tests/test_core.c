@@ -1957,6 +1957,20 @@ static int t_handed(fix_t *f) {
         CHECK(wait_take(b, 0x7001, N * U, TIMEOUT) == 0, "default shm writes: credits missing");
         return 0;
     }
+    /* the default on tcp: every write of 16 KiB or more is handed, busy rail or not; smaller
+     * ones only while the poller holds the rail */
+    uint64_t large = 0;
+    for (int i = 0; i < N; i++) large += lens[i] >= 16384;
+    h0 = stats_of(a->e).posts_handed;
+    if (run_group(a, w, N, NULL)) return -1;
+    uint64_t handed = stats_of(a->e).posts_handed - h0;
+    CHECK(handed >= large && handed <= (uint64_t)N, "tcp default handed %llu of %d writes (%llu of 16 KiB or more)",
+          (unsigned long long)handed, N, (unsigned long long)large);
+    CHECK(wait_take(b, 0x7001, N * U, TIMEOUT) == 0, "default tcp writes: credits missing");
+    for (int i = 0; i < N; i++) {
+        int64_t bad = verify(b->buf + loffs[i], lens[i], 0, 0x7100 + (uint32_t)i);
+        CHECK(bad < 0, "default tcp write %d: byte %lld differs", i, (long long)bad);
+    }
     CHECK_OK(aio_engine_set_hand_posts(a->e, 1));
     /* a handed write that fails (a wrong key: tcp drops the connection) */
     aio_op_desc badk = op_to(a, b, AIO_OP_WRITE, 0, 8192, 4096, AIO_F_DATA, 0x7002);
