@@ -9,6 +9,8 @@ import os
 import random
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -306,23 +308,31 @@ async def test_a_cancelled_split_batch_or_paged_write_is_counted_once_it_landed(
         assert await p.digest("buf") == digest(src)
 
 
+async def times_out_while_frozen(p: Any, op: Callable[[], Awaitable[Any]]) -> None:
+    """Freezes the peer process ``p``, checks that ``op()`` raises TransferTimeout and that
+    its ``settled()`` does not return while the peer is frozen (its requests still in flight),
+    then thaws the peer and checks that ``settled()`` returns and nothing is left in flight."""
+    e = p.engine
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(aiote.TransferTimeout) as info:
+            await op()
+        with anyio.move_on_after(0.5) as scope:  # the peer is frozen: not settled yet
+            await info.value.settled()
+        assert scope.cancelled_caught
+        assert e.stats()["ops_in_flight"] > 0
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    with anyio.fail_after(60):
+        await info.value.settled()
+    assert e.stats()["ops_in_flight"] == 0
+
+
 async def test_a_timed_out_write_can_be_awaited_until_the_transport_lets_go() -> None:
     async with spawn_peer(**TCP) as p:
         e = p.engine
         d, _, ms = await peer_buffer(p, 64 << 20, seed=8)
-        os.kill(p.pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(aiote.TransferTimeout) as info:
-                await e.write(ms, d, imm=2, timeout=0.3)
-            with anyio.move_on_after(0.5) as scope:  # the peer is frozen: not settled yet
-                await info.value.settled()
-            assert scope.cancelled_caught
-            assert e.stats()["ops_in_flight"] > 0
-        finally:
-            os.kill(p.pid, signal.SIGCONT)
-        with anyio.fail_after(60):
-            await info.value.settled()
-        assert e.stats()["ops_in_flight"] == 0
+        await times_out_while_frozen(p, lambda: e.write(ms, d, imm=2, timeout=0.3))
         await p.wait(imm=2)  # it landed, once
         # a deadline already past: the write is posted and times out at once. The peer is
         # frozen again so that its completion cannot come first (on a loaded machine the loop
@@ -385,19 +395,7 @@ async def test_a_resubmitted_batch_that_times_out_or_is_cancelled_keeps_its_buff
         # (internal: placed at that submission as whole writes over the streams, no credit)
         assert not batch._credits
         await p.wait(imm=2, n=4)
-        os.kill(p.pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(aiote.TransferTimeout) as info:
-                await batch.submit(timeout=0.3)
-            with anyio.move_on_after(0.5) as scope:  # the peer is frozen: not settled yet
-                await info.value.settled()
-            assert scope.cancelled_caught
-            assert e.stats()["ops_in_flight"] > 0
-        finally:
-            os.kill(p.pid, signal.SIGCONT)
-        with anyio.fail_after(60):
-            await info.value.settled()
-        assert e.stats()["ops_in_flight"] == 0
+        await times_out_while_frozen(p, lambda: batch.submit(timeout=0.3))
         await p.wait(imm=2, n=4)
         # cancelled while the peer is frozen: the cancellation waits for the completion
         # (the batch's buffers stay the transport's until then), here until the peer thaws
