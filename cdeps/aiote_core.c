@@ -2738,9 +2738,9 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     /* by default only on tcp, whose poller pushes bytes into sockets under the rail's lock: on
      * shm, handing 64 KiB writes to the poller cut them to a third (the poller then queues every
      * write into the target's shm queue itself, against the target's lock). On tcp a write of
-     * HAND_MIN_BYTES or more is always handed: copied in the posting thread, a 1 MiB write
-     * held a Python event loop for about 100 us per write, and its posting thread became the
-     * bottleneck at 64 KiB and 16 MiB (aiote bench, 2 vCPUs) */
+     * HAND_MIN_BYTES or more is always handed: copied in the posting thread, a batch of 16 writes
+     * of 1 MiB held the posting call for 75 us on average and up to 430 us (a Python event
+     * loop), and that thread became the bottleneck at 64 KiB and 16 MiB (aiote bench, 2 vCPUs) */
     int hand = atomic_load_explicit(&e->hand_posts, memory_order_relaxed);
     int how = HOLD_WAIT;
     if (hand >= 0 && !direct && ngather <= 1 && it->peer < DEFER_PEERS && atomic_load(&r->defer_ok[it->peer])) {
