@@ -104,6 +104,7 @@ async def test_failover_of_paged_writes(hosts: Hosts) -> None:
         n, ps = 4096, 65536
         d, src, ms = await peer_buffer(p, n * ps, seed=78)
         perm = np.random.default_rng(8).permutation(n)
+        before = e.stats()["failovers"]
 
         async def transfer() -> None:
             await e.write_paged(
@@ -115,6 +116,7 @@ async def test_failover_of_paged_writes(hosts: Hosts) -> None:
         # is re-posted on the other NIC and the stranded one can still land once the link is
         # back (tcp retransmits), counted twice - a known limitation of failover (stop 32)
         await _link_down_during(hosts, e, 0, 0.02, transfer)
+        assert e.stats()["failovers"] > before  # the pages on the failed NIC were moved
         await p.wait(imm=12, n=n)
         assert await p.counter(12) == 0  # exactly one credit per page
         want = src.reshape(n, ps)[perm].reshape(-1)

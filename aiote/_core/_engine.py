@@ -1271,7 +1271,7 @@ class Engine:
 
     async def _then_credit(
         self, data: Awaitable[None], credits: dict[tuple[Any, int], int], end: float | None, what: str,
-        rows: int = 0,
+        rows: int,
     ) -> None:
         """Awaits ``data`` (the ``rows`` requests of an operation over several routes), then
         sends its deferred ``credits`` (see :meth:`_rows`). When ``data`` times out after
@@ -1576,6 +1576,7 @@ class Engine:
             g = int(self._gout[0])
             if g >= 0:
                 first = k
+                op.posted = max(k, 0)
         else:
             g = int(lib.aio_group_open(h, token))
         if g >= 0:
@@ -1596,6 +1597,8 @@ class Engine:
         if self._closed:  # begun by post_write, finished by a background task: too late
             raise EngineClosed(f"{what}: the engine closed before the operation was posted")
         op, token, g, first = st.op, st.token, st.g, st.first
+        if first == n:  # aio_submit posted every request and sealed the group: only the wait is left
+            return await self._await_group(op, end, timeout, what)
         rails = op.rails
         h = self._h
         attempt = 0
@@ -2922,17 +2925,14 @@ class TransferBatch:
         if retry is not None:
             await eng._attempts(attempt, timeout, retry, what)
             return
-        # the first attempt inline (what _attempts and _run_group do, without their layers:
-        # the event loop runs this once per completion of a batch re-submitted in a loop)
+        # the first attempt inline: what _attempts(attempt) does without a policy, minus its
+        # coroutine layers (_attempts, attempt, _run_group), which the event loop would step
+        # through once per completion of a batch re-submitted in a loop
         end = _end(timeout)
         try:
-            st = eng._begin(n, refs, None, None, items)
-            if st.first == n:  # one native call posted every request and sealed the group
-                await eng._await_group(st.op, end, timeout, what)
-                return
-            eng._opening += 1  # it may wait for a group slot or room before it has posted
+            eng._opening += 1
             try:
-                await eng._finish(st, post, n, end, timeout, what)
+                await eng._finish(eng._begin(n, refs, None, None, items), post, n, end, timeout, what)
             finally:
                 eng._opening -= 1
         except PeerUnreachable as exc:
