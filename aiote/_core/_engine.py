@@ -91,6 +91,7 @@ _ACCESS_ERRORS = {1, 13, 14, 121, 129, 266}
 _FI_ETRUNC = 265
 _FI_EBUSY = 16
 _NO_DIRECT = (0, 0)
+_ELSEWHERE = bytes(16)  # a host id no engine has: routes a same-host peer as a remote one (_host_of)
 _DIRECT_SLOTS = int(lib.AIO_DIRECT_SLOTS)
 _FI_ECANCELED = 125
 _ENOENT = 2
@@ -125,6 +126,12 @@ def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
 
 
 def _host_id() -> bytes:
+    """Who can share memory with this process: the kernel's boot, its PID namespace (direct
+    copies and libfabric's shm name peers by pid) and the file system behind ``/dev/shm``
+    (shm's queues are files there). Two engines with the same id get the same-host route;
+    processes on one node in other containers (another PID namespace, another ``/dev/shm``)
+    get another id, so they are reached over the main provider. An IPC namespace alone does not
+    separate them: POSIX shared memory lives in ``/dev/shm``."""
     parts = []
     for p in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
         try:
@@ -134,6 +141,12 @@ def _host_id() -> bytes:
             pass
     if not parts:
         parts.append(os.uname().nodename.encode())
+    for ns in ("/proc/self/ns/pid", "/dev/shm"):
+        try:
+            st = os.stat(ns)
+            parts.append(f"{ns}={st.st_dev}:{st.st_ino}".encode())
+        except OSError:
+            parts.append(f"{ns}=?".encode())
     return hashlib.blake2b(b"|".join(parts), digest_size=16).digest()
 
 
@@ -926,11 +939,28 @@ class Engine:
         hit = self._desc_paths.get(id(rdesc))
         if hit is not None and hit[0] is rdesc:
             return hit[1]
-        p = self._router.path(rdesc.keys, rdesc.host_id)
+        p = self._router.path(rdesc.keys, self._host_of(rdesc))
         if len(self._desc_paths) >= 1024:
             self._desc_paths.clear()
         self._desc_paths[id(rdesc)] = (rdesc, p)  # holds rdesc: its id cannot be reused meanwhile
         return p
+
+    def _host_of(self, rdesc: MemoryDescriptor) -> bytes:
+        """The host id to route ``rdesc`` by: its owner's, unless the same-host route cannot
+        keep its guarantees for this region. libfabric 1.17's shm checks no key, bounds or
+        access right and never fails a request to a process that died, so host memory of a
+        same-host peer is reached over shm only through the owner's region table (direct
+        copies, checked by the initiator: see :meth:`_direct`); a region without a slot there
+        (the owner publishes no table, no remote access, a full table) or an owner this process
+        cannot attach to goes over the main provider, as a peer on another host."""
+        host = rdesc.host_id
+        if host != self._address.host_id or not self._shm_rails or rdesc.device_kind != DEVICE_HOST:
+            return host
+        if self._router.provider_for([k.provider for k in rdesc.keys], host) not in ("shm",):
+            return host
+        if rdesc.direct is not None and self._direct(rdesc)[0]:
+            return host
+        return _ELSEWHERE
 
     def route(self, peer: bytes | EngineAddress | MemoryDescriptor) -> Route:
         """How this engine reaches ``peer`` (an engine address, or a descriptor of one of its
@@ -941,7 +971,7 @@ class Engine:
         :class:`DescriptorError` for corrupt address bytes. Costs O(NICs): the first call for a
         peer resolves its NIC addresses (one native call each, cached), later ones hit the cache."""
         if isinstance(peer, MemoryDescriptor):
-            return self._router.describe(peer.keys, peer.host_id)
+            return self._router.describe(peer.keys, self._host_of(peer))
         addr = self._engine_address(peer)
         return self._router.describe(addr_ends(addr), addr.host_id)
 
@@ -1126,11 +1156,10 @@ class Engine:
             streams = self._streams > 1 and length >= self._stripe_min and self._on_one_nic(path)
             note.append(opened is path and not streams)
         ptr = mr._ptr
-        # a same-host peer that published the region, over shm: a direct copy by our poller.
-        # The core makes READs directly, and writes only into the peer's arena (memcpy); other
-        # writes stay with shm, which copies at the target (process_vm_writev measured slower
-        # here; see docs/benchmarks.md)
-        dcode, dkey = self._direct(rdesc) if rdesc.direct is not None and mr._dev is None else _NO_DIRECT
+        # a same-host peer that published the region, over shm: a direct copy by our poller
+        # (a memcpy into or out of the peer's arena, else process_vm_writev / readv), checked
+        # against the owner's region table; a bare immediate is checked in place (see _host_of)
+        dcode = self._direct(rdesc)[0] if rdesc.direct is not None and mr._dev is None else 0
         if (
             n > 1
             and self._streams > 1
@@ -1149,7 +1178,7 @@ class Engine:
             # adds work requests and a credit message and moves nothing faster
             hop = opened[start % len(opened)]
             rail, fa, base, key = hop
-            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            dc = dcode if rail in self._shm_rails else 0
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
         path, n = opened, len(opened)  # NICs not connected yet take nothing until they are
         if len(full) > 1 and flags and length:
@@ -1159,7 +1188,7 @@ class Engine:
             data = flags = 0
         if n == 1 or length < self._stripe_min:
             rail, fa, base, key = path[start % n]
-            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            dc = dcode if rail in self._shm_rails else 0
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], full
         # striped: n shards, 4 KiB aligned
         chunk = -(-length // n)
@@ -1168,7 +1197,7 @@ class Engine:
         for i, o in enumerate(range(0, length, chunk)):
             rail, fa, base, key = path[(start + i) % n]
             ln = min(chunk, length - o)
-            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            dc = dcode if rail in self._shm_rails else 0
             rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, dc))
         return rows, full
 
@@ -2208,6 +2237,7 @@ class Engine:
             sp, dp = sp[order], dp[order]
         full = self._path(rdesc)
         path = self._router.live(full)
+        dcode = self._direct(rdesc)[0] if rdesc.direct is not None and mr._dev is None else 0
         if len(path) > 1:  # until every connection is open, pages go only over the open ones
             path = self._open_routes(path, lib.AIO_OP_WRITE)
         credits: dict[tuple[Any, int], int] = {}
@@ -2234,6 +2264,7 @@ class Engine:
             d.routes[i].peer = fa
             d.routes[i].rbase = base
             d.routes[i].rkey = key
+            d.routes[i].direct = dcode if rail in self._shm_rails else 0
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
@@ -2731,6 +2762,8 @@ def _post_error(code: int, what: str, posted: int) -> AioteError:
         return InvalidArgument(f"{what}: the transport rejected the request as invalid{tail}")
     if c in _PEER_ERRORS:
         return PeerUnreachable(f"{what}: {_strerror(c)}{tail}", c, 0)
+    if c in _ACCESS_ERRORS:  # a same-host peer's table refused it before anything was posted
+        return RemoteAccessError(f"{what}: {_strerror(c)}: check the descriptor's key and bounds{tail}", c, 0)
     return TransferError(f"{what}: posting failed: {_strerror(c)}{tail}", c, 0)
 
 
