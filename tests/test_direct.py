@@ -73,7 +73,7 @@ async def test_without_direct_copies_a_same_host_peer_is_reached_over_tcp() -> N
         e = peer.engine
         pdesc = await peer.register("pat", 1 << 20, fill="pattern", seed=65)
         assert pdesc.direct is None
-        assert e.route(pdesc).provider == "tcp"
+        assert e.route(pdesc).provider.startswith("tcp")
         local = zeros(1 << 20)
         ml = await e.register(local)
         await e.read(ml, pdesc, timeout=30)
@@ -84,7 +84,7 @@ async def test_without_direct_copies_a_same_host_peer_is_reached_over_tcp() -> N
         e = peer.engine
         pdesc = await peer.register("pat", 1 << 20, fill="pattern", seed=66)
         assert pdesc.direct is not None
-        assert e.route(pdesc).provider == "tcp"
+        assert e.route(pdesc).provider.startswith("tcp")
         local = zeros(1 << 20)
         ml = await e.register(local)
         await e.read(ml, pdesc, timeout=30)

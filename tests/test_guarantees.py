@@ -255,3 +255,73 @@ async def test_stale_forged_and_wrong_descriptors_never_land(route: str) -> None
         assert await p.digest("buf2") == digest(src)
         assert e.stats()["ops_in_flight"] == 0
         r.ran_here()
+
+
+@route_param
+async def test_nothing_hangs_by_default_a_stopped_peer_stalls(route: str) -> None:
+    """An operation to a peer that takes nothing (stopped) fails with TransferStalled after the
+    policy's stall_timeout, with no deadline of the caller's; what it posted lands once the
+    peer resumes, counted once."""
+    policy = aiote.RetryPolicy(stall_timeout=1.0)
+    assert aiote.RetryPolicy().stall_timeout == 30.0  # the default: nothing waits forever
+    async with rig(route, retry=policy) as r:
+        e, p = r.engine, r.peer
+        d = await r.buffer("buf", 16 << 20)
+        src = pattern(16 << 20, seed=10)
+        ms = await e.register(src)
+        await e.write(ms, d, length=4096, imm=1, timeout=30)
+        await p.wait(imm=1)
+        os.kill(p.pid, signal.SIGSTOP)
+        stalled: list[aiote.TransferStalled] = []
+        try:
+            t0 = time.monotonic()
+            if route not in SAME_HOST:  # on the same host a write needs nothing of the peer
+                with pytest.raises(aiote.TransferStalled) as info:
+                    await e.write(ms, d, imm=70)
+                assert "stall_timeout=1" in str(info.value)
+                stalled.append(info.value)
+            # a message waits for the peer to take it: 4 of them, more than it has room for
+            async with anyio.create_task_group() as tg:
+                for k in range(4):
+                    tg.start_soon(_send_stalled, e, p.address, k, stalled)
+            # every one returned within the bound; over tcp each stalled, while on the same host
+            # shm may take a message into the stopped peer's queue without its help
+            assert time.monotonic() - t0 < 2 * policy.stall_timeout + 8
+            if route not in SAME_HOST:
+                assert len(stalled) == 5, stalled
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        with anyio.fail_after(30):
+            for exc in stalled:
+                await exc.settled()
+        if route not in SAME_HOST:
+            await p.wait(imm=70, timeout=30)
+        await anyio.sleep(0.3)
+        assert await p.counter(70) == 0
+        assert await p.digest("buf") == digest(src) or route in SAME_HOST
+        await e.write(ms, d, imm=71, timeout=30)  # the route works on
+        await p.wait(imm=71)
+        assert await p.digest("buf") == digest(src)
+
+
+async def _send_stalled(e: aiote.Engine, to: bytes, k: int, out: list[aiote.TransferStalled]) -> None:
+    try:
+        await e.send(to, b'{"op": "echo", "id": -1}' + b" " * (60000 + k))
+    except aiote.TransferStalled as exc:
+        out.append(exc)
+
+
+@route_param
+async def test_a_message_larger_than_the_receiver_takes_is_refused_at_the_sender(route: str) -> None:
+    async with rig(route, max_message_size=4 << 20) as r:  # it could send more than the peer takes
+        e, p = r.engine, r.peer
+        d = await r.buffer("buf", 4096)
+        limit = aiote.EngineAddress.from_bytes(p.address).max_message
+        assert limit == d.max_message > 0
+        before = e.stats()
+        with pytest.raises(aiote.InvalidArgument, match="receiving engine's max_message_size"):
+            await e.send(p.address, b"x" * (limit + 1), timeout=10)
+        with pytest.raises(aiote.InvalidArgument, match="receiving engine's max_message_size"):
+            await e.send(d.address, b"x" * (limit + 1), timeout=10)
+        assert e.stats()["completions"] == before["completions"]  # nothing was posted
+        assert (await p.call(op="echo", payload="still here"))["payload"] == "still here"

@@ -47,6 +47,7 @@ from ._errors import (
     RegistrationError,
     RemoteAccessError,
     TransferError,
+    TransferStalled,
     TransferTimeout,
 )
 from ._gpu import GpuSupport, UvmWatcher
@@ -182,10 +183,11 @@ class ScatterTarget:
 
 
 class _Op:
-    __slots__ = ("alts", "done", "event", "failover", "posted", "prov_errno", "rails", "refs", "status")
+    __slots__ = ("alts", "done", "event", "failover", "g", "posted", "prov_errno", "rails", "refs", "status")
 
     def __init__(self, refs: Any, event: Any) -> None:
         self.event = event
+        self.g = -1  # its native group, once one was opened (the stall watch reads its progress)
         self.posted = 0  # requests of the group handed to the transport so far
         self.status = 0
         self.prov_errno = 0
@@ -340,7 +342,9 @@ class Engine:
         self._recs = ffi.new("aio_record[256]")
         self._gout = ffi.new("int64_t[1]")  # aio_submit's group (the loop thread only)
         self._checkpoint_if_cancelled: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint_if_cancelled
-        self._address = EngineAddress(tuple(RailAddress(r.provider, r.address) for r in rails), _host_id())
+        self._address = EngineAddress(
+            tuple(RailAddress(r.provider, r.address) for r in rails), _host_id(), max_message_size
+        )
         self._address_bytes = bytes(self._address)
         self._router = Router(
             [r.provider for r in rails],
@@ -850,9 +854,8 @@ class Engine:
             if slot >= 0:
                 first = min(self._shm_rails)
                 direct = DirectExtent(*self._direct_info, slot, keys[first].key)
-        desc = MemoryDescriptor(
-            nbytes, access, device_kind, device_id, self._address.host_id, keys, gpu, direct
-        )
+        host = self._address.host_id
+        desc = MemoryDescriptor(nbytes, access, device_kind, device_id, host, keys, gpu, direct, self._max_message)
         mr = MemoryRegion(self, owner, cbuf, mrh, nbytes, desc, remote_write, remote_read)
         mr._ptr = int(ffi.cast("uintptr_t", mrh))
         self._regions.add(mr)
@@ -1610,6 +1613,7 @@ class Engine:
             g = int(lib.aio_group_open(h, token))
         if g >= 0:
             self._pending[token] = op
+        op.g = g
         return _Group(op, token, g, first)
 
     async def _finish(
@@ -1637,7 +1641,7 @@ class Engine:
                     while g < 0:  # every group slot in flight: backpressure
                         attempt += 1
                         h = await self._pause(min(0.0001 * attempt, 0.005))
-                        g = lib.aio_group_open(h, token)
+                        g = op.g = lib.aio_group_open(h, token)
             except BaseException:
                 if g >= 0:
                     self._seal(g)
@@ -1721,7 +1725,7 @@ class Engine:
         try:
             if self._loop_spin_ns:
                 self._spin_until(op.event.is_set)
-            if not op.event.is_set() and not await wait_until(op.event, end):
+            if not op.event.is_set() and not await self._wait_moving(op, end, what):
                 assert timeout is not None
                 raise timeout_error(what, timeout)
         except TransferTimeout as timed_out:
@@ -1734,6 +1738,38 @@ class Engine:
                 await self._settle_cancelled(op)
             raise
         return self._outcome(op, what)
+
+    async def _wait_moving(self, op: _Op, end: float | None, what: str) -> bool:
+        """Waits for ``op``'s completion until ``end``: True once it came, False at ``end``.
+        Raises :class:`TransferStalled` when none of its requests completed for the policy's
+        ``stall_timeout`` (a request completing is progress: a slow peer that keeps taking
+        bytes never trips it; a peer that takes nothing, stopped or wedged, does)."""
+        p = _POLICY.get()
+        stall = (p if p is not None else self._retry).stall_timeout
+        if stall is None:
+            return await wait_until(op.event, end)
+        h = self._h
+        last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+        while True:
+            until = now() + stall
+            if await wait_until(op.event, until if end is None else min(end, until)):
+                return True
+            if end is not None and now() >= end:
+                return False
+            pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+            if op.event.is_set() or pending != last:
+                last = pending
+                continue
+            raise TransferStalled(
+                f"{what}: no request of it completed for stall_timeout={stall:g} s "
+                f"({pending} of its requests still in flight to the peer at "
+                f"{self._peer_names(op)}); the peer is stopped, wedged or too slow for the bound",
+            )
+
+    def _peer_names(self, op: _Op) -> str:
+        """The NICs an operation's requests left through, for error messages."""
+        rails = sorted(op.rails or op.alts or ())
+        return ", ".join(f"{self._rails[i].provider}/{self._rails[i].domain}" for i in rails) or "?"
 
     async def _settle_cancelled(self, op: _Op) -> None:
         """A posted request cannot be taken back: keeps its buffers until the NIC is done
@@ -2482,6 +2518,11 @@ class Engine:
             raise InvalidArgument(
                 f"payload of {data.nbytes} B exceeds max_message_size={self._max_message} B; "
                 "use a one-sided write for bulk data"
+            )
+        if addr.max_message and data.nbytes > addr.max_message:
+            raise InvalidArgument(
+                f"payload of {data.nbytes} B exceeds the receiving engine's max_message_size="
+                f"{addr.max_message} B: it could not be delivered; use a one-sided write for bulk data"
             )
         end = _end(timeout)
         while True:
