@@ -855,7 +855,8 @@ class Engine:
                 first = min(self._shm_rails)
                 direct = DirectExtent(*self._direct_info, slot, keys[first].key)
         host = self._address.host_id
-        desc = MemoryDescriptor(nbytes, access, device_kind, device_id, host, keys, gpu, direct, self._max_message)
+        limit = self._max_message
+        desc = MemoryDescriptor(nbytes, access, device_kind, device_id, host, keys, gpu, direct, limit)
         mr = MemoryRegion(self, owner, cbuf, mrh, nbytes, desc, remote_write, remote_read)
         mr._ptr = int(ffi.cast("uintptr_t", mrh))
         self._regions.add(mr)
