@@ -31,7 +31,8 @@ BLOCK = kvdemo._block(LAYOUT)
 def demo_args(backend: str, same_host: str | None = "shm") -> argparse.Namespace:
     return argparse.Namespace(
         provider="tcp", backend=backend, same_host=same_host or "none", layers=LAYOUT.layers,
-        page_tokens=LAYOUT.page_tokens, token_bytes=LAYOUT.token_bytes, pool_pages=LAYOUT.pool_pages, kv_timeout=30.0,
+        page_tokens=LAYOUT.page_tokens, token_bytes=LAYOUT.token_bytes, pool_pages=LAYOUT.pool_pages,
+        kv_timeout=30.0,
     )
 
 
