@@ -315,6 +315,7 @@ class Engine:
         self._cancel_grace = cancel_grace
         self._budget_ns = post_budget_ns
         self._failovers = 0
+        self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
         self._pending: dict[int, _Op] = {}
@@ -661,10 +662,12 @@ class Engine:
         which re-post their work on the other NICs) or put it back."""
         name = self._rails[rail].domain
         if up:
+            self._down_since.pop(rail, None)
             self._router.down.discard(rail)
             self._log.info("link up: NIC back in rotation", nic=name)
             return
         self._router.down.add(rail)
+        self._down_since.setdefault(rail, now())
         woken = 0
         down = self._router.down
         for op in self._pending.values():
@@ -1734,8 +1737,8 @@ class Engine:
             # every request posted: all land unless one fails
             timed_out._landed = lambda: op.done is True and op.status == 0 and not op.failover
             raise
-        except BaseException:
-            if not op.done:
+        except BaseException as exc:
+            if not op.done and not getattr(exc, "_final", False):  # see _wait_moving
                 await self._settle_cancelled(op)
             raise
         return self._outcome(op, what)
@@ -1744,32 +1747,60 @@ class Engine:
         """Waits for ``op``'s completion until ``end``: True once it came, False at ``end``.
         Raises :class:`TransferStalled` when none of its requests completed for the policy's
         ``stall_timeout`` (a request completing is progress: a slow peer that keeps taking
-        bytes never trips it; a peer that takes nothing, stopped or wedged, does)."""
+        bytes never trips it; a peer that takes nothing, stopped or wedged, does), and
+        :class:`PeerUnreachable` once every NIC that reaches its peer has been down for
+        ``connect_timeout`` (its requests stay owned by the transport, and land if a link
+        comes back: it is not posted again)."""
         p = _POLICY.get()
-        stall = (p if p is not None else self._retry).stall_timeout
-        if stall is None:
+        policy = p if p is not None else self._retry
+        stall = policy.stall_timeout
+        if stall is None and not self._router.down:
             return await wait_until(op.event, end)
         h = self._h
         last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+        moved = now()
         while True:
-            until = now() + stall
-            if await wait_until(op.event, until if end is None else min(end, until)):
+            marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]
+            if self._router.down:
+                marks.append(now() + 0.25)  # are all the peer's NICs down, and for how long?
+            if await wait_until(op.event, min(marks) if marks else None):
                 return True
-            if end is not None and now() >= end:
+            t = now()
+            if end is not None and t >= end:
                 return False
             pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
             if op.event.is_set() or pending != last:
-                last = pending
+                last, moved = pending, t
                 continue
-            raise TransferStalled(
-                f"{what}: no request of it completed for stall_timeout={stall:g} s "
-                f"({pending} of its requests still in flight to the peer at "
-                f"{self._peer_names(op)}); the peer is stopped, wedged or too slow for the bound",
-            )
+            gone = self._all_down_for(op, t)
+            if gone > policy.connect_timeout:
+                exc = PeerUnreachable(
+                    f"{what}: every NIC that reaches the peer ({self._peer_names(op)}) has been down for "
+                    f"{gone:.1f} s (connect_timeout={policy.connect_timeout:g} s); {pending} of its requests "
+                    "stay with the transport and land if a link comes back",
+                    101,
+                    0,
+                )
+                exc._final = True  # type: ignore[attr-defined]  # not posted again
+                raise exc
+            if stall is not None and t - moved >= stall:
+                raise TransferStalled(
+                    f"{what}: no request of it completed for stall_timeout={stall:g} s "
+                    f"({pending} of its requests still in flight to the peer through "
+                    f"{self._peer_names(op)}); the peer is stopped, wedged or too slow for the bound",
+                )
+
+    def _all_down_for(self, op: _Op, t: float) -> float:
+        """How long every NIC of ``op``'s peer has been down (0 while one is up)."""
+        alts = op.alts or frozenset(op.rails or ()) or _rails_of(op)
+        down = self._router.down
+        if not alts or not alts <= down:
+            return 0.0
+        return t - max(self._down_since.get(r, t) for r in alts)
 
     def _peer_names(self, op: _Op) -> str:
         """The NICs an operation's requests left through, for error messages."""
-        rails = sorted(op.rails or op.alts or ())
+        rails = sorted(op.rails or op.alts or _rails_of(op))
         return ", ".join(f"{self._rails[i].provider}/{self._rails[i].domain}" for i in rails) or "?"
 
     async def _settle_cancelled(self, op: _Op) -> None:
@@ -2620,6 +2651,7 @@ class Engine:
         for i in range(len(self._rails)):
             if not lib.aio_rail_link_up(self._h, i):
                 self._router.down.add(i)
+                self._down_since[i] = now()
                 self._log.warning("link down at start: NIC out of rotation", nic=self._rails[i].domain)
         self._bridge = LoopBridge(int(lib.aio_engine_eventfd(self._h)), self._on_ready)
         self._bridge.start()
@@ -2793,6 +2825,16 @@ def _as_bytes(v: Any, name: str) -> bytes:
     if isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v)
     raise InvalidArgument(f"{name} must be bytes, not {type(v).__name__}")
+
+
+def _rails_of(op: _Op) -> frozenset[int]:
+    """The rails of an operation posted from a table of rows (its refs hold the table), for
+    the slow paths that need them (a stall, every NIC down); empty when not known."""
+    r = op.refs
+    if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], np.ndarray) and r[1].dtype.names:
+        if "rail" in r[1].dtype.names:
+            return frozenset(int(x) for x in np.unique(r[1]["rail"]))
+    return frozenset()
 
 
 def _post_error(code: int, what: str, posted: int) -> AioteError:
