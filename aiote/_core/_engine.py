@@ -2831,9 +2831,9 @@ def _rails_of(op: _Op) -> frozenset[int]:
     """The rails of an operation posted from a table of rows (its refs hold the table), for
     the slow paths that need them (a stall, every NIC down); empty when not known."""
     r = op.refs
-    if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], np.ndarray) and r[1].dtype.names:
-        if "rail" in r[1].dtype.names:
-            return frozenset(int(x) for x in np.unique(r[1]["rail"]))
+    table = r[1] if isinstance(r, tuple) and len(r) == 2 else None
+    if isinstance(table, np.ndarray) and "rail" in (table.dtype.names or ()):
+        return frozenset(int(x) for x in np.unique(table["rail"]))
     return frozenset()
 
 
