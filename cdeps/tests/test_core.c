@@ -1110,11 +1110,15 @@ static int t_poll_ring(fix_t *f) {
     return 0;
 }
 
+static int remote_error_direct(fix_t *f);
+
 /* A write the target must refuse (wrong key): the target's bytes stay untouched and
- * no credit is counted; the initiator's group completes exactly once. Under the
- * providers' default completion semantics (transmit complete) the initiator may or
- * may not learn of the error: the status is printed, not asserted. */
+ * no credit is counted; the initiator's group completes exactly once, with an error.
+ * On shm the refusal is the region table's (aiote never lets shm's own copy move a
+ * region's bytes: libfabric 1.17's shm checks no key), asserted in remote_error_direct;
+ * on tcp the target's provider refuses it and the connection breaks (ECANCELED). */
 static int t_remote_error(fix_t *f) {
+    if (!strcmp(f->prov, "shm")) return remote_error_direct(f);
     eng_t *a = &f->a, *b = &f->b;
     uint32_t imm = 0x6300;
     aio_stats sb0, sb1;
@@ -1170,6 +1174,7 @@ static int t_remote_error(fix_t *f) {
     for (int i = 0; i < 4096; i++)
         if (b->buf[8192 + i] != 0xEE) untouched = 0;
     CHECK(untouched, "a write with a wrong key changed the target's bytes");
+    CHECK(ret != 0 || st != 0, "a write with a wrong key completed without an error");
     CHECK(aio_mr_inflight(a->mr) == 0, "inflight");
     return 0;
 }
@@ -1623,6 +1628,68 @@ static int one_status(eng_t *a, const aio_op_desc *d, int *status) {
     return rc;
 }
 
+/* t_remote_error on shm: a region outside the arena (process_vm_writev) and one inside it
+ * (memcpy), each refused for a wrong key and for a range past it, with EACCES, nothing
+ * moved and nothing credited; a bare immediate with a wrong key is refused at post. */
+static int remote_error_direct(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    direct_fix x;
+    int rc = direct_setup(f, &x, 65536);
+    if (rc) return rc;
+    char err[512];
+    uint8_t *plain = aligned_alloc(4096, 65536);
+    CHECK(plain, "alloc");
+    memset(plain, 0xEE, 65536);
+    aio_mr *pm = NULL;
+    CHECK(aio_mr_register(b->e, plain, 65536, AIO_ACCESS_REMOTE_WRITE | AIO_ACCESS_REMOTE_READ, &pm, err,
+                          sizeof(err)) == 0, "register: %s", err);
+    int32_t pslot = aio_mr_direct_slot(pm);
+    CHECK(pslot >= 0, "no slot");
+    uint32_t imm = 0x6310;
+    fill(a->buf, 65536, 0, 0x778);
+    for (int which = 0; which < 2; which++) {
+        aio_op_desc d = direct_op(f, &x, AIO_OP_WRITE, 0, 0, 4096, AIO_F_DATA, imm);
+        if (which == 1) { /* the region outside the arena */
+            d.raddr = aio_mr_remote_base(pm, b->rail);
+            d.rkey = aio_mr_key(pm, b->rail);
+            d.direct = AIO_DIRECT(x.attach, pslot);
+        }
+        aio_op_desc good = d;
+        d.rkey ^= 0x5a5a;
+        int st = 0;
+        CHECK_OK(one_status(a, &d, &st));
+        CHECK(st == -FI_EACCES, "a wrong key (%s) gave status %d (%s)", which ? "plain" : "arena", st,
+              aio_strerror(st));
+        aio_op_desc past = good;
+        past.raddr += (which ? 65536 : x.len) - 100;
+        CHECK_OK(one_status(a, &past, &st));
+        CHECK(st == -FI_EACCES, "a range past the region gave status %d", st);
+        aio_op_desc bare = d; /* zero bytes, the wrong key: refused before shm sees it */
+        bare.length = 0;
+        uint64_t tok = g_token++;
+        int64_t g = aio_group_open(a->e, tok);
+        CHECK(g >= 0, "group");
+        int ret = post_all(a, g, &bare, 1, TIMEOUT);
+        CHECK_OK(aio_group_seal(a->e, g));
+        CHECK(ret == -FI_EACCES, "a bare immediate with a wrong key: %d (%s)", ret, aio_strerror(ret));
+        aio_record r;
+        CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0, "no group record");
+        CHECK_OK(one_status(a, &good, &st)); /* and the right one lands, counted once */
+        CHECK(st == 0, "the good write: %d", st);
+        CHECK(wait_take(b, imm, U, TIMEOUT) == 0, "no credit for the good write");
+    }
+    sleep_us(50000);
+    CHECK(aio_counter_total(b->e, imm) == 2 * U, "refused writes were credited (%llu)",
+          (unsigned long long)aio_counter_total(b->e, imm));
+    CHECK(verify(x.buf, 4096, 0, 0x778) < 0 && verify(plain, 4096, 0, 0x778) < 0, "the good writes");
+    for (int i = 4096; i < 65536; i++)
+        CHECK(plain[i] == 0xEE && x.buf[i] == 0xEE, "a refused write changed byte %d", i);
+    CHECK_OK(aio_mr_close(b->e, pm));
+    free(plain);
+    CHECK_OK(aio_mr_close(b->e, x.mr));
+    return 0;
+}
+
 static int t_direct(fix_t *f) {
     if (strcmp(f->prov, "shm")) {
         printf("    (shm only)\n");
@@ -1654,8 +1721,8 @@ static int t_direct(fix_t *f) {
     aio_stats s0, s1, sb0, sb1;
     aio_get_stats(a->e, &s0);
     aio_get_stats(b->e, &sb0);
-    /* writes of odd sizes and offsets, each with an immediate (below AIO_DIRECT_WRITE_MIN:
-     * through shm, with the immediate in the message; from it on: a memcpy into the arena) */
+    /* writes of odd sizes and offsets, each with an immediate: every one a memcpy into the
+     * arena, the immediate after it through shm */
     const uint64_t sizes[] = {1, 4095, 65536, MiB + 3};
     uint32_t imm = 0x6400;
     uint64_t roff = 7;
@@ -1681,8 +1748,8 @@ static int t_direct(fix_t *f) {
     CHECK(verify(a->buf + MiB, 65536, 0, 0x9b0) < 0, "direct read");
     aio_get_stats(a->e, &s1);
     aio_get_stats(b->e, &sb1);
-    CHECK(s1.direct_ops - s0.direct_ops == 4 && s1.direct_mapped - s0.direct_mapped == 4,
-          "direct copies %llu (mapped %llu), want 4 (4)", (unsigned long long)(s1.direct_ops - s0.direct_ops),
+    CHECK(s1.direct_ops - s0.direct_ops == 6 && s1.direct_mapped - s0.direct_mapped == 6,
+          "direct copies %llu (mapped %llu), want 6 (6)", (unsigned long long)(s1.direct_ops - s0.direct_ops),
           (unsigned long long)(s1.direct_mapped - s0.direct_mapped));
     CHECK(sb1.remote_data - sb0.remote_data == 4, "the target saw %llu immediates, want 4",
           (unsigned long long)(sb1.remote_data - sb0.remote_data));
@@ -1718,8 +1785,8 @@ static int t_direct(fix_t *f) {
     CHECK_OK(one_status(a, &r2, &st));
     CHECK(st == -FI_EACCES, "a read of a write-only region gave status %d", st);
     CHECK_OK(aio_mr_close(b->e, wo));
-    /* a region outside the arena: writes go through shm even with a direct code, reads are
-     * direct (process_vm_readv) */
+    /* a region outside the arena: writes and reads are direct copies too
+     * (process_vm_writev / process_vm_readv) */
     void *q = NULL;
     CHECK(posix_memalign(&q, 4096, MiB) == 0, "oom");
     memset(q, 0xEE, MiB);
@@ -1742,8 +1809,8 @@ static int t_direct(fix_t *f) {
     CHECK_OK(run_group(a, &pr, 1, NULL));
     CHECK(verify(a->buf + MiB, 65536, 0, 0x9c0) < 0, "the read outside the arena");
     aio_get_stats(a->e, &s1);
-    CHECK(s1.direct_ops - s0.direct_ops == 1 && s1.direct_mapped == s0.direct_mapped,
-          "outside the arena: direct copies %llu (mapped %llu), want 1 (0)",
+    CHECK(s1.direct_ops - s0.direct_ops == 2 && s1.direct_mapped == s0.direct_mapped,
+          "outside the arena: direct copies %llu (mapped %llu), want 2 (0)",
           (unsigned long long)(s1.direct_ops - s0.direct_ops),
           (unsigned long long)(s1.direct_mapped - s0.direct_mapped));
     CHECK_OK(aio_mr_close(b->e, plain));
