@@ -191,7 +191,8 @@ async def test_send_recv_sizes_both_ways_with_a_peer_process(aiote_peer: PeerPro
 
 @asynccontextmanager
 async def stopped(peer: PeerProcess) -> AsyncIterator[None]:
-    """The peer process frozen (SIGSTOP): nothing it should receive can complete."""
+    """The peer process frozen (SIGSTOP): nothing it should receive over tcp can complete
+    (on the same-host route writes complete all the same: the initiator copies them)."""
     os.kill(peer.pid, signal.SIGSTOP)
     try:
         yield
@@ -204,7 +205,9 @@ FROZEN = 64 << 20
 
 
 async def test_unregister_waits_for_a_write_in_flight() -> None:
-    async with spawn_peer(cancel_grace=120) as peer:
+    # over tcp: a write to a frozen peer stays in flight there (tests/test_guarantees.py
+    # covers the same-host route, where it completes)
+    async with spawn_peer(cancel_grace=120, same_host=None) as peer:
         e = peer.engine
         desc = await peer.register("buf", FROZEN)
         src = np.full(FROZEN, 0xA5, np.uint8)
@@ -302,11 +305,11 @@ async def test_write_timeout_and_cancel_while_the_peer_is_frozen() -> None:
 
 
 async def test_closing_the_engine_fails_the_operations_in_flight_with_engine_closed() -> None:
-    async with spawn_peer() as peer:
+    async with spawn_peer(same_host=None) as peer:  # over tcp: the write stays in flight
         address = peer.address
         desc = await peer.register("buf", FROZEN)
         result: list[BaseException | None] = []
-        async with aiote.open_engine() as e:
+        async with aiote.open_engine(same_host=None) as e:
             ms = await e.register(np.ones(FROZEN, np.uint8))
             await e.write(ms, desc, length=8, imm=1)
             await peer.wait(imm=1)
@@ -325,7 +328,7 @@ async def test_closing_the_engine_fails_the_operations_in_flight_with_engine_clo
             assert e.closed and not ms.registered
         assert len(result) == 1 and isinstance(result[0], aiote.EngineClosed), result
         # the peer (resumed) is still fine: drive it from a new engine, then let it exit
-        async with aiote.open_engine() as fresh:
+        async with aiote.open_engine(same_host=None) as fresh:
             peer.engine = fresh
             assert await peer.counter(1) == 0
             src = pattern(4096, seed=1)
