@@ -91,6 +91,7 @@ typedef struct aio_op {
     int32_t dstatus; /* the copy's result, once made */
     int32_t dcopied;
     int32_t dpost; /* not a copy: a request the poller posts to the rail's provider (see post_item_g) */
+    int32_t dmerged; /* a copied write whose immediate a later op of its run carries (direct_batch) */
     int64_t dsince; /* dpost: when the provider first refused it for room (0: not yet) */
     uint64_t peer;  /* a write's or read's peer (complete_op: a failure stops deferrals to it) */
 } aio_op;
@@ -1283,6 +1284,108 @@ static int direct_check(aio_engine *e, const aio_op_desc *d) {
     return 0;
 }
 
+/* Direct copies in runs (poller 0, before direct_run posts anything). A paged write to a
+ * same-host peer queues one op per page; copied one by one, each page costs a system call
+ * and, with an immediate, a zero-byte shm message. So consecutive queued copies into one
+ * region of one peer (same attachment and slot, same direction, outside an arena) are made
+ * by one process_vm_writev / readv of up to DIRECT_IOV pieces, after the same slot checks
+ * as direct_copy (busy mark, key of every op, bounds of every op, right); a short copy
+ * falls back to direct_copy for each op. Then, within a run of copied writes to one peer on
+ * one rail carrying the same immediate, only the last posts it, with the run's weights
+ * added up (as a gathered paged request does); the others are marked dmerged and complete
+ * at once, whatever their connection's queue (they post nothing). An op merged once is
+ * never counted into another run, though it waits a pass; a carrier kept for room keeps its
+ * weight. The immediate still follows every byte of its run. */
+#define DIRECT_IOV 512
+
+static int direct_same_run(const aio_op *a, const aio_op *b) {
+    return b && !b->dcopied && !b->dpost && b->d.direct == a->d.direct && b->d.op == a->d.op;
+}
+
+static void direct_batch(aio_engine *e, aio_op *list, uint64_t run) {
+    struct iovec lio[DIRECT_IOV], rio[DIRECT_IOV];
+    for (aio_op *op = list; op;) {
+        if (op->dcopied || op->dpost) {
+            op = op->dnext;
+            continue;
+        }
+        direct_peer *p = &e->dpeers[(op->d.direct >> 16) - 1];
+        int k = 0;
+        aio_op *end = op;
+        uint64_t total = 0;
+        while (k < DIRECT_IOV && direct_same_run(op, end) && !in_arena(p, end->d.raddr, end->d.length)) {
+            aio_mr *m = end->d.mr;
+            lio[k].iov_base = (char *)m->buf + end->d.offset;
+            lio[k].iov_len = end->d.length;
+            rio[k].iov_base = (void *)(uintptr_t)end->d.raddr;
+            rio[k].iov_len = end->d.length;
+            total += end->d.length;
+            k++;
+            end = end->dnext;
+        }
+        if (k < 2) { /* a single copy (or an arena's memcpy): direct_run makes it */
+            op = k ? end : op->dnext;
+            continue;
+        }
+        int ok = !atomic_load(&p->dead);
+        direct_slot *s = &p->t->slots[op->d.direct & 0xffff];
+        uint64_t bit = 1ULL << p->index;
+        if (ok) { /* the checks of direct_copy, once for the slot and for each op's range */
+            atomic_fetch_or(&s->busy, bit);
+            uint64_t key = atomic_load(&s->key);
+            uint64_t base = atomic_load_explicit(&s->base, memory_order_relaxed);
+            uint64_t len = atomic_load_explicit(&s->len, memory_order_relaxed);
+            uint32_t need = op->d.op == AIO_OP_READ ? AIO_ACCESS_REMOTE_READ : AIO_ACCESS_REMOTE_WRITE;
+            ok = key != 0 && (atomic_load_explicit(&s->access, memory_order_relaxed) & need);
+            for (aio_op *o = op; ok && o != end; o = o->dnext)
+                ok = o->d.rkey == key && o->d.raddr >= base && o->d.raddr - base <= len &&
+                     o->d.length <= len - (o->d.raddr - base);
+            if (ok) {
+                ssize_t got = op->d.op == AIO_OP_READ ? process_vm_readv(p->pid, lio, (unsigned long)k, rio,
+                                                                         (unsigned long)k, 0)
+                                                      : process_vm_writev(p->pid, lio, (unsigned long)k, rio,
+                                                                          (unsigned long)k, 0);
+                ok = got == (ssize_t)total;
+            }
+            atomic_fetch_and(&s->busy, ~bit);
+        }
+        for (aio_op *o = op; o != end; o = o->dnext) {
+            if (ok) {
+                o->dstatus = 0;
+                o->dcopied = 1;
+                atomic_fetch_add_explicit(&e->st_direct, 1, memory_order_relaxed);
+            } else { /* one by one, each with its own status */
+                o->dstatus = direct_copy(e, &o->d, run);
+                o->dcopied = 1;
+                if (!o->dstatus) atomic_fetch_add_explicit(&e->st_direct, 1, memory_order_relaxed);
+            }
+        }
+        op = end;
+    }
+    /* immediates: a run of copied writes to one peer with one immediate posts it once */
+    for (aio_op *op = list; op; op = op->dnext) {
+        if (!op->dcopied || op->dstatus || op->dpost || op->dmerged || !(op->d.flags & AIO_F_DATA)) continue;
+        aio_rail *r = e->rails[op->rail];
+        if (r->cq_data_size < 8) continue;
+        aio_op *last = op;
+        uint64_t units = 0;
+        int n = 0;
+        for (aio_op *o = op; o && n < 4096; o = o->dnext) {
+            if (!o->dcopied || o->dstatus || o->dpost || o->dmerged || !(o->d.flags & AIO_F_DATA) || o->rail != op->rail ||
+                o->d.peer != op->d.peer || (uint32_t)o->d.data != (uint32_t)op->d.data)
+                break;
+            uint64_t w = o->d.data >> 32;
+            units += w ? w : AIO_CREDIT_UNIT;
+            last = o;
+            n++;
+        }
+        if (n < 2 || units > UINT32_MAX) continue;
+        for (aio_op *o = op; o != last; o = o->dnext) o->dmerged = 1;
+        last->d.data = (last->d.data & 0xffffffffULL) | (units << 32);
+        op = last;
+    }
+}
+
 /* Queues a direct copy (`post` 0) for poller 0, which makes every direct copy (see
  * direct_copy), or a request for the poller of the op's rail to post to the rail's provider
  * (`post` 1, see post_item_g). The caller kicks that poller. */
@@ -1292,6 +1395,7 @@ static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int
     op->dcopied = post;
     op->dstatus = 0;
     op->dpost = post;
+    op->dmerged = 0;
     op->dsince = 0;
     op->dnext = NULL;
     if (post) {
@@ -1360,6 +1464,7 @@ static int direct_run(aio_poller *q) {
     atomic_store(&q->dq_pending, 0);
     pthread_mutex_unlock(&q->qmu);
     uint64_t run = ++q->drun;
+    if (q->index == 0) direct_batch(e, list, run);
     int n = 0;
     dq_key blocked[DQ_BLOCKED_MAX];
     int nblocked = 0;
@@ -1367,7 +1472,9 @@ static int direct_run(aio_poller *q) {
     while (list) {
         aio_op *op = list;
         const aio_op_desc *d = &op->d;
-        int posts = op->dpost || (d->flags & AIO_F_DATA);
+        /* a merged op posts nothing (its carrier, later in the list, does): it completes even
+         * while its connection waits for room */
+        int posts = !op->dmerged && (op->dpost || (d->flags & AIO_F_DATA));
         if (posts && dq_blocked(blocked, nblocked, d->rail, d->peer)) {
             dq_keep(&list, &left_tail);
             continue;
@@ -1379,7 +1486,10 @@ static int direct_run(aio_poller *q) {
         }
         aio_rail *r = e->rails[op->rail];
         pthread_mutex_lock(&r->mu);
-        if (op->dpost || (!op->dstatus && (d->flags & AIO_F_DATA))) {
+        if (op->dmerged) { /* copied; a later op of its run carries its immediate */
+            list = op->dnext;
+            complete_op(e, r, op, 0, 0);
+        } else if (op->dpost || (!op->dstatus && (d->flags & AIO_F_DATA))) {
             aio_mr *m = d->mr;
             ssize_t ret = op->dpost ? post_one(r, d, op)
                                     : fi_writedata(r->ep, (char *)m->buf + d->offset, 0, m->desc[op->rail],
