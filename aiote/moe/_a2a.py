@@ -1,0 +1,828 @@
+"""The all-to-all of a group of ranks: MoE dispatch and combine over one-sided writes.
+
+Per call (sequence number ``s``, parity ``p = s % 2``), on every rank:
+
+1. ``dispatch_send``: await this rank's own writes of call ``s - 2`` (they used the same
+   parity regions at the peers), then write its route row (rows per global expert) into every
+   peer's route region ``[p][rank]`` with immediate ROUTE(s); wait for the W-1 route rows of
+   the peers (the count exchange); compute the layout (:mod:`._layout`); pack the rows sorted
+   by (expert, token) and write each peer's block into that peer's dispatch region ``[p]`` at
+   the row the layout gives it (immediate DISPATCH(s), one write per peer, zero bytes when
+   empty, so every peer expects exactly W-1).
+2. ``recv``: wait for W-1 DISPATCH(s) credits, await its own writes, unpack into per-expert
+   padded blocks in canonical order (source rank, then token).
+3. ``combine_send``: pack the expert outputs in received order and write each source's rows
+   into that source's combine region ``[p]`` at the source's own send layout (COMBINE(s)).
+4. ``recv``: wait for W-1 COMBINE(s) credits, reduce in float32 in top-k slot order.
+
+Why nothing of call ``s`` is ever counted or read for another call: immediates carry the
+call's sequence number (22 bits) and a per-group tag; a rank posts its route row for ``s`` only
+after its own writes of ``s - 2`` have finished (landed, or failed for good), so once the route
+rows of ``s`` from every peer are in, nothing of ``s - 2`` can still land anywhere: the
+counters of ``s - 2`` are released then, and the ``[p]`` regions are free. A rank finishes
+reading its ``[p]`` regions of ``s - 2`` before posting its route row for ``s`` (a combine of
+``s - 2`` still running then is refused), so no peer overwrites them early.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .._core._counter import ImmCounter
+from .._core._descriptor import EngineAddress, MemoryDescriptor
+from .._core._engine import Engine, Transfer
+from .._core._errors import AioteError, InvalidArgument, TransferTimeout
+from .._core._log import get_logger
+from .._core._memory import MemoryRegion
+from ._dtypes import DType, dtype_of, from_f32, to_f32
+from ._layout import Geometry, RecvPlan, SendPlan, plan_recv, plan_send
+
+__all__ = ["AllToAll", "CombinePending", "DispatchHandle", "DispatchPending", "Group"]
+
+_log = get_logger(component="moe")
+_TAG = "aiote.moe/1"
+_ROUTE, _DISPATCH, _COMBINE = 1, 2, 3
+_SEQ_MASK = (1 << 22) - 1
+_TAIL = 16  # per dispatch row: the source token (int32), padded to 16 bytes
+
+
+def _imm(tag: int, kind: int, seq: int) -> int:
+    return (tag << 24) | (kind << 22) | (seq & _SEQ_MASK)
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks of an all-to-all: every rank's engine address (``engine.address``), in rank
+    order, and this process's ``rank``. Building one checks both and raises
+    :class:`~aiote.InvalidArgument` (bad rank, empty or repeated addresses) or
+    :class:`~aiote.DescriptorError` (corrupt address bytes); O(W), no I/O."""
+
+    addresses: tuple[bytes, ...]
+    rank: int
+
+    def __post_init__(self) -> None:
+        addrs = tuple(bytes(a) for a in self.addresses)
+        object.__setattr__(self, "addresses", addrs)
+        if not addrs:
+            raise InvalidArgument("a group needs at least one rank")
+        if len(set(addrs)) != len(addrs):
+            raise InvalidArgument("the group lists an engine address twice")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < len(addrs):
+            raise InvalidArgument(f"rank must be in [0, {len(addrs)}), not {self.rank!r}")
+        for a in addrs:
+            EngineAddress.from_bytes(a)
+
+    @property
+    def world(self) -> int:
+        """The number of ranks. O(1)."""
+        return len(self.addresses)
+
+
+@dataclass(eq=False)
+class DispatchHandle:
+    """What :meth:`AllToAll.dispatch` returns on a rank: the tokens its local experts must
+    process, and what :meth:`AllToAll.combine` needs to bring their outputs back.
+
+    ``expert_x[rows, H]`` (an array of the group's ``xp``, ``in_dtype``'s storage type): local
+    expert ``l``'s rows are ``expert_x[offsets[l] : offsets[l] + counts[l]]``, in canonical
+    order (source rank, then token); rows up to ``offsets[l + 1]`` are padding (undefined).
+    ``counts[L]`` (int32) and ``offsets[L + 1]`` (int64) are NumPy arrays; ``src_rank`` and
+    ``src_token`` (int32, of ``xp``, -1 on padding rows) name each row's source. ``seq``: the
+    call's sequence number. Holding one costs its arrays; it has no methods that do I/O."""
+
+    seq: int
+    expert_x: Any
+    counts: np.ndarray
+    offsets: np.ndarray
+    src_rank: Any
+    src_token: Any
+    num_tokens: int
+    _a2a: AllToAll = field(repr=False)
+    _plan: RecvPlan = field(repr=False)
+    _dest: Any = field(repr=False)
+    _pos: Any = field(repr=False)
+    _weights: Any = field(repr=False)
+    _state: str = field(default="dispatched", repr=False)
+
+    @property
+    def local_experts(self) -> int:
+        """The number of experts on this rank. O(1)."""
+        return len(self.counts)
+
+    def expert_rows(self, local_expert: int) -> Any:
+        """The valid rows of ``local_expert`` (a view of ``expert_x``). Raises IndexError for an
+        expert not on this rank; O(1)."""
+        if not 0 <= local_expert < len(self.counts):
+            raise IndexError(f"local expert {local_expert} is not in [0, {len(self.counts)})")
+        first = int(self.offsets[local_expert])
+        return self.expert_x[first : first + int(self.counts[local_expert])]
+
+
+class DispatchPending:
+    """The receive half of a dispatch whose send half has run (:meth:`AllToAll.dispatch_send`).
+    ``await pending.recv()`` completes it; do other work in between."""
+
+    def __init__(self, a2a: AllToAll, seq: int, plan: RecvPlan, pos: Any, weights: Any,
+                 posted: list[Transfer], m: int) -> None:
+        self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, pos
+        self._weights, self._posted, self._m = weights, posted, m
+        self._done = False
+
+    async def recv(self, *, timeout: float | None = None) -> DispatchHandle:
+        """Waits for every peer's tokens (each peer writes exactly once per call), checks this
+        rank's own writes, and unpacks into the handle's expert blocks.
+
+        Raises :class:`~aiote.TransferTimeout` after ``timeout`` (default: the group's),
+        :class:`~aiote.PeerUnreachable` when a peer is gone (found within the engine's
+        ``connect_timeout`` plus ``probe_interval``: peers are probed while the wait lasts
+        longer than that), what the writes raised, :class:`~aiote.InvalidArgument` when called
+        twice or after a later call made it stale. Costs one counter wait and an unpack of the
+        received rows (one gather: O(rows x row bytes))."""
+        a = self._a2a
+        if self._done or self.seq in a._stale:
+            raise InvalidArgument(f"dispatch {self.seq} was received already or is stale")
+        self._done = True
+        end = a._end(timeout)
+        a._receiving = self.seq
+        try:
+            await a._wait_credits(_DISPATCH, self.seq, end, f"dispatch {self.seq}", self._posted)
+            await a._settle(self._posted, end, f"dispatch {self.seq}")
+            return a._unpack(self)
+        finally:
+            a._receiving = None
+
+
+class CombinePending:
+    """The receive half of a combine whose send half has run (:meth:`AllToAll.combine_send`)."""
+
+    def __init__(self, a2a: AllToAll, handle: DispatchHandle, posted: list[Transfer]) -> None:
+        self._a2a, self._h, self._posted = a2a, handle, posted
+
+    async def recv(self, *, out: Any = None, accumulate: bool = False, timeout: float | None = None) -> Any:
+        """Waits for the expert outputs of this rank's tokens and reduces them: ``out[t] =
+        (out[t] if accumulate else 0) + sum_k w[t, k] * y[t, k]``, in float32 in slot order,
+        rounded once to ``out_dtype``. Returns ``out[:num_tokens]`` (a new array when ``out``
+        is None).
+
+        Raises :class:`~aiote.InvalidArgument` (called twice, ``accumulate`` without ``out``, a
+        bad ``out``), otherwise as :meth:`DispatchPending.recv`. Costs one counter wait and the
+        reduction (K gathers of ``num_tokens`` rows, float32)."""
+        a, h = self._a2a, self._h
+        if h._state != "combine_sent":
+            raise InvalidArgument(f"combine {h.seq} was received already or is stale")
+        a._check_out(out, accumulate, h.num_tokens)
+        end = a._end(timeout)
+        h._state = "combining"
+        try:
+            await a._wait_credits(_COMBINE, h.seq, end, f"combine {h.seq}", self._posted)
+            await a._settle(self._posted, end, f"combine {h.seq}")
+            return a._reduce(h, out, accumulate)
+        finally:
+            h._state = "combined"
+
+
+class AllToAll:
+    """MoE dispatch and combine among the ranks of a :class:`Group`, created once per shape
+    with :meth:`create` on every rank (same arguments).
+
+    Guarantees: dispatch is byte-exact (rows are copied, never converted); combine
+    accumulates in float32 in top-k slot order and rounds once; every call of every rank
+    waits at most its ``timeout`` (default the group's); a peer that dies makes the calls
+    waiting on it raise :class:`~aiote.PeerUnreachable` within the engine's ``connect_timeout``
+    plus ``probe_interval``; a call that failed or was cancelled on any rank fails that step
+    on the others (by their deadline) and leaves the next call correct. Every call to
+    :meth:`dispatch`/:meth:`dispatch_send` is one step of the group, whatever its outcome, so
+    every rank must make the same calls in the same order. At most two dispatches are in
+    flight: dispatch ``s`` makes handle ``s - 2`` stale.
+
+    Costs (registered, per rank): dispatch regions ``2 x max_recv_tokens`` rows of
+    ``round16(H x in) + 16`` bytes, a send region of ``max_tokens x K`` such rows, combine
+    regions ``2 x max_tokens x K`` rows and a send region of ``max_recv_tokens`` rows of
+    ``round16(H x out)`` bytes, and the route rows (``2 x W x E`` int32).
+    """
+
+    def __init__(self, engine: Engine, group: Group, geo: Geometry, cfg: dict[str, Any], xp: Any) -> None:
+        self.engine, self.group, self.geometry, self.xp = engine, group, geo, xp
+        self.rank, self.world = group.rank, group.world
+        self.num_experts: int = cfg["num_experts"]
+        self.experts_per_token: int = cfg["experts_per_token"]
+        self.hidden: int = cfg["hidden"]
+        self.max_tokens: int = cfg["max_tokens"]
+        self.in_dtype: DType = cfg["in_dtype"]
+        self.out_dtype: DType = cfg["out_dtype"]
+        self.expert_padding: int = cfg["expert_padding"]
+        self.max_recv_tokens: int = cfg["max_recv_tokens"]
+        self.timeout: float | None = cfg["timeout"]
+        self.probe_interval: float = cfg["probe_interval"]
+        self.imm_tag: int = cfg["imm_tag"]
+        self._gpu = getattr(xp, "__name__", "") == "cupy"
+        self._xrow = self.hidden * self.in_dtype.itemsize
+        self._dstride = _round16(self._xrow) + _TAIL
+        self._yrow = self.hidden * self.out_dtype.itemsize
+        self._cstride = _round16(self._yrow)
+        self._send_cap = self.max_tokens * self.experts_per_token
+        self._seq = 0
+        self._stale: set[int] = set()
+        self._handles: dict[int, DispatchHandle] = {}
+        self._pending: dict[int, DispatchPending] = {}
+        self._receiving: int | None = None
+        self._inflight: list[list[Transfer]] = [[], []]
+        self._dsend_busy: list[Transfer] = []
+        self._csend_busy: list[Transfer] = []
+        self._fence: list[Any] = [None, None]
+        self._unreleased: set[int] = set()
+        self._regions: list[MemoryRegion] = []
+        self._peers: list[dict[str, MemoryDescriptor]] = []
+        self._closed = False
+        self._alloc()
+
+    # ------------------------------------------------------------------ creation
+
+    @classmethod
+    async def create(
+        cls,
+        engine: Engine,
+        group: Group,
+        *,
+        num_experts: int,
+        experts_per_token: int,
+        hidden: int,
+        max_tokens: int,
+        in_dtype: Any = "bfloat16",
+        out_dtype: Any = "bfloat16",
+        expert_padding: int = 1,
+        max_recv_tokens: int | None = None,
+        imm_tag: int = 0xA5,
+        timeout: float | None = 60.0,
+        probe_interval: float = 0.5,
+        xp: Any = None,
+    ) -> AllToAll:
+        """Creates the all-to-all on this rank; every rank of ``group`` calls it with the same
+        arguments (checked: a rank with others raises :class:`~aiote.InvalidArgument`).
+
+        ``num_experts`` E, ``experts_per_token`` K, ``hidden`` H, ``max_tokens`` (per rank and
+        call), ``in_dtype`` (dispatch rows: ``"bfloat16"``, ``"float16"``, ``"float32"``,
+        ``"float8_e4m3fn"``; bfloat16 travels as uint16 bit patterns, float8 as uint8),
+        ``out_dtype`` (combine: bfloat16, float16 or float32), ``expert_padding`` (each expert's
+        block is a multiple of it), ``max_recv_tokens`` (rows a rank can receive per call;
+        default the worst case ``W x max_tokens x min(K, ceil(E/W))``; a call that would exceed
+        it raises :class:`~aiote.InvalidArgument` on every rank before any token moves),
+        ``imm_tag`` (8 bits: the immediates of this group; groups sharing an engine need
+        different tags), ``timeout`` (default deadline of every call, and of this one),
+        ``probe_interval`` (how often a long wait checks that its peers are alive), ``xp``:
+        ``numpy`` (default) or ``cupy`` (GPU regions: same-host peers over CUDA IPC).
+
+        Registers its regions, sends one message to every peer and takes the engine's
+        messages until every peer's arrived (messages of others are dropped with a warning:
+        create groups one at a time, before other message traffic). Raises
+        :class:`~aiote.InvalidArgument` for bad arguments (before anything is registered),
+        :class:`~aiote.TransferTimeout` after ``timeout``, what registering and sending raise.
+        """
+        xp = np if xp is None else xp
+        if not isinstance(group, Group):
+            raise InvalidArgument(f"group must be an aiote.moe.Group, not {type(group).__name__}")
+        cfg = _check_config(
+            group.world, num_experts, experts_per_token, hidden, max_tokens, in_dtype, out_dtype,
+            expert_padding, max_recv_tokens, imm_tag, timeout, probe_interval,
+        )
+        self = cls(engine, group, Geometry(group.world, num_experts), cfg, xp)
+        try:
+            with _deadline(timeout, "creating the all-to-all"):
+                await self._register()
+                await self._exchange(cfg)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
+        _log.info("all-to-all ready", rank=self.rank, world=self.world, experts=num_experts, hidden=hidden)
+        return self
+
+    def _alloc(self) -> None:
+        xp, w = self.xp, self.world
+        self._route = np.zeros((2, w, self.num_experts), dtype=np.int32)
+        self._myroute = np.zeros((2, self.num_experts), dtype=np.int32)
+        self._drecv = xp.zeros((2, self.max_recv_tokens, self._dstride), dtype=xp.uint8)
+        self._dsend = xp.zeros((self._send_cap, self._dstride), dtype=xp.uint8)
+        self._crecv = xp.zeros((2, self._send_cap, self._cstride), dtype=xp.uint8)
+        self._csend = xp.zeros((self.max_recv_tokens, self._cstride), dtype=xp.uint8)
+
+    async def _register(self) -> None:
+        e = self.engine
+        self._route_mr = await e.register(self._route)
+        self._regions.append(self._route_mr)
+        self._myroute_mr = await e.register(self._myroute, remote_write=False)
+        self._regions.append(self._myroute_mr)
+        self._drecv_mr = await e.register(self._drecv)
+        self._regions.append(self._drecv_mr)
+        self._dsend_mr = await e.register(self._dsend, remote_write=False)
+        self._regions.append(self._dsend_mr)
+        self._crecv_mr = await e.register(self._crecv)
+        self._regions.append(self._crecv_mr)
+        self._csend_mr = await e.register(self._csend, remote_write=False)
+        self._regions.append(self._csend_mr)
+
+    async def _exchange(self, cfg: dict[str, Any]) -> None:
+        key = json.dumps({k: (v.name if isinstance(v, DType) else v) for k, v in sorted(cfg.items())
+                          if k not in ("timeout", "probe_interval")}, separators=(",", ":"))
+        mine = {
+            "moe": _TAG, "rank": self.rank, "key": key, "gpu": self._gpu,
+            "route": bytes(self._route_mr.descriptor).hex(),
+            "drecv": bytes(self._drecv_mr.descriptor).hex(),
+            "crecv": bytes(self._crecv_mr.descriptor).hex(),
+        }
+        payload = json.dumps(mine).encode()
+        peers: dict[int, dict[str, MemoryDescriptor]] = {}
+        for r, addr in enumerate(self.group.addresses):
+            if r != self.rank:
+                await self.engine.send(addr, payload)
+        while len(peers) < self.world - 1:
+            sender, raw = await self.engine.recv()
+            msg = _parse_hello(raw)
+            if msg is None or sender not in self.group.addresses:
+                _log.warning("dropped a message while creating an all-to-all", size=len(raw))
+                continue
+            r = self.group.addresses.index(sender)
+            if msg["key"] != key or msg["rank"] != r:
+                raise InvalidArgument(f"rank {r} created its all-to-all with other arguments: {msg['key']}")
+            peers[r] = {k: MemoryDescriptor.from_bytes(bytes.fromhex(msg[k]))
+                        for k in ("route", "drecv", "crecv")}
+        self._peers = [peers.get(r, {}) for r in range(self.world)]
+        for r, p in enumerate(self._peers):
+            if r != self.rank:
+                await self.engine.connect(p["route"])
+
+    async def aclose(self) -> None:
+        """Unregisters the regions (waits up to the group's timeout for writes in flight; then
+        :class:`~aiote.RegionBusy`). Later calls raise :class:`~aiote.InvalidArgument`.
+        Idempotent; costs one unregister per region."""
+        self._closed = True
+        regions, self._regions = self._regions, []
+        for mr in regions:
+            if not self.engine.closed:
+                await self.engine.unregister(mr, timeout=self.timeout)
+
+    async def __aenter__(self) -> AllToAll:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def dispatch(
+        self, x: Any, indices: Any, weights: Any, *, bound_m: int | None = None, timeout: float | None = None
+    ) -> DispatchHandle:
+        """Sends each token to the ranks of its experts and returns this rank's share:
+        :meth:`dispatch_send` then :meth:`DispatchPending.recv`, under one deadline.
+
+        ``x[T, H]`` (``in_dtype``'s storage type, ``T <= max_tokens``), ``indices[T, K]``
+        (integers, -1 = skip, distinct per token), ``weights[T, K]`` (float32, kept for
+        combine), ``bound_m`` (tokens used, the first ones; default ``T``); arrays of the group's
+        ``xp``. Raises :class:`~aiote.InvalidArgument` for bad input before anything is posted,
+        otherwise as the two halves. Costs the count exchange (W-1 writes of ``4E`` bytes and one
+        counter wait), a pack, one write per peer, a counter wait and an unpack."""
+        end = self._end(timeout)
+        pending = await self.dispatch_send(x, indices, weights, bound_m=bound_m, timeout=_left(end))
+        return await pending.recv(timeout=_left(end))
+
+    async def dispatch_send(
+        self, x: Any, indices: Any, weights: Any, *, bound_m: int | None = None, timeout: float | None = None
+    ) -> DispatchPending:
+        """The send half of :meth:`dispatch`: exchanges the counts, packs and posts this rank's
+        tokens; returns a :class:`DispatchPending` whose ``recv`` completes the call.
+
+        Raises :class:`~aiote.InvalidArgument` for bad input, a closed group, or while this
+        rank still reads call ``s - 2`` (its unpack or combine running), before anything is
+        posted; :class:`~aiote.TransferTimeout` after ``timeout``; :class:`~aiote.PeerUnreachable`
+        for a dead peer; what the writes raise. Costs as :meth:`dispatch` up to the posts."""
+        seq = self._seq
+        self._seq += 1  # every call is a step of the group, whatever happens below
+        self._unreleased.add(seq)
+        m, idx_dev, w = self._check_dispatch(x, indices, weights, bound_m)
+        self._retire(seq)
+        end = self._end(timeout)
+        what = f"dispatch {seq}"
+        p = seq & 1
+        with _deadline_at(end, timeout if timeout is not None else self.timeout, what):
+            idx = await self._host(idx_dev)
+            send = plan_send(idx, m, self.num_experts)
+            await self._settle(self._inflight[p], end, what, quiet=True)
+            await self._wait_fence(p)
+            posted: list[Transfer] = []
+            self._post_route(seq, send, posted)
+            await self._wait_credits(_ROUTE, seq, end, what, posted)
+            counts = self._route[p].copy()
+            self._release_old(seq)
+            plan = plan_recv(counts, self.geometry, self.rank, self.expert_padding, self.max_recv_tokens)
+            await self._settle(self._dsend_busy, end, what, quiet=True)
+            self._pack(x, send, len(send.row_token))
+            data = self._post_rows(seq, plan, posted)
+            self._dsend_busy = data
+        pending = DispatchPending(self, seq, plan, self._dev(send.pos), w, posted, m)
+        self._pending[seq] = pending
+        return pending
+
+    def _check_dispatch(
+        self, x: Any, indices: Any, weights: Any, bound_m: int | None
+    ) -> tuple[int, Any, Any]:
+        """Validates a dispatch's input; the tokens used, the indices, the weights (float32)."""
+        if self._closed:
+            raise InvalidArgument("the all-to-all is closed")
+        xp = self.xp
+        for name, a in (("x", x), ("indices", indices), ("weights", weights)):
+            if not isinstance(a, xp.ndarray):
+                raise InvalidArgument(f"{name} must be a {xp.__name__} array, not {type(a).__name__}")
+        if x.ndim != 2 or x.shape[1] != self.hidden or x.dtype != self.in_dtype.storage:
+            raise InvalidArgument(
+                f"x must be [T, {self.hidden}] of {self.in_dtype.storage} ({self.in_dtype.name}), "
+                f"not {list(x.shape)} of {x.dtype}"
+            )
+        t = x.shape[0]
+        if t > self.max_tokens:
+            raise InvalidArgument(f"x has {t} tokens, more than max_tokens={self.max_tokens}")
+        k = self.experts_per_token
+        if indices.shape != (t, k) or indices.dtype.kind not in "iu":
+            raise InvalidArgument(
+                f"indices must be [{t}, {k}] integers, not {list(indices.shape)} {indices.dtype}"
+            )
+        if weights.shape != (t, k) or weights.dtype != np.float32:
+            raise InvalidArgument(
+                f"weights must be [{t}, {k}] float32, not {list(weights.shape)} {weights.dtype}"
+            )
+        m = t if bound_m is None else bound_m
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 0 <= m <= t:
+            raise InvalidArgument(f"bound_m must be an int in [0, {t}], not {bound_m!r}")
+        if self._receiving is not None and self._receiving <= self._seq - 3:
+            raise InvalidArgument("dispatch of two calls back is still being received")
+        old = self._handles.get(self._seq - 3)
+        if old is not None and old._state == "combining":
+            raise InvalidArgument(f"combine {old.seq} is still in flight: at most two calls in flight")
+        return int(m), indices, xp.ascontiguousarray(weights[: int(m)])
+
+    def _retire(self, seq: int) -> None:
+        """Makes call ``seq - 2``'s handle and pending dispatch stale (they share parity)."""
+        for old in [s for s in self._handles if s <= seq - 2]:
+            self._handles.pop(old)._state = "stale"
+            self._stale.add(old)
+        for old in [s for s in self._pending if s <= seq - 2]:
+            self._pending.pop(old)
+            self._stale.add(old)
+        self._stale = {s for s in self._stale if s > seq - 64}
+
+    def _post_route(self, seq: int, send: SendPlan, posted: list[Transfer]) -> None:
+        p, e4 = seq & 1, self.num_experts * 4
+        self._myroute[p] = send.route
+        self._route[p, self.rank] = send.route
+        imm = _imm(self.imm_tag, _ROUTE, seq)
+        for r, peer in enumerate(self._peers):
+            if r != self.rank:
+                t = self.engine.post_write(
+                    self._myroute_mr, peer["route"], length=e4, src_offset=p * e4,
+                    dst_offset=(p * self.world + self.rank) * e4, imm=imm,
+                )
+                posted.append(t)
+                self._inflight[p].append(t)
+
+    def _pack(self, x: Any, send: SendPlan, n: int) -> None:
+        """Send rows in (expert, token) order, each followed by its token number."""
+        xp = self.xp
+        if n == 0:
+            return
+        tokens = self._dev(send.row_token)
+        xb = xp.ascontiguousarray(x).view(xp.uint8).reshape(x.shape[0], self._xrow)
+        self._dsend[:n, : self._xrow] = xb[tokens]
+        tail = _round16(self._xrow)
+        self._dsend[:n, tail : tail + 4] = tokens.astype(xp.int32).view(xp.uint8).reshape(n, 4)
+
+    def _post_rows(self, seq: int, plan: RecvPlan, posted: list[Transfer]) -> list[Transfer]:
+        """One write per peer of its block (zero bytes when empty), plus the local block."""
+        p, st = seq & 1, self._dstride
+        me = self.rank
+        imm = _imm(self.imm_tag, _DISPATCH, seq)
+        stream = self._stream()
+        data: list[Transfer] = []
+        for d, peer in enumerate(self._peers):
+            n = int(plan.n[me, d])
+            if d == me:
+                first, at = int(plan.sstart[d]), int(plan.dst_row[d])
+                self._drecv[p, at : at + n] = self._dsend[first : first + n]
+                continue
+            src = int(plan.sstart[d]) * st if n else 0
+            dst = (p * self.max_recv_tokens + int(plan.dst_row[d])) * st if n else 0
+            t = self.engine.post_write(
+                self._dsend_mr, peer["drecv"], length=n * st, src_offset=src, dst_offset=dst, imm=imm,
+                stream=stream,
+            )
+            data.append(t)
+            self._inflight[p].append(t)
+        posted.extend(data)
+        return data
+
+    def _unpack(self, pending: DispatchPending) -> DispatchHandle:
+        xp, plan, p = self.xp, pending._plan, pending.seq & 1
+        rows = int(plan.offsets[-1])
+        ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
+        src_token = xp.full(rows, -1, dtype=xp.int32)
+        dest = self._dev(plan.dest)
+        if plan.nrecv:
+            got = self._drecv[p, : plan.nrecv]
+            ex.view(xp.uint8).reshape(rows, self._xrow)[dest] = got[:, : self._xrow]
+            tail = _round16(self._xrow)
+            src_token[dest] = xp.ascontiguousarray(got[:, tail : tail + 4]).view(xp.int32).ravel()
+        self._record_fence(p)
+        h = DispatchHandle(
+            seq=pending.seq, expert_x=ex, counts=plan.counts, offsets=plan.offsets,
+            src_rank=self._dev(plan.src_rank), src_token=src_token, num_tokens=pending._m,
+            _a2a=self, _plan=plan, _dest=dest, _pos=pending._pos,
+            _weights=pending._weights,
+        )
+        self._pending.pop(pending.seq, None)
+        self._handles[pending.seq] = h
+        return h
+
+    # ------------------------------------------------------------------ combine
+
+    async def combine(
+        self, handle: DispatchHandle, expert_out: Any, *, out: Any = None, accumulate: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Brings the expert outputs back to the tokens' ranks and reduces them there:
+        :meth:`combine_send` then :meth:`CombinePending.recv`, under one deadline.
+
+        ``expert_out[rows, H]`` (``out_dtype``'s storage type; rows as ``handle.expert_x``,
+        padding rows ignored). Returns ``[num_tokens, H]`` of ``out_dtype`` (into ``out`` when
+        given; with ``accumulate`` added to what ``out`` holds). Raises as the two halves;
+        costs a pack, one write per peer, a counter wait and the reduction."""
+        end = self._end(timeout)
+        pending = await self.combine_send(handle, expert_out, timeout=_left(end))
+        return await pending.recv(out=out, accumulate=accumulate, timeout=_left(end))
+
+    async def combine_send(
+        self, handle: DispatchHandle, expert_out: Any, *, timeout: float | None = None
+    ) -> CombinePending:
+        """The send half of :meth:`combine`: packs this rank's expert outputs in received
+        order and writes each source's rows to it. Raises :class:`~aiote.InvalidArgument` for a
+        handle of another group, one combined already or stale (two calls back), a bad
+        ``expert_out``, before anything is posted; :class:`~aiote.TransferTimeout` after
+        ``timeout`` (waiting for this rank's previous combine writes)."""
+        if not isinstance(handle, DispatchHandle) or handle._a2a is not self:
+            raise InvalidArgument("handle must be a DispatchHandle of this all-to-all")
+        if handle._state != "dispatched":
+            raise InvalidArgument(
+                f"handle {handle.seq} is {handle._state}: combine it once, within two calls"
+            )
+        xp, rows = self.xp, int(handle.offsets[-1])
+        if (not isinstance(expert_out, xp.ndarray) or expert_out.ndim != 2 or expert_out.shape[0] < rows
+                or expert_out.shape[1] != self.hidden or expert_out.dtype != self.out_dtype.storage):
+            raise InvalidArgument(
+                f"expert_out must be a [>= {rows}, {self.hidden}] {xp.__name__} array of "
+                f"{self.out_dtype.storage} ({self.out_dtype.name})"
+            )
+        end = self._end(timeout)
+        what = f"combine {handle.seq}"
+        handle._state = "combine_sent"
+        with _deadline_at(end, timeout if timeout is not None else self.timeout, what):
+            await self._settle(self._csend_busy, end, what, quiet=True)
+            plan, n = handle._plan, handle._plan.nrecv
+            if n:
+                yb = xp.ascontiguousarray(expert_out).view(xp.uint8).reshape(expert_out.shape[0], self._yrow)
+                self._csend[:n, : self._yrow] = yb[handle._dest]
+            posted = self._post_back(handle.seq, plan)
+            self._csend_busy = list(posted)
+        return CombinePending(self, handle, posted)
+
+    def _post_back(self, seq: int, plan: RecvPlan) -> list[Transfer]:
+        p, st, me = seq & 1, self._cstride, self.rank
+        imm = _imm(self.imm_tag, _COMBINE, seq)
+        at_source = (np.cumsum(plan.n, axis=1) - plan.n)[:, me]  # where each source put my block
+        stream = self._stream()
+        posted: list[Transfer] = []
+        for r, peer in enumerate(self._peers):
+            n, first = int(plan.n[r, me]), int(plan.rstart[r])
+            if r == me:
+                at = int(at_source[r])
+                self._crecv[p, at : at + n] = self._csend[first : first + n]
+                continue
+            t = self.engine.post_write(
+                self._csend_mr, peer["crecv"], length=n * st, src_offset=first * st if n else 0,
+                dst_offset=(p * self._send_cap + int(at_source[r])) * st if n else 0,
+                imm=imm, stream=stream,
+            )
+            posted.append(t)
+            self._inflight[p].append(t)
+        return posted
+
+    def _check_out(self, out: Any, accumulate: bool, m: int) -> None:
+        if accumulate and out is None:
+            raise InvalidArgument("accumulate=True needs out")
+        if out is not None and (
+            not isinstance(out, self.xp.ndarray) or out.ndim != 2 or out.shape[0] < m
+            or out.shape[1] != self.hidden or out.dtype != self.out_dtype.storage
+        ):
+            raise InvalidArgument(f"out must be a [>= {m}, {self.hidden}] array of {self.out_dtype.storage}")
+
+    def _reduce(self, h: DispatchHandle, out: Any, accumulate: bool) -> Any:
+        """float32, slot order, one rounding (FLOWS.md B4); skipped slots add +0.0."""
+        xp, p, m = self.xp, h.seq & 1, h.num_tokens
+        acc = xp.zeros((m, self.hidden), dtype=xp.float32)
+        pos = h._pos
+        zero = xp.float32(0)
+        for k in range(self.experts_per_token):
+            rows = pos[:, k]
+            valid = rows >= 0
+            yb = self._crecv[p][xp.where(valid, rows, 0), : self._yrow]
+            y = to_f32(xp.ascontiguousarray(yb).view(self.out_dtype.storage), self.out_dtype, xp)
+            acc = acc + xp.where(valid[:, None], h._weights[:, k, None] * y, zero)
+        if accumulate:
+            acc = to_f32(out[:m], self.out_dtype, xp) + acc
+        self._record_fence(p)
+        res = from_f32(acc, self.out_dtype, xp)
+        if out is None:
+            return res
+        out[:m] = res
+        return out[:m]
+
+    # ------------------------------------------------------------------ waiting
+
+    def _end(self, timeout: float | None) -> float | None:
+        t = self.timeout if timeout is None else timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0):
+            raise InvalidArgument(f"timeout must be a number of seconds >= 0 or None, not {t!r}")
+        return None if t is None else anyio.current_time() + float(t)
+
+    async def _wait_credits(
+        self, kind: int, seq: int, end: float | None, what: str, posted: list[Transfer]
+    ) -> None:
+        """Waits for W-1 credits of (kind, seq); every ``probe_interval`` of waiting, checks
+        this call's writes and probes every peer (a zero-byte write: a dead peer fails it)."""
+        need = self.world - 1
+        if need == 0:
+            await anyio.lowlevel.checkpoint()
+            return
+        counter: ImmCounter = self.engine.imm_counter(_imm(self.imm_tag, kind, seq))
+        while True:
+            left = None if end is None else end - anyio.current_time()
+            if left is not None and left <= 0:
+                raise TransferTimeout(f"{what}: peers' writes did not all arrive in time")
+            step = self.probe_interval if left is None else min(self.probe_interval, left)
+            try:
+                await counter.wait(need, timeout=step)
+                return
+            except TransferTimeout:
+                pass
+            for t in posted:
+                if t.done:
+                    await t  # a failed write of ours (a dead peer) raises here
+            await self._probe(end, what)
+
+    async def _probe(self, end: float | None, what: str) -> None:
+        probes = [
+            self.engine.post_write(self._myroute_mr, peer["route"], length=0)
+            for r, peer in enumerate(self._peers) if r != self.rank
+        ]
+        for t in probes:
+            await t.wait(timeout=_left(end))
+        _log.debug("peers probed while waiting", op=what, peers=len(probes))
+
+    async def _settle(
+        self, transfers: list[Transfer], end: float | None, what: str, *, quiet: bool = False
+    ) -> None:
+        """Awaits ``transfers`` (and forgets them); ``quiet``: those of earlier calls, whose
+        errors were that call's and are only logged."""
+        while transfers:
+            t = transfers[0]
+            try:
+                await t.wait(timeout=_left(end))
+            except AioteError as exc:
+                if not quiet or isinstance(exc, TransferTimeout):
+                    raise
+                _log.info("an earlier call's write had failed", op=what, error=str(exc))
+            transfers.pop(0)
+            for lst in self._inflight:
+                if t in lst:
+                    lst.remove(t)
+
+    def _release_old(self, seq: int) -> None:
+        """Every peer has started ``seq``: nothing of ``seq - 2`` or earlier can still land."""
+        for s in [s for s in self._unreleased if s <= seq - 2]:
+            self._unreleased.discard(s)
+            for kind in (_ROUTE, _DISPATCH, _COMBINE):
+                try:
+                    self.engine.imm_counter(_imm(self.imm_tag, kind, s)).release()
+                except InvalidArgument:  # a task still waits on it (a call being cancelled)
+                    self._unreleased.add(s)
+
+    # ------------------------------------------------------------------ devices
+
+    async def _host(self, a: Any) -> np.ndarray:
+        """``a`` as a NumPy array (a device-to-host copy in a worker thread on the GPU)."""
+        if not self._gpu:
+            return np.asarray(a)
+        dev = a.device.id
+
+        def get() -> np.ndarray:
+            with self.xp.cuda.Device(dev):
+                return np.asarray(a.get())
+
+        return await anyio.to_thread.run_sync(get)
+
+    def _dev(self, a: np.ndarray) -> Any:
+        return self.xp.asarray(a) if self._gpu else a
+
+    def _stream(self) -> Any:
+        return self.xp.cuda.get_current_stream() if self._gpu else None
+
+    def _record_fence(self, p: int) -> None:
+        if self._gpu:
+            ev = self.xp.cuda.Event(disable_timing=True)
+            ev.record()
+            self._fence[p] = ev
+
+    async def _wait_fence(self, p: int) -> None:
+        """The kernels that read this parity's regions last (unpack, reduce) have finished."""
+        ev = self._fence[p]
+        if ev is not None and not ev.done:
+            await anyio.to_thread.run_sync(ev.synchronize)
+        self._fence[p] = None
+
+
+def _parse_hello(raw: bytes) -> dict[str, Any] | None:
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(msg, dict) or msg.get("moe") != _TAG:
+        return None
+    return msg
+
+
+def _check_config(
+    world: int, e: Any, k: Any, h: Any, t: Any, in_dtype: Any, out_dtype: Any, pad: Any, cap: Any, tag: Any,
+    timeout: Any, probe: Any,
+) -> dict[str, Any]:
+    for name, v, lo in (("num_experts", e, 1), ("experts_per_token", k, 1), ("hidden", h, 1),
+                        ("max_tokens", t, 1), ("expert_padding", pad, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InvalidArgument(f"{name} must be an int >= {lo}, not {v!r}")
+    if k > e:
+        raise InvalidArgument(f"experts_per_token={k} exceeds num_experts={e}")
+    per = -(-e // world)
+    worst = world * t * min(k, per)
+    if cap is None:
+        cap = worst
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise InvalidArgument(f"max_recv_tokens must be an int >= 1, not {cap!r}")
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 256:
+        raise InvalidArgument(f"imm_tag must be an int in [0, 256), not {tag!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout < 0):
+        raise InvalidArgument(f"timeout must be a finite number of seconds >= 0 or None, not {timeout!r}")
+    if isinstance(probe, bool) or not isinstance(probe, (int, float)) or not probe > 0:
+        raise InvalidArgument(f"probe_interval must be a number of seconds > 0, not {probe!r}")
+    odt = dtype_of(out_dtype, "out_dtype")
+    if not odt.arith:
+        raise InvalidArgument(f"out_dtype {odt.name} cannot be reduced: use bfloat16, float16 or float32")
+    return {
+        "num_experts": e, "experts_per_token": k, "hidden": h, "max_tokens": t,
+        "in_dtype": dtype_of(in_dtype, "in_dtype"), "out_dtype": odt, "expert_padding": pad,
+        "max_recv_tokens": cap, "imm_tag": tag, "timeout": timeout, "probe_interval": float(probe),
+    }
+
+
+def _left(end: float | None) -> float | None:
+    return None if end is None else max(0.0, end - anyio.current_time())
+
+
+class _deadline:
+    """``anyio.fail_after`` raising :class:`~aiote.TransferTimeout` naming the operation."""
+
+    def __init__(self, timeout: float | None, what: str) -> None:
+        self._what, self._timeout = what, timeout
+        self._scope = anyio.fail_after(timeout)
+
+    def __enter__(self) -> None:
+        self._scope.__enter__()
+
+    def __exit__(self, et: Any, e: Any, tb: Any) -> None:
+        try:
+            self._scope.__exit__(et, e, tb)
+        except TimeoutError:
+            raise TransferTimeout(f"{self._what} did not finish within {self._timeout:g} s") from None
+
+
+def _deadline_at(end: float | None, timeout: float | None, what: str) -> _deadline:
+    d = _deadline(None, what)
+    d._timeout = timeout
+    if end is not None:
+        d._scope = anyio.fail_after(max(0.0, end - anyio.current_time()))
+    return d
