@@ -28,7 +28,7 @@ __all__ = ["Geometry", "RecvPlan", "SendPlan", "plan_recv", "plan_send", "round_
 
 def round_up(a: np.ndarray, pad: int) -> np.ndarray:
     """``a`` rounded up to a multiple of ``pad`` (element-wise). O(n)."""
-    return cast(np.ndarray, (a + (pad - 1)) // pad * pad)
+    return (a + (pad - 1)) // pad * pad
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Geometry:
         pad = self.world * self.per_rank - self.num_experts
         widths = [(0, 0)] * (per_expert.ndim - 1) + [(0, pad)]
         padded = np.pad(per_expert.astype(np.int64), widths)
-        return padded.reshape(*per_expert.shape[:-1], self.world, self.per_rank).sum(-1)
+        return cast(np.ndarray, padded.reshape(*per_expert.shape[:-1], self.world, self.per_rank).sum(-1))
 
 
 @dataclass
