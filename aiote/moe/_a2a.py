@@ -309,7 +309,9 @@ class AllToAll:
 
     def _alloc(self) -> None:
         xp, w = self.xp, self.world
-        self._route = np.zeros((2, w, self.num_experts), dtype=np.int32)
+        # the route rows of both parities, then 4 bytes that probes write (no immediate)
+        self._route_raw = np.zeros(2 * w * self.num_experts + 4, dtype=np.int32)
+        self._route = self._route_raw[:-4].reshape(2, w, self.num_experts)
         self._myroute = np.zeros((2, self.num_experts), dtype=np.int32)
         self._drecv = xp.zeros((2, self.max_recv_tokens, self._dstride), dtype=xp.uint8)
         self._dsend = xp.zeros((self._send_cap, self._dstride), dtype=xp.uint8)
@@ -318,7 +320,7 @@ class AllToAll:
 
     async def _register(self) -> None:
         e = self.engine
-        self._route_mr = await e.register(self._route)
+        self._route_mr = await e.register(self._route_raw)
         self._regions.append(self._route_mr)
         self._myroute_mr = await e.register(self._myroute, remote_write=False)
         self._regions.append(self._myroute_mr)
@@ -664,7 +666,7 @@ class AllToAll:
         self, kind: int, seq: int, end: float | None, what: str, posted: list[Transfer]
     ) -> None:
         """Waits for W-1 credits of (kind, seq); every ``probe_interval`` of waiting, checks
-        this call's writes and probes every peer (a zero-byte write: a dead peer fails it)."""
+        this call's writes and probes every peer (a 4-byte write, no immediate: a dead peer fails it)."""
         need = self.world - 1
         if need == 0:
             await anyio.lowlevel.checkpoint()
@@ -687,7 +689,7 @@ class AllToAll:
 
     async def _probe(self, end: float | None, what: str) -> None:
         probes = [
-            self.engine.post_write(self._myroute_mr, peer["route"], length=0)
+            self.engine.post_write(self._myroute_mr, peer["route"], length=4, dst_offset=self._route.nbytes)
             for r, peer in enumerate(self._peers) if r != self.rank
         ]
         for t in probes:
