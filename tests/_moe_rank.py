@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import aiote  # noqa: E402
-from aiote import moe  # noqa: E402
-from aiote.moe import reference as ref  # noqa: E402
+import aiote
+from aiote import moe
+from aiote.moe import reference as ref
 
 DT = {"float32": np.float32, "bfloat16": np.uint16}
 

@@ -6,6 +6,7 @@ the cases of a test module's backend, so the matrix costs process start-ups only
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,13 +49,15 @@ class Ranks:
             line = await self.readers[r].receive_until(b"\n", 1 << 20)
         return dict(json.loads(line))
 
-    async def all(self, ranks: list[int] | None = None, timeout: float = 60, **cmd: Any) -> list[dict[str, Any]]:
+    async def all(
+        self, ranks: list[int] | None = None, timeout: float = 60, **cmd: Any
+    ) -> list[dict[str, Any]]:
         """Sends ``cmd`` to ``ranks`` (default all) and returns their replies, each checked ok."""
         ranks = list(range(len(self.procs))) if ranks is None else ranks
         for r in ranks:
             await self.send(r, **cmd)
         replies = [await self.reply(r, timeout) for r in ranks]
-        for r, rep in zip(ranks, replies):
+        for r, rep in zip(ranks, replies, strict=True):
             assert rep.get("ok"), f"rank {r}: {rep.get('error')} (case {cmd})"
         return replies
 
@@ -81,10 +84,8 @@ async def stop_ranks(ranks: Ranks) -> None:
     with anyio.CancelScope(shield=True):
         for r, p in enumerate(ranks.procs):
             if p.returncode is None:
-                try:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                     await ranks.send(r, op="exit")
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    pass
         for p in ranks.procs:
             await stop_process(p, grace=10)
 
@@ -120,7 +121,8 @@ MATRIX = [
     ("k=8, padding 16", case(E=10, K=8, pad=16, tokens=[12, 7, 12, 2])),
     ("some ranks with zero tokens", case(tokens=[0, 12, 0, 4])),
     ("no tokens at all", case(tokens=[0, 0, 0, 0])),
-    ("all tokens to one expert (past any per-source slots)", case(K=2, one_expert=5, tokens=[12, 12, 12, 12])),
+    ("all tokens to one expert (past any per-source slots)",
+     case(K=2, one_expert=5, tokens=[12, 12, 12, 12])),
     ("bfloat16, padding 16", case(dtype="bfloat16", pad=16, E=9, K=2, H=24, tokens=[12, 6, 12, 1])),
     ("bound_m below the buffer size", case(bound=[5, 0, 12, 3], tokens=[12, 12, 12, 12])),
     ("-1 indices", case(K=8, E=12, skip=0.3, tokens=[12, 12, 5, 12])),
@@ -179,7 +181,9 @@ HOST_CASES = [
 
 
 @pytest.mark.parametrize("name,spec", HOST_CASES, ids=[m[0] for m in HOST_CASES])
-async def test_same_host_route_two_ranks(host2: Ranks, need_shm: None, name: str, spec: dict[str, Any]) -> None:
+async def test_same_host_route_two_ranks(
+    host2: Ranks, need_shm: None, name: str, spec: dict[str, Any]
+) -> None:
     assert host2.routes == [["shm"], ["shm"]], host2.routes  # the default route between same-host ranks
     replies = await host2.all(op="case", **{**spec, "calls": 2})
     assert all(r["checks"] >= 12 for r in replies), replies
