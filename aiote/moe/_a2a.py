@@ -565,6 +565,8 @@ class AllToAll:
         padding rows ignored). Returns ``[num_tokens, H]`` of ``out_dtype`` (into ``out`` when
         given; with ``accumulate`` added to what ``out`` holds). Raises as the two halves;
         costs a pack, one write per peer, a counter wait and the reduction."""
+        if isinstance(handle, DispatchHandle):
+            self._check_out(out, accumulate, handle.num_tokens)  # before anything is posted
         end = self._end(timeout)
         pending = await self.combine_send(handle, expert_out, timeout=_left(end))
         return await pending.recv(out=out, accumulate=accumulate, timeout=_left(end))
