@@ -1,0 +1,404 @@
+"""MoE dispatch + combine benchmark: aiote.moe against torch.distributed all_to_all_single in
+the same run, one process per rank.
+
+    python benchmarks/bench_moe.py                      # CPU: 2 and 4 processes, gloo baseline
+    python benchmarks/bench_moe.py --world 2 --shapes decode --iters 100
+    python benchmarks/bench_moe.py --gpu                # 2 GPUs of one host, NCCL baseline
+
+Shape: DeepSeek-V3 (hidden 7168, 256 experts, top-8), decode 128 tokens per rank and prefill
+4096 tokens per rank (``--prefill-tokens``), bfloat16 dispatch and combine (CPU), routing
+redrawn every iteration (uniform top-8 without repetition, random weights). The "expert" is
+the identity (no GEMM: on 2 CPU cores it would only add noise to every line alike).
+
+Per rank and call, timed (host wall time; on the GPU after synchronizing the stream, so
+each call's kernels are included):
+- aiote: ``dispatch`` (counts exchange + tokens + unpack into per-expert padded blocks in
+  canonical order) and ``combine`` (pack + write back + float32 reduction in k order).
+- torch exact: the same exchange with ``all_to_all_single``: counts first (per expert), then
+  the tokens with split sizes, then the same local permutation; combine mirrors it and does
+  the same reduction (the same NumPy/CuPy code as aiote's).
+- torch padded: a fixed-size ``all_to_all_single`` of ``T x min(K, E/W)`` rows per rank pair,
+  no count exchange, no permutation: a floor for the data movement alone.
+Each iteration's time is the slowest rank's; p50 and p99 over the iterations are printed,
+with the bytes a rank sends to other ranks per call and the resulting rate as a fraction of
+the link's bandwidth measured in the same run (one aiote write of 64 MiB, rank 0 -> 1, over
+the same route).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+SHAPES = {"decode": 128, "prefill": 4096}
+E, K, H = 256, 8, 7168
+
+
+def pct(v: list[float], q: float) -> float:
+    s = sorted(v)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+# ---------------------------------------------------------------------------------- parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_group(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Starts ``world`` rank processes, hands them the group, returns their results."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, __file__, "--child", "--world-size", str(world), *child_args(args)]
+    procs = [
+        subprocess.Popen([*cmd, "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                         text=True)
+        for r in range(world)
+    ]
+    addrs = []
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line.startswith("ADDR "):
+            raise RuntimeError(f"a rank did not start: {line!r}")
+        addrs.append(line.split()[1])
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(addrs) + "\n")
+        p.stdin.flush()
+    results = []
+    for p in procs:
+        assert p.stdout is not None
+        out = p.stdout.readline()
+        p.wait(timeout=1200)
+        if not out.startswith("RESULT "):
+            raise RuntimeError(f"a rank failed (exit {p.returncode}): {out!r}")
+        results.append(json.loads(out[7:]))
+    return results
+
+
+def child_args(args: argparse.Namespace) -> list[str]:
+    out = ["--iters", str(args.iters), "--prefill-iters", str(args.prefill_iters),
+           "--prefill-tokens", str(args.prefill_tokens), "--shapes", *args.shapes, "--route", args.route]
+    if args.gpu:
+        out.append("--gpu")
+    if args.no_torch:
+        out.append("--no-torch")
+    return out
+
+
+def summarize(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per shape and method: the slowest rank per iteration, then p50/p99 (microseconds)."""
+    summary: dict[str, Any] = {"world": world, "link_gbps": results[0].get("link_gbps"), "shapes": {}}
+    for shape in results[0]["shapes"]:
+        entry: dict[str, Any] = {}
+        for method, per_rank in results[0]["shapes"][shape]["times"].items():
+            n = len(per_rank)
+            worst = [max(r["shapes"][shape]["times"][method][i] for r in results) for i in range(n)]
+            entry[method] = {"p50_us": pct(worst, 50) * 1e6, "p99_us": pct(worst, 99) * 1e6, "n": n}
+        sent = [r["shapes"][shape]["bytes_sent"] for r in results]
+        entry["bytes_sent_per_rank"] = statistics.mean(sent)
+        entry["tokens"] = results[0]["shapes"][shape]["tokens"]
+        summary["shapes"][shape] = entry
+    return summary
+
+
+def print_summary(s: dict[str, Any], machine: str) -> None:
+    link = s["link_gbps"]
+    print(f"\n== {s['world']} ranks ({machine}); link (aiote 64 MiB write, rank 0 -> 1): {link:.2f} GB/s")
+    for shape, e in s["shapes"].items():
+        mb = e["bytes_sent_per_rank"] / 1e6
+        print(f"-- {shape}: {e['tokens']} tokens/rank, {mb:.1f} MB sent per rank per call each way")
+        print(f"   {'method':<28}{'p50 us':>12}{'p99 us':>12}{'GB/s p50':>10}{'of link':>9}")
+        for method, v in e.items():
+            if not isinstance(v, dict):
+                continue
+            rate = e["bytes_sent_per_rank"] / (v["p50_us"] / 1e6) / 1e9 if v["p50_us"] else 0.0
+            print(f"   {method:<28}{v['p50_us']:>12.0f}{v['p99_us']:>12.0f}{rate:>10.2f}{rate / link:>9.2f}")
+
+
+def parent(args: argparse.Namespace) -> None:
+    machine = args.machine or f"{os.cpu_count()} cores, {'GPU' if args.gpu else 'CPU'}"
+    out = []
+    for w in args.world:
+        res = run_group(w, args)
+        s = summarize(w, res)
+        print_summary(s, machine)
+        out.append(s)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "runs": out, "argv": sys.argv[1:]}, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------- ranks
+
+
+class Inputs:
+    """One iteration's routing (redrawn per iteration) and the fixed tokens of a rank."""
+
+    def __init__(self, rank: int, tokens: int, xp: Any) -> None:
+        self.rng = np.random.default_rng(1000 + rank)
+        self.tokens, self.xp = tokens, xp
+        x = self.rng.standard_normal((tokens, H)).astype(np.float32)
+        from aiote import moe
+
+        self.x = xp.asarray(moe.f32_to_bf16(x))
+
+    def draw(self) -> tuple[Any, Any]:
+        idx = np.argpartition(self.rng.random((self.tokens, E)), K, axis=1)[:, :K].astype(np.int64)
+        w = self.rng.random((self.tokens, K)).astype(np.float32)
+        return self.xp.asarray(idx), self.xp.asarray(w)
+
+
+def sync(xp: Any) -> None:
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+async def aiote_part(args: argparse.Namespace, rank: int, world: int, addrs: list[bytes], xp: Any,
+                     engine: Any, res: dict[str, Any]) -> None:
+    from aiote import moe
+
+    group = moe.Group(addrs, rank)
+    for si, shape in enumerate(args.shapes):
+        t = SHAPES[shape] if shape == "decode" else args.prefill_tokens
+        iters = args.iters if shape == "decode" else args.prefill_iters
+        cap = None if shape == "decode" else int(t * K * 1.25) + 1024  # uniform routing: ~T*K per rank
+        a2a = await moe.AllToAll.create(
+            engine, group, num_experts=E, experts_per_token=K, hidden=H, max_tokens=t,
+            in_dtype="bfloat16", out_dtype="bfloat16", max_recv_tokens=cap, imm_tag=0x60 + si, timeout=120,
+            xp=xp,
+        )
+        inp = Inputs(rank, t, xp)
+        times: dict[str, list[float]] = {"aiote dispatch": [], "aiote combine": [], "aiote dispatch+combine": []}
+        sent = []
+        for i in range(iters + args.warmup):
+            idx, w = inp.draw()
+            sync(xp)
+            t0 = time.perf_counter()
+            h = await a2a.dispatch(inp.x, idx, w)
+            sync(xp)
+            t1 = time.perf_counter()
+            await a2a.combine(h, h.expert_x)
+            sync(xp)
+            t2 = time.perf_counter()
+            if i >= args.warmup:
+                times["aiote dispatch"].append(t1 - t0)
+                times["aiote combine"].append(t2 - t1)
+                times["aiote dispatch+combine"].append(t2 - t0)
+                sent.append(bytes_sent(a2a, idx, xp))
+        res["shapes"][shape] = {"times": times, "bytes_sent": statistics.mean(sent), "tokens": t}
+        await a2a.aclose()
+    # after every create: no group message can be in flight now (create takes the messages)
+    res["link_gbps"] = await link_bandwidth(engine, rank, addrs, xp)
+
+
+def bytes_sent(a2a: Any, idx: Any, xp: Any) -> float:
+    """Bytes of token payload this rank sends to other ranks in one dispatch (and receives
+    back in combine): rows for experts not on this rank x H x 2."""
+    host = idx.get() if xp is not np else idx
+    per = -(-E // a2a.world)
+    owner = host // per
+    return float((owner != a2a.rank).sum() * H * 2)
+
+
+async def link_bandwidth(engine: Any, rank: int, addrs: list[bytes], xp: Any) -> float:
+    """GB/s of one 64 MiB aiote write, rank 0 -> rank 1 (median of 5), over the same route."""
+    import anyio
+
+    n = 64 << 20
+    if rank > 1:
+        return 0.0
+    buf = xp.zeros(n, dtype=xp.uint8)
+    mr = await engine.register(buf)
+    peer = addrs[1 - rank]
+    await engine.send(peer, bytes(mr.descriptor), timeout=60)
+    _, desc = await engine.recv(timeout=60)
+    gbps = 0.0
+    if rank == 0:
+        dts = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            await engine.write(mr, desc, imm=0x7F000001, timeout=60)
+            sync(xp)
+            dts.append(time.perf_counter() - t0)
+        gbps = n / statistics.median(dts[1:]) / 1e9
+        await engine.send(peer, b"done", timeout=60)
+    else:
+        await engine.recv(timeout=120)
+    with anyio.move_on_after(10):
+        await engine.unregister(mr)
+    return gbps
+
+
+def torch_part(args: argparse.Namespace, rank: int, world: int, xp: Any, res: dict[str, Any]) -> None:
+    """The same exchanges with torch.distributed all_to_all_single (gloo on CPU, NCCL on GPU)."""
+    import torch
+    import torch.distributed as dist
+
+    from aiote.moe import _dtypes
+    from aiote.moe._layout import Geometry, plan_recv, plan_send
+
+    dev = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
+    geo = Geometry(world, E)
+    per = geo.per_rank
+    bf = _dtypes.dtype_of("bfloat16", "dtype")
+
+    def tt(a: Any) -> Any:  # a zero-copy torch view of a NumPy/CuPy array
+        return torch.from_numpy(a) if xp is np else torch.as_tensor(a, device=dev)
+
+    for shape in args.shapes:
+        t = SHAPES[shape] if shape == "decode" else args.prefill_tokens
+        iters = args.iters if shape == "decode" else args.prefill_iters
+        inp = Inputs(rank, t, xp)
+        xrow = xp.zeros((t, H + 8), dtype=xp.int16)  # tokens + their ids (16 bytes, as aiote's rows)
+        xrow[:, :H] = inp.x.view(xp.int16)
+        xrow[:, H : H + 2] = xp.arange(t, dtype=xp.int32)[:, None].view(xp.int16)
+        times: dict[str, list[float]] = {"torch exact dispatch": [], "torch exact combine": [],
+                                         "torch exact dispatch+combine": [], "torch padded dispatch": [],
+                                         "torch padded combine": []}
+        pair = t * min(K, per)
+        # bytes (uint8) throughout: gloo has no 16-bit integer type
+        pad_in = torch.zeros((world * pair, 2 * (H + 8)), dtype=torch.uint8, device=dev)
+        pad_out = torch.empty_like(pad_in)
+        pad_cin = torch.zeros((world * pair, 2 * H), dtype=torch.uint8, device=dev)
+        pad_cout = torch.empty_like(pad_cin)
+        for i in range(iters + args.warmup):
+            idx, w = inp.draw()
+            idx_h = idx.get() if xp is not np else idx
+            dist.barrier()
+            t0 = time.perf_counter()
+            send = plan_send(idx_h, t, E)
+            route = np.zeros(world * per, np.int32)
+            route[:E] = send.route
+            got = torch.empty(world * per, dtype=torch.int32, device=dev)
+            dist.all_to_all_single(got, tt(xp.asarray(route)))
+            c_local = got.cpu().numpy().reshape(world, per)  # [src, my experts] (a device sync on GPU)
+            c = np.zeros((world, world * per), np.int32)
+            c[:, rank * per : (rank + 1) * per] = c_local
+            c[rank, :] = route  # my own row, for my send splits
+            plan = plan_recv(c[:, :E], geo, rank, 1, 1 << 30)
+            in_split = geo.rank_sums(send.route[None, :])[0].tolist()
+            out_split = c_local.sum(1).tolist()
+            packed = tt((xrow[xp.asarray(send.row_token)] if len(send.row_token) else xrow[:0]).view(xp.uint8))
+            recv = torch.empty((sum(out_split), 2 * (H + 8)), dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(recv, packed, out_split, in_split)
+            rows = int(plan.offsets[-1])
+            ex = xp.zeros((rows, H), dtype=xp.uint16)
+            src_token = xp.full(rows, -1, dtype=xp.int32)
+            r_arr = (xp.asarray(recv.cpu().numpy()) if xp is np else xp.asarray(recv)).view(xp.int16)
+            dest = xp.asarray(plan.dest)
+            ex[dest] = r_arr[:, :H].view(xp.uint16)
+            src_token[dest] = xp.ascontiguousarray(r_arr[:, H : H + 2]).view(xp.int32).ravel()
+            sync(xp)
+            t1 = time.perf_counter()
+            yb = ex[dest].view(xp.uint8)  # the identity expert, rows back in received order
+            back = torch.empty((len(send.row_token), 2 * H), dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(back, tt(xp.ascontiguousarray(yb)), in_split, out_split)
+            back_x = (xp.asarray(back.cpu().numpy()) if xp is np else xp.asarray(back)).view(xp.uint16)
+            pos = xp.asarray(send.pos)
+            acc = xp.zeros((t, H), dtype=xp.float32)
+            for k in range(K):
+                rws = pos[:, k]
+                y = _dtypes.to_f32(back_x[xp.where(rws >= 0, rws, 0)], bf, xp)
+                acc = acc + xp.where((rws >= 0)[:, None], w[:, k, None] * y, xp.float32(0))
+            _dtypes.from_f32(acc, bf, xp)
+            sync(xp)
+            t2 = time.perf_counter()
+            dist.barrier()
+            t3 = time.perf_counter()
+            dist.all_to_all_single(pad_out, pad_in)
+            if args.gpu:
+                torch.cuda.synchronize(dev)
+            t4 = time.perf_counter()
+            dist.all_to_all_single(pad_cout, pad_cin)
+            if args.gpu:
+                torch.cuda.synchronize(dev)
+            t5 = time.perf_counter()
+            if i >= args.warmup:
+                times["torch exact dispatch"].append(t1 - t0)
+                times["torch exact combine"].append(t2 - t1)
+                times["torch exact dispatch+combine"].append(t2 - t0)
+                times["torch padded dispatch"].append(t4 - t3)
+                times["torch padded combine"].append(t5 - t4)
+        res["shapes"][shape]["times"].update(times)
+
+
+def child(args: argparse.Namespace) -> None:
+    import anyio
+
+    import aiote
+
+    rank, world = args.rank, args.world_size
+    xp: Any = np
+    if args.gpu:
+        import cupy
+
+        cupy.cuda.Device(rank).use()
+        xp = cupy
+    res: dict[str, Any] = {"rank": rank, "shapes": {}}
+
+    async def run() -> None:
+        kw: dict[str, Any] = {"same_host": None} if args.route == "tcp" else {}
+        async with aiote.open_engine(**kw) as engine:
+            print("ADDR " + engine.address.hex(), flush=True)
+            line = await anyio.to_thread.run_sync(sys.stdin.readline)
+            addrs = [bytes.fromhex(a) for a in json.loads(line)]
+            await aiote_part(args, rank, world, addrs, xp, engine, res)
+
+    anyio.run(run)
+    if not args.no_torch:
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            print("torch is not installed: baselines skipped", file=sys.stderr)
+        else:
+            dist.init_process_group("nccl" if args.gpu else "gloo", rank=rank, world_size=world)
+            torch_part(args, rank, world, xp, res)
+            dist.destroy_process_group()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, nargs="+", default=None, help="ranks per run (CPU: 2 4; GPU: 2)")
+    p.add_argument("--shapes", nargs="+", default=["decode", "prefill"], choices=list(SHAPES))
+    p.add_argument("--iters", type=int, default=None, help="decode iterations (CPU 50, GPU 1000)")
+    p.add_argument("--prefill-iters", type=int, default=None, help="prefill iterations (CPU 5, GPU 100)")
+    p.add_argument("--prefill-tokens", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--route", default="default", choices=["default", "tcp"],
+                   help="default: open_engine() defaults (same host: shm, or CUDA IPC for GPU memory)")
+    p.add_argument("--gpu", action="store_true", help="CuPy arrays, one GPU per rank, NCCL baseline")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    p.add_argument("--machine", default=None, help="how to name the machine in the output")
+    p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world-size", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.iters is None:
+        args.iters = 1000 if args.gpu else 50
+    if args.prefill_iters is None:
+        args.prefill_iters = 100 if args.gpu else 5
+    if args.world is None:
+        args.world = [2] if args.gpu else [2, 4]
+    if args.child:
+        child(args)
+    else:
+        parent(args)
+
+
+if __name__ == "__main__":
+    main()
