@@ -132,10 +132,14 @@ class DispatchPending:
     """The receive half of a dispatch whose send half has run (:meth:`AllToAll.dispatch_send`).
     ``await pending.recv()`` completes it; do other work in between."""
 
-    def __init__(self, a2a: AllToAll, seq: int, plan: RecvPlan, pos: Any, weights: Any,
+    def __init__(self, a2a: AllToAll, seq: int, plan: RecvPlan, send: SendPlan, x: Any, weights: Any,
                  posted: list[Transfer], m: int) -> None:
-        self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, pos
+        self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, a2a._dev(send.pos)
         self._weights, self._posted, self._m = weights, posted, m
+        self._ex: Any = None
+        self._src_token: Any = None
+        self._dest: Any = None
+        a2a._unpack_local(self, x, send)
         self._done = False
 
     async def recv(self, *, timeout: float | None = None) -> DispatchHandle:
@@ -229,7 +233,7 @@ class AllToAll:
         self._xrow = self.hidden * self.in_dtype.itemsize
         self._dstride = _round16(self._xrow) + _TAIL
         self._yrow = self.hidden * self.out_dtype.itemsize
-        self._cstride = _round16(self._yrow)
+        self._cstride = _round16(self._yrow)  # == the row when H x out is a multiple of 16
         self._send_cap = self.max_tokens * self.experts_per_token
         self._seq = 0
         self._stale: set[int] = set()
@@ -427,10 +431,10 @@ class AllToAll:
             self._release_old(seq)
             plan = plan_recv(counts, self.geometry, self.rank, self.expert_padding, self.max_recv_tokens)
             await self._settle(self._dsend_busy, end, what, quiet=True)
-            self._pack(x, send, len(send.row_token))
+            self._pack(x, send, plan)
             data = self._post_rows(seq, plan, posted)
             self._dsend_busy = data
-        pending = DispatchPending(self, seq, plan, self._dev(send.pos), w, posted, m)
+        pending = DispatchPending(self, seq, plan, send, x, w, posted, m)
         self._pending[seq] = pending
         return pending
 
@@ -495,16 +499,19 @@ class AllToAll:
                 posted.append(t)
                 self._inflight[p].append(t)
 
-    def _pack(self, x: Any, send: SendPlan, n: int) -> None:
-        """Send rows in (expert, token) order, each followed by its token number."""
+    def _pack(self, x: Any, send: SendPlan, plan: RecvPlan) -> None:
+        """Send rows for the other ranks in (expert, token) order, each followed by its token
+        number; this rank's own block is left out (unpacked straight from ``x``)."""
         xp = self.xp
-        if n == 0:
-            return
+        ss, ns = int(plan.sstart[self.rank]), int(plan.n[self.rank, self.rank])
         tokens = self._dev(send.row_token)
         xb = xp.ascontiguousarray(x).view(xp.uint8).reshape(x.shape[0], self._xrow)
-        self._dsend[:n, : self._xrow] = xb[tokens]
         tail = _round16(self._xrow)
-        self._dsend[:n, tail : tail + 4] = tokens.astype(xp.int32).view(xp.uint8).reshape(n, 4)
+        for lo, hi in ((0, ss), (ss + ns, len(send.row_token))):
+            if hi > lo:
+                tok = tokens[lo:hi]
+                self._dsend[lo:hi, : self._xrow] = xb[tok]
+                self._dsend[lo:hi, tail : tail + 4] = tok.astype(xp.int32).view(xp.uint8).reshape(hi - lo, 4)
 
     def _post_rows(self, seq: int, plan: RecvPlan, posted: list[Transfer]) -> list[Transfer]:
         """One write per peer of its block (zero bytes when empty), plus the local block."""
@@ -516,9 +523,7 @@ class AllToAll:
         for d, peer in enumerate(self._peers):
             n = int(plan.n[me, d])
             if d == me:
-                first, at = int(plan.sstart[d]), int(plan.dst_row[d])
-                self._drecv[p, at : at + n] = self._dsend[first : first + n]
-                continue
+                continue  # the local block is unpacked from x directly
             src = int(plan.sstart[d]) * st if n else 0
             dst = (p * self.max_recv_tokens + int(plan.dst_row[d])) * st if n else 0
             t = self.engine.post_write(
@@ -530,17 +535,34 @@ class AllToAll:
         posted.extend(data)
         return data
 
-    def _unpack(self, pending: DispatchPending) -> DispatchHandle:
-        xp, plan, p = self.xp, pending._plan, pending.seq & 1
+    def _unpack_local(self, pending: DispatchPending, x: Any, send: SendPlan) -> None:
+        """Allocates the call's output and moves this rank's own rows there, straight from
+        ``x`` (at send time: ``x`` may change once dispatch_send returned)."""
+        xp, plan, me = self.xp, pending._plan, self.rank
         rows = int(plan.offsets[-1])
-        ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
-        src_token = xp.full(rows, -1, dtype=xp.int32)
-        dest = self._dev(plan.dest)
-        if plan.nrecv:
-            got = self._drecv[p, : plan.nrecv]
-            ex.view(xp.uint8).reshape(rows, self._xrow)[dest] = got[:, : self._xrow]
-            tail = _round16(self._xrow)
-            src_token[dest] = xp.ascontiguousarray(got[:, tail : tail + 4]).view(xp.int32).ravel()
+        pending._ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
+        pending._src_token = xp.full(rows, -1, dtype=xp.int32)
+        pending._dest = dest = self._dev(plan.dest)
+        rs, ns, ss = int(plan.rstart[me]), int(plan.n[me, me]), int(plan.sstart[me])
+        if ns:
+            tok = self._dev(send.row_token[ss : ss + ns])
+            xb = xp.ascontiguousarray(x).view(xp.uint8).reshape(x.shape[0], self._xrow)
+            pending._ex.view(xp.uint8).reshape(rows, self._xrow)[dest[rs : rs + ns]] = xb[tok]
+            pending._src_token[dest[rs : rs + ns]] = tok.astype(xp.int32)
+
+    def _unpack(self, pending: DispatchPending) -> DispatchHandle:
+        """Moves the peers' rows from the receive region into their expert blocks."""
+        xp, plan, p, me = self.xp, pending._plan, pending.seq & 1, self.rank
+        rows = int(plan.offsets[-1])
+        ex, src_token, dest = pending._ex, pending._src_token, pending._dest
+        exb = ex.view(xp.uint8).reshape(rows, self._xrow)
+        rs, ns = int(plan.rstart[me]), int(plan.n[me, me])
+        tail = _round16(self._xrow)
+        for lo, hi in ((0, rs), (rs + ns, plan.nrecv)):
+            if hi > lo:
+                got = self._drecv[p, lo:hi]
+                exb[dest[lo:hi]] = got[:, : self._xrow]
+                src_token[dest[lo:hi]] = xp.ascontiguousarray(got[:, tail : tail + 4]).view(xp.int32).ravel()
         self._record_fence(p)
         h = DispatchHandle(
             seq=pending.seq, expert_x=ex, counts=plan.counts, offsets=plan.offsets,
@@ -597,13 +619,24 @@ class AllToAll:
         handle._state = "combine_sent"
         with _deadline_at(end, timeout if timeout is not None else self.timeout, what):
             await self._settle(self._csend_busy, end, what, quiet=True)
-            plan, n = handle._plan, handle._plan.nrecv
-            if n:
-                yb = xp.ascontiguousarray(expert_out).view(xp.uint8).reshape(expert_out.shape[0], self._yrow)
-                self._csend[:n, : self._yrow] = yb[handle._dest]
+            plan = handle._plan
+            yb = xp.ascontiguousarray(expert_out).view(xp.uint8).reshape(expert_out.shape[0], self._yrow)
+            self._pack_back(handle, yb)
             posted = self._post_back(handle.seq, plan)
             self._csend_busy = list(posted)
         return CombinePending(self, handle, posted)
+
+    def _pack_back(self, h: DispatchHandle, yb: Any) -> None:
+        """The peers' rows in received order into the send region; this rank's own rows
+        straight into its combine region, where its peers' rows land."""
+        plan, me, p = h._plan, self.rank, h.seq & 1
+        rs, ns = int(plan.rstart[me]), int(plan.n[me, me])
+        for lo, hi in ((0, rs), (rs + ns, plan.nrecv)):
+            if hi > lo:
+                self._csend[lo:hi, : self._yrow] = yb[h._dest[lo:hi]]
+        if ns:
+            at = int(plan.sstart[me])
+            self._crecv[p, at : at + ns, : self._yrow] = yb[h._dest[rs : rs + ns]]
 
     def _post_back(self, seq: int, plan: RecvPlan) -> list[Transfer]:
         p, st, me = seq & 1, self._cstride, self.rank
@@ -612,11 +645,9 @@ class AllToAll:
         stream = self._stream()
         posted: list[Transfer] = []
         for r, peer in enumerate(self._peers):
-            n, first = int(plan.n[r, me]), int(plan.rstart[r])
             if r == me:
-                at = int(at_source[r])
-                self._crecv[p, at : at + n] = self._csend[first : first + n]
                 continue
+            n, first = int(plan.n[r, me]), int(plan.rstart[r])
             t = self.engine.post_write(
                 self._csend_mr, peer["crecv"], length=n * st, src_offset=first * st if n else 0,
                 dst_offset=(p * self._send_cap + int(at_source[r])) * st if n else 0,
@@ -636,21 +667,35 @@ class AllToAll:
             raise InvalidArgument(f"out must be a [>= {m}, {self.hidden}] array of {self.out_dtype.storage}")
 
     def _reduce(self, h: DispatchHandle, out: Any, accumulate: bool) -> Any:
-        """float32, slot order, one rounding (FLOWS.md B4); skipped slots add +0.0."""
-        xp, p, m = self.xp, h.seq & 1, h.num_tokens
+        """float32, slot order, one rounding (FLOWS.md B4): ``acc = acc + w[t, k] * y`` for
+        k = 0, 1, ...; a skipped slot adds +0.0 (``acc`` starts at +0.0, so it never changes
+        it). In place: one gather, one widening and two passes per slot."""
+        xp, p, m, dt = self.xp, h.seq & 1, h.num_tokens, self.out_dtype
         acc = xp.zeros((m, self.hidden), dtype=xp.float32)
-        pos = h._pos
-        zero = xp.float32(0)
+        rows_all = self._crecv[p][:, : self._yrow]
+        ys = rows_all.view(dt.storage) if self._cstride == self._yrow else None
+        y = xp.empty((m, self.hidden), dtype=xp.float32)
+        raw = xp.empty((m, self.hidden), dtype=dt.storage)
         for k in range(self.experts_per_token):
-            rows = pos[:, k]
+            rows = h._pos[:, k]
             valid = rows >= 0
-            yb = self._crecv[p][xp.where(valid, rows, 0), : self._yrow]
-            y = to_f32(xp.ascontiguousarray(yb).view(self.out_dtype.storage), self.out_dtype, xp)
-            acc = acc + xp.where(valid[:, None], h._weights[:, k, None] * y, zero)
+            at = xp.where(valid, rows, 0)
+            if ys is not None:
+                xp.take(ys, at, axis=0, out=raw)
+            else:
+                raw[...] = xp.ascontiguousarray(rows_all[at]).view(dt.storage)
+            if dt.name == "bfloat16":
+                xp.left_shift(raw, 16, out=y.view(xp.uint32), dtype=xp.uint32)
+            else:
+                y[...] = raw
+            xp.multiply(y, h._weights[:, k, None], out=y)
+            if not bool(valid.all()):
+                y[~valid] = 0
+            xp.add(acc, y, out=acc)
         if accumulate:
-            acc = to_f32(out[:m], self.out_dtype, xp) + acc
+            acc = to_f32(out[:m], dt, xp) + acc
         self._record_fence(p)
-        res = from_f32(acc, self.out_dtype, xp)
+        res = from_f32(acc, dt, xp)
         if out is None:
             return res
         out[:m] = res
