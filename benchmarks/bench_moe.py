@@ -45,7 +45,7 @@ E, K, H = 256, 8, 7168
 
 def pct(v: list[float], q: float) -> float:
     s = sorted(v)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 # ---------------------------------------------------------------------------------- parent
@@ -181,7 +181,8 @@ async def aiote_part(args: argparse.Namespace, rank: int, world: int, addrs: lis
             xp=xp,
         )
         inp = Inputs(rank, t, xp)
-        times: dict[str, list[float]] = {"aiote dispatch": [], "aiote combine": [], "aiote dispatch+combine": []}
+        times: dict[str, list[float]] = {m: [] for m in ("aiote dispatch", "aiote combine",
+                                                         "aiote dispatch+combine")}
         sent = []
         for i in range(iters + args.warmup):
             idx, w = inp.draw()
@@ -249,6 +250,7 @@ def torch_part(args: argparse.Namespace, rank: int, world: int, xp: Any, res: di
 
     from aiote.moe import _dtypes
     from aiote.moe._layout import Geometry, plan_recv, plan_send
+    from aiote.moe._util import reduce_rows
 
     dev = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
     geo = Geometry(world, E)
@@ -291,7 +293,8 @@ def torch_part(args: argparse.Namespace, rank: int, world: int, xp: Any, res: di
             plan = plan_recv(c[:, :E], geo, rank, 1, 1 << 30)
             in_split = geo.rank_sums(send.route[None, :])[0].tolist()
             out_split = c_local.sum(1).tolist()
-            packed = tt((xrow[xp.asarray(send.row_token)] if len(send.row_token) else xrow[:0]).view(xp.uint8))
+            rows_out = xrow[xp.asarray(send.row_token)] if len(send.row_token) else xrow[:0]
+            packed = tt(rows_out.view(xp.uint8))
             recv = torch.empty((sum(out_split), 2 * (H + 8)), dtype=torch.uint8, device=dev)
             dist.all_to_all_single(recv, packed, out_split, in_split)
             rows = int(plan.offsets[-1])
@@ -307,13 +310,8 @@ def torch_part(args: argparse.Namespace, rank: int, world: int, xp: Any, res: di
             back = torch.empty((len(send.row_token), 2 * H), dtype=torch.uint8, device=dev)
             dist.all_to_all_single(back, tt(xp.ascontiguousarray(yb)), in_split, out_split)
             back_x = (xp.asarray(back.cpu().numpy()) if xp is np else xp.asarray(back)).view(xp.uint16)
-            pos = xp.asarray(send.pos)
-            acc = xp.zeros((t, H), dtype=xp.float32)
-            for k in range(K):
-                rws = pos[:, k]
-                y = _dtypes.to_f32(back_x[xp.where(rws >= 0, rws, 0)], bf, xp)
-                acc = acc + xp.where((rws >= 0)[:, None], w[:, k, None] * y, xp.float32(0))
-            _dtypes.from_f32(acc, bf, xp)
+            # the same reduction code as aiote's combine (float32, slot order, one rounding)
+            reduce_rows(back_x, xp.asarray(send.pos), w, bf, xp, xp.empty((t, H), dtype=xp.uint16))
             sync(xp)
             t2 = time.perf_counter()
             dist.barrier()

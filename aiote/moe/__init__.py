@@ -22,8 +22,9 @@ reference (all ranks in one process).
 """
 
 from . import reference
-from ._a2a import AllToAll, CombinePending, DispatchHandle, DispatchPending, Group
+from ._a2a import AllToAll
 from ._dtypes import bf16_to_f32, f32_to_bf16
+from ._handles import CombinePending, DispatchHandle, DispatchPending, Group
 
 __all__ = [
     "AllToAll",

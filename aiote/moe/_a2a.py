@@ -27,172 +27,39 @@ reading its ``[p]`` regions of ``s - 2`` before posting its route row for ``s`` 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import numpy as np
 
 from .._core._counter import ImmCounter
-from .._core._descriptor import EngineAddress, MemoryDescriptor
+from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine, Transfer
 from .._core._errors import AioteError, InvalidArgument, TransferTimeout
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
-from ._dtypes import DType, dtype_of, from_f32, to_f32
+from ._dtypes import DType
+from ._handles import CombinePending, DispatchHandle, DispatchPending, Group
 from ._layout import Geometry, RecvPlan, SendPlan, plan_recv, plan_send
+from ._util import (
+    COMBINE,
+    DISPATCH,
+    ROUTE,
+    TAG,
+    TAIL,
+    Deadline,
+    check_config,
+    deadline_at,
+    imm_of,
+    left,
+    parse_hello,
+    reduce_rows,
+    round16,
+)
 
-__all__ = ["AllToAll", "CombinePending", "DispatchHandle", "DispatchPending", "Group"]
+__all__ = ["AllToAll"]
 
 _log = get_logger(component="moe")
-_TAG = "aiote.moe/1"
-_ROUTE, _DISPATCH, _COMBINE = 1, 2, 3
-_SEQ_MASK = (1 << 22) - 1
-_TAIL = 16  # per dispatch row: the source token (int32), padded to 16 bytes
-
-
-def _imm(tag: int, kind: int, seq: int) -> int:
-    return (tag << 24) | (kind << 22) | (seq & _SEQ_MASK)
-
-
-def _round16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-@dataclass(frozen=True)
-class Group:
-    """The ranks of an all-to-all: every rank's engine address (``engine.address``), in rank
-    order, and this process's ``rank``. Building one checks both and raises
-    :class:`~aiote.InvalidArgument` (bad rank, empty or repeated addresses) or
-    :class:`~aiote.DescriptorError` (corrupt address bytes); O(W), no I/O."""
-
-    addresses: tuple[bytes, ...]
-    rank: int
-
-    def __post_init__(self) -> None:
-        addrs = tuple(bytes(a) for a in self.addresses)
-        object.__setattr__(self, "addresses", addrs)
-        if not addrs:
-            raise InvalidArgument("a group needs at least one rank")
-        if len(set(addrs)) != len(addrs):
-            raise InvalidArgument("the group lists an engine address twice")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < len(addrs):
-            raise InvalidArgument(f"rank must be in [0, {len(addrs)}), not {self.rank!r}")
-        for a in addrs:
-            EngineAddress.from_bytes(a)
-
-    @property
-    def world(self) -> int:
-        """The number of ranks. O(1)."""
-        return len(self.addresses)
-
-
-@dataclass(eq=False)
-class DispatchHandle:
-    """What :meth:`AllToAll.dispatch` returns on a rank: the tokens its local experts must
-    process, and what :meth:`AllToAll.combine` needs to bring their outputs back.
-
-    ``expert_x[rows, H]`` (an array of the group's ``xp``, ``in_dtype``'s storage type): local
-    expert ``l``'s rows are ``expert_x[offsets[l] : offsets[l] + counts[l]]``, in canonical
-    order (source rank, then token); rows up to ``offsets[l + 1]`` are padding (undefined).
-    ``counts[L]`` (int32) and ``offsets[L + 1]`` (int64) are NumPy arrays; ``src_rank`` and
-    ``src_token`` (int32, of ``xp``, -1 on padding rows) name each row's source. ``seq``: the
-    call's sequence number. Holding one costs its arrays; it has no methods that do I/O."""
-
-    seq: int
-    expert_x: Any
-    counts: np.ndarray
-    offsets: np.ndarray
-    src_rank: Any
-    src_token: Any
-    num_tokens: int
-    _a2a: AllToAll = field(repr=False)
-    _plan: RecvPlan = field(repr=False)
-    _dest: Any = field(repr=False)
-    _pos: Any = field(repr=False)
-    _weights: Any = field(repr=False)
-    _state: str = field(default="dispatched", repr=False)
-
-    @property
-    def local_experts(self) -> int:
-        """The number of experts on this rank. O(1)."""
-        return len(self.counts)
-
-    def expert_rows(self, local_expert: int) -> Any:
-        """The valid rows of ``local_expert`` (a view of ``expert_x``). Raises IndexError for an
-        expert not on this rank; O(1)."""
-        if not 0 <= local_expert < len(self.counts):
-            raise IndexError(f"local expert {local_expert} is not in [0, {len(self.counts)})")
-        first = int(self.offsets[local_expert])
-        return self.expert_x[first : first + int(self.counts[local_expert])]
-
-
-class DispatchPending:
-    """The receive half of a dispatch whose send half has run (:meth:`AllToAll.dispatch_send`).
-    ``await pending.recv()`` completes it; do other work in between."""
-
-    def __init__(self, a2a: AllToAll, seq: int, plan: RecvPlan, send: SendPlan, x: Any, weights: Any,
-                 posted: list[Transfer], m: int) -> None:
-        self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, a2a._dev(send.pos)
-        self._weights, self._posted, self._m = weights, posted, m
-        self._ex: Any = None
-        self._src_token: Any = None
-        self._dest: Any = None
-        a2a._unpack_local(self, x, send)
-        self._done = False
-
-    async def recv(self, *, timeout: float | None = None) -> DispatchHandle:
-        """Waits for every peer's tokens (each peer writes exactly once per call), checks this
-        rank's own writes, and unpacks into the handle's expert blocks.
-
-        Raises :class:`~aiote.TransferTimeout` after ``timeout`` (default: the group's),
-        :class:`~aiote.PeerUnreachable` when a peer is gone (found within the engine's
-        ``connect_timeout`` plus ``probe_interval``: peers are probed while the wait lasts
-        longer than that), what the writes raised, :class:`~aiote.InvalidArgument` when called
-        twice or after a later call made it stale. Costs one counter wait and an unpack of the
-        received rows (one gather: O(rows x row bytes))."""
-        a = self._a2a
-        if self._done or self.seq in a._stale:
-            raise InvalidArgument(f"dispatch {self.seq} was received already or is stale")
-        self._done = True
-        end = a._end(timeout)
-        a._receiving = self.seq
-        try:
-            await a._wait_credits(_DISPATCH, self.seq, end, f"dispatch {self.seq}", self._posted)
-            await a._settle(self._posted, end, f"dispatch {self.seq}")
-            return a._unpack(self)
-        finally:
-            a._receiving = None
-
-
-class CombinePending:
-    """The receive half of a combine whose send half has run (:meth:`AllToAll.combine_send`)."""
-
-    def __init__(self, a2a: AllToAll, handle: DispatchHandle, posted: list[Transfer]) -> None:
-        self._a2a, self._h, self._posted = a2a, handle, posted
-
-    async def recv(self, *, out: Any = None, accumulate: bool = False, timeout: float | None = None) -> Any:
-        """Waits for the expert outputs of this rank's tokens and reduces them: ``out[t] =
-        (out[t] if accumulate else 0) + sum_k w[t, k] * y[t, k]``, in float32 in slot order,
-        rounded once to ``out_dtype``. Returns ``out[:num_tokens]`` (a new array when ``out``
-        is None).
-
-        Raises :class:`~aiote.InvalidArgument` (called twice, ``accumulate`` without ``out``, a
-        bad ``out``), otherwise as :meth:`DispatchPending.recv`. Costs one counter wait and the
-        reduction (K gathers of ``num_tokens`` rows, float32)."""
-        a, h = self._a2a, self._h
-        if h._state != "combine_sent":
-            raise InvalidArgument(f"combine {h.seq} was received already or is stale")
-        a._check_out(out, accumulate, h.num_tokens)
-        end = a._end(timeout)
-        h._state = "combining"
-        try:
-            await a._wait_credits(_COMBINE, h.seq, end, f"combine {h.seq}", self._posted)
-            await a._settle(self._posted, end, f"combine {h.seq}")
-            return a._reduce(h, out, accumulate)
-        finally:
-            h._state = "combined"
 
 
 class AllToAll:
@@ -231,9 +98,9 @@ class AllToAll:
         self.imm_tag: int = cfg["imm_tag"]
         self._gpu = getattr(xp, "__name__", "") == "cupy"
         self._xrow = self.hidden * self.in_dtype.itemsize
-        self._dstride = _round16(self._xrow) + _TAIL
+        self._dstride = round16(self._xrow) + TAIL
         self._yrow = self.hidden * self.out_dtype.itemsize
-        self._cstride = _round16(self._yrow)  # == the row when H x out is a multiple of 16
+        self._cstride = round16(self._yrow)  # == the row when H x out is a multiple of 16
         self._send_cap = self.max_tokens * self.experts_per_token
         self._seq = 0
         self._stale: set[int] = set()
@@ -295,13 +162,13 @@ class AllToAll:
         xp = np if xp is None else xp
         if not isinstance(group, Group):
             raise InvalidArgument(f"group must be an aiote.moe.Group, not {type(group).__name__}")
-        cfg = _check_config(
+        cfg = check_config(
             group.world, num_experts, experts_per_token, hidden, max_tokens, in_dtype, out_dtype,
             expert_padding, max_recv_tokens, imm_tag, timeout, probe_interval,
         )
         self = cls(engine, group, Geometry(group.world, num_experts), cfg, xp)
         try:
-            with _deadline(timeout, "creating the all-to-all"):
+            with Deadline(timeout, "creating the all-to-all"):
                 await self._register()
                 await self._exchange(cfg)
         except BaseException:
@@ -341,7 +208,7 @@ class AllToAll:
         key = json.dumps({k: (v.name if isinstance(v, DType) else v) for k, v in sorted(cfg.items())
                           if k not in ("timeout", "probe_interval")}, separators=(",", ":"))
         mine = {
-            "moe": _TAG, "rank": self.rank, "key": key, "gpu": self._gpu,
+            "moe": TAG, "rank": self.rank, "key": key, "gpu": self._gpu,
             "route": bytes(self._route_mr.descriptor).hex(),
             "drecv": bytes(self._drecv_mr.descriptor).hex(),
             "crecv": bytes(self._crecv_mr.descriptor).hex(),
@@ -353,7 +220,7 @@ class AllToAll:
                 await self.engine.send(addr, payload)
         while len(peers) < self.world - 1:
             sender, raw = await self.engine.recv()
-            msg = _parse_hello(raw)
+            msg = parse_hello(raw)
             if msg is None or sender not in self.group.addresses:
                 _log.warning("dropped a message while creating an all-to-all", size=len(raw))
                 continue
@@ -398,8 +265,8 @@ class AllToAll:
         otherwise as the two halves. Costs the count exchange (W-1 writes of ``4E`` bytes and one
         counter wait), a pack, one write per peer, a counter wait and an unpack."""
         end = self._end(timeout)
-        pending = await self.dispatch_send(x, indices, weights, bound_m=bound_m, timeout=_left(end))
-        return await pending.recv(timeout=_left(end))
+        pending = await self.dispatch_send(x, indices, weights, bound_m=bound_m, timeout=left(end))
+        return await pending.recv(timeout=left(end))
 
     async def dispatch_send(
         self, x: Any, indices: Any, weights: Any, *, bound_m: int | None = None, timeout: float | None = None
@@ -419,14 +286,14 @@ class AllToAll:
         end = self._end(timeout)
         what = f"dispatch {seq}"
         p = seq & 1
-        with _deadline_at(end, timeout if timeout is not None else self.timeout, what):
+        with deadline_at(end, timeout if timeout is not None else self.timeout, what):
             idx = await self._host(idx_dev)
             send = plan_send(idx, m, self.num_experts)
             await self._settle(self._inflight[p], end, what, quiet=True)
             await self._wait_fence(p)
             posted: list[Transfer] = []
             self._post_route(seq, send, posted)
-            await self._wait_credits(_ROUTE, seq, end, what, posted)
+            await self._wait_credits(ROUTE, seq, end, what, posted)
             counts = self._route[p].copy()
             self._release_old(seq)
             plan = plan_recv(counts, self.geometry, self.rank, self.expert_padding, self.max_recv_tokens)
@@ -489,7 +356,7 @@ class AllToAll:
         p, e4 = seq & 1, self.num_experts * 4
         self._myroute[p] = send.route
         self._route[p, self.rank] = send.route
-        imm = _imm(self.imm_tag, _ROUTE, seq)
+        imm = imm_of(self.imm_tag, ROUTE, seq)
         for r, peer in enumerate(self._peers):
             if r != self.rank:
                 t = self.engine.post_write(
@@ -506,7 +373,7 @@ class AllToAll:
         ss, ns = int(plan.sstart[self.rank]), int(plan.n[self.rank, self.rank])
         tokens = self._dev(send.row_token)
         xb = xp.ascontiguousarray(x).view(xp.uint8).reshape(x.shape[0], self._xrow)
-        tail = _round16(self._xrow)
+        tail = round16(self._xrow)
         for lo, hi in ((0, ss), (ss + ns, len(send.row_token))):
             if hi > lo:
                 tok = tokens[lo:hi]
@@ -517,7 +384,7 @@ class AllToAll:
         """One write per peer of its block (zero bytes when empty), plus the local block."""
         p, st = seq & 1, self._dstride
         me = self.rank
-        imm = _imm(self.imm_tag, _DISPATCH, seq)
+        imm = imm_of(self.imm_tag, DISPATCH, seq)
         stream = self._stream()
         data: list[Transfer] = []
         for d, peer in enumerate(self._peers):
@@ -557,7 +424,7 @@ class AllToAll:
         ex, src_token, dest = pending._ex, pending._src_token, pending._dest
         exb = ex.view(xp.uint8).reshape(rows, self._xrow)
         rs, ns = int(plan.rstart[me]), int(plan.n[me, me])
-        tail = _round16(self._xrow)
+        tail = round16(self._xrow)
         for lo, hi in ((0, rs), (rs + ns, plan.nrecv)):
             if hi > lo:
                 got = self._drecv[p, lo:hi]
@@ -590,8 +457,8 @@ class AllToAll:
         if isinstance(handle, DispatchHandle):
             self._check_out(out, accumulate, handle.num_tokens)  # before anything is posted
         end = self._end(timeout)
-        pending = await self.combine_send(handle, expert_out, timeout=_left(end))
-        return await pending.recv(out=out, accumulate=accumulate, timeout=_left(end))
+        pending = await self.combine_send(handle, expert_out, timeout=left(end))
+        return await pending.recv(out=out, accumulate=accumulate, timeout=left(end))
 
     async def combine_send(
         self, handle: DispatchHandle, expert_out: Any, *, timeout: float | None = None
@@ -617,7 +484,7 @@ class AllToAll:
         end = self._end(timeout)
         what = f"combine {handle.seq}"
         handle._state = "combine_sent"
-        with _deadline_at(end, timeout if timeout is not None else self.timeout, what):
+        with deadline_at(end, timeout if timeout is not None else self.timeout, what):
             await self._settle(self._csend_busy, end, what, quiet=True)
             plan = handle._plan
             yb = xp.ascontiguousarray(expert_out).view(xp.uint8).reshape(expert_out.shape[0], self._yrow)
@@ -640,7 +507,7 @@ class AllToAll:
 
     def _post_back(self, seq: int, plan: RecvPlan) -> list[Transfer]:
         p, st, me = seq & 1, self._cstride, self.rank
-        imm = _imm(self.imm_tag, _COMBINE, seq)
+        imm = imm_of(self.imm_tag, COMBINE, seq)
         at_source = (np.cumsum(plan.n, axis=1) - plan.n)[:, me]  # where each source put my block
         stream = self._stream()
         posted: list[Transfer] = []
@@ -667,39 +534,17 @@ class AllToAll:
             raise InvalidArgument(f"out must be a [>= {m}, {self.hidden}] array of {self.out_dtype.storage}")
 
     def _reduce(self, h: DispatchHandle, out: Any, accumulate: bool) -> Any:
-        """float32, slot order, one rounding (FLOWS.md B4): ``acc = acc + w[t, k] * y`` for
-        k = 0, 1, ...; a skipped slot adds +0.0 (``acc`` starts at +0.0, so it never changes
-        it). In place: one gather, one widening and two passes per slot."""
+        """The reduction of :func:`._util.reduce_rows` over this call's combine region."""
         xp, p, m, dt = self.xp, h.seq & 1, h.num_tokens, self.out_dtype
-        acc = xp.zeros((m, self.hidden), dtype=xp.float32)
-        rows_all = self._crecv[p][:, : self._yrow]
-        ys = rows_all.view(dt.storage) if self._cstride == self._yrow else None
-        y = xp.empty((m, self.hidden), dtype=xp.float32)
-        raw = xp.empty((m, self.hidden), dtype=dt.storage)
-        for k in range(self.experts_per_token):
-            rows = h._pos[:, k]
-            valid = rows >= 0
-            at = xp.where(valid, rows, 0)
-            if ys is not None:
-                xp.take(ys, at, axis=0, out=raw)
-            else:
-                raw[...] = xp.ascontiguousarray(rows_all[at]).view(dt.storage)
-            if dt.name == "bfloat16":
-                xp.left_shift(raw, 16, out=y.view(xp.uint32), dtype=xp.uint32)
-            else:
-                y[...] = raw
-            xp.multiply(y, h._weights[:, k, None], out=y)
-            if not bool(valid.all()):
-                y[~valid] = 0
-            xp.add(acc, y, out=acc)
-        if accumulate:
-            acc = to_f32(out[:m], dt, xp) + acc
+        region = self._crecv[p]
+        if self._cstride == self._yrow:
+            rows = region.view(dt.storage)
+        else:
+            rows = xp.ascontiguousarray(region[:, : self._yrow]).view(dt.storage)
+        dest = xp.empty((m, self.hidden), dtype=dt.storage) if out is None else out[:m]
+        reduce_rows(rows, h._pos, h._weights, dt, xp, dest, prev=out[:m] if accumulate else None)
         self._record_fence(p)
-        res = from_f32(acc, dt, xp)
-        if out is None:
-            return res
-        out[:m] = res
-        return out[:m]
+        return dest
 
     # ------------------------------------------------------------------ waiting
 
@@ -718,12 +563,12 @@ class AllToAll:
         if need == 0:
             await anyio.lowlevel.checkpoint()
             return
-        counter: ImmCounter = self.engine.imm_counter(_imm(self.imm_tag, kind, seq))
+        counter: ImmCounter = self.engine.imm_counter(imm_of(self.imm_tag, kind, seq))
         while True:
-            left = None if end is None else end - anyio.current_time()
-            if left is not None and left <= 0:
+            remaining = None if end is None else end - anyio.current_time()
+            if remaining is not None and remaining <= 0:
                 raise TransferTimeout(f"{what}: peers' writes did not all arrive in time")
-            step = self.probe_interval if left is None else min(self.probe_interval, left)
+            step = self.probe_interval if remaining is None else min(self.probe_interval, remaining)
             try:
                 await counter.wait(need, timeout=step)
                 return
@@ -740,7 +585,7 @@ class AllToAll:
             for r, peer in enumerate(self._peers) if r != self.rank
         ]
         for t in probes:
-            await t.wait(timeout=_left(end))
+            await t.wait(timeout=left(end))
         _log.debug("peers probed while waiting", op=what, peers=len(probes))
 
     async def _settle(
@@ -751,7 +596,7 @@ class AllToAll:
         while transfers:
             t = transfers[0]
             try:
-                await t.wait(timeout=_left(end))
+                await t.wait(timeout=left(end))
             except AioteError as exc:
                 if not quiet or isinstance(exc, TransferTimeout):
                     raise
@@ -765,9 +610,9 @@ class AllToAll:
         """Every peer has started ``seq``: nothing of ``seq - 2`` or earlier can still land."""
         for s in [s for s in self._unreleased if s <= seq - 2]:
             self._unreleased.discard(s)
-            for kind in (_ROUTE, _DISPATCH, _COMBINE):
+            for kind in (ROUTE, DISPATCH, COMBINE):
                 try:
-                    self.engine.imm_counter(_imm(self.imm_tag, kind, s)).release()
+                    self.engine.imm_counter(imm_of(self.imm_tag, kind, s)).release()
                 except InvalidArgument:  # a task still waits on it (a call being cancelled)
                     self._unreleased.add(s)
 
@@ -804,74 +649,3 @@ class AllToAll:
             await anyio.to_thread.run_sync(ev.synchronize)
         self._fence[p] = None
 
-
-def _parse_hello(raw: bytes) -> dict[str, Any] | None:
-    try:
-        msg = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(msg, dict) or msg.get("moe") != _TAG:
-        return None
-    return msg
-
-
-def _check_config(
-    world: int, e: Any, k: Any, h: Any, t: Any, in_dtype: Any, out_dtype: Any, pad: Any, cap: Any, tag: Any,
-    timeout: Any, probe: Any,
-) -> dict[str, Any]:
-    for name, v, lo in (("num_experts", e, 1), ("experts_per_token", k, 1), ("hidden", h, 1),
-                        ("max_tokens", t, 1), ("expert_padding", pad, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise InvalidArgument(f"{name} must be an int >= {lo}, not {v!r}")
-    if k > e:
-        raise InvalidArgument(f"experts_per_token={k} exceeds num_experts={e}")
-    per = -(-e // world)
-    worst = world * t * min(k, per)
-    if cap is None:
-        cap = worst
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise InvalidArgument(f"max_recv_tokens must be an int >= 1, not {cap!r}")
-    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 256:
-        raise InvalidArgument(f"imm_tag must be an int in [0, 256), not {tag!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not math.isfinite(timeout) or timeout < 0):
-        raise InvalidArgument(f"timeout must be a finite number of seconds >= 0 or None, not {timeout!r}")
-    if isinstance(probe, bool) or not isinstance(probe, (int, float)) or not probe > 0:
-        raise InvalidArgument(f"probe_interval must be a number of seconds > 0, not {probe!r}")
-    odt = dtype_of(out_dtype, "out_dtype")
-    if not odt.arith:
-        raise InvalidArgument(f"out_dtype {odt.name} cannot be reduced: use bfloat16, float16 or float32")
-    return {
-        "num_experts": e, "experts_per_token": k, "hidden": h, "max_tokens": t,
-        "in_dtype": dtype_of(in_dtype, "in_dtype"), "out_dtype": odt, "expert_padding": pad,
-        "max_recv_tokens": cap, "imm_tag": tag, "timeout": timeout, "probe_interval": float(probe),
-    }
-
-
-def _left(end: float | None) -> float | None:
-    return None if end is None else max(0.0, end - anyio.current_time())
-
-
-class _deadline:
-    """``anyio.fail_after`` raising :class:`~aiote.TransferTimeout` naming the operation."""
-
-    def __init__(self, timeout: float | None, what: str) -> None:
-        self._what, self._timeout = what, timeout
-        self._scope = anyio.fail_after(timeout)
-
-    def __enter__(self) -> None:
-        self._scope.__enter__()
-
-    def __exit__(self, et: Any, e: Any, tb: Any) -> None:
-        try:
-            self._scope.__exit__(et, e, tb)
-        except TimeoutError:
-            raise TransferTimeout(f"{self._what} did not finish within {self._timeout:g} s") from None
-
-
-def _deadline_at(end: float | None, timeout: float | None, what: str) -> _deadline:
-    d = _deadline(None, what)
-    d._timeout = timeout
-    if end is not None:
-        d._scope = anyio.fail_after(max(0.0, end - anyio.current_time()))
-    return d

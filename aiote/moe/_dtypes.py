@@ -75,10 +75,18 @@ def f32_to_bf16(values: Any, xp: Any = np) -> Any:
     if values.dtype != np.float32:
         raise TypeError(f"values must be float32, not {values.dtype}")
     u = values.view(xp.uint32)
-    rounded = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
-    nan = xp.isnan(values)
-    quiet = ((u >> 16) | xp.uint32(0x0040)).astype(xp.uint16)
-    return xp.where(nan, quiet, rounded)
+    t = u >> 16
+    t &= 1
+    t += 0x7FFF
+    t += u  # wraps only for NaN payloads, fixed below
+    t >>= 16
+    rounded = t.astype(xp.uint16)
+    nan = values != values
+    if xp is not np:  # no data-dependent branch on the GPU (it would wait for the device)
+        return xp.where(nan, ((u >> 16) | xp.uint32(0x0040)).astype(xp.uint16), rounded)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
 
 
 def to_f32(a: Any, dt: DType, xp: Any = np) -> Any:
