@@ -181,23 +181,34 @@ async def aiote_part(args: argparse.Namespace, rank: int, world: int, addrs: lis
             xp=xp,
         )
         inp = Inputs(rank, t, xp)
-        times: dict[str, list[float]] = {m: [] for m in ("aiote dispatch", "aiote combine",
-                                                         "aiote dispatch+combine")}
+        times: dict[str, list[float]] = {m: [] for m in (
+            "aiote dispatch", "aiote combine", "aiote dispatch+combine", "aiote dispatch send half",
+            "aiote dispatch recv half", "aiote combine send half", "aiote combine recv half")}
         sent = []
         for i in range(iters + args.warmup):
             idx, w = inp.draw()
             sync(xp)
             t0 = time.perf_counter()
-            h = await a2a.dispatch(inp.x, idx, w)
+            pending = await a2a.dispatch_send(inp.x, idx, w)
+            sync(xp)
+            ts = time.perf_counter()
+            h = await pending.recv()
             sync(xp)
             t1 = time.perf_counter()
-            await a2a.combine(h, h.expert_x)
+            cp = await a2a.combine_send(h, h.expert_x)
+            sync(xp)
+            tc = time.perf_counter()
+            await cp.recv()
             sync(xp)
             t2 = time.perf_counter()
             if i >= args.warmup:
                 times["aiote dispatch"].append(t1 - t0)
                 times["aiote combine"].append(t2 - t1)
                 times["aiote dispatch+combine"].append(t2 - t0)
+                times["aiote dispatch send half"].append(ts - t0)
+                times["aiote dispatch recv half"].append(t1 - ts)
+                times["aiote combine send half"].append(tc - t1)
+                times["aiote combine recv half"].append(t2 - tc)
                 sent.append(bytes_sent(a2a, idx, xp))
         res["shapes"][shape] = {"times": times, "bytes_sent": statistics.mean(sent), "tokens": t}
         await a2a.aclose()
@@ -215,13 +226,14 @@ def bytes_sent(a2a: Any, idx: Any, xp: Any) -> float:
 
 
 async def link_bandwidth(engine: Any, rank: int, addrs: list[bytes], xp: Any) -> float:
-    """GB/s of one 64 MiB aiote write, rank 0 -> rank 1 (median of 5), over the same route."""
+    """GB/s of one 64 MiB aiote write, rank 0 -> rank 1 (median of 5), over the same route and
+    into the same kind of memory as aiote.moe's receive regions (the host arena on the CPU)."""
     import anyio
 
     n = 64 << 20
     if rank > 1:
         return 0.0
-    buf = xp.zeros(n, dtype=xp.uint8)
+    buf = xp.zeros(n, dtype=xp.uint8) if xp is not np else engine.alloc_host(n)  # as aiote.moe's regions
     mr = await engine.register(buf)
     peer = addrs[1 - rank]
     await engine.send(peer, bytes(mr.descriptor), timeout=60)

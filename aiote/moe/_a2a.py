@@ -184,9 +184,12 @@ class AllToAll:
         self._route_raw = np.zeros(2 * w * self.num_experts + 4, dtype=np.int32)
         self._route = self._route_raw[:-4].reshape(2, w, self.num_experts)
         self._myroute = np.zeros((2, self.num_experts), dtype=np.int32)
-        self._drecv = xp.zeros((2, self.max_recv_tokens, self._dstride), dtype=xp.uint8)
+        # host receive regions come from the engine's host arena: a same-host peer's write
+        # into them is one memcpy by the writer's poller (GPU regions: CUDA IPC instead)
+        zeros = xp.zeros if self._gpu else self.engine.alloc_host
+        self._drecv = zeros((2, self.max_recv_tokens, self._dstride), dtype=xp.uint8)
         self._dsend = xp.zeros((self._send_cap, self._dstride), dtype=xp.uint8)
-        self._crecv = xp.zeros((2, self._send_cap, self._cstride), dtype=xp.uint8)
+        self._crecv = zeros((2, self._send_cap, self._cstride), dtype=xp.uint8)
         self._csend = xp.zeros((self.max_recv_tokens, self._cstride), dtype=xp.uint8)
 
     async def _register(self) -> None:
