@@ -69,8 +69,8 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 class Rank:
-    def __init__(self, engine: aiote.Engine, mode: str) -> None:
-        self.engine, self.mode = engine, mode
+    def __init__(self, engine: aiote.Engine, mode: str, xp: Any = np) -> None:
+        self.engine, self.mode, self.xp = engine, mode, xp
         self.group: moe.Group | None = None
         self.a2a: dict[str, moe.AllToAll] = {}
 
@@ -83,6 +83,7 @@ class Rank:
                 self.engine, self.group, num_experts=case["E"], experts_per_token=case["K"],
                 hidden=case["H"], max_tokens=case["T"], in_dtype=case["dtype"], out_dtype=case["dtype"],
                 expert_padding=case["pad"], imm_tag=0x40 + len(self.a2a), timeout=30, probe_interval=0.25,
+                xp=self.xp,
             )
         return a
 
@@ -92,20 +93,23 @@ class Rank:
         me, w = self.group.rank, self.group.world
         xs, idx, ws, bm = make_inputs(case, call)
         expect = ref.reference_dispatch(xs, idx, case["E"], case["pad"], bm)
+        dev, host = self.xp.asarray, (lambda v: v if self.xp is np else v.get())
+        args = (dev(xs[me]), dev(idx[me]), dev(ws[me]))
         if split:
-            pending = await a.dispatch_send(xs[me], idx[me], ws[me], bound_m=bm[me])
+            pending = await a.dispatch_send(*args, bound_m=bm[me])
             h = await pending.recv()
         else:
-            h = await a.dispatch(xs[me], idx[me], ws[me], bound_m=bm[me])
+            h = await a.dispatch(*args, bound_m=bm[me])
         mine = expect[me]
         valid = mine.src_rank >= 0
+        ex = host(h.expert_x)
         assert np.array_equal(h.counts, mine.counts), (h.counts, mine.counts)
         assert np.array_equal(h.offsets, mine.offsets), (h.offsets, mine.offsets)
-        assert np.array_equal(h.src_rank, mine.src_rank)
-        assert np.array_equal(h.src_token, mine.src_token)
-        assert np.array_equal(bits(h.expert_x[valid]), bits(mine.expert_x[valid])), "dispatched rows differ"
+        assert np.array_equal(host(h.src_rank), mine.src_rank)
+        assert np.array_equal(host(h.src_token), mine.src_token)
+        assert np.array_equal(bits(ex[valid]), bits(mine.expert_x[valid])), "dispatched rows differ"
         ys = [expert_fn(expect[d].expert_x, case["dtype"]) for d in range(w)]
-        y = expert_fn(h.expert_x, case["dtype"])
+        y = dev(expert_fn(ex, case["dtype"]))
         prev = None
         if case.get("accumulate"):
             rng = np.random.default_rng([case["seed"], call, 7])
@@ -114,12 +118,12 @@ class Rank:
                     moe.f32_to_bf16(rng.standard_normal((bm[r], case["H"])).astype(np.float32))
                     for r in range(w)]
         want = ref.reference_combine(expect, ys, idx, ws, case["E"], case["dtype"], bm, out=prev)[me]
-        out = None if prev is None else prev[me].copy()
+        out = None if prev is None else dev(prev[me].copy())
         if split:
             cp = await a.combine_send(h, y)
-            got = await cp.recv(out=out, accumulate=prev is not None)
+            got = host(await cp.recv(out=out, accumulate=prev is not None))
         else:
-            got = await a.combine(h, y, out=out, accumulate=prev is not None)
+            got = host(await a.combine(h, y, out=out, accumulate=prev is not None))
         assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
         assert np.array_equal(bits(got), bits(want)), "combined rows differ"
         checks = 6
@@ -238,9 +242,15 @@ async def main(args: argparse.Namespace) -> None:
     kw: dict[str, Any] = {"retry": aiote.RetryPolicy(connect_timeout=2.0)}
     if args.mode == "tcp":
         kw["same_host"] = None
+    xp: Any = np
+    if args.gpu is not None:  # this rank's GPU (CuPy arrays; same-host peers over CUDA IPC)
+        import cupy
+
+        cupy.cuda.Device(args.gpu).use()
+        xp = cupy
     async with aiote.open_engine(**kw) as engine:
         print("MOE_RANK " + engine.address.hex(), flush=True)
-        rank = Rank(engine, args.mode)
+        rank = Rank(engine, args.mode, xp)
         await serve(rank)
         for a in rank.a2a.values():
             with anyio.move_on_after(5):
@@ -251,4 +261,5 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="asyncio")
     p.add_argument("--mode", default="tcp", choices=["tcp", "default"])
+    p.add_argument("--gpu", type=int, default=None, help="run this rank on that GPU (CuPy)")
     anyio.run(main, p.parse_args(), backend=p.parse_args().backend)

@@ -62,13 +62,15 @@ class Ranks:
         return replies
 
 
-async def start_ranks(world: int, backend: str, mode: str) -> Ranks:
+async def start_ranks(world: int, backend: str, mode: str, gpus: list[int] | None = None) -> Ranks:
+    """``world`` rank processes (``gpus``: the GPU of each, CuPy arrays), given their group."""
     procs: list[anyio.abc.Process] = []
     addrs: list[str] = []
-    for _ in range(world):
-        proc = await anyio.open_process(
-            [sys.executable, WORKER, "--backend", backend, "--mode", mode], stdin=-1, stdout=-1, stderr=None
-        )
+    for r in range(world):
+        cmd = [sys.executable, WORKER, "--backend", backend, "--mode", mode]
+        if gpus is not None:
+            cmd += ["--gpu", str(gpus[r])]
+        proc = await anyio.open_process(cmd, stdin=-1, stdout=-1, stderr=None)
         procs.append(proc)
     for proc in procs:
         line = await ready_line(proc, "MOE_RANK", 60)

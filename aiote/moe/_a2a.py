@@ -396,10 +396,13 @@ class AllToAll:
                 continue  # the local block is unpacked from x directly
             src = int(plan.sstart[d]) * st if n else 0
             dst = (p * self.max_recv_tokens + int(plan.dst_row[d])) * st if n else 0
-            t = self.engine.post_write(
-                self._dsend_mr, peer["drecv"], length=n * st, src_offset=src, dst_offset=dst, imm=imm,
-                stream=stream,
-            )
+            if n:
+                t = self.engine.post_write(
+                    self._dsend_mr, peer["drecv"], length=n * st, src_offset=src, dst_offset=dst, imm=imm,
+                    stream=stream,
+                )
+            else:  # nothing for this peer: the immediate alone, so that it expects W-1 of them
+                t = self.engine.post_write_imm(peer["drecv"], imm, stream=stream)
             data.append(t)
             self._inflight[p].append(t)
         posted.extend(data)
@@ -518,11 +521,13 @@ class AllToAll:
             if r == me:
                 continue
             n, first = int(plan.n[r, me]), int(plan.rstart[r])
-            t = self.engine.post_write(
-                self._csend_mr, peer["crecv"], length=n * st, src_offset=first * st if n else 0,
-                dst_offset=(p * self._send_cap + int(at_source[r])) * st if n else 0,
-                imm=imm, stream=stream,
-            )
+            if n:
+                t = self.engine.post_write(
+                    self._csend_mr, peer["crecv"], length=n * st, src_offset=first * st,
+                    dst_offset=(p * self._send_cap + int(at_source[r])) * st, imm=imm, stream=stream,
+                )
+            else:
+                t = self.engine.post_write_imm(peer["crecv"], imm, stream=stream)
             posted.append(t)
             self._inflight[p].append(t)
         return posted
@@ -533,8 +538,11 @@ class AllToAll:
         if out is not None and (
             not isinstance(out, self.xp.ndarray) or out.ndim != 2 or out.shape[0] < m
             or out.shape[1] != self.hidden or out.dtype != self.out_dtype.storage
+            or not out.flags.c_contiguous
         ):
-            raise InvalidArgument(f"out must be a [>= {m}, {self.hidden}] array of {self.out_dtype.storage}")
+            raise InvalidArgument(
+                f"out must be a C-contiguous [>= {m}, {self.hidden}] array of {self.out_dtype.storage}"
+            )
 
     def _reduce(self, h: DispatchHandle, out: Any, accumulate: bool) -> Any:
         """The reduction of :func:`._util.reduce_rows` over this call's combine region."""
@@ -625,11 +633,13 @@ class AllToAll:
         """``a`` as a NumPy array (a device-to-host copy in a worker thread on the GPU)."""
         if not self._gpu:
             return np.asarray(a)
-        dev = a.device.id
+        dev, stream = a.device.id, self.xp.cuda.get_current_stream()  # after the work queued so far
 
         def get() -> np.ndarray:
             with self.xp.cuda.Device(dev):
-                return np.asarray(a.get())
+                out = a.get(stream=stream)
+                stream.synchronize()
+                return np.asarray(out)
 
         return await anyio.to_thread.run_sync(get)
 

@@ -109,11 +109,16 @@ def reduce_rows(rows: Any, pos: Any, weights: Any, dt: DType, xp: Any, dest: Any
 
     ``rows[N, H]``: the expert outputs (``dt``'s storage type). On the CPU it works on blocks
     of 32 tokens so that the float32 temporaries stay in cache (a gather, a widening and two
-    in-place passes per slot); on the GPU, whole arrays (a few kernels per slot). ``dest``
+    in-place passes per slot); on the GPU, one kernel (:mod:`._gpu`, same arithmetic). ``dest``
     may be ``prev``. Raises nothing of its own; O(m K H)."""
+    if xp is not np:
+        from ._gpu import reduce_gpu
+
+        reduce_gpu(xp, rows, pos, weights, dt, dest, prev)
+        return
     m, hidden = dest.shape
     k_slots = pos.shape[1]
-    step = 32 if xp is np else max(m, 1)
+    step = 32
     acc_all = xp.empty((min(step, m), hidden), dtype=xp.float32)
     y_all = xp.empty_like(acc_all)
     raw_all = xp.empty((min(step, m), hidden), dtype=dt.storage)
