@@ -374,6 +374,10 @@ def child(args: argparse.Namespace) -> None:
         except ImportError:
             print("torch is not installed: baselines skipped", file=sys.stderr)
         else:
+            if args.gpu:
+                import torch
+
+                torch.cuda.set_device(rank)
             dist.init_process_group("nccl" if args.gpu else "gloo", rank=rank, world_size=world)
             torch_part(args, rank, world, xp, res)
             dist.destroy_process_group()
