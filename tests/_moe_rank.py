@@ -32,13 +32,19 @@ DT = {"float32": np.float32, "bfloat16": np.uint16}
 
 
 def make_inputs(case: dict[str, Any], call: int) -> tuple[list[Any], list[Any], list[Any], list[int]]:
-    """Every rank's x, indices, weights and bound_m for call ``call`` of ``case``."""
+    """Every rank's x, indices, weights and bound_m for call ``call`` of ``case`` (float8: x is
+    random bytes, and ``case['scales']`` gets every rank's block scales)."""
     rng = np.random.default_rng([case["seed"], call])
     e, k, h = case["E"], case["K"], case["H"]
     xs, idx, ws, bm = [], [], [], []
+    case["scales"] = []
     for r, t in enumerate(case["tokens"]):
         x = rng.standard_normal((t, h)).astype(np.float32)
-        xs.append(moe.f32_to_bf16(x) if case["dtype"] == "bfloat16" else x)
+        if case["dtype"] == "float8_e4m3fn":
+            xs.append(rng.integers(0, 256, (t, h), dtype=np.uint8))
+            case["scales"].append(rng.random((t, -(-h // case["scale"]))).astype(np.float32))
+        else:
+            xs.append(moe.f32_to_bf16(x) if case["dtype"] == "bfloat16" else x)
         if case.get("one_expert") is not None:
             j = case["one_expert"]
             others = np.array([x for x in range(e) if x != j])
@@ -57,8 +63,11 @@ def make_inputs(case: dict[str, Any], call: int) -> tuple[list[Any], list[Any], 
     return xs, idx, ws, bm
 
 
-def expert_fn(ex: np.ndarray, dtype: str) -> np.ndarray:
-    """The 'expert': y = 1.5 x - 0.25 in float32, rounded to the output type."""
+def expert_fn(ex: np.ndarray, dtype: str, scale: np.ndarray | None = None) -> np.ndarray:
+    """The 'expert': y = 1.5 x - 0.25 in float32, rounded to the output type (float8 rows:
+    y = byte value x first block scale, to bfloat16)."""
+    if scale is not None:
+        return moe.f32_to_bf16(ex.astype(np.float32) * scale[:, :1])
     if dtype == "bfloat16":
         return moe.f32_to_bf16(moe.bf16_to_f32(ex) * np.float32(1.5) - np.float32(0.25))
     return (ex * np.float32(1.5) - np.float32(0.25)).astype(np.float32)
@@ -75,13 +84,14 @@ class Rank:
         self.a2a: dict[str, moe.AllToAll] = {}
 
     async def get(self, case: dict[str, Any]) -> moe.AllToAll:
-        key = json.dumps([case[k] for k in ("E", "K", "H", "T", "dtype", "pad")])
+        key = json.dumps([case.get(k) for k in ("E", "K", "H", "T", "dtype", "pad", "out", "scale")])
         a = self.a2a.get(key)
         if a is None:
             assert self.group is not None
             a = self.a2a[key] = await moe.AllToAll.create(
                 self.engine, self.group, num_experts=case["E"], experts_per_token=case["K"],
-                hidden=case["H"], max_tokens=case["T"], in_dtype=case["dtype"], out_dtype=case["dtype"],
+                hidden=case["H"], max_tokens=case["T"], in_dtype=case["dtype"],
+                out_dtype=case.get("out", case["dtype"]), scale_block=case.get("scale"),
                 expert_padding=case["pad"], imm_tag=0x40 + len(self.a2a), timeout=30, probe_interval=0.25,
                 xp=self.xp,
             )
@@ -92,14 +102,16 @@ class Rank:
         assert self.group is not None
         me, w = self.group.rank, self.group.world
         xs, idx, ws, bm = make_inputs(case, call)
-        expect = ref.reference_dispatch(xs, idx, case["E"], case["pad"], bm)
+        scales = case["scales"] or None
+        expect = ref.reference_dispatch(xs, idx, case["E"], case["pad"], bm, x_scales=scales)
         dev, host = self.xp.asarray, (lambda v: v if self.xp is np else v.get())
         args = (dev(xs[me]), dev(idx[me]), dev(ws[me]))
+        xs_me = None if scales is None else dev(scales[me])
         if split:
-            pending = await a.dispatch_send(*args, bound_m=bm[me])
+            pending = await a.dispatch_send(*args, x_scale=xs_me, bound_m=bm[me])
             h = await pending.recv()
         else:
-            h = await a.dispatch(*args, bound_m=bm[me])
+            h = await a.dispatch(*args, x_scale=xs_me, bound_m=bm[me])
         mine = expect[me]
         valid = mine.src_rank >= 0
         ex = host(h.expert_x)
@@ -108,16 +120,22 @@ class Rank:
         assert np.array_equal(host(h.src_rank), mine.src_rank)
         assert np.array_equal(host(h.src_token), mine.src_token)
         assert np.array_equal(bits(ex[valid]), bits(mine.expert_x[valid])), "dispatched rows differ"
-        ys = [expert_fn(expect[d].expert_x, case["dtype"]) for d in range(w)]
-        y = dev(expert_fn(ex, case["dtype"]))
+        out_dt = case.get("out", case["dtype"])
+        sc = None
+        if scales is not None:
+            sc = host(h.expert_x_scale)
+            assert mine.expert_x_scale is not None
+            assert np.array_equal(bits(sc[valid]), bits(mine.expert_x_scale[valid])), "scales differ"
+        ys = [expert_fn(expect[d].expert_x, out_dt, expect[d].expert_x_scale) for d in range(w)]
+        y = dev(expert_fn(ex, out_dt, sc))
         prev = None
         if case.get("accumulate"):
             rng = np.random.default_rng([case["seed"], call, 7])
             prev = [expert_fn(rng.standard_normal((bm[r], case["H"])).astype(np.float32), "float32")
-                    if case["dtype"] == "float32" else
+                    if out_dt == "float32" else
                     moe.f32_to_bf16(rng.standard_normal((bm[r], case["H"])).astype(np.float32))
                     for r in range(w)]
-        want = ref.reference_combine(expect, ys, idx, ws, case["E"], case["dtype"], bm, out=prev)[me]
+        want = ref.reference_combine(expect, ys, idx, ws, case["E"], out_dt, bm, out=prev)[me]
         out = None if prev is None else dev(prev[me].copy())
         if split:
             cp = await a.combine_send(h, y)
@@ -127,7 +145,7 @@ class Rank:
         assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
         assert np.array_equal(bits(got), bits(want)), "combined rows differ"
         checks = 6
-        if case["dtype"] == "bfloat16" and prev is None and bm[me]:
+        if out_dt == "bfloat16" and prev is None and bm[me]:
             checks += check_bf16_tolerance(got, expect, ys, idx[me][: bm[me]], ws[me], case, me)
         return checks
 

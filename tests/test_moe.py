@@ -130,6 +130,8 @@ MATRIX = [
     ("-1 indices", case(K=8, E=12, skip=0.3, tokens=[12, 12, 5, 12])),
     ("accumulate into out (float32)", case(accumulate=True, tokens=[12, 3, 12, 12])),
     ("accumulate into out (bfloat16)", case(dtype="bfloat16", accumulate=True, tokens=[4, 12, 12, 0])),
+    ("float8 with block scales, bfloat16 combine", case(dtype="float8_e4m3fn", out="bfloat16", scale=16, H=48,
+                                                        K=8, E=16, pad=16, tokens=[12, 5, 12, 0])),
 ]
 
 

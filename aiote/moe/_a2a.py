@@ -98,7 +98,12 @@ class AllToAll:
         self.imm_tag: int = cfg["imm_tag"]
         self._gpu = getattr(xp, "__name__", "") == "cupy"
         self._xrow = self.hidden * self.in_dtype.itemsize
-        self._dstride = round16(self._xrow) + TAIL
+        self.scale_block: int | None = cfg["scale_block"]
+        self._nscale = 0 if self.scale_block is None else -(-self.hidden // self.scale_block)
+        # a dispatch row: x's bytes | its float32 block scales (if any) | the token number
+        self._fields = [(0, self._xrow), (round16(self._xrow), 4 * self._nscale)]
+        self._toff = round16(self._xrow) + round16(4 * self._nscale)
+        self._dstride = self._toff + TAIL
         self._yrow = self.hidden * self.out_dtype.itemsize
         self._cstride = round16(self._yrow)  # == the row when H x out is a multiple of 16
         self._send_cap = self.max_tokens * self.experts_per_token
@@ -136,6 +141,7 @@ class AllToAll:
         imm_tag: int = 0xA5,
         timeout: float | None = 60.0,
         probe_interval: float = 0.5,
+        scale_block: int | None = None,
         xp: Any = None,
     ) -> AllToAll:
         """Creates the all-to-all on this rank; every rank of ``group`` calls it with the same
@@ -150,8 +156,11 @@ class AllToAll:
         it raises :class:`~aiote.InvalidArgument` on every rank before any token moves),
         ``imm_tag`` (8 bits: the immediates of this group; groups sharing an engine need
         different tags), ``timeout`` (default deadline of every call, and of this one),
-        ``probe_interval`` (how often a long wait checks that its peers are alive), ``xp``:
-        ``numpy`` (default) or ``cupy`` (GPU regions: same-host peers over CUDA IPC).
+        ``probe_interval`` (how often a long wait checks that its peers are alive),
+        ``scale_block`` (float8 with block scales: each token also carries ``ceil(H /
+        scale_block)`` float32 scales, ``dispatch(x_scale=)``, returned as
+        ``handle.expert_x_scale``), ``xp``: ``numpy`` (default) or ``cupy`` (GPU regions:
+        same-host peers over CUDA IPC).
 
         Registers its regions, sends one message to every peer and takes the engine's
         messages until every peer's arrived (messages of others are dropped with a warning:
@@ -164,7 +173,7 @@ class AllToAll:
             raise InvalidArgument(f"group must be an aiote.moe.Group, not {type(group).__name__}")
         cfg = check_config(
             group.world, num_experts, experts_per_token, hidden, max_tokens, in_dtype, out_dtype,
-            expert_padding, max_recv_tokens, imm_tag, timeout, probe_interval,
+            expert_padding, max_recv_tokens, imm_tag, timeout, probe_interval, scale_block,
         )
         self = cls(engine, group, Geometry(group.world, num_experts), cfg, xp)
         try:
@@ -256,7 +265,8 @@ class AllToAll:
     # ------------------------------------------------------------------ dispatch
 
     async def dispatch(
-        self, x: Any, indices: Any, weights: Any, *, bound_m: int | None = None, timeout: float | None = None
+        self, x: Any, indices: Any, weights: Any, *, x_scale: Any = None, bound_m: int | None = None,
+        timeout: float | None = None,
     ) -> DispatchHandle:
         """Sends each token to the ranks of its experts and returns this rank's share:
         :meth:`dispatch_send` then :meth:`DispatchPending.recv`, under one deadline.
@@ -268,11 +278,13 @@ class AllToAll:
         otherwise as the two halves. Costs the count exchange (W-1 writes of ``4E`` bytes and one
         counter wait), a pack, one write per peer, a counter wait and an unpack."""
         end = self._end(timeout)
-        pending = await self.dispatch_send(x, indices, weights, bound_m=bound_m, timeout=left(end))
+        pending = await self.dispatch_send(x, indices, weights, x_scale=x_scale, bound_m=bound_m,
+                                           timeout=left(end))
         return await pending.recv(timeout=left(end))
 
     async def dispatch_send(
-        self, x: Any, indices: Any, weights: Any, *, bound_m: int | None = None, timeout: float | None = None
+        self, x: Any, indices: Any, weights: Any, *, x_scale: Any = None, bound_m: int | None = None,
+        timeout: float | None = None,
     ) -> DispatchPending:
         """The send half of :meth:`dispatch`: exchanges the counts, packs and posts this rank's
         tokens; returns a :class:`DispatchPending` whose ``recv`` completes the call.
@@ -285,6 +297,7 @@ class AllToAll:
         self._seq += 1  # every call is a step of the group, whatever happens below
         self._unreleased.add(seq)
         m, idx_dev, w = self._check_dispatch(x, indices, weights, bound_m)
+        srcs = self._sources(x, x_scale)
         self._retire(seq)
         end = self._end(timeout)
         what = f"dispatch {seq}"
@@ -301,10 +314,10 @@ class AllToAll:
             self._release_old(seq)
             plan = plan_recv(counts, self.geometry, self.rank, self.expert_padding, self.max_recv_tokens)
             await self._settle(self._dsend_busy, end, what, quiet=True)
-            self._pack(x, send, plan)
+            self._pack(srcs, send, plan)
             data = self._post_rows(seq, plan, posted)
             self._dsend_busy = data
-        pending = DispatchPending(self, seq, plan, send, x, w, posted, m)
+        pending = DispatchPending(self, seq, plan, send, srcs, w, posted, m)
         self._pending[seq] = pending
         return pending
 
@@ -369,18 +382,31 @@ class AllToAll:
                 posted.append(t)
                 self._inflight[p].append(t)
 
-    def _pack(self, x: Any, send: SendPlan, plan: RecvPlan) -> None:
-        """Send rows for the other ranks in (expert, token) order, each followed by its token
-        number; this rank's own block is left out (unpacked straight from ``x``)."""
+    def _sources(self, x: Any, x_scale: Any) -> list[Any]:
+        """The bytes of each field of a token's row: ``[T, bytes]`` views of x (and x_scale)."""
+        xp, t = self.xp, x.shape[0]
+        if self.scale_block is None:
+            if x_scale is not None:
+                raise InvalidArgument("x_scale given, but the all-to-all was created without scale_block")
+            return [xp.ascontiguousarray(x).view(xp.uint8).reshape(t, self._xrow)]
+        if (not isinstance(x_scale, xp.ndarray) or x_scale.shape != (t, self._nscale)
+                or x_scale.dtype != np.float32):
+            raise InvalidArgument(f"x_scale must be a [{t}, {self._nscale}] float32 {xp.__name__} array")
+        return [xp.ascontiguousarray(x).view(xp.uint8).reshape(t, self._xrow),
+                xp.ascontiguousarray(x_scale).view(xp.uint8).reshape(t, 4 * self._nscale)]
+
+    def _pack(self, srcs: list[Any], send: SendPlan, plan: RecvPlan) -> None:
+        """Send rows for the other ranks in (expert, token) order: each field, then the token
+        number; this rank's own block is left out (unpacked straight from the sources)."""
         xp = self.xp
         ss, ns = int(plan.sstart[self.rank]), int(plan.n[self.rank, self.rank])
         tokens = self._dev(send.row_token)
-        xb = xp.ascontiguousarray(x).view(xp.uint8).reshape(x.shape[0], self._xrow)
-        tail = round16(self._xrow)
+        tail = self._toff
         for lo, hi in ((0, ss), (ss + ns, len(send.row_token))):
             if hi > lo:
                 tok = tokens[lo:hi]
-                self._dsend[lo:hi, : self._xrow] = xb[tok]
+                for src, (off, width) in zip(srcs, self._fields, strict=False):
+                    self._dsend[lo:hi, off : off + width] = src[tok]
                 self._dsend[lo:hi, tail : tail + 4] = tok.astype(xp.int32).view(xp.uint8).reshape(hi - lo, 4)
 
     def _post_rows(self, seq: int, plan: RecvPlan, posted: list[Transfer]) -> list[Transfer]:
@@ -408,37 +434,48 @@ class AllToAll:
         posted.extend(data)
         return data
 
-    def _unpack_local(self, pending: DispatchPending, x: Any, send: SendPlan) -> None:
-        """Allocates the call's output and moves this rank's own rows there, straight from
-        ``x`` (at send time: ``x`` may change once dispatch_send returned)."""
+    def _unpack_local(self, pending: DispatchPending, srcs: list[Any], send: SendPlan) -> None:
+        """Allocates the call's outputs and moves this rank's own rows there, straight from
+        the sources (at send time: x may change once dispatch_send returned)."""
         xp, plan, me = self.xp, pending._plan, self.rank
         rows = int(plan.offsets[-1])
         pending._ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
+        pending._scale = None if self.scale_block is None else xp.zeros((rows, self._nscale), xp.float32)
         pending._src_token = xp.full(rows, -1, dtype=xp.int32)
         pending._dest = dest = self._dev(plan.dest)
         rs, ns, ss = int(plan.rstart[me]), int(plan.n[me, me]), int(plan.sstart[me])
         if ns:
             tok = self._dev(send.row_token[ss : ss + ns])
-            xb = xp.ascontiguousarray(x).view(xp.uint8).reshape(x.shape[0], self._xrow)
-            pending._ex.view(xp.uint8).reshape(rows, self._xrow)[dest[rs : rs + ns]] = xb[tok]
+            for out, src in zip(self._outputs(pending), srcs, strict=True):
+                out[dest[rs : rs + ns]] = src[tok]
             pending._src_token[dest[rs : rs + ns]] = tok.astype(xp.int32)
+
+    def _outputs(self, pending: DispatchPending) -> list[Any]:
+        """``[rows, bytes]`` views of the call's outputs, one per field of a row."""
+        xp = self.xp
+        rows = pending._ex.shape[0]
+        outs = [pending._ex.view(xp.uint8).reshape(rows, self._xrow)]
+        if pending._scale is not None:
+            outs.append(pending._scale.view(xp.uint8).reshape(rows, 4 * self._nscale))
+        return outs
 
     def _unpack(self, pending: DispatchPending) -> DispatchHandle:
         """Moves the peers' rows from the receive region into their expert blocks."""
         xp, plan, p, me = self.xp, pending._plan, pending.seq & 1, self.rank
-        rows = int(plan.offsets[-1])
         ex, src_token, dest = pending._ex, pending._src_token, pending._dest
-        exb = ex.view(xp.uint8).reshape(rows, self._xrow)
+        outs = self._outputs(pending)
         rs, ns = int(plan.rstart[me]), int(plan.n[me, me])
-        tail = round16(self._xrow)
+        tail = self._toff
         for lo, hi in ((0, rs), (rs + ns, plan.nrecv)):
             if hi > lo:
                 got = self._drecv[p, lo:hi]
-                exb[dest[lo:hi]] = got[:, : self._xrow]
+                for out, (off, width) in zip(outs, self._fields, strict=False):
+                    out[dest[lo:hi]] = got[:, off : off + width]
                 src_token[dest[lo:hi]] = xp.ascontiguousarray(got[:, tail : tail + 4]).view(xp.int32).ravel()
         self._record_fence(p)
         h = DispatchHandle(
-            seq=pending.seq, expert_x=ex, counts=plan.counts, offsets=plan.offsets,
+            seq=pending.seq, expert_x=ex, expert_x_scale=pending._scale, counts=plan.counts,
+            offsets=plan.offsets,
             src_rank=self._dev(plan.src_rank), src_token=src_token, num_tokens=pending._m,
             _a2a=self, _plan=plan, _dest=dest, _pos=pending._pos,
             _weights=pending._weights,

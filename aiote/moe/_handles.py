@@ -57,10 +57,13 @@ class DispatchHandle:
     order (source rank, then token); rows up to ``offsets[l + 1]`` are padding (undefined).
     ``counts[L]`` (int32) and ``offsets[L + 1]`` (int64) are NumPy arrays; ``src_rank`` and
     ``src_token`` (int32, of ``xp``, -1 on padding rows) name each row's source. ``seq``: the
-    call's sequence number. Holding one costs its arrays; it has no methods that do I/O."""
+    call's sequence number. ``expert_x_scale[rows, ceil(H / scale_block)]`` (float32): the rows'
+    block scales, moved with them, for a group created with ``scale_block`` (else None).
+    Holding one costs its arrays; it has no methods that do I/O."""
 
     seq: int
     expert_x: Any
+    expert_x_scale: Any
     counts: np.ndarray
     offsets: np.ndarray
     src_rank: Any
@@ -91,14 +94,15 @@ class DispatchPending:
     """The receive half of a dispatch whose send half has run (:meth:`AllToAll.dispatch_send`).
     ``await pending.recv()`` completes it; do other work in between."""
 
-    def __init__(self, a2a: AllToAll, seq: int, plan: RecvPlan, send: SendPlan, x: Any, weights: Any,
-                 posted: list[Transfer], m: int) -> None:
+    def __init__(self, a2a: AllToAll, seq: int, plan: RecvPlan, send: SendPlan, srcs: list[Any],
+                 weights: Any, posted: list[Transfer], m: int) -> None:
         self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, a2a._dev(send.pos)
         self._weights, self._posted, self._m = weights, posted, m
         self._ex: Any = None
+        self._scale: Any = None
         self._src_token: Any = None
         self._dest: Any = None
-        a2a._unpack_local(self, x, send)
+        a2a._unpack_local(self, srcs, send)
         self._done = False
 
     async def recv(self, *, timeout: float | None = None) -> DispatchHandle:

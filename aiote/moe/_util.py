@@ -40,8 +40,9 @@ def parse_hello(raw: bytes) -> dict[str, Any] | None:
 
 def check_config(
     world: int, e: Any, k: Any, h: Any, t: Any, in_dtype: Any, out_dtype: Any, pad: Any, cap: Any, tag: Any,
-    timeout: Any, probe: Any,
+    timeout: Any, probe: Any, scale_block: Any = None,
 ) -> dict[str, Any]:
+    """The checked arguments of :meth:`AllToAll.create`; raises InvalidArgument."""
     for name, v, lo in (("num_experts", e, 1), ("experts_per_token", k, 1), ("hidden", h, 1),
                         ("max_tokens", t, 1), ("expert_padding", pad, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -61,6 +62,9 @@ def check_config(
         raise InvalidArgument(f"timeout must be a finite number of seconds >= 0 or None, not {timeout!r}")
     if isinstance(probe, bool) or not isinstance(probe, (int, float)) or not probe > 0:
         raise InvalidArgument(f"probe_interval must be a number of seconds > 0, not {probe!r}")
+    if scale_block is not None and (isinstance(scale_block, bool) or not isinstance(scale_block, int)
+                                    or scale_block < 1):
+        raise InvalidArgument(f"scale_block must be an int >= 1 or None, not {scale_block!r}")
     odt = dtype_of(out_dtype, "out_dtype")
     if not odt.arith:
         raise InvalidArgument(f"out_dtype {odt.name} cannot be reduced: use bfloat16, float16 or float32")
@@ -68,6 +72,7 @@ def check_config(
         "num_experts": e, "experts_per_token": k, "hidden": h, "max_tokens": t,
         "in_dtype": dtype_of(in_dtype, "in_dtype"), "out_dtype": odt, "expert_padding": pad,
         "max_recv_tokens": cap, "imm_tag": tag, "timeout": timeout, "probe_interval": float(probe),
+        "scale_block": scale_block,
     }
 
 

@@ -34,13 +34,15 @@ __all__ = ["RefDispatch", "reference_combine", "reference_dispatch"]
 @dataclass
 class RefDispatch:
     """The reference dispatch output of one rank: ``expert_x[rows, H]``, ``counts[L]``,
-    ``offsets[L + 1]``, ``src_rank[rows]``, ``src_token[rows]`` (-1 on padding rows)."""
+    ``offsets[L + 1]``, ``src_rank[rows]``, ``src_token[rows]`` (-1 on padding rows), and
+    ``expert_x_scale`` (the rows' block scales, when given)."""
 
     expert_x: np.ndarray
     counts: np.ndarray
     offsets: np.ndarray
     src_rank: np.ndarray
     src_token: np.ndarray
+    expert_x_scale: np.ndarray | None = None
 
 
 def _per_rank(num_experts: int, world: int) -> int:
@@ -53,10 +55,12 @@ def reference_dispatch(
     num_experts: int,
     expert_padding: int = 1,
     bound_m: list[int] | None = None,
+    x_scales: list[np.ndarray] | None = None,
 ) -> list[RefDispatch]:
     """Dispatch for all ranks at once: ``xs[r]`` (``[T_r, H]``, any dtype: rows are copied as
     they are) and ``indices[r]`` (``[T_r, K]``, -1 = skip) of every rank ``r``; returns each
-    rank's :class:`RefDispatch`. Padding rows are zero here. Costs O(W E T K) comparisons."""
+    rank's :class:`RefDispatch`. ``x_scales[r]``: block scales that travel with the rows (float8
+    with scales). Padding rows are zero here. Costs O(W E T K) comparisons."""
     world = len(xs)
     per = _per_rank(num_experts, world)
     bounds = bound_m if bound_m is not None else [len(i) for i in indices]
@@ -83,6 +87,14 @@ def reference_dispatch(
         padded = [c + (-c) % expert_padding for c in counts]
         offsets = np.concatenate([[0], np.cumsum(padded, dtype=np.int64)]).astype(np.int64)
         empty = np.zeros((0, *xs[0].shape[1:]), dtype=xs[0].dtype)
+        scale = None
+        if x_scales is not None:
+            rr = np.concatenate(ranks) if ranks else np.zeros(0, np.int32)
+            tt = np.concatenate(toks) if toks else np.zeros(0, np.int32)
+            scale = np.zeros((len(rr), x_scales[0].shape[1]), np.float32)
+            for i, (r, t) in enumerate(zip(rr, tt, strict=True)):
+                if r >= 0:
+                    scale[i] = x_scales[r][t]
         out.append(
             RefDispatch(
                 expert_x=np.concatenate(rows) if rows else empty,
@@ -90,6 +102,7 @@ def reference_dispatch(
                 offsets=offsets,
                 src_rank=np.concatenate(ranks) if ranks else np.zeros(0, np.int32),
                 src_token=np.concatenate(toks) if toks else np.zeros(0, np.int32),
+                expert_x_scale=scale,
             )
         )
     return out
