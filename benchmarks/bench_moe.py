@@ -132,7 +132,10 @@ def parent(args: argparse.Namespace) -> None:
     machine = args.machine or f"{os.cpu_count()} cores, {'GPU' if args.gpu else 'CPU'}"
     out = []
     for w in args.world:
-        res = run_group(w, args)
+        prefill = args.prefill_tokens
+        if prefill is None:
+            prefill = 4096 if args.gpu or w <= 2 else 1024
+        res = run_group(w, argparse.Namespace(**{**vars(args), "prefill_tokens": prefill}))
         s = summarize(w, res)
         print_summary(s, machine)
         out.append(s)
@@ -255,93 +258,109 @@ async def link_bandwidth(engine: Any, rank: int, addrs: list[bytes], xp: Any) ->
     return gbps
 
 
+class TorchExact:
+    """The exact exchange over torch.distributed: counts, then tokens with split sizes, then the
+    same local permutation as aiote's; combine mirrored, with aiote's reduction code."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, xp: Any, t: int, x: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from aiote.moe import _dtypes
+        from aiote.moe._layout import Geometry
+
+        self.torch, self.dist, self.xp, self.rank, self.world, self.t = torch, dist, xp, rank, world, t
+        self.dev = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
+        self.geo = Geometry(world, E)
+        self.bf = _dtypes.dtype_of("bfloat16", "dtype")
+        self.xrow = xp.zeros((t, H + 8), dtype=xp.int16)  # tokens + their ids (16 bytes, as aiote's rows)
+        self.xrow[:, :H] = x.view(xp.int16)
+        self.xrow[:, H : H + 2] = xp.arange(t, dtype=xp.int32)[:, None].view(xp.int16)
+
+    def tt(self, a: Any) -> Any:
+        """A zero-copy torch view of a NumPy/CuPy array (bytes: gloo has no 16-bit integers)."""
+        return self.torch.from_numpy(a) if self.xp is np else self.torch.as_tensor(a, device=self.dev)
+
+    def from_torch(self, a: Any) -> Any:
+        return self.xp.asarray(a.cpu().numpy()) if self.xp is np else self.xp.asarray(a)
+
+    def step(self, idx_h: np.ndarray, w: Any) -> tuple[float, float]:
+        """One dispatch + combine; their times (host wall, after a stream sync on the GPU)."""
+        from aiote.moe._layout import plan_recv, plan_send
+        from aiote.moe._util import reduce_rows
+
+        torch, dist, xp, geo, per = self.torch, self.dist, self.xp, self.geo, self.geo.per_rank
+        t0 = time.perf_counter()
+        send = plan_send(idx_h, self.t, E)
+        route = np.zeros(self.world * per, np.int32)
+        route[:E] = send.route
+        got = torch.empty(self.world * per, dtype=torch.int32, device=self.dev)
+        dist.all_to_all_single(got, self.tt(xp.asarray(route)))
+        c_local = got.cpu().numpy().reshape(self.world, per)  # [src, my experts] (a device sync on GPU)
+        c = np.zeros((self.world, self.world * per), np.int32)
+        c[:, self.rank * per : (self.rank + 1) * per] = c_local
+        c[self.rank, :] = route  # my own row, for my send splits
+        plan = plan_recv(c[:, :E], geo, self.rank, 1, 1 << 30)
+        in_split = geo.rank_sums(send.route[None, :])[0].tolist()
+        out_split = c_local.sum(1).tolist()
+        rows_out = self.xrow[xp.asarray(send.row_token)] if len(send.row_token) else self.xrow[:0]
+        recv = torch.empty((sum(out_split), 2 * (H + 8)), dtype=torch.uint8, device=self.dev)
+        dist.all_to_all_single(recv, self.tt(rows_out.view(xp.uint8)), out_split, in_split)
+        rows = int(plan.offsets[-1])
+        ex = xp.zeros((rows, H), dtype=xp.uint16)
+        src_token = xp.full(rows, -1, dtype=xp.int32)
+        r_arr = self.from_torch(recv).view(xp.int16)
+        dest = xp.asarray(plan.dest)
+        ex[dest] = r_arr[:, :H].view(xp.uint16)
+        src_token[dest] = xp.ascontiguousarray(r_arr[:, H : H + 2]).view(xp.int32).ravel()
+        sync(xp)
+        t1 = time.perf_counter()
+        yb = ex[dest].view(xp.uint8)  # the identity expert, rows back in received order
+        back = torch.empty((len(send.row_token), 2 * H), dtype=torch.uint8, device=self.dev)
+        dist.all_to_all_single(back, self.tt(xp.ascontiguousarray(yb)), in_split, out_split)
+        back_x = self.from_torch(back).view(xp.uint16)
+        # the same reduction code as aiote's combine (float32, slot order, one rounding)
+        reduce_rows(back_x, xp.asarray(send.pos), w, self.bf, xp, xp.empty((self.t, H), dtype=xp.uint16))
+        sync(xp)
+        return t1 - t0, time.perf_counter() - t1
+
+
 def torch_part(args: argparse.Namespace, rank: int, world: int, xp: Any, res: dict[str, Any]) -> None:
-    """The same exchanges with torch.distributed all_to_all_single (gloo on CPU, NCCL on GPU)."""
+    """The same exchanges with torch.distributed all_to_all_single (gloo on CPU, NCCL on GPU):
+    the exact path (:class:`TorchExact`) and the padded fixed-size floor."""
     import torch
     import torch.distributed as dist
-
-    from aiote.moe import _dtypes
-    from aiote.moe._layout import Geometry, plan_recv, plan_send
-    from aiote.moe._util import reduce_rows
-
-    dev = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
-    geo = Geometry(world, E)
-    per = geo.per_rank
-    bf = _dtypes.dtype_of("bfloat16", "dtype")
-
-    def tt(a: Any) -> Any:  # a zero-copy torch view of a NumPy/CuPy array
-        return torch.from_numpy(a) if xp is np else torch.as_tensor(a, device=dev)
 
     for shape in args.shapes:
         t = SHAPES[shape] if shape == "decode" else args.prefill_tokens
         iters = args.iters if shape == "decode" else args.prefill_iters
         inp = Inputs(rank, t, xp)
-        xrow = xp.zeros((t, H + 8), dtype=xp.int16)  # tokens + their ids (16 bytes, as aiote's rows)
-        xrow[:, :H] = inp.x.view(xp.int16)
-        xrow[:, H : H + 2] = xp.arange(t, dtype=xp.int32)[:, None].view(xp.int16)
-        times: dict[str, list[float]] = {"torch exact dispatch": [], "torch exact combine": [],
-                                         "torch exact dispatch+combine": [], "torch padded dispatch": [],
-                                         "torch padded combine": []}
-        pair = t * min(K, per)
-        # bytes (uint8) throughout: gloo has no 16-bit integer type
-        pad_in = torch.zeros((world * pair, 2 * (H + 8)), dtype=torch.uint8, device=dev)
+        exact = TorchExact(args, rank, world, xp, t, inp.x)
+        names = ("torch exact dispatch", "torch exact combine", "torch exact dispatch+combine",
+                 "torch padded dispatch", "torch padded combine")
+        times: dict[str, list[float]] = {m: [] for m in names}
+        pair = t * min(K, exact.geo.per_rank)
+        pad_in = torch.zeros((world * pair, 2 * (H + 8)), dtype=torch.uint8, device=exact.dev)
         pad_out = torch.empty_like(pad_in)
-        pad_cin = torch.zeros((world * pair, 2 * H), dtype=torch.uint8, device=dev)
+        pad_cin = torch.zeros((world * pair, 2 * H), dtype=torch.uint8, device=exact.dev)
         pad_cout = torch.empty_like(pad_cin)
         for i in range(iters + args.warmup):
             idx, w = inp.draw()
-            idx_h = idx.get() if xp is not np else idx
             dist.barrier()
-            t0 = time.perf_counter()
-            send = plan_send(idx_h, t, E)
-            route = np.zeros(world * per, np.int32)
-            route[:E] = send.route
-            got = torch.empty(world * per, dtype=torch.int32, device=dev)
-            dist.all_to_all_single(got, tt(xp.asarray(route)))
-            c_local = got.cpu().numpy().reshape(world, per)  # [src, my experts] (a device sync on GPU)
-            c = np.zeros((world, world * per), np.int32)
-            c[:, rank * per : (rank + 1) * per] = c_local
-            c[rank, :] = route  # my own row, for my send splits
-            plan = plan_recv(c[:, :E], geo, rank, 1, 1 << 30)
-            in_split = geo.rank_sums(send.route[None, :])[0].tolist()
-            out_split = c_local.sum(1).tolist()
-            rows_out = xrow[xp.asarray(send.row_token)] if len(send.row_token) else xrow[:0]
-            packed = tt(rows_out.view(xp.uint8))
-            recv = torch.empty((sum(out_split), 2 * (H + 8)), dtype=torch.uint8, device=dev)
-            dist.all_to_all_single(recv, packed, out_split, in_split)
-            rows = int(plan.offsets[-1])
-            ex = xp.zeros((rows, H), dtype=xp.uint16)
-            src_token = xp.full(rows, -1, dtype=xp.int32)
-            r_arr = (xp.asarray(recv.cpu().numpy()) if xp is np else xp.asarray(recv)).view(xp.int16)
-            dest = xp.asarray(plan.dest)
-            ex[dest] = r_arr[:, :H].view(xp.uint16)
-            src_token[dest] = xp.ascontiguousarray(r_arr[:, H : H + 2]).view(xp.int32).ravel()
-            sync(xp)
-            t1 = time.perf_counter()
-            yb = ex[dest].view(xp.uint8)  # the identity expert, rows back in received order
-            back = torch.empty((len(send.row_token), 2 * H), dtype=torch.uint8, device=dev)
-            dist.all_to_all_single(back, tt(xp.ascontiguousarray(yb)), in_split, out_split)
-            back_x = (xp.asarray(back.cpu().numpy()) if xp is np else xp.asarray(back)).view(xp.uint16)
-            # the same reduction code as aiote's combine (float32, slot order, one rounding)
-            reduce_rows(back_x, xp.asarray(send.pos), w, bf, xp, xp.empty((t, H), dtype=xp.uint16))
-            sync(xp)
-            t2 = time.perf_counter()
+            td, tc = exact.step(idx.get() if xp is not np else idx, w)
             dist.barrier()
             t3 = time.perf_counter()
             dist.all_to_all_single(pad_out, pad_in)
             if args.gpu:
-                torch.cuda.synchronize(dev)
+                torch.cuda.synchronize(exact.dev)
             t4 = time.perf_counter()
             dist.all_to_all_single(pad_cout, pad_cin)
             if args.gpu:
-                torch.cuda.synchronize(dev)
+                torch.cuda.synchronize(exact.dev)
             t5 = time.perf_counter()
             if i >= args.warmup:
-                times["torch exact dispatch"].append(t1 - t0)
-                times["torch exact combine"].append(t2 - t1)
-                times["torch exact dispatch+combine"].append(t2 - t0)
-                times["torch padded dispatch"].append(t4 - t3)
-                times["torch padded combine"].append(t5 - t4)
+                for name, v in zip(names, (td, tc, td + tc, t4 - t3, t5 - t4), strict=True):
+                    times[name].append(v)
         res["shapes"][shape]["times"].update(times)
 
 
@@ -390,7 +409,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["decode", "prefill"], choices=list(SHAPES))
     p.add_argument("--iters", type=int, default=None, help="decode iterations (CPU 50, GPU 1000)")
     p.add_argument("--prefill-iters", type=int, default=None, help="prefill iterations (CPU 5, GPU 100)")
-    p.add_argument("--prefill-tokens", type=int, default=4096)
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prefill tokens per rank (default 4096; on the CPU 1024 past 2 ranks, for memory)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--route", default="default", choices=["default", "tcp"],
                    help="default: open_engine() defaults (same host: shm, or CUDA IPC for GPU memory)")
