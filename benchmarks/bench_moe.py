@@ -169,8 +169,33 @@ def sync(xp: Any) -> None:
         xp.cuda.get_current_stream().synchronize()
 
 
-async def aiote_part(args: argparse.Namespace, rank: int, world: int, addrs: list[bytes], xp: Any,
+AIOTE = ("aiote dispatch", "aiote combine", "aiote dispatch+combine", "aiote dispatch send half",
+         "aiote dispatch recv half", "aiote combine send half", "aiote combine recv half")
+
+
+async def aiote_step(a2a: Any, inp: Inputs, idx: Any, w: Any, xp: Any) -> tuple[float, ...]:
+    """One aiote dispatch + combine with the identity expert; the times of AIOTE's lines."""
+    sync(xp)
+    t0 = time.perf_counter()
+    pending = await a2a.dispatch_send(inp.x, idx, w)
+    sync(xp)
+    ts = time.perf_counter()
+    h = await pending.recv()
+    sync(xp)
+    t1 = time.perf_counter()
+    cp = await a2a.combine_send(h, h.expert_x)
+    sync(xp)
+    tc = time.perf_counter()
+    await cp.recv()
+    sync(xp)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, t2 - t0, ts - t0, t1 - ts, tc - t1, t2 - tc
+
+
+async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: list[bytes], xp: Any,
                      engine: Any, res: dict[str, Any]) -> None:
+    """Per shape, iterations alternate: aiote's dispatch + combine, then (with torch) the exact
+    torch path and the padded floor, on the same routing, so that both see the same load."""
     from aiote import moe
 
     group = moe.Group(addrs, rank)
@@ -184,36 +209,20 @@ async def aiote_part(args: argparse.Namespace, rank: int, world: int, addrs: lis
             xp=xp,
         )
         inp = Inputs(rank, t, xp)
-        times: dict[str, list[float]] = {m: [] for m in (
-            "aiote dispatch", "aiote combine", "aiote dispatch+combine", "aiote dispatch send half",
-            "aiote dispatch recv half", "aiote combine send half", "aiote combine recv half")}
+        baseline = None if args.no_torch else TorchBaselines(args, rank, world, xp, t, inp.x)
+        times: dict[str, list[float]] = {m: [] for m in AIOTE}
         sent = []
         for i in range(iters + args.warmup):
             idx, w = inp.draw()
-            sync(xp)
-            t0 = time.perf_counter()
-            pending = await a2a.dispatch_send(inp.x, idx, w)
-            sync(xp)
-            ts = time.perf_counter()
-            h = await pending.recv()
-            sync(xp)
-            t1 = time.perf_counter()
-            cp = await a2a.combine_send(h, h.expert_x)
-            sync(xp)
-            tc = time.perf_counter()
-            await cp.recv()
-            sync(xp)
-            t2 = time.perf_counter()
+            got = dict(zip(AIOTE, await aiote_step(a2a, inp, idx, w, xp), strict=True))
+            if baseline is not None:
+                got.update(baseline.step(idx.get() if xp is not np else idx, w))
             if i >= args.warmup:
-                times["aiote dispatch"].append(t1 - t0)
-                times["aiote combine"].append(t2 - t1)
-                times["aiote dispatch+combine"].append(t2 - t0)
-                times["aiote dispatch send half"].append(ts - t0)
-                times["aiote dispatch recv half"].append(t1 - ts)
-                times["aiote combine send half"].append(tc - t1)
-                times["aiote combine recv half"].append(t2 - tc)
+                for name, v in got.items():
+                    times.setdefault(name, []).append(v)
                 sent.append(bytes_sent(a2a, idx, xp))
         res["shapes"][shape] = {"times": times, "bytes_sent": statistics.mean(sent), "tokens": t}
+        del baseline
         await a2a.aclose()
     # after every create: no group message can be in flight now (create takes the messages)
     res["link_gbps"] = await link_bandwidth(engine, rank, addrs, xp)
@@ -325,43 +334,44 @@ class TorchExact:
         return t1 - t0, time.perf_counter() - t1
 
 
-def torch_part(args: argparse.Namespace, rank: int, world: int, xp: Any, res: dict[str, Any]) -> None:
-    """The same exchanges with torch.distributed all_to_all_single (gloo on CPU, NCCL on GPU):
-    the exact path (:class:`TorchExact`) and the padded fixed-size floor."""
-    import torch
-    import torch.distributed as dist
+class TorchBaselines:
+    """torch.distributed all_to_all_single (gloo on CPU, NCCL on GPU): the exact path
+    (:class:`TorchExact`) and the padded fixed-size floor, each after a barrier."""
 
-    for shape in args.shapes:
-        t = SHAPES[shape] if shape == "decode" else args.prefill_tokens
-        iters = args.iters if shape == "decode" else args.prefill_iters
-        inp = Inputs(rank, t, xp)
-        exact = TorchExact(args, rank, world, xp, t, inp.x)
-        names = ("torch exact dispatch", "torch exact combine", "torch exact dispatch+combine",
-                 "torch padded dispatch", "torch padded combine")
-        times: dict[str, list[float]] = {m: [] for m in names}
-        pair = t * min(K, exact.geo.per_rank)
-        pad_in = torch.zeros((world * pair, 2 * (H + 8)), dtype=torch.uint8, device=exact.dev)
-        pad_out = torch.empty_like(pad_in)
-        pad_cin = torch.zeros((world * pair, 2 * H), dtype=torch.uint8, device=exact.dev)
-        pad_cout = torch.empty_like(pad_cin)
-        for i in range(iters + args.warmup):
-            idx, w = inp.draw()
-            dist.barrier()
-            td, tc = exact.step(idx.get() if xp is not np else idx, w)
-            dist.barrier()
-            t3 = time.perf_counter()
-            dist.all_to_all_single(pad_out, pad_in)
-            if args.gpu:
-                torch.cuda.synchronize(exact.dev)
-            t4 = time.perf_counter()
-            dist.all_to_all_single(pad_cout, pad_cin)
-            if args.gpu:
-                torch.cuda.synchronize(exact.dev)
-            t5 = time.perf_counter()
-            if i >= args.warmup:
-                for name, v in zip(names, (td, tc, td + tc, t4 - t3, t5 - t4), strict=True):
-                    times[name].append(v)
-        res["shapes"][shape]["times"].update(times)
+    NAMES = ("torch exact dispatch", "torch exact combine", "torch exact dispatch+combine",
+             "torch padded dispatch", "torch padded combine")
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, xp: Any, t: int, x: Any) -> None:
+        import torch
+
+        self.exact = TorchExact(args, rank, world, xp, t, x)
+        self.gpu = args.gpu
+        pair = t * min(K, self.exact.geo.per_rank)
+        dev = self.exact.dev
+        self.pad_in = torch.zeros((world * pair, 2 * (H + 8)), dtype=torch.uint8, device=dev)
+        self.pad_out = torch.empty_like(self.pad_in)
+        self.pad_cin = torch.zeros((world * pair, 2 * H), dtype=torch.uint8, device=dev)
+        self.pad_cout = torch.empty_like(self.pad_cin)
+
+    def _sync(self) -> None:
+        if self.gpu:
+            self.exact.torch.cuda.synchronize(self.exact.dev)
+
+    def step(self, idx_h: np.ndarray, w: Any) -> dict[str, float]:
+        """One exact dispatch + combine and one padded exchange each way; their times."""
+        dist = self.exact.dist
+        dist.barrier()
+        td, tc = self.exact.step(idx_h, w)
+        dist.barrier()
+        t3 = time.perf_counter()
+        dist.all_to_all_single(self.pad_out, self.pad_in)
+        self._sync()
+        t4 = time.perf_counter()
+        dist.all_to_all_single(self.pad_cout, self.pad_cin)
+        self._sync()
+        t5 = time.perf_counter()
+        dist.barrier()  # aiote's next call starts together too
+        return dict(zip(self.NAMES, (td, tc, td + tc, t4 - t3, t5 - t4), strict=True))
 
 
 def child(args: argparse.Namespace) -> None:
@@ -376,6 +386,17 @@ def child(args: argparse.Namespace) -> None:
 
         cupy.cuda.Device(rank).use()
         xp = cupy
+    if not args.no_torch:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:
+            print("torch is not installed: baselines skipped", file=sys.stderr)
+            args.no_torch = True
+        else:
+            if args.gpu:
+                torch.cuda.set_device(rank)
+            dist.init_process_group("nccl" if args.gpu else "gloo", rank=rank, world_size=world)
     res: dict[str, Any] = {"rank": rank, "shapes": {}}
 
     async def run() -> None:
@@ -384,22 +405,11 @@ def child(args: argparse.Namespace) -> None:
             print("ADDR " + engine.address.hex(), flush=True)
             line = await anyio.to_thread.run_sync(sys.stdin.readline)
             addrs = [bytes.fromhex(a) for a in json.loads(line)]
-            await aiote_part(args, rank, world, addrs, xp, engine, res)
+            await run_shapes(args, rank, world, addrs, xp, engine, res)
 
     anyio.run(run)
     if not args.no_torch:
-        try:
-            import torch.distributed as dist
-        except ImportError:
-            print("torch is not installed: baselines skipped", file=sys.stderr)
-        else:
-            if args.gpu:
-                import torch
-
-                torch.cuda.set_device(rank)
-            dist.init_process_group("nccl" if args.gpu else "gloo", rank=rank, world_size=world)
-            torch_part(args, rank, world, xp, res)
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     print("RESULT " + json.dumps(res), flush=True)
 
 
