@@ -193,3 +193,44 @@ async def test_stale_and_repeated_handles_raise(anyio_backend: str) -> None:
             await a.combine(h2, h2.expert_x, accumulate=True)
         assert np.array_equal(await a.combine(h2, h2.expert_x), x)
         await a.aclose()
+
+
+@pytest.mark.anyio
+async def test_receive_capacity_exceeded_raises_on_every_rank_then_next_works(anyio_backend: str) -> None:
+    """Every rank holds the whole count matrix, so every rank raises the same InvalidArgument
+    before any token moves, and the group's next call is correct."""
+    async with aiote.testing.engine_pair(same_host=None) as (e0, e1):
+        g = [e0.address, e1.address]
+        kw = dict(num_experts=2, experts_per_token=1, hidden=4, max_tokens=4, in_dtype="float32",
+                  out_dtype="float32", max_recv_tokens=3, timeout=10)
+        a2a: dict[int, moe.AllToAll] = {}
+
+        async def mk(e: aiote.Engine, r: int) -> None:
+            a2a[r] = await moe.AllToAll.create(e, moe.Group(g, r), **kw)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(mk, e0, 0)
+            tg.start_soon(mk, e1, 1)
+        x = [np.full((4, 4), r + 1, np.float32) for r in range(2)]
+        w = np.ones((4, 1), np.float32)
+        errors: dict[int, BaseException] = {}
+
+        async def call(r: int, idx: np.ndarray, bound_m: int = 4) -> None:
+            try:
+                h = await a2a[r].dispatch(x[r], idx, w, bound_m=bound_m)
+                out = await a2a[r].combine(h, h.expert_x)
+                assert np.array_equal(out, x[r][:bound_m])
+            except aiote.InvalidArgument as exc:
+                errors[r] = exc
+
+        async with anyio.create_task_group() as tg:  # 8 rows for expert 1 (rank 1): past 3
+            tg.start_soon(call, 0, np.ones((4, 1), np.int64))
+            tg.start_soon(call, 1, np.ones((4, 1), np.int64))
+        assert set(errors) == {0, 1} and all("max_recv_tokens" in str(e) for e in errors.values())
+        errors.clear()
+        async with anyio.create_task_group() as tg:  # 3 tokens each: 3 rows per rank, fits
+            tg.start_soon(call, 0, np.array([[0], [1], [0], [0]]), 3)
+            tg.start_soon(call, 1, np.array([[1], [0], [1], [1]]), 3)
+        assert not errors
+        for a in a2a.values():
+            await a.aclose()
