@@ -31,6 +31,7 @@ from ._core._errors import (
     RegistrationError,
     RemoteAccessError,
     TransferError,
+    TransferStalled,
     TransferTimeout,
 )
 from ._core._gpu import UvmWatcher
@@ -66,6 +67,7 @@ __all__ = [
     "Transfer",
     "TransferBatch",
     "TransferError",
+    "TransferStalled",
     "TransferTimeout",
     "UvmWatcher",
     "default_streams",

@@ -1235,13 +1235,15 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
         else memcpy(there, here, d->length);
         atomic_thread_fence(memory_order_seq_cst);
         atomic_fetch_add_explicit(&e->st_mapped, 1, memory_order_relaxed);
-    } else { /* a READ (writes are queued only into an arena: see post_item_g) */
+    } else { /* outside the arena: the kernel copies between the two address spaces */
         aio_mr *m = d->mr;
         uint64_t done = 0;
+        int rd = d->op == AIO_OP_READ;
         while (done < d->length) {
             struct iovec lio = {.iov_base = (char *)m->buf + d->offset + done, .iov_len = d->length - done};
             struct iovec rio = {.iov_base = (void *)(uintptr_t)(d->raddr + done), .iov_len = d->length - done};
-            ssize_t k = process_vm_readv(p->pid, &lio, 1, &rio, 1, 0);
+            ssize_t k = rd ? process_vm_readv(p->pid, &lio, 1, &rio, 1, 0)
+                           : process_vm_writev(p->pid, &lio, 1, &rio, 1, 0);
             if (k < 0 && errno == EINTR) continue;
             if (k <= 0) {
                 rc = k == 0 ? -FI_EFAULT : errno == ESRCH ? -FI_ECONNRESET : -errno;
@@ -1252,6 +1254,33 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     }
     atomic_fetch_and(&s->busy, ~bit);
     return rc;
+}
+
+/* The checks of a direct copy, made in place for a request that moves no bytes itself (a bare
+ * immediate to a same-host peer): the peer's process alive, the slot's key, bounds and right.
+ * 0, -FI_EINVAL (bad code), -FI_ECONNRESET (the peer died) or -FI_EACCES. No busy mark: nothing
+ * of the region is touched. */
+static int direct_check(aio_engine *e, const aio_op_desc *d) {
+    if ((d->direct >> 16) < 1 || (d->direct >> 16) > atomic_load(&e->ndpeers) ||
+        (d->direct & 0xffff) >= AIO_DIRECT_SLOTS)
+        return -FI_EINVAL;
+    direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
+    if (atomic_load(&p->dead)) return -FI_ECONNRESET;
+    struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
+    if (poll(&pf, 1, 0) > 0 || atomic_load(&p->t->closed)) {
+        atomic_store(&p->dead, 1);
+        return -FI_ECONNRESET;
+    }
+    direct_slot *s = &p->t->slots[d->direct & 0xffff];
+    uint64_t key = atomic_load(&s->key);
+    uint64_t base = atomic_load_explicit(&s->base, memory_order_relaxed);
+    uint64_t len = atomic_load_explicit(&s->len, memory_order_relaxed);
+    uint32_t need = d->op == AIO_OP_READ ? AIO_ACCESS_REMOTE_READ : AIO_ACCESS_REMOTE_WRITE;
+    if (key == 0 || key != d->rkey || d->raddr < base || d->raddr - base > len ||
+        d->length > len - (d->raddr - base) ||
+        !(atomic_load_explicit(&s->access, memory_order_relaxed) & need))
+        return -FI_EACCES;
+    return 0;
 }
 
 /* Queues a direct copy (`post` 0) for poller 0, which makes every direct copy (see
@@ -2729,9 +2758,12 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     if (direct && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
                    (it->direct & 0xffff) >= AIO_DIRECT_SLOTS))
         return -FI_EINVAL;
-    if (direct && it->op == AIO_OP_WRITE) /* writes: only into a peer's arena, and not tiny ones */
-        direct = it->length >= AIO_DIRECT_WRITE_MIN &&
-                 in_arena(&e->dpeers[(it->direct >> 16) - 1], it->raddr, it->length);
+    if (it->direct != 0 && !direct) {
+        /* a request to a same-host peer that is no copy: several gathered pieces (never formed
+         * for a direct route, see aio_post_paged) or a bare immediate: the slot's checks here */
+        int rc = direct_check(e, it);
+        if (rc) return rc;
+    }
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
     aio_op *op;
@@ -2870,7 +2902,7 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
         const aio_route *rt = &d->routes[(uint64_t)(d->first_route + start + req) % (uint64_t)d->nroutes];
         aio_rail *r = (rt->rail >= 0 && rt->rail < e->nrails) ? e->rails[rt->rail] : NULL;
         int limit = 1;
-        if (r && d->gather) {
+        if (r && d->gather && !rt->direct) {
             limit = (int)r->iov_limit;
             if ((d->flags & AIO_F_DATA) && r->cq_data_size < 8) limit = 1;
         }
@@ -2894,6 +2926,7 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
         it.rail = rt->rail;
         it.peer = rt->peer;
         it.rkey = rt->rkey;
+        it.direct = rt->direct;
         it.raddr = rt->rbase + dst0;
         it.data = d->data;
         if ((d->flags & AIO_F_DATA) && cnt > 1) it.data = (d->data & 0xffffffffULL) | (((uint64_t)cnt * AIO_CREDIT_UNIT) << 32);

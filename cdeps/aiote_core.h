@@ -232,10 +232,13 @@ int aio_direct_attach(aio_engine *e, const aio_direct_info *peer, char *err, siz
 /* Arenas. An engine with a table may publish one arena: a memfd of `len` bytes that this
  * process maps (MAP_SHARED, page-aligned) at `base`. Peers that attach map it as well, and a
  * direct copy whose peer range lies in the arena is a memcpy by the initiator's poller, under
- * the same slot checks (key, bounds, right, busy mark) as the other direct copies. Writes are
- * direct only into an arena (process_vm_writev measured slower than shm); reads always are.
- * Writes shorter than AIO_DIRECT_WRITE_MIN go through shm all the same: one provider message
- * carries them with their immediate, sooner than the hop to the poller and back.
+ * the same slot checks (key, bounds, right, busy mark) as the other direct copies.
+ * Every write or read of one byte or more that carries a direct code is a direct copy
+ * (process_vm_writev / process_vm_readv outside an arena): libfabric 1.17's shm checks no key,
+ * no bounds and no access right, and never fails a request to a process that died, so the
+ * same-host route keeps the target's checks and notices a dead peer only this way. A bare
+ * immediate (zero bytes) with a direct code is checked in place (the slot's key and right, the
+ * peer alive) and then posted to shm. AIO_DIRECT_WRITE_MIN is kept for compatibility.
  * The engine keeps a duplicate of fd until it is destroyed; the mapping stays the caller's.
  * Once, before any region is registered: 0, -FI_EBUSY, or -FI_EINVAL with `err` filled. */
 #define AIO_DIRECT_WRITE_MIN 4096
@@ -275,7 +278,7 @@ int aio_post_sendv(aio_engine *e, int64_t group, int rail, uint64_t peer, const 
  * budget_ns), or a negative error when none was. */
 typedef struct aio_route {
     int32_t rail;     /* local rail */
-    int32_t pad;
+    int32_t direct;   /* 0, or AIO_DIRECT(attach, slot): pages to this route are direct copies */
     uint64_t peer;    /* fi_addr_t of the remote NIC on that rail */
     uint64_t rbase;   /* remote address of offset 0 on that NIC */
     uint64_t rkey;    /* remote key on that NIC */

@@ -1,4 +1,5 @@
-"""Hostile input, property-tested on a live engine pair (tcp): every operation either does
+"""Hostile input, property-tested on a live engine pair on each route it can take (tcp, the
+same-host route, a host arena): every operation either does
 exactly what its arguments say or raises InvalidArgument before anything is posted; and a
 time-bounded fuzz run of the wire-format parsers. Plain sync tests: the engines live in an
 event loop in a background thread (anyio's blocking portal)."""
@@ -42,15 +43,22 @@ class Rig:
         return int(self.a.stats()["completions"])
 
 
-@pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
+@pytest.fixture(scope="module", params=["tcp", "same-host", "arena"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """The pair on each route of the guarantee suite that an engine pair in one process can
+    take: tcp (``same_host=None``), the default same-host route (direct copies checked against
+    the owner's table), and the same-host route into the owner's host arena (a memcpy)."""
+    route = request.param
     with anyio.from_thread.start_blocking_portal() as portal, portal.wrap_async_context_manager(
-        engine_pair(same_host=None)
+        engine_pair(**({"same_host": None} if route == "tcp" else {}))
     ) as (a, b):
         src = pattern(SIZE, seed=1)
-        dst = np.zeros(SIZE, np.uint8)
+        dst = b.alloc_host(SIZE) if route == "arena" else np.zeros(SIZE, np.uint8)
+        dst[:] = 0
         ms = portal.call(a.register, src)
         md = portal.call(b.register, dst)
+        got = a.route(md.descriptor).provider.split(";")[0]
+        assert got == ("tcp" if route == "tcp" else "shm"), (route, got)
         # every connection to b open before the first example: otherwise the first valid write
         # opens the second stream in the background, and that zero-byte request's completion
         # would land during a later example that asserts nothing was posted

@@ -22,15 +22,17 @@ from aiote.cli import kvdemo
 
 pytestmark = pytest.mark.anyio
 
-TCP = {"same_host": None}
+# the route: open_engine()'s defaults (same host: shm with direct copies) and tcp
+ROUTES = pytest.mark.parametrize("same_host", ["shm", None], ids=["default", "tcp"])
 LAYOUT = kv.KVLayout(layers=6, page_tokens=16, token_bytes=512, pool_pages=256)  # 8 KiB pages
 BLOCK = kvdemo._block(LAYOUT)
 
 
-def demo_args(backend: str) -> argparse.Namespace:
+def demo_args(backend: str, same_host: str | None = "shm") -> argparse.Namespace:
     return argparse.Namespace(
-        provider="tcp", backend=backend, layers=LAYOUT.layers, page_tokens=LAYOUT.page_tokens,
-        token_bytes=LAYOUT.token_bytes, pool_pages=LAYOUT.pool_pages, kv_timeout=30.0,
+        provider="tcp", backend=backend, same_host=same_host or "none", layers=LAYOUT.layers,
+        page_tokens=LAYOUT.page_tokens, token_bytes=LAYOUT.token_bytes, pool_pages=LAYOUT.pool_pages,
+        kv_timeout=30.0,
     )
 
 
@@ -49,17 +51,31 @@ async def run_request(prefill: kv.PrefillServer, tokens: int, layer_delay: float
     return req
 
 
+def assert_route(prefill: kv.PrefillServer, same_host: str | None) -> None:
+    """Every decoder the prefill server knows is reached over the route the test is for."""
+    assert prefill.decoders
+    for address in prefill.decoders:
+        got = prefill.engine.route(address).provider
+        assert got.startswith("shm" if same_host else "tcp"), (same_host, got)
+
+
 @asynccontextmanager
-async def prefill_server(**kw) -> AsyncIterator[kv.PrefillServer]:  # type: ignore[no-untyped-def]
-    async with aiote.open_engine(**TCP) as e, kv.PrefillServer(e, LAYOUT, **kw) as p:
+async def prefill_server(  # type: ignore[no-untyped-def]
+    same_host: str | None = "shm", **kw
+) -> AsyncIterator[kv.PrefillServer]:
+    async with aiote.open_engine(same_host=same_host) as e, kv.PrefillServer(e, LAYOUT, **kw) as p:
         yield p
 
 
-async def test_across_processes_every_page_verified_and_a_decoder_joining(anyio_backend: str) -> None:
-    args = demo_args(anyio_backend)
-    async with prefill_server(policy=kv.LeastLoaded()) as prefill:
+@ROUTES
+async def test_across_processes_every_page_verified_and_a_decoder_joining(
+    anyio_backend: str, same_host: str | None
+) -> None:
+    args = demo_args(anyio_backend, same_host)
+    async with prefill_server(same_host, policy=kv.LeastLoaded()) as prefill:
         d1 = await kvdemo.spawn_decoder(args, prefill.engine.address, "d1")
         await prefill.wait_for_decoders(1, timeout=30)
+        assert_route(prefill, same_host)
         lengths = [17, 1, 16, 250, 1000, 3000, 33, 512] * 4
         done: list[kv.PrefillRequest] = []
 
@@ -77,6 +93,8 @@ async def test_across_processes_every_page_verified_and_a_decoder_joining(anyio_
         await d1.leave()
         await d2.leave()
         s1, s2 = await d1.finish(), await d2.finish()
+        copies = prefill.engine.stats()["direct_copies"]
+        assert copies > 0 if same_host else copies == 0  # the KV bytes went the route's way
     assert len(done) == len(lengths)
     assert s1["bad"] == s2["bad"] == 0
     assert s1["verified"] + s2["verified"] == len(lengths)
@@ -84,13 +102,17 @@ async def test_across_processes_every_page_verified_and_a_decoder_joining(anyio_
     assert s1["exit"] == s2["exit"] == 0
 
 
-async def test_decoder_killed_mid_request_fails_its_requests_only(anyio_backend: str) -> None:
-    args = demo_args(anyio_backend)
-    async with prefill_server(policy=kv.RoundRobin()) as prefill:
+@ROUTES
+async def test_decoder_killed_mid_request_fails_its_requests_only(
+    anyio_backend: str, same_host: str | None
+) -> None:
+    args = demo_args(anyio_backend, same_host)
+    async with prefill_server(same_host, policy=kv.RoundRobin()) as prefill:
         victim = await kvdemo.spawn_decoder(args, prefill.engine.address, "victim")
         await prefill.wait_for_decoders(1, timeout=30)
         other = await kvdemo.spawn_decoder(args, prefill.engine.address, "other")
         await prefill.wait_for_decoders(2, timeout=30)
+        assert_route(prefill, same_host)
         outcomes: dict[int, object] = {}
 
         async def one(i: int) -> None:
@@ -122,7 +144,7 @@ async def test_decoder_killed_mid_request_fails_its_requests_only(anyio_backend:
 
 @asynccontextmanager
 async def in_process(**worker_kw) -> AsyncIterator[tuple[kv.PrefillServer, kv.DecodeWorker]]:  # type: ignore[no-untyped-def]
-    async with prefill_server() as prefill, aiote.open_engine(**TCP) as de, kv.DecodeWorker(
+    async with prefill_server() as prefill, aiote.open_engine() as de, kv.DecodeWorker(
         de, LAYOUT, prefill.engine.address, **worker_kw
     ) as worker:
         await prefill.wait_for_decoders(1, timeout=10)
@@ -243,15 +265,19 @@ async def test_bad_arguments() -> None:
         await r.cancel()
 
 
-async def test_across_processes_hundred_concurrent_deadline_and_prefill_cancel(anyio_backend: str) -> None:
+@ROUTES
+async def test_across_processes_hundred_concurrent_deadline_and_prefill_cancel(
+    anyio_backend: str, same_host: str | None
+) -> None:
     """The decode worker in its own process (verifying every page it receives): 100
     concurrent requests; a request cancelled by the prefill side mid-way whose pages the next
     request reuses; a request the prefill side stalls past the worker's kv_timeout."""
-    args = demo_args(anyio_backend)
+    args = demo_args(anyio_backend, same_host)
     args.kv_timeout = 2.0
-    async with prefill_server() as prefill:
+    async with prefill_server(same_host) as prefill:
         d = await kvdemo.spawn_decoder(args, prefill.engine.address, "d")
         await prefill.wait_for_decoders(1, timeout=30)
+        assert_route(prefill, same_host)
         async with anyio.create_task_group() as tg:
             for i in range(100):
                 tg.start_soon(run_request, prefill, 16 + 5 * i)
@@ -279,15 +305,19 @@ async def test_across_processes_hundred_concurrent_deadline_and_prefill_cancel(a
     assert summary["exit"] == 0
 
 
-async def test_across_processes_decode_side_cancellation_and_page_reuse(anyio_backend: str) -> None:
+@ROUTES
+async def test_across_processes_decode_side_cancellation_and_page_reuse(
+    anyio_backend: str, same_host: str | None
+) -> None:
     """The decode worker process cancels every second request once its second layer arrived;
     the prefill side stops writing those, and the requests that reuse their pages at once
     verify with their own bytes only."""
-    args = demo_args(anyio_backend)
+    args = demo_args(anyio_backend, same_host)
     args.cancel_every = 2
-    async with prefill_server() as prefill:
+    async with prefill_server(same_host) as prefill:
         d = await kvdemo.spawn_decoder(args, prefill.engine.address, "d")
         await prefill.wait_for_decoders(1, timeout=30)
+        assert_route(prefill, same_host)
         outcomes: list[str] = []
         for _ in range(10):  # one at a time: each request gets the pages the previous freed
             try:

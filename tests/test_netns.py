@@ -152,6 +152,43 @@ async def test_every_link_down_with_a_deadline_then_back(hosts: Hosts, nics: int
         await eventually(lambda: e.stats()["ops_in_flight"] == 0, "the waiting writes to complete", 60)
 
 
+@pytest.mark.parametrize("nics", [1, 2])
+async def test_every_link_down_without_a_deadline_is_unreachable_after_connect_timeout(
+    hosts: Hosts, nics: int
+) -> None:
+    """No NIC left to the peer and no deadline: PeerUnreachable once every NIC has been down
+    for connect_timeout (not after the 30 s stall bound); the writes it posted stay with the
+    transport and land once, not posted again, when the links come back."""
+    policy = aiote.RetryPolicy(connect_timeout=1.5)
+    async with aiote.open_engine(nics=hosts.local[:nics], same_host=None, retry=policy) as e, peer(
+        hosts, e, hosts.remote[:nics]
+    ) as p:
+        d, src, ms = await peer_buffer(p, 64 << 20, seed=2)
+        try:
+            for i in range(nics):
+                hosts.link(i, False)
+            await eventually(lambda: len(e.domains.down) == nics, "the NICs out of rotation")
+            t0 = anyio.current_time()
+            with pytest.raises(aiote.PeerUnreachable, match="every NIC that reaches the peer"):
+                await e.write(ms, d, imm=5)
+            assert anyio.current_time() - t0 < policy.connect_timeout + 3.0
+            with pytest.raises(aiote.PeerUnreachable):  # new work: within the same bound
+                await e.write(ms, d, length=4096, imm=6)
+            assert anyio.current_time() - t0 < 2 * (policy.connect_timeout + 3.0)
+        finally:
+            for i in range(nics):
+                hosts.link(i, True)
+        await eventually(lambda: e.domains.down == (), "the NICs back in rotation")
+        await eventually(lambda: e.stats()["ops_in_flight"] == 0, "the stranded writes to land", 60)
+        await e.write(ms, d, imm=7, timeout=60)
+        await p.wait(imm=7)
+        await anyio.sleep(0.3)
+        # a failed operation's immediate counts at most once: over one NIC it travels with the
+        # data, which landed; over several the credit follows only an operation that succeeded
+        assert [await p.counter(5), await p.counter(6)] == ([1, 1] if nics == 1 else [0, 0])
+        assert await p.digest("buf") == digest(src)
+
+
 @pytest.mark.parametrize("asked", [None, 96 << 10], ids=["auto", "96KiB"])
 async def test_send_buffers_of_connections_to_another_host(hosts: Hosts, asked: int | None) -> None:
     """By default (``tcp_send_buffer=None``) the fixed send buffer is for same-host

@@ -143,15 +143,20 @@ def _blob(b: bytes) -> bytes:
 class EngineAddress:
     """The address of an engine: what a peer needs to send to it. ``bytes(addr)`` to ship it
     (O(NICs) plus one CRC-32; raises nothing). Building one checks nothing; :meth:`from_bytes`
-    validates."""
+    validates. ``max_message``: the largest message the engine receives (its
+    ``max_message_size``), so that a sender refuses a larger one before posting it (0: not
+    known, as in the address a descriptor carries)."""
 
     rails: tuple[RailAddress, ...]
     host_id: bytes
+    max_message: int = 0
 
     def __bytes__(self) -> bytes:
         body = _ADDR_MAGIC + struct.pack("<BB", _VERSION, len(self.rails)) + self.host_id
         for r in self.rails:
             body += _str(r.provider) + _blob(r.address)
+        if self.max_message:
+            body += struct.pack("<Q", self.max_message)
         return _seal(body)
 
     @classmethod
@@ -165,9 +170,12 @@ class EngineAddress:
             raise DescriptorError(f"engine address claims {n} NICs (1..{_MAX_RAILS} allowed)")
         host = r.take(16)
         rails = tuple(RailAddress(r.string(), r.blob()) for _ in range(n))
+        limit = 0
+        if len(r.data) - r.pos == 8:
+            (limit,) = r.unpack("<Q")
         if r.pos != len(r.data):
             raise DescriptorError("engine address has trailing bytes")
-        return cls(rails, host)
+        return cls(rails, host, limit)
 
 
 GPU_BACKEND_CUDA = 1
@@ -190,6 +198,7 @@ class GpuExtent:
 
 
 _DIRECT_TAG = 1
+_MAXMSG_TAG = 2  # the owner's max_message_size (EngineAddress.max_message)
 _DIRECT_FMT = "<iiQQIQ"
 
 
@@ -224,6 +233,7 @@ class MemoryDescriptor:
     keys: tuple[_RemoteKey, ...]
     gpu: GpuExtent | None = None
     direct: DirectExtent | None = None
+    max_message: int = 0  # the owner's max_message_size (0: not known)
 
     @property
     def remote_write(self) -> bool:
@@ -244,7 +254,9 @@ class MemoryDescriptor:
     def address(self) -> EngineAddress:
         """The owning engine's address (one rail per NIC of the owner). Builds a new
         :class:`EngineAddress` each time: O(NICs), raises nothing."""
-        return EngineAddress(tuple(RailAddress(k.provider, k.address) for k in self.keys), self.host_id)
+        return EngineAddress(
+            tuple(RailAddress(k.provider, k.address) for k in self.keys), self.host_id, self.max_message
+        )
 
     def __bytes__(self) -> bytes:
         body = _DESC_MAGIC + struct.pack(
@@ -262,6 +274,8 @@ class MemoryDescriptor:
             x = self.direct
             body += struct.pack("<B", _DIRECT_TAG)
             body += struct.pack(_DIRECT_FMT, x.pid, x.fd, x.nonce, x.table, x.slot, x.key)
+        if self.max_message:
+            body += struct.pack("<BQ", _MAXMSG_TAG, self.max_message)
         return _seal(body)
 
     @classmethod
@@ -299,11 +313,16 @@ class MemoryDescriptor:
             (ipc_off,) = r.unpack("<Q")
             gpu = GpuExtent(rid, backend, handle, ipc_off, bool(flags & _DIRECT))
         direct = None
-        if kind == DEVICE_HOST and r.pos < len(r.data):
+        limit = 0
+        seen: set[int] = set()
+        while r.pos < len(r.data):  # extensions, each once: the direct-copy extent, the message limit
             (tag,) = r.unpack("<B")
-            if tag != _DIRECT_TAG:
-                raise DescriptorError(f"memory descriptor has an unknown extension {tag}")
-            direct = DirectExtent(*r.unpack(_DIRECT_FMT))
-        if r.pos != len(r.data):
-            raise DescriptorError("memory descriptor has trailing bytes")
-        return cls(length, access, kind, dev, host, tuple(keys), gpu, direct)
+            known = tag == _MAXMSG_TAG or (tag == _DIRECT_TAG and kind == DEVICE_HOST)
+            if tag in seen or not known:
+                raise DescriptorError(f"memory descriptor has an unknown or repeated extension {tag}")
+            seen.add(tag)
+            if tag == _DIRECT_TAG:
+                direct = DirectExtent(*r.unpack(_DIRECT_FMT))
+            else:
+                (limit,) = r.unpack("<Q")
+        return cls(length, access, kind, dev, host, tuple(keys), gpu, direct, limit)

@@ -47,6 +47,7 @@ from ._errors import (
     RegistrationError,
     RemoteAccessError,
     TransferError,
+    TransferStalled,
     TransferTimeout,
 )
 from ._gpu import GpuSupport, UvmWatcher
@@ -91,6 +92,7 @@ _ACCESS_ERRORS = {1, 13, 14, 121, 129, 266}
 _FI_ETRUNC = 265
 _FI_EBUSY = 16
 _NO_DIRECT = (0, 0)
+_ELSEWHERE = bytes(16)  # a host id no engine has: routes a same-host peer as a remote one (_host_of)
 _DIRECT_SLOTS = int(lib.AIO_DIRECT_SLOTS)
 _FI_ECANCELED = 125
 _ENOENT = 2
@@ -125,6 +127,12 @@ def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
 
 
 def _host_id() -> bytes:
+    """Who can share memory with this process: the kernel's boot, its PID namespace (direct
+    copies and libfabric's shm name peers by pid) and the file system behind ``/dev/shm``
+    (shm's queues are files there). Two engines with the same id get the same-host route;
+    processes on one node in other containers (another PID namespace, another ``/dev/shm``)
+    get another id, so they are reached over the main provider. An IPC namespace alone does not
+    separate them: POSIX shared memory lives in ``/dev/shm``."""
     parts = []
     for p in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
         try:
@@ -134,6 +142,12 @@ def _host_id() -> bytes:
             pass
     if not parts:
         parts.append(os.uname().nodename.encode())
+    for ns in ("/proc/self/ns/pid", "/dev/shm"):
+        try:
+            st = os.stat(ns)
+            parts.append(f"{ns}={st.st_dev}:{st.st_ino}".encode())
+        except OSError:
+            parts.append(f"{ns}=?".encode())
     return hashlib.blake2b(b"|".join(parts), digest_size=16).digest()
 
 
@@ -169,10 +183,11 @@ class ScatterTarget:
 
 
 class _Op:
-    __slots__ = ("alts", "done", "event", "failover", "posted", "prov_errno", "rails", "refs", "status")
+    __slots__ = ("alts", "done", "event", "failover", "g", "posted", "prov_errno", "rails", "refs", "status")
 
     def __init__(self, refs: Any, event: Any) -> None:
         self.event = event
+        self.g = -1  # its native group, once one was opened (the stall watch reads its progress)
         self.posted = 0  # requests of the group handed to the transport so far
         self.status = 0
         self.prov_errno = 0
@@ -300,6 +315,7 @@ class Engine:
         self._cancel_grace = cancel_grace
         self._budget_ns = post_budget_ns
         self._failovers = 0
+        self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
         self._pending: dict[int, _Op] = {}
@@ -327,7 +343,9 @@ class Engine:
         self._recs = ffi.new("aio_record[256]")
         self._gout = ffi.new("int64_t[1]")  # aio_submit's group (the loop thread only)
         self._checkpoint_if_cancelled: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint_if_cancelled
-        self._address = EngineAddress(tuple(RailAddress(r.provider, r.address) for r in rails), _host_id())
+        self._address = EngineAddress(
+            tuple(RailAddress(r.provider, r.address) for r in rails), _host_id(), max_message_size
+        )
         self._address_bytes = bytes(self._address)
         self._router = Router(
             [r.provider for r in rails],
@@ -644,10 +662,12 @@ class Engine:
         which re-post their work on the other NICs) or put it back."""
         name = self._rails[rail].domain
         if up:
+            self._down_since.pop(rail, None)
             self._router.down.discard(rail)
             self._log.info("link up: NIC back in rotation", nic=name)
             return
         self._router.down.add(rail)
+        self._down_since.setdefault(rail, now())
         woken = 0
         down = self._router.down
         for op in self._pending.values():
@@ -837,9 +857,9 @@ class Engine:
             if slot >= 0:
                 first = min(self._shm_rails)
                 direct = DirectExtent(*self._direct_info, slot, keys[first].key)
-        desc = MemoryDescriptor(
-            nbytes, access, device_kind, device_id, self._address.host_id, keys, gpu, direct
-        )
+        host = self._address.host_id
+        limit = self._max_message
+        desc = MemoryDescriptor(nbytes, access, device_kind, device_id, host, keys, gpu, direct, limit)
         mr = MemoryRegion(self, owner, cbuf, mrh, nbytes, desc, remote_write, remote_read)
         mr._ptr = int(ffi.cast("uintptr_t", mrh))
         self._regions.add(mr)
@@ -926,11 +946,28 @@ class Engine:
         hit = self._desc_paths.get(id(rdesc))
         if hit is not None and hit[0] is rdesc:
             return hit[1]
-        p = self._router.path(rdesc.keys, rdesc.host_id)
+        p = self._router.path(rdesc.keys, self._host_of(rdesc))
         if len(self._desc_paths) >= 1024:
             self._desc_paths.clear()
         self._desc_paths[id(rdesc)] = (rdesc, p)  # holds rdesc: its id cannot be reused meanwhile
         return p
+
+    def _host_of(self, rdesc: MemoryDescriptor) -> bytes:
+        """The host id to route ``rdesc`` by: its owner's, unless the same-host route cannot
+        keep its guarantees for this region. libfabric 1.17's shm checks no key, bounds or
+        access right and never fails a request to a process that died, so host memory of a
+        same-host peer is reached over shm only through the owner's region table (direct
+        copies, checked by the initiator: see :meth:`_direct`); a region without a slot there
+        (the owner publishes no table, no remote access, a full table) or an owner this process
+        cannot attach to goes over the main provider, as a peer on another host."""
+        host = rdesc.host_id
+        if host != self._address.host_id or not self._shm_rails or rdesc.device_kind != DEVICE_HOST:
+            return host
+        if self._router.provider_for([k.provider for k in rdesc.keys], host) not in ("shm",):
+            return host
+        if rdesc.direct is not None and self._direct(rdesc)[0]:
+            return host
+        return _ELSEWHERE
 
     def route(self, peer: bytes | EngineAddress | MemoryDescriptor) -> Route:
         """How this engine reaches ``peer`` (an engine address, or a descriptor of one of its
@@ -941,7 +978,7 @@ class Engine:
         :class:`DescriptorError` for corrupt address bytes. Costs O(NICs): the first call for a
         peer resolves its NIC addresses (one native call each, cached), later ones hit the cache."""
         if isinstance(peer, MemoryDescriptor):
-            return self._router.describe(peer.keys, peer.host_id)
+            return self._router.describe(peer.keys, self._host_of(peer))
         addr = self._engine_address(peer)
         return self._router.describe(addr_ends(addr), addr.host_id)
 
@@ -1126,11 +1163,10 @@ class Engine:
             streams = self._streams > 1 and length >= self._stripe_min and self._on_one_nic(path)
             note.append(opened is path and not streams)
         ptr = mr._ptr
-        # a same-host peer that published the region, over shm: a direct copy by our poller.
-        # The core makes READs directly, and writes only into the peer's arena (memcpy); other
-        # writes stay with shm, which copies at the target (process_vm_writev measured slower
-        # here; see docs/benchmarks.md)
-        dcode, dkey = self._direct(rdesc) if rdesc.direct is not None and mr._dev is None else _NO_DIRECT
+        # a same-host peer that published the region, over shm: a direct copy by our poller
+        # (a memcpy into or out of the peer's arena, else process_vm_writev / readv), checked
+        # against the owner's region table; a bare immediate is checked in place (see _host_of)
+        dcode = self._direct(rdesc)[0] if rdesc.direct is not None and mr._dev is None else 0
         if (
             n > 1
             and self._streams > 1
@@ -1149,7 +1185,7 @@ class Engine:
             # adds work requests and a credit message and moves nothing faster
             hop = opened[start % len(opened)]
             rail, fa, base, key = hop
-            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            dc = dcode if rail in self._shm_rails else 0
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
         path, n = opened, len(opened)  # NICs not connected yet take nothing until they are
         if len(full) > 1 and flags and length:
@@ -1159,7 +1195,7 @@ class Engine:
             data = flags = 0
         if n == 1 or length < self._stripe_min:
             rail, fa, base, key = path[start % n]
-            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            dc = dcode if rail in self._shm_rails else 0
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], full
         # striped: n shards, 4 KiB aligned
         chunk = -(-length // n)
@@ -1168,7 +1204,7 @@ class Engine:
         for i, o in enumerate(range(0, length, chunk)):
             rail, fa, base, key = path[(start + i) % n]
             ln = min(chunk, length - o)
-            dc = dcode if key == dkey and rail in self._shm_rails else 0
+            dc = dcode if rail in self._shm_rails else 0
             rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, dc))
         return rows, full
 
@@ -1581,6 +1617,7 @@ class Engine:
             g = int(lib.aio_group_open(h, token))
         if g >= 0:
             self._pending[token] = op
+        op.g = g
         return _Group(op, token, g, first)
 
     async def _finish(
@@ -1608,7 +1645,7 @@ class Engine:
                     while g < 0:  # every group slot in flight: backpressure
                         attempt += 1
                         h = await self._pause(min(0.0001 * attempt, 0.005))
-                        g = lib.aio_group_open(h, token)
+                        g = op.g = lib.aio_group_open(h, token)
             except BaseException:
                 if g >= 0:
                     self._seal(g)
@@ -1692,7 +1729,7 @@ class Engine:
         try:
             if self._loop_spin_ns:
                 self._spin_until(op.event.is_set)
-            if not op.event.is_set() and not await wait_until(op.event, end):
+            if not op.event.is_set() and not await self._wait_moving(op, end, what):
                 assert timeout is not None
                 raise timeout_error(what, timeout)
         except TransferTimeout as timed_out:
@@ -1700,11 +1737,71 @@ class Engine:
             # every request posted: all land unless one fails
             timed_out._landed = lambda: op.done is True and op.status == 0 and not op.failover
             raise
-        except BaseException:
-            if not op.done:
+        except BaseException as exc:
+            if not op.done and not getattr(exc, "_final", False):  # see _wait_moving
                 await self._settle_cancelled(op)
             raise
         return self._outcome(op, what)
+
+    async def _wait_moving(self, op: _Op, end: float | None, what: str) -> bool:
+        """Waits for ``op``'s completion until ``end``: True once it came, False at ``end``.
+        Raises :class:`TransferStalled` when none of its requests completed for the policy's
+        ``stall_timeout`` (a request completing is progress: a slow peer that keeps taking
+        bytes never trips it; a peer that takes nothing, stopped or wedged, does), and
+        :class:`PeerUnreachable` once every NIC that reaches its peer has been down for
+        ``connect_timeout`` (its requests stay owned by the transport, and land if a link
+        comes back: it is not posted again)."""
+        p = _POLICY.get()
+        policy = p if p is not None else self._retry
+        stall = policy.stall_timeout
+        if stall is None and not self._router.down:
+            return await wait_until(op.event, end)
+        h = self._h
+        last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+        moved = now()
+        while True:
+            marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]
+            if self._router.down:
+                marks.append(now() + 0.25)  # are all the peer's NICs down, and for how long?
+            if await wait_until(op.event, min(marks) if marks else None):
+                return True
+            t = now()
+            if end is not None and t >= end:
+                return False
+            pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+            if op.event.is_set() or pending != last:
+                last, moved = pending, t
+                continue
+            gone = self._all_down_for(op, t)
+            if gone > policy.connect_timeout:
+                exc = PeerUnreachable(
+                    f"{what}: every NIC that reaches the peer ({self._peer_names(op)}) has been down for "
+                    f"{gone:.1f} s (connect_timeout={policy.connect_timeout:g} s); {pending} of its requests "
+                    "stay with the transport and land if a link comes back",
+                    101,
+                    0,
+                )
+                exc._final = True  # type: ignore[attr-defined]  # not posted again
+                raise exc
+            if stall is not None and t - moved >= stall:
+                raise TransferStalled(
+                    f"{what}: no request of it completed for stall_timeout={stall:g} s "
+                    f"({pending} of its requests still in flight to the peer through "
+                    f"{self._peer_names(op)}); the peer is stopped, wedged or too slow for the bound",
+                )
+
+    def _all_down_for(self, op: _Op, t: float) -> float:
+        """How long every NIC of ``op``'s peer has been down (0 while one is up)."""
+        alts = op.alts or frozenset(op.rails or ()) or _rails_of(op)
+        down = self._router.down
+        if not alts or not alts <= down:
+            return 0.0
+        return t - max(self._down_since.get(r, t) for r in alts)
+
+    def _peer_names(self, op: _Op) -> str:
+        """The NICs an operation's requests left through, for error messages."""
+        rails = sorted(op.rails or op.alts or _rails_of(op))
+        return ", ".join(f"{self._rails[i].provider}/{self._rails[i].domain}" for i in rails) or "?"
 
     async def _settle_cancelled(self, op: _Op) -> None:
         """A posted request cannot be taken back: keeps its buffers until the NIC is done
@@ -2208,6 +2305,7 @@ class Engine:
             sp, dp = sp[order], dp[order]
         full = self._path(rdesc)
         path = self._router.live(full)
+        dcode = self._direct(rdesc)[0] if rdesc.direct is not None and mr._dev is None else 0
         if len(path) > 1:  # until every connection is open, pages go only over the open ones
             path = self._open_routes(path, lib.AIO_OP_WRITE)
         credits: dict[tuple[Any, int], int] = {}
@@ -2234,6 +2332,7 @@ class Engine:
             d.routes[i].peer = fa
             d.routes[i].rbase = base
             d.routes[i].rkey = key
+            d.routes[i].direct = dcode if rail in self._shm_rails else 0
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
@@ -2452,6 +2551,11 @@ class Engine:
                 f"payload of {data.nbytes} B exceeds max_message_size={self._max_message} B; "
                 "use a one-sided write for bulk data"
             )
+        if addr.max_message and data.nbytes > addr.max_message:
+            raise InvalidArgument(
+                f"payload of {data.nbytes} B exceeds the receiving engine's max_message_size="
+                f"{addr.max_message} B: it could not be delivered; use a one-sided write for bulk data"
+            )
         end = _end(timeout)
         while True:
             # messages keep to the first live route: they are delivered in order on it
@@ -2547,6 +2651,7 @@ class Engine:
         for i in range(len(self._rails)):
             if not lib.aio_rail_link_up(self._h, i):
                 self._router.down.add(i)
+                self._down_since[i] = now()
                 self._log.warning("link down at start: NIC out of rotation", nic=self._rails[i].domain)
         self._bridge = LoopBridge(int(lib.aio_engine_eventfd(self._h)), self._on_ready)
         self._bridge.start()
@@ -2722,6 +2827,16 @@ def _as_bytes(v: Any, name: str) -> bytes:
     raise InvalidArgument(f"{name} must be bytes, not {type(v).__name__}")
 
 
+def _rails_of(op: _Op) -> frozenset[int]:
+    """The rails of an operation posted from a table of rows (its refs hold the table), for
+    the slow paths that need them (a stall, every NIC down); empty when not known."""
+    r = op.refs
+    table = r[1] if isinstance(r, tuple) and len(r) == 2 else None
+    if isinstance(table, np.ndarray) and "rail" in (table.dtype.names or ()):
+        return frozenset(int(x) for x in np.unique(table["rail"]))
+    return frozenset()
+
+
 def _post_error(code: int, what: str, posted: int) -> AioteError:
     c = -code
     tail = f" ({posted} requests of it were posted and completed first)" if posted else ""
@@ -2731,6 +2846,8 @@ def _post_error(code: int, what: str, posted: int) -> AioteError:
         return InvalidArgument(f"{what}: the transport rejected the request as invalid{tail}")
     if c in _PEER_ERRORS:
         return PeerUnreachable(f"{what}: {_strerror(c)}{tail}", c, 0)
+    if c in _ACCESS_ERRORS:  # a same-host peer's table refused it before anything was posted
+        return RemoteAccessError(f"{what}: {_strerror(c)}: check the descriptor's key and bounds{tail}", c, 0)
     return TransferError(f"{what}: posting failed: {_strerror(c)}{tail}", c, 0)
 
 

@@ -83,5 +83,13 @@ class TransferTimeout(AioteError, TimeoutError):
             await self._waiter()
 
 
+class TransferStalled(TransferTimeout):
+    """An operation made no progress (none of its requests completed) for its retry policy's
+    ``stall_timeout`` (:class:`~aiote.RetryPolicy`; 30 s by default): the peer is stopped,
+    wedged, or slower than that bound allows. A :class:`TransferTimeout`: what was posted may
+    still land, and ``await exc.settled()`` waits until the transport let go of it. The
+    message names the NICs the operation's requests left through and how many were pending."""
+
+
 class EngineClosed(AioteError):
     """The engine is closed (or closing); nothing more can be posted."""

@@ -32,11 +32,18 @@ class RetryPolicy:
       counter says what arrived).
     - **A NIC whose link goes down** moves its work to the engine's other NICs (failover; see
       the guide), whatever the policy.
+    - **An operation that makes no progress** (none of its requests completed) for
+      ``stall_timeout`` seconds raises :class:`~aiote.TransferStalled` (a
+      :class:`~aiote.TransferTimeout`), so nothing waits forever by default, deadline or not.
+      A request completing is progress: a peer that keeps taking bytes never trips it, but a
+      single request larger than the link moves in ``stall_timeout`` does; raise it for such
+      links, or pass ``None`` to wait as long as the operation's own deadline says.
     - **Permanent errors are never retried**: a bad key or range (:class:`~aiote.RemoteAccessError`),
       a protection error, invalid arguments, timeouts, cancellation.
 
     ``RetryPolicy(attempts=0)`` turns re-posting off. Building one checks every field and raises
-    :class:`~aiote.InvalidArgument` for a negative, non-finite or non-numeric one (``attempts``: an int);
+    :class:`~aiote.InvalidArgument` for a negative, non-finite or non-numeric one (``attempts``: an int;
+    ``stall_timeout``: > 0 or None);
     O(1), no I/O.
     """
 
@@ -44,8 +51,13 @@ class RetryPolicy:
     backoff: float = 0.05
     max_backoff: float = 1.0
     connect_timeout: float = 5.0
+    stall_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
+        st = self.stall_timeout
+        bad = isinstance(st, bool) or not isinstance(st, (int, float)) or not math.isfinite(st) or st <= 0
+        if st is not None and bad:
+            raise InvalidArgument(f"stall_timeout must be a finite number of seconds > 0 or None, not {st!r}")
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 0:
             raise InvalidArgument(f"attempts must be an integer >= 0, not {self.attempts!r}")
         for name in ("backoff", "max_backoff", "connect_timeout"):

@@ -57,6 +57,11 @@ def verify(req: kv.DecodeRequest, layout: kv.KVLayout, block: np.ndarray) -> boo
     return True
 
 
+def _same_host(args: argparse.Namespace) -> str | None:
+    v = getattr(args, "same_host", "shm")
+    return None if v in (None, "none") else str(v)
+
+
 def _layout(args: argparse.Namespace) -> kv.KVLayout:
     return kv.KVLayout(
         layers=args.layers,
@@ -74,7 +79,7 @@ async def decode_main(args: argparse.Namespace) -> None:
     block = _block(layout)
     prefill = bytes.fromhex(args.prefill)
     done = {"verified": 0, "bad": 0, "failed": 0, "requests": 0}
-    async with aiote.open_engine(args.provider, same_host=None) as engine:
+    async with aiote.open_engine(args.provider, same_host=_same_host(args)) as engine:
         leave = anyio.Event()
 
         async def watch_stdin() -> None:
@@ -180,6 +185,8 @@ async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> 
         prefill.hex(),
         "--provider",
         args.provider,
+        "--same-host",
+        getattr(args, "same_host", "shm"),
         "--backend",
         args.backend,
         "--layers",
@@ -242,12 +249,13 @@ async def prefill_main(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     failed = 0
     async with (
-        aiote.open_engine(args.provider, same_host=None) as engine,
+        aiote.open_engine(args.provider, same_host=_same_host(args)) as engine,
         kv.PrefillServer(engine, layout, policy=kv.LeastLoaded()) as prefill,
     ):
         decoders = [await spawn_decoder(args, engine.address, f"decoder-{i + 1}") for i in range(2)]
         await prefill.wait_for_decoders(2, timeout=60)
-        progress.note(f"prefill and {len(decoders)} decode workers up ({engine.rails[0].provider} on lo)")
+        routes = sorted({engine.route(a).provider for a in prefill.decoders})
+        progress.note(f"prefill and {len(decoders)} decode workers up (route: {', '.join(routes)})")
         sem = anyio.Semaphore(args.concurrency)
         t0 = time.monotonic()
 
@@ -351,6 +359,7 @@ async def prefill_main(args: argparse.Namespace) -> int:
         "decoders": [d.summary for d in decoders],
         "events": progress.events,
         "provider": args.provider,
+        "same_host": _same_host(args),
         "backend": args.backend,
     }
     print(json.dumps(result))
@@ -375,6 +384,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layer-ms", type=float, default=0.0, help="extra compute time per layer")
     ap.add_argument("--kv-timeout", type=float, default=60.0)
     ap.add_argument("--provider", default="tcp", help="libfabric provider (default tcp on lo)")
+    ap.add_argument(
+        "--same-host", default="shm",
+        help="open_engine(same_host=...): 'shm' (the default: same-host peers get the same-host "
+        "route, direct copies checked against the owner's table) or 'none' (every peer over --provider)",
+    )
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--role", default="prefill", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     ap.add_argument("--prefill", help=argparse.SUPPRESS)

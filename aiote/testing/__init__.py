@@ -171,6 +171,12 @@ class PeerProcess:
         )
         return MemoryDescriptor.from_bytes(bytes.fromhex(r["desc"]))
 
+    async def unregister(self, name: str, timeout: float = 30.0) -> None:
+        """Makes the peer unregister buffer ``name``, keeping its memory (so :meth:`digest`
+        still reads it): descriptors of it go stale. Raises :class:`PeerError` if it fails
+        there (an unknown name, :class:`~aiote.RegionBusy`); costs one :meth:`call`."""
+        await self.call(timeout + 10, op="unregister", name=name, wait_timeout=timeout)
+
     async def wait(self, imm: int, n: int = 1, timeout: float = 30.0) -> None:
         """Makes the peer wait for ``n`` credits of ``imm`` on its engine. Raises
         :class:`PeerError` when they do not come within ``timeout``; costs one :meth:`call`."""

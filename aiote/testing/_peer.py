@@ -73,6 +73,8 @@ async def _serve(engine: Engine) -> None:
                 reply["desc"] = bytes(regions[name].descriptor).hex()
             elif op == "wait":
                 await engine.imm_counter(cmd["imm"]).wait(cmd["n"], timeout=cmd.get("wait_timeout"))
+            elif op == "unregister":  # the region goes, its memory stays (digest still reads it)
+                await engine.unregister(regions.pop(cmd["name"]), timeout=cmd.get("wait_timeout", 30))
             elif op == "counter":
                 reply["available"] = engine.imm_counter(cmd["imm"]).available
             elif op == "digest":
