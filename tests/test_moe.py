@@ -228,3 +228,15 @@ async def test_one_rank_in_process_against_reference() -> None:
             ref_out = moe.reference.reference_combine([want], [y], [idx], [w], 5, "float32", [13 - call])[0]
             assert np.array_equal(out, ref_out)
         await a.aclose()
+
+
+async def test_same_host_peer_killed_mid_dispatch(host2: Ranks, need_shm: None) -> None:
+    """Runs last on this group (it kills rank 1): the survivor, waiting for the victim's
+    counts over the same-host route, raises PeerUnreachable within the bound."""
+    await host2.all([1], op="stall")
+    await host2.send(0, op="fail", **case(tokens=[12, 12], seed=31))
+    await anyio.sleep(0.3)
+    os.kill(host2.procs[1].pid, signal.SIGKILL)
+    reply = await host2.reply(0, timeout=40)
+    assert reply["ok"] and reply["error"] == "PeerUnreachable", reply
+    assert reply["elapsed"] < 8.0, reply
