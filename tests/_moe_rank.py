@@ -82,6 +82,7 @@ class Rank:
         self.engine, self.mode, self.xp = engine, mode, xp
         self.group: moe.Group | None = None
         self.a2a: dict[str, moe.AllToAll] = {}
+        self.out_x: dict[int, Any] = {}
 
     async def get(self, case: dict[str, Any]) -> moe.AllToAll:
         key = json.dumps([case.get(k) for k in ("E", "K", "H", "T", "dtype", "pad", "out", "scale")])
@@ -107,8 +108,13 @@ class Rank:
         dev, host = self.xp.asarray, (lambda v: v if self.xp is np else v.get())
         args = (dev(xs[me]), dev(idx[me]), dev(ws[me]))
         xs_me = None if scales is None else dev(scales[me])
-        if split:
-            pending = await a.dispatch_send(*args, x_scale=xs_me, bound_m=bm[me])
+        if split:  # the halves, into a reused out_x full of 0xFF bytes (padding left as it was)
+            out_x = self.out_x.get(id(a))
+            if out_x is None:
+                dt = DT.get(case["dtype"], np.uint8)
+                out_x = self.xp.full((a.max_expert_rows, case["H"]), 0xFF, dtype=dt)
+                self.out_x[id(a)] = out_x
+            pending = await a.dispatch_send(*args, x_scale=xs_me, bound_m=bm[me], out_x=out_x)
             h = await pending.recv()
         else:
             h = await a.dispatch(*args, x_scale=xs_me, bound_m=bm[me])

@@ -234,3 +234,23 @@ async def test_receive_capacity_exceeded_raises_on_every_rank_then_next_works(an
         assert not errors
         for a in a2a.values():
             await a.aclose()
+
+
+@pytest.mark.anyio
+async def test_out_x_must_hold_the_largest_dispatch(anyio_backend: str) -> None:
+    async with aiote.open_engine(same_host=None) as e:
+        a = await moe.AllToAll.create(e, moe.Group([e.address], 0), num_experts=3, experts_per_token=1,
+                                      hidden=4, max_tokens=2, in_dtype="float32", out_dtype="float32",
+                                      expert_padding=4, timeout=10)
+        assert a.max_expert_rows == 2 + 3 * 3
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        idx, w = np.array([[0], [2]]), np.ones((2, 1), np.float32)
+        before = snapshot(e)
+        with pytest.raises(aiote.InvalidArgument, match="out_x"):
+            await a.dispatch(x, idx, w, out_x=np.zeros((a.max_expert_rows - 1, 4), np.float32))
+        nothing_posted(e, before)
+        buf = np.full((a.max_expert_rows, 4), -7, np.float32)
+        h = await a.dispatch(x, idx, w, out_x=buf)
+        assert np.shares_memory(h.expert_x, buf) and h.offsets.tolist() == [0, 4, 4, 8]
+        assert np.array_equal(h.expert_x[[0, 4]], x) and np.all(h.expert_x[1:4] == -7)  # padding left
+        await a.aclose()

@@ -266,25 +266,28 @@ class AllToAll:
 
     async def dispatch(
         self, x: Any, indices: Any, weights: Any, *, x_scale: Any = None, bound_m: int | None = None,
-        timeout: float | None = None,
+        out_x: Any = None, timeout: float | None = None,
     ) -> DispatchHandle:
         """Sends each token to the ranks of its experts and returns this rank's share:
         :meth:`dispatch_send` then :meth:`DispatchPending.recv`, under one deadline.
 
         ``x[T, H]`` (``in_dtype``'s storage type, ``T <= max_tokens``), ``indices[T, K]``
         (integers, -1 = skip, distinct per token), ``weights[T, K]`` (float32, kept for
-        combine), ``bound_m`` (tokens used, the first ones; default ``T``); arrays of the group's
-        ``xp``. Raises :class:`~aiote.InvalidArgument` for bad input before anything is posted,
-        otherwise as the two halves. Costs the count exchange (W-1 writes of ``4E`` bytes and one
+        combine), ``bound_m`` (tokens used, the first ones; default ``T``), ``out_x`` (where the
+        expert rows go: ``[>= max_expert_rows, H]``, C-contiguous, ``in_dtype``'s storage type,
+        e.g. one buffer reused every step; its padding rows are then left as they were; default:
+        a new zeroed array per call); arrays of the group's ``xp``. Raises
+        :class:`~aiote.InvalidArgument` for bad input before anything is posted, otherwise as the
+        two halves. Costs the count exchange (W-1 writes of ``4E`` bytes and one
         counter wait), a pack, one write per peer, a counter wait and an unpack."""
         end = self._end(timeout)
         pending = await self.dispatch_send(x, indices, weights, x_scale=x_scale, bound_m=bound_m,
-                                           timeout=left(end))
+                                           out_x=out_x, timeout=left(end))
         return await pending.recv(timeout=left(end))
 
     async def dispatch_send(
         self, x: Any, indices: Any, weights: Any, *, x_scale: Any = None, bound_m: int | None = None,
-        timeout: float | None = None,
+        out_x: Any = None, timeout: float | None = None,
     ) -> DispatchPending:
         """The send half of :meth:`dispatch`: exchanges the counts, packs and posts this rank's
         tokens; returns a :class:`DispatchPending` whose ``recv`` completes the call.
@@ -298,6 +301,7 @@ class AllToAll:
         self._unreleased.add(seq)
         m, idx_dev, w = self._check_dispatch(x, indices, weights, bound_m)
         srcs = self._sources(x, x_scale)
+        self._check_out_x(out_x)
         self._retire(seq)
         end = self._end(timeout)
         what = f"dispatch {seq}"
@@ -317,7 +321,7 @@ class AllToAll:
             self._pack(srcs, send, plan)
             data = self._post_rows(seq, plan, posted)
             self._dsend_busy = data
-        pending = DispatchPending(self, seq, plan, send, srcs, w, posted, m)
+        pending = DispatchPending(self, seq, plan, send, srcs, w, posted, m, out_x)
         self._pending[seq] = pending
         return pending
 
@@ -382,6 +386,25 @@ class AllToAll:
                 posted.append(t)
                 self._inflight[p].append(t)
 
+    @property
+    def max_expert_rows(self) -> int:
+        """The most rows a dispatch can return on this rank (``max_recv_tokens`` plus the padding
+        of its experts): the size an ``out_x`` needs. O(1)."""
+        first, end = self.geometry.local_range(self.rank)
+        return self.max_recv_tokens + (end - first) * (self.expert_padding - 1)
+
+    def _check_out_x(self, out_x: Any) -> None:
+        xp = self.xp
+        if out_x is not None and (
+            not isinstance(out_x, xp.ndarray) or out_x.ndim != 2 or out_x.shape[0] < self.max_expert_rows
+            or out_x.shape[1] != self.hidden or out_x.dtype != self.in_dtype.storage
+            or not out_x.flags.c_contiguous
+        ):
+            raise InvalidArgument(
+                f"out_x must be a C-contiguous [>= {self.max_expert_rows}, {self.hidden}] {xp.__name__} "
+                f"array of {self.in_dtype.storage}"
+            )
+
     def _sources(self, x: Any, x_scale: Any) -> list[Any]:
         """The bytes of each field of a token's row: ``[T, bytes]`` views of x (and x_scale)."""
         xp, t = self.xp, x.shape[0]
@@ -439,7 +462,10 @@ class AllToAll:
         the sources (at send time: x may change once dispatch_send returned)."""
         xp, plan, me = self.xp, pending._plan, self.rank
         rows = int(plan.offsets[-1])
-        pending._ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
+        if pending._out_x is None:
+            pending._ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
+        else:
+            pending._ex = pending._out_x[:rows]
         pending._scale = None if self.scale_block is None else xp.zeros((rows, self._nscale), xp.float32)
         pending._src_token = xp.full(rows, -1, dtype=xp.int32)
         pending._dest = dest = self._dev(plan.dest)

@@ -95,9 +95,10 @@ class DispatchPending:
     ``await pending.recv()`` completes it; do other work in between."""
 
     def __init__(self, a2a: AllToAll, seq: int, plan: RecvPlan, send: SendPlan, srcs: list[Any],
-                 weights: Any, posted: list[Transfer], m: int) -> None:
+                 weights: Any, posted: list[Transfer], m: int, out_x: Any = None) -> None:
         self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, a2a._dev(send.pos)
         self._weights, self._posted, self._m = weights, posted, m
+        self._out_x = out_x
         self._ex: Any = None
         self._scale: Any = None
         self._src_token: Any = None
