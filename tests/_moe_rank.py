@@ -82,7 +82,7 @@ class Rank:
         self.engine, self.mode, self.xp = engine, mode, xp
         self.group: moe.Group | None = None
         self.a2a: dict[str, moe.AllToAll] = {}
-        self.out_x: dict[int, Any] = {}
+        self.out_x: dict[tuple[int, int], Any] = {}
 
     async def get(self, case: dict[str, Any]) -> moe.AllToAll:
         key = json.dumps([case.get(k) for k in ("E", "K", "H", "T", "dtype", "pad", "out", "scale")])
@@ -98,62 +98,113 @@ class Rank:
             )
         return a
 
-    async def one_call(self, a: moe.AllToAll, case: dict[str, Any], call: int, split: bool) -> int:
-        """One verified dispatch + combine; returns the number of checks made."""
+    def prep(self, case: dict[str, Any], call: int) -> dict[str, Any]:
+        """Call ``call`` of ``case``: every rank's inputs, the reference, this rank's arguments."""
         assert self.group is not None
-        me, w = self.group.rank, self.group.world
+        me = self.group.rank
         xs, idx, ws, bm = make_inputs(case, call)
         scales = case["scales"] or None
         expect = ref.reference_dispatch(xs, idx, case["E"], case["pad"], bm, x_scales=scales)
-        dev, host = self.xp.asarray, (lambda v: v if self.xp is np else v.get())
-        args = (dev(xs[me]), dev(idx[me]), dev(ws[me]))
-        xs_me = None if scales is None else dev(scales[me])
-        if split:  # the halves, into a reused out_x full of 0xFF bytes (padding left as it was)
-            out_x = self.out_x.get(id(a))
-            if out_x is None:
-                dt = DT.get(case["dtype"], np.uint8)
-                out_x = self.xp.full((a.max_expert_rows, case["H"]), 0xFF, dtype=dt)
-                self.out_x[id(a)] = out_x
-            pending = await a.dispatch_send(*args, x_scale=xs_me, bound_m=bm[me], out_x=out_x)
-            h = await pending.recv()
-        else:
-            h = await a.dispatch(*args, x_scale=xs_me, bound_m=bm[me])
+        dev = self.xp.asarray
+        return {
+            "case": case, "call": call, "xs": xs, "idx": idx, "ws": ws, "bm": bm, "scales": scales,
+            "expect": expect, "args": (dev(xs[me]), dev(idx[me]), dev(ws[me])),
+            "kw": {"x_scale": None if scales is None else dev(scales[me]), "bound_m": bm[me]},
+        }
+
+    def host(self, v: Any) -> Any:
+        return v if self.xp is np else v.get()
+
+    def check_dispatch(self, c: dict[str, Any], h: moe.DispatchHandle) -> Any:
+        """Checks a dispatch against the reference; returns the expert outputs to combine."""
+        assert self.group is not None
+        me, case, expect = self.group.rank, c["case"], c["expect"]
         mine = expect[me]
         valid = mine.src_rank >= 0
-        ex = host(h.expert_x)
+        ex = self.host(h.expert_x)
         assert np.array_equal(h.counts, mine.counts), (h.counts, mine.counts)
         assert np.array_equal(h.offsets, mine.offsets), (h.offsets, mine.offsets)
-        assert np.array_equal(host(h.src_rank), mine.src_rank)
-        assert np.array_equal(host(h.src_token), mine.src_token)
+        assert np.array_equal(self.host(h.src_rank), mine.src_rank)
+        assert np.array_equal(self.host(h.src_token), mine.src_token)
         assert np.array_equal(bits(ex[valid]), bits(mine.expert_x[valid])), "dispatched rows differ"
-        out_dt = case.get("out", case["dtype"])
         sc = None
-        if scales is not None:
-            sc = host(h.expert_x_scale)
+        if c["scales"] is not None:
+            sc = self.host(h.expert_x_scale)
             assert mine.expert_x_scale is not None
             assert np.array_equal(bits(sc[valid]), bits(mine.expert_x_scale[valid])), "scales differ"
+        return self.xp.asarray(expert_fn(ex, case.get("out", case["dtype"]), sc))
+
+    def expected_combine(self, c: dict[str, Any]) -> tuple[np.ndarray, list[np.ndarray], Any]:
+        """The reference combine of this rank, the expert outputs of all, and accumulate's out."""
+        assert self.group is not None
+        me, w, case, expect, bm = self.group.rank, self.group.world, c["case"], c["expect"], c["bm"]
+        out_dt = case.get("out", case["dtype"])
         ys = [expert_fn(expect[d].expert_x, out_dt, expect[d].expert_x_scale) for d in range(w)]
-        y = dev(expert_fn(ex, out_dt, sc))
         prev = None
         if case.get("accumulate"):
-            rng = np.random.default_rng([case["seed"], call, 7])
+            rng = np.random.default_rng([case["seed"], c["call"], 7])
             prev = [expert_fn(rng.standard_normal((bm[r], case["H"])).astype(np.float32), "float32")
                     if out_dt == "float32" else
                     moe.f32_to_bf16(rng.standard_normal((bm[r], case["H"])).astype(np.float32))
                     for r in range(w)]
-        want = ref.reference_combine(expect, ys, idx, ws, case["E"], out_dt, bm, out=prev)[me]
-        out = None if prev is None else dev(prev[me].copy())
-        if split:
-            cp = await a.combine_send(h, y)
-            got = host(await cp.recv(out=out, accumulate=prev is not None))
-        else:
-            got = host(await a.combine(h, y, out=out, accumulate=prev is not None))
+        want = ref.reference_combine(expect, ys, c["idx"], c["ws"], case["E"], out_dt, bm, out=prev)[me]
+        return want, ys, None if prev is None else self.xp.asarray(prev[me].copy())
+
+    def check_combine(self, c: dict[str, Any], got: Any, want: np.ndarray, ys: list[np.ndarray]) -> int:
+        assert self.group is not None
+        me, case = self.group.rank, c["case"]
+        got = self.host(got)
         assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
         assert np.array_equal(bits(got), bits(want)), "combined rows differ"
-        checks = 6
-        if out_dt == "bfloat16" and prev is None and bm[me]:
-            checks += check_bf16_tolerance(got, expect, ys, idx[me][: bm[me]], ws[me], case, me)
-        return checks
+        bm = c["bm"][me]
+        if case.get("out", case["dtype"]) == "bfloat16" and not case.get("accumulate") and bm:
+            return 1 + check_bf16_tolerance(got, c["expect"], ys, c["idx"][me][:bm], c["ws"][me], case, me)
+        return 1
+
+    def reused_out_x(self, a: moe.AllToAll, case: dict[str, Any], slot: int = 0) -> Any:
+        """A reused out_x full of 0xFF bytes (its padding rows are left as they were)."""
+        key = (id(a), slot)
+        out_x = self.out_x.get(key)
+        if out_x is None:
+            dt = DT.get(case["dtype"], np.uint8)
+            out_x = self.out_x[key] = self.xp.full((a.max_expert_rows, case["H"]), 0xFF, dtype=dt)
+        return out_x
+
+    async def one_call(self, a: moe.AllToAll, case: dict[str, Any], call: int, split: bool) -> int:
+        """One verified dispatch + combine (whole, or the split halves into a reused out_x);
+        returns the number of checks made."""
+        c = self.prep(case, call)
+        if split:
+            pending = await a.dispatch_send(*c["args"], **c["kw"], out_x=self.reused_out_x(a, case))
+            h = await pending.recv()
+        else:
+            h = await a.dispatch(*c["args"], **c["kw"])
+        y = self.check_dispatch(c, h)
+        want, ys, out = self.expected_combine(c)
+        if split:
+            cp = await a.combine_send(h, y)
+            got = await cp.recv(out=out, accumulate=out is not None)
+        else:
+            got = await a.combine(h, y, out=out, accumulate=out is not None)
+        return 5 + self.check_combine(c, got, want, ys)
+
+    async def overlap(self, case: dict[str, Any]) -> dict[str, Any]:
+        """Two micro-batches in flight, as a model overlapping them: dispatch_send A, dispatch_send
+        B, recv A, recv B, combine_send A, combine_send B, recv A, recv B; each checked."""
+        a = await self.get(case)
+        checks = 0
+        for i in range(case["calls"]):
+            ca, cb = self.prep(case, 2 * i), self.prep(case, 2 * i + 1)
+            pa = await a.dispatch_send(*ca["args"], **ca["kw"], out_x=self.reused_out_x(a, case, 0))
+            pb = await a.dispatch_send(*cb["args"], **cb["kw"], out_x=self.reused_out_x(a, case, 1))
+            ha, hb = await pa.recv(), await pb.recv()
+            ya, yb = self.check_dispatch(ca, ha), self.check_dispatch(cb, hb)
+            (wa, ysa, oa), (wb, ysb, ob) = self.expected_combine(ca), self.expected_combine(cb)
+            qa, qb = await a.combine_send(ha, ya), await a.combine_send(hb, yb)
+            ga = await qa.recv(out=oa, accumulate=oa is not None)
+            gb = await qb.recv(out=ob, accumulate=ob is not None)
+            checks += self.check_combine(ca, ga, wa, ysa) + self.check_combine(cb, gb, wb, ysb) + 2
+        return {"ok": True, "checks": checks}
 
     async def run_case(self, case: dict[str, Any]) -> dict[str, Any]:
         a = await self.get(case)
@@ -249,6 +300,8 @@ async def serve(rank: Rank) -> None:
                 reply: dict[str, Any] = {"ok": True, "routes": [rank.engine.route(p).provider for p in peers]}
             elif op == "case":
                 reply = await rank.run_case(cmd)
+            elif op == "overlap":
+                reply = await rank.overlap(cmd)
             elif op == "cancel":
                 reply = await rank.cancel(cmd)
             elif op == "stall":

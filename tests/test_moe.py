@@ -148,6 +148,14 @@ async def test_tcp_hundred_back_to_back_calls_fresh_routing(tcp4: Ranks) -> None
     assert all(r["checks"] >= 600 for r in replies), replies
 
 
+async def test_tcp_two_micro_batches_in_flight(tcp4: Ranks) -> None:
+    """dispatch_send A, dispatch_send B, recv A, recv B, combine A and B: the two parities'
+    regions in use at once, 20 times with fresh routing."""
+    spec = case(E=10, K=3, H=16, T=10, tokens=[10, 7, 10, 0], seed=41, calls=20, dtype="bfloat16", pad=4)
+    replies = await tcp4.all(op="overlap", timeout=120, **spec)
+    assert all(r["checks"] >= 20 * 4 for r in replies), replies
+
+
 async def test_tcp_cancelled_calls_leave_the_next_correct(tcp4: Ranks) -> None:
     for where, others in (("dispatch_send", "timeout"), ("dispatch_recv", "ok"), ("combine_recv", "ok")):
         spec = case(E=8, K=2, tokens=[12, 12, 12, 12], seed=11, where=where)
@@ -193,10 +201,13 @@ async def test_same_host_route_two_ranks(
     assert all(r["checks"] >= 12 for r in replies), replies
 
 
-async def test_same_host_back_to_back_and_cancel(host2: Ranks, need_shm: None) -> None:
+async def test_same_host_back_to_back_overlap_and_cancel(host2: Ranks, need_shm: None) -> None:
     replies = await host2.all(op="case", **case(E=6, K=3, H=8, T=8, tokens=[8, 8], seed=9, calls=100),
                               timeout=120)
     assert all(r["checks"] >= 600 for r in replies), replies
+    replies = await host2.all(op="overlap", timeout=120, **case(E=6, K=2, H=8, T=8, tokens=[8, 5], seed=43,
+                                                                calls=10))
+    assert all(r["checks"] >= 40 for r in replies), replies
     spec = case(tokens=[12, 12], seed=13, where="dispatch_recv")
     replies = await host2.all(op="cancel", **spec)
     assert [r["outcome"] for r in replies] == ["cancelled", "ok"], replies
