@@ -4,19 +4,20 @@ Per call (sequence number ``s``, parity ``p = s % 2``), on every rank:
 
 1. ``dispatch_send``: await this rank's own writes of call ``s - 2`` (they used the same
    parity regions at the peers), then write its route row (rows per global expert) into every
-   peer's route region ``[p][rank]`` with immediate ROUTE(s); wait for the W-1 route rows of
+   peer's route region ``[p][rank]`` with immediate ROUTE(s, rank); wait for the route rows of
    the peers (the count exchange); compute the layout (:mod:`._layout`); pack the rows sorted
    by (expert, token) and write each peer's block into that peer's dispatch region ``[p]`` at
    the row the layout gives it (immediate DISPATCH(s), one write per peer, zero bytes when
-   empty, so every peer expects exactly W-1).
-2. ``recv``: wait for W-1 DISPATCH(s) credits, await its own writes, unpack into per-expert
+   empty, so every peer expects exactly one from each peer).
+2. ``recv``: wait for one DISPATCH(s, r) credit from each peer r, await its own writes, unpack into per-expert
    padded blocks in canonical order (source rank, then token).
 3. ``combine_send``: pack the expert outputs in received order and write each source's rows
    into that source's combine region ``[p]`` at the source's own send layout (COMBINE(s)).
-4. ``recv``: wait for W-1 COMBINE(s) credits, reduce in float32 in top-k slot order.
+4. ``recv``: wait for one COMBINE(s, r) credit from each peer r, reduce in float32 in top-k slot order.
 
 Why nothing of call ``s`` is ever counted or read for another call: immediates carry the
-call's sequence number (22 bits) and a per-group tag; a rank posts its route row for ``s`` only
+call's sequence number (15 bits), the sender's rank (so that a write counted twice after a
+re-post cannot stand in for another rank's) and a per-group tag; a rank posts its route row for ``s`` only
 after its own writes of ``s - 2`` have finished (landed, or failed for good), so once the route
 rows of ``s`` from every peer are in, nothing of ``s - 2`` can still land anywhere: the
 counters of ``s - 2`` are released then, and the ``[p]`` regions are free. A rank finishes
@@ -376,7 +377,7 @@ class AllToAll:
         p, e4 = seq & 1, self.num_experts * 4
         self._myroute[p] = send.route
         self._route[p, self.rank] = send.route
-        imm = imm_of(self.imm_tag, ROUTE, seq)
+        imm = imm_of(self.imm_tag, ROUTE, seq, self.rank)
         for r, peer in enumerate(self._peers):
             if r != self.rank:
                 t = self.engine.post_write(
@@ -436,7 +437,7 @@ class AllToAll:
         """One write per peer of its block (zero bytes when empty), plus the local block."""
         p, st = seq & 1, self._dstride
         me = self.rank
-        imm = imm_of(self.imm_tag, DISPATCH, seq)
+        imm = imm_of(self.imm_tag, DISPATCH, seq, self.rank)
         stream = self._stream()
         data: list[Transfer] = []
         for d, peer in enumerate(self._peers):
@@ -450,7 +451,7 @@ class AllToAll:
                     self._dsend_mr, peer["drecv"], length=n * st, src_offset=src, dst_offset=dst, imm=imm,
                     stream=stream,
                 )
-            else:  # nothing for this peer: the immediate alone, so that it expects W-1 of them
+            else:  # nothing for this peer: the immediate alone, so that it expects one from each
                 t = self.engine.post_write_imm(peer["drecv"], imm, stream=stream)
             data.append(t)
             self._inflight[p].append(t)
@@ -576,7 +577,7 @@ class AllToAll:
 
     def _post_back(self, seq: int, plan: RecvPlan) -> list[Transfer]:
         p, st, me = seq & 1, self._cstride, self.rank
-        imm = imm_of(self.imm_tag, COMBINE, seq)
+        imm = imm_of(self.imm_tag, COMBINE, seq, self.rank)
         at_source = (np.cumsum(plan.n, axis=1) - plan.n)[:, me]  # where each source put my block
         stream = self._stream()
         posted: list[Transfer] = []
@@ -631,20 +632,28 @@ class AllToAll:
     async def _wait_credits(
         self, kind: int, seq: int, end: float | None, what: str, posted: list[Transfer]
     ) -> None:
-        """Waits for W-1 credits of (kind, seq); every ``probe_interval`` of waiting, checks
-        this call's writes and probes every peer (a 4-byte write, no immediate: a dead peer fails it)."""
-        need = self.world - 1
-        if need == 0:
+        """Waits for one credit of (kind, seq) from each peer; every ``probe_interval`` of waiting,
+        checks this call's writes and probes every peer (a 4-byte write, no immediate: a dead
+        peer fails it)."""
+        if self.world == 1:
             await anyio.lowlevel.checkpoint()
             return
-        counter: ImmCounter = self.engine.imm_counter(imm_of(self.imm_tag, kind, seq))
+        for r in range(self.world):
+            if r != self.rank:
+                counter = self.engine.imm_counter(imm_of(self.imm_tag, kind, seq, r))
+                await self._wait_one(counter, end, what, posted)
+
+    async def _wait_one(
+        self, counter: ImmCounter, end: float | None, what: str, posted: list[Transfer]
+    ) -> None:
+        """One credit of ``counter`` by ``end``, probing the peers while it lasts."""
         while True:
             remaining = None if end is None else end - anyio.current_time()
             if remaining is not None and remaining <= 0:
                 raise TransferTimeout(f"{what}: peers' writes did not all arrive in time")
             step = self.probe_interval if remaining is None else min(self.probe_interval, remaining)
             try:
-                await counter.wait(need, timeout=step)
+                await counter.wait(1, timeout=step)
                 return
             except TransferTimeout:
                 pass
@@ -685,10 +694,13 @@ class AllToAll:
         for s in [s for s in self._unreleased if s <= seq - 2]:
             self._unreleased.discard(s)
             for kind in (ROUTE, DISPATCH, COMBINE):
-                try:
-                    self.engine.imm_counter(imm_of(self.imm_tag, kind, s)).release()
-                except InvalidArgument:  # a task still waits on it (a call being cancelled)
-                    self._unreleased.add(s)
+                for r in range(self.world):
+                    if r == self.rank:
+                        continue
+                    try:
+                        self.engine.imm_counter(imm_of(self.imm_tag, kind, s, r)).release()
+                    except InvalidArgument:  # a task still waits on it (a call being cancelled)
+                        self._unreleased.add(s)
 
     # ------------------------------------------------------------------ devices
 

@@ -11,7 +11,7 @@ from .._core._descriptor import EngineAddress
 from .._core._engine import Transfer
 from .._core._errors import InvalidArgument
 from ._layout import RecvPlan, SendPlan
-from ._util import COMBINE, DISPATCH
+from ._util import COMBINE, DISPATCH, MAX_RANKS
 
 if TYPE_CHECKING:
     from ._a2a import AllToAll
@@ -21,9 +21,9 @@ __all__ = ["CombinePending", "DispatchHandle", "DispatchPending", "Group"]
 
 @dataclass(frozen=True)
 class Group:
-    """The ranks of an all-to-all: every rank's engine address (``engine.address``), in rank
-    order, and this process's ``rank``. Building one checks both and raises
-    :class:`~aiote.InvalidArgument` (bad rank, empty or repeated addresses) or
+    """The ranks of an all-to-all (at most 128): every rank's engine address
+    (``engine.address``), in rank order, and this process's ``rank``. Building one checks both
+    and raises :class:`~aiote.InvalidArgument` (bad rank, empty, repeated or too many addresses) or
     :class:`~aiote.DescriptorError` (corrupt address bytes); O(W), no I/O."""
 
     addresses: tuple[bytes, ...]
@@ -34,6 +34,8 @@ class Group:
         object.__setattr__(self, "addresses", addrs)
         if not addrs:
             raise InvalidArgument("a group needs at least one rank")
+        if len(addrs) > MAX_RANKS:
+            raise InvalidArgument(f"a group has at most {MAX_RANKS} ranks (its immediates name the source)")
         if len(set(addrs)) != len(addrs):
             raise InvalidArgument("the group lists an engine address twice")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < len(addrs):

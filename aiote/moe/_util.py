@@ -14,13 +14,16 @@ from ._dtypes import DType, dtype_of, from_f32, to_f32
 
 TAG = "aiote.moe/1"
 ROUTE, DISPATCH, COMBINE = 1, 2, 3
-SEQ_MASK = (1 << 22) - 1
+SEQ_MASK = (1 << 15) - 1
+MAX_RANKS = 128
 TAIL = 16  # per dispatch row: the source token (int32), padded to 16 bytes
 
 
-def imm_of(tag: int, kind: int, seq: int) -> int:
-    """The immediate of (group tag, message kind, call sequence number): 8 | 2 | 22 bits."""
-    return (tag << 24) | (kind << 22) | (seq & SEQ_MASK)
+def imm_of(tag: int, kind: int, seq: int, src: int) -> int:
+    """The immediate of (group tag, message kind, source rank, call sequence number): 8 | 2 | 7 |
+    15 bits. The source is in it so that a write counted twice (re-posted after a broken
+    connection: at-least-once) can never stand in for another rank's."""
+    return (tag << 24) | (kind << 22) | ((src & (MAX_RANKS - 1)) << 15) | (seq & SEQ_MASK)
 
 
 def round16(n: int) -> int:
