@@ -1,0 +1,455 @@
+"""MoE dispatch + combine benchmark: aiote.moe against torch.distributed all_to_all_single in
+the same run, one process per rank.
+
+    python benchmarks/bench_moe.py                      # CPU: 2 and 4 processes, gloo baseline
+    python benchmarks/bench_moe.py --world 2 --shapes decode --iters 100
+    python benchmarks/bench_moe.py --gpu                # 2 GPUs of one host, NCCL baseline
+
+Shape: DeepSeek-V3 (hidden 7168, 256 experts, top-8), decode 128 tokens per rank and prefill
+4096 tokens per rank on GPUs (on the CPU 2048 for 2 ranks, 1024 for 4, so that the ranks and
+the baselines' buffers fit in memory; ``--prefill-tokens``), bfloat16 dispatch and combine (CPU), routing
+redrawn every iteration (uniform top-8 without repetition, random weights). The "expert" is
+the identity (no GEMM: on 2 CPU cores it would only add noise to every line alike).
+
+Per rank and call, timed (host wall time; on the GPU after synchronizing the stream, so
+each call's kernels are included):
+- aiote: ``dispatch`` (counts exchange + tokens + unpack into per-expert padded blocks in
+  canonical order) and ``combine`` (pack + write back + float32 reduction in k order).
+- torch exact: the same exchange with ``all_to_all_single``: counts first (per expert), then
+  the tokens with split sizes, then the same local permutation; combine mirrors it and does
+  the same reduction (the same NumPy/CuPy code as aiote's).
+- torch padded: a fixed-size ``all_to_all_single`` of ``T x min(K, E/W)`` rows per rank pair,
+  no count exchange, no permutation: a floor for the data movement alone.
+Each iteration's time is the slowest rank's; p50 and p99 over the iterations are printed,
+with the bytes a rank sends to other ranks per call and the resulting rate as a fraction of
+the link's bandwidth measured in the same run (one aiote write of 64 MiB, rank 0 -> 1, over
+the same route).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+SHAPES = {"decode": 128, "prefill": 4096}
+E, K, H = 256, 8, 7168
+
+
+def pct(v: list[float], q: float) -> float:
+    s = sorted(v)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+# ---------------------------------------------------------------------------------- parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_group(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Starts ``world`` rank processes, hands them the group, returns their results."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, __file__, "--child", "--world-size", str(world), *child_args(args)]
+    procs = [
+        subprocess.Popen([*cmd, "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                         text=True)
+        for r in range(world)
+    ]
+    addrs = []
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line.startswith("ADDR "):
+            raise RuntimeError(f"a rank did not start: {line!r}")
+        addrs.append(line.split()[1])
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(addrs) + "\n")
+        p.stdin.flush()
+    results = []
+    for p in procs:
+        assert p.stdout is not None
+        out = p.stdout.readline()
+        p.wait(timeout=1200)
+        if not out.startswith("RESULT "):
+            raise RuntimeError(f"a rank failed (exit {p.returncode}): {out!r}")
+        results.append(json.loads(out[7:]))
+    return results
+
+
+def child_args(args: argparse.Namespace) -> list[str]:
+    out = ["--iters", str(args.iters), "--prefill-iters", str(args.prefill_iters),
+           "--prefill-tokens", str(args.prefill_tokens), "--shapes", *args.shapes, "--route", args.route]
+    if args.gpu:
+        out.append("--gpu")
+    if args.no_torch:
+        out.append("--no-torch")
+    return out
+
+
+def summarize(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per shape and method: the slowest rank per iteration, then p50/p99 (microseconds)."""
+    summary: dict[str, Any] = {"world": world, "link_gbps": results[0].get("link_gbps"), "shapes": {}}
+    for shape in results[0]["shapes"]:
+        entry: dict[str, Any] = {}
+        for method, per_rank in results[0]["shapes"][shape]["times"].items():
+            n = len(per_rank)
+            worst = [max(r["shapes"][shape]["times"][method][i] for r in results) for i in range(n)]
+            entry[method] = {"p50_us": pct(worst, 50) * 1e6, "p99_us": pct(worst, 99) * 1e6, "n": n}
+        sent = [r["shapes"][shape]["bytes_sent"] for r in results]
+        entry["bytes_sent_per_rank"] = statistics.mean(sent)
+        entry["tokens"] = results[0]["shapes"][shape]["tokens"]
+        summary["shapes"][shape] = entry
+    return summary
+
+
+def print_summary(s: dict[str, Any], machine: str) -> None:
+    link = s["link_gbps"]
+    print(f"\n== {s['world']} ranks ({machine}); link (aiote 64 MiB write, rank 0 -> 1): {link:.2f} GB/s")
+    for shape, e in s["shapes"].items():
+        mb = e["bytes_sent_per_rank"] / 1e6
+        print(f"-- {shape}: {e['tokens']} tokens/rank, {mb:.1f} MB sent per rank per call each way")
+        print(f"   {'method':<28}{'p50 us':>12}{'p99 us':>12}{'GB/s p50':>10}{'of link':>9}")
+        for method, v in e.items():
+            if not isinstance(v, dict):
+                continue
+            rate = e["bytes_sent_per_rank"] / (v["p50_us"] / 1e6) / 1e9 if v["p50_us"] else 0.0
+            print(f"   {method:<28}{v['p50_us']:>12.0f}{v['p99_us']:>12.0f}{rate:>10.2f}{rate / link:>9.2f}")
+
+
+def parent(args: argparse.Namespace) -> None:
+    machine = args.machine or f"{os.cpu_count()} cores, {'GPU' if args.gpu else 'CPU'}"
+    out = []
+    for w in args.world:
+        prefill = args.prefill_tokens
+        if prefill is None:
+            prefill = 4096 if args.gpu else 2048 if w <= 2 else 1024  # CPU: fits a 23 GB host
+        res = run_group(w, argparse.Namespace(**{**vars(args), "prefill_tokens": prefill}))
+        s = summarize(w, res)
+        print_summary(s, machine)
+        out.append(s)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "runs": out, "argv": sys.argv[1:]}, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------- ranks
+
+
+class Inputs:
+    """One iteration's routing (redrawn per iteration) and the fixed tokens of a rank."""
+
+    def __init__(self, rank: int, tokens: int, xp: Any) -> None:
+        self.rng = np.random.default_rng(1000 + rank)
+        self.tokens, self.xp = tokens, xp
+        x = self.rng.standard_normal((tokens, H)).astype(np.float32)
+        from aiote import moe
+
+        self.x = xp.asarray(moe.f32_to_bf16(x))
+
+    def draw(self) -> tuple[Any, Any]:
+        idx = np.argpartition(self.rng.random((self.tokens, E)), K, axis=1)[:, :K].astype(np.int64)
+        w = self.rng.random((self.tokens, K)).astype(np.float32)
+        return self.xp.asarray(idx), self.xp.asarray(w)
+
+
+def sync(xp: Any) -> None:
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+AIOTE = ("aiote dispatch", "aiote combine", "aiote dispatch+combine", "aiote dispatch send half",
+         "aiote dispatch recv half", "aiote combine send half", "aiote combine recv half")
+
+
+async def aiote_step(a2a: Any, inp: Inputs, idx: Any, w: Any, xp: Any, out_x: Any) -> tuple[float, ...]:
+    """One aiote dispatch + combine with the identity expert, into the reused ``out_x`` (as a
+    model layer would); the times of AIOTE's lines."""
+    sync(xp)
+    t0 = time.perf_counter()
+    pending = await a2a.dispatch_send(inp.x, idx, w, out_x=out_x)
+    sync(xp)
+    ts = time.perf_counter()
+    h = await pending.recv()
+    sync(xp)
+    t1 = time.perf_counter()
+    cp = await a2a.combine_send(h, h.expert_x)
+    sync(xp)
+    tc = time.perf_counter()
+    await cp.recv()
+    sync(xp)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, t2 - t0, ts - t0, t1 - ts, tc - t1, t2 - tc
+
+
+async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: list[bytes], xp: Any,
+                     engine: Any, res: dict[str, Any]) -> None:
+    """Per shape, iterations alternate: aiote's dispatch + combine, then (with torch) the exact
+    torch path and the padded floor, on the same routing, so that both see the same load."""
+    from aiote import moe
+
+    group = moe.Group(addrs, rank)
+    for si, shape in enumerate(args.shapes):
+        t = SHAPES[shape] if shape == "decode" else args.prefill_tokens
+        iters = args.iters if shape == "decode" else args.prefill_iters
+        cap = None if shape == "decode" else int(t * K * 1.25) + 1024  # uniform routing: ~T*K per rank
+        a2a = await moe.AllToAll.create(
+            engine, group, num_experts=E, experts_per_token=K, hidden=H, max_tokens=t,
+            in_dtype="bfloat16", out_dtype="bfloat16", max_recv_tokens=cap, imm_tag=0x60 + si, timeout=120,
+            xp=xp,
+        )
+        inp = Inputs(rank, t, xp)
+        baseline = None if args.no_torch else TorchBaselines(args, rank, world, xp, t, inp.x)
+        times: dict[str, list[float]] = {m: [] for m in AIOTE}
+        sent = []
+        out_x = xp.zeros((a2a.max_expert_rows, H), dtype=xp.uint16)
+        for i in range(iters + args.warmup):
+            idx, w = inp.draw()
+            got = dict(zip(AIOTE, await aiote_step(a2a, inp, idx, w, xp, out_x), strict=True))
+            if baseline is not None:
+                got.update(baseline.step(idx.get() if xp is not np else idx, w))
+            if i >= args.warmup:
+                for name, v in got.items():
+                    times.setdefault(name, []).append(v)
+                sent.append(bytes_sent(a2a, idx, xp))
+        res["shapes"][shape] = {"times": times, "bytes_sent": statistics.mean(sent), "tokens": t}
+        del baseline
+        await a2a.aclose()
+    # after every create: no group message can be in flight now (create takes the messages)
+    res["link_gbps"] = await link_bandwidth(engine, rank, addrs, xp)
+
+
+def bytes_sent(a2a: Any, idx: Any, xp: Any) -> float:
+    """Bytes of token payload this rank sends to other ranks in one dispatch (and receives
+    back in combine): rows for experts not on this rank x H x 2."""
+    host = idx.get() if xp is not np else idx
+    per = -(-E // a2a.world)
+    owner = host // per
+    return float((owner != a2a.rank).sum() * H * 2)
+
+
+async def link_bandwidth(engine: Any, rank: int, addrs: list[bytes], xp: Any) -> float:
+    """GB/s of one 64 MiB aiote write, rank 0 -> rank 1 (median of 5), over the same route and
+    into the same kind of memory as aiote.moe's receive regions (the host arena on the CPU)."""
+    import anyio
+
+    n = 64 << 20
+    if rank > 1:
+        return 0.0
+    buf = xp.zeros(n, dtype=xp.uint8) if xp is not np else engine.alloc_host(n)  # as aiote.moe's regions
+    mr = await engine.register(buf)
+    peer = addrs[1 - rank]
+    await engine.send(peer, bytes(mr.descriptor), timeout=60)
+    _, desc = await engine.recv(timeout=60)
+    gbps = 0.0
+    if rank == 0:
+        dts = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            await engine.write(mr, desc, imm=0x7F000001, timeout=60)
+            sync(xp)
+            dts.append(time.perf_counter() - t0)
+        gbps = n / statistics.median(dts[1:]) / 1e9
+        await engine.send(peer, b"done", timeout=60)
+    else:
+        await engine.recv(timeout=120)
+    with anyio.move_on_after(10):
+        await engine.unregister(mr)
+    return gbps
+
+
+class TorchExact:
+    """The exact exchange over torch.distributed: counts, then tokens with split sizes, then the
+    same local permutation as aiote's; combine mirrored, with aiote's reduction code."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, xp: Any, t: int, x: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from aiote.moe import _dtypes
+        from aiote.moe._layout import Geometry
+
+        self.torch, self.dist, self.xp, self.rank, self.world, self.t = torch, dist, xp, rank, world, t
+        self.dev = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
+        self.geo = Geometry(world, E)
+        self.bf = _dtypes.dtype_of("bfloat16", "dtype")
+        self.xrow = xp.zeros((t, H + 8), dtype=xp.int16)  # tokens + their ids (16 bytes, as aiote's rows)
+        self.xrow[:, :H] = x.view(xp.int16)
+        self.xrow[:, H : H + 2] = xp.arange(t, dtype=xp.int32)[:, None].view(xp.int16)
+        self.ex: Any = None
+
+    def tt(self, a: Any) -> Any:
+        """A zero-copy torch view of a NumPy/CuPy array (bytes: gloo has no 16-bit integers)."""
+        return self.torch.from_numpy(a) if self.xp is np else self.torch.as_tensor(a, device=self.dev)
+
+    def from_torch(self, a: Any) -> Any:
+        return self.xp.asarray(a.cpu().numpy()) if self.xp is np else self.xp.asarray(a)
+
+    def step(self, idx_h: np.ndarray, w: Any) -> tuple[float, float]:
+        """One dispatch + combine; their times (host wall, after a stream sync on the GPU)."""
+        from aiote.moe._layout import plan_recv, plan_send
+        from aiote.moe._util import reduce_rows
+
+        torch, dist, xp, geo, per = self.torch, self.dist, self.xp, self.geo, self.geo.per_rank
+        t0 = time.perf_counter()
+        send = plan_send(idx_h, self.t, E)
+        route = np.zeros(self.world * per, np.int32)
+        route[:E] = send.route
+        got = torch.empty(self.world * per, dtype=torch.int32, device=self.dev)
+        dist.all_to_all_single(got, self.tt(xp.asarray(route)))
+        c_local = got.cpu().numpy().reshape(self.world, per)  # [src, my experts] (a device sync on GPU)
+        c = np.zeros((self.world, self.world * per), np.int32)
+        c[:, self.rank * per : (self.rank + 1) * per] = c_local
+        c[self.rank, :] = route  # my own row, for my send splits
+        plan = plan_recv(c[:, :E], geo, self.rank, 1, 1 << 30)
+        in_split = geo.rank_sums(send.route[None, :])[0].tolist()
+        out_split = c_local.sum(1).tolist()
+        rows_out = self.xrow[xp.asarray(send.row_token)] if len(send.row_token) else self.xrow[:0]
+        recv = torch.empty((sum(out_split), 2 * (H + 8)), dtype=torch.uint8, device=self.dev)
+        dist.all_to_all_single(recv, self.tt(rows_out.view(xp.uint8)), out_split, in_split)
+        rows = int(plan.offsets[-1])
+        if self.ex is None or self.ex.shape[0] < rows:  # reused, as aiote's out_x
+            self.ex = xp.zeros((rows + rows // 4 + 64, H), dtype=xp.uint16)
+        ex = self.ex[:rows]
+        src_token = xp.full(rows, -1, dtype=xp.int32)
+        r_arr = self.from_torch(recv).view(xp.int16)
+        dest = xp.asarray(plan.dest)
+        ex[dest] = r_arr[:, :H].view(xp.uint16)
+        src_token[dest] = xp.ascontiguousarray(r_arr[:, H : H + 2]).view(xp.int32).ravel()
+        sync(xp)
+        t1 = time.perf_counter()
+        yb = ex[dest].view(xp.uint8)  # the identity expert, rows back in received order
+        back = torch.empty((len(send.row_token), 2 * H), dtype=torch.uint8, device=self.dev)
+        dist.all_to_all_single(back, self.tt(xp.ascontiguousarray(yb)), in_split, out_split)
+        back_x = self.from_torch(back).view(xp.uint16)
+        # the same reduction code as aiote's combine (float32, slot order, one rounding)
+        reduce_rows(back_x, xp.asarray(send.pos), w, self.bf, xp, xp.empty((self.t, H), dtype=xp.uint16))
+        sync(xp)
+        return t1 - t0, time.perf_counter() - t1
+
+
+class TorchBaselines:
+    """torch.distributed all_to_all_single (gloo on CPU, NCCL on GPU): the exact path
+    (:class:`TorchExact`) and the padded fixed-size floor, each after a barrier."""
+
+    NAMES = ("torch exact dispatch", "torch exact combine", "torch exact dispatch+combine",
+             "torch padded dispatch", "torch padded combine")
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, xp: Any, t: int, x: Any) -> None:
+        import torch
+
+        self.exact = TorchExact(args, rank, world, xp, t, x)
+        self.gpu = args.gpu
+        pair = t * min(K, self.exact.geo.per_rank)
+        dev = self.exact.dev
+        self.pad_in = torch.zeros((world * pair, 2 * (H + 8)), dtype=torch.uint8, device=dev)
+        self.pad_out = torch.empty_like(self.pad_in)
+        self.pad_cin = torch.zeros((world * pair, 2 * H), dtype=torch.uint8, device=dev)
+        self.pad_cout = torch.empty_like(self.pad_cin)
+
+    def _sync(self) -> None:
+        if self.gpu:
+            self.exact.torch.cuda.synchronize(self.exact.dev)
+
+    def step(self, idx_h: np.ndarray, w: Any) -> dict[str, float]:
+        """One exact dispatch + combine and one padded exchange each way; their times."""
+        dist = self.exact.dist
+        dist.barrier()
+        td, tc = self.exact.step(idx_h, w)
+        dist.barrier()
+        t3 = time.perf_counter()
+        dist.all_to_all_single(self.pad_out, self.pad_in)
+        self._sync()
+        t4 = time.perf_counter()
+        dist.all_to_all_single(self.pad_cout, self.pad_cin)
+        self._sync()
+        t5 = time.perf_counter()
+        dist.barrier()  # aiote's next call starts together too
+        return dict(zip(self.NAMES, (td, tc, td + tc, t4 - t3, t5 - t4), strict=True))
+
+
+def child(args: argparse.Namespace) -> None:
+    import anyio
+
+    import aiote
+
+    rank, world = args.rank, args.world_size
+    xp: Any = np
+    if args.gpu:
+        import cupy
+
+        cupy.cuda.Device(rank).use()
+        xp = cupy
+    if not args.no_torch:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:
+            print("torch is not installed: baselines skipped", file=sys.stderr)
+            args.no_torch = True
+        else:
+            if args.gpu:
+                torch.cuda.set_device(rank)
+            dist.init_process_group("nccl" if args.gpu else "gloo", rank=rank, world_size=world)
+    res: dict[str, Any] = {"rank": rank, "shapes": {}}
+
+    async def run() -> None:
+        kw: dict[str, Any] = {"same_host": None} if args.route == "tcp" else {}
+        async with aiote.open_engine(**kw) as engine:
+            print("ADDR " + engine.address.hex(), flush=True)
+            line = await anyio.to_thread.run_sync(sys.stdin.readline)
+            addrs = [bytes.fromhex(a) for a in json.loads(line)]
+            await run_shapes(args, rank, world, addrs, xp, engine, res)
+
+    anyio.run(run)
+    if not args.no_torch:
+        dist.destroy_process_group()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, nargs="+", default=None, help="ranks per run (CPU: 2 4; GPU: 2)")
+    p.add_argument("--shapes", nargs="+", default=["decode", "prefill"], choices=list(SHAPES))
+    p.add_argument("--iters", type=int, default=None, help="decode iterations (CPU 50, GPU 1000)")
+    p.add_argument("--prefill-iters", type=int, default=None, help="prefill iterations (CPU 5, GPU 100)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prefill tokens per rank (default 4096 on GPUs; on the CPU 2048 for 2 ranks and "
+                        "1024 past that, for memory: 4096 x 2 ranks takes ~17 GB with the baselines)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--route", default="default", choices=["default", "tcp"],
+                   help="default: open_engine() defaults (same host: shm, or CUDA IPC for GPU memory)")
+    p.add_argument("--gpu", action="store_true", help="CuPy arrays, one GPU per rank, NCCL baseline")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    p.add_argument("--machine", default=None, help="how to name the machine in the output")
+    p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world-size", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.iters is None:
+        args.iters = 1000 if args.gpu else 50
+    if args.prefill_iters is None:
+        args.prefill_iters = 100 if args.gpu else 5
+    if args.world is None:
+        args.world = [2] if args.gpu else [2, 4]
+    if args.child:
+        child(args)
+    else:
+        parent(args)
+
+
+if __name__ == "__main__":
+    main()
