@@ -7,7 +7,10 @@ immediates, counters and messages over libfabric), under asyncio and trio.
         await engine.imm_counter(7).wait(1)
 """
 
-from . import kv  # the KV-cache flow (prefill/decode), built on the core
+from . import (
+    kv,  # the KV-cache flow (prefill/decode), built on the core
+    moe,  # MoE dispatch/combine: all-to-all over one-sided writes
+)
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._core._device import GpuUnavailable
@@ -72,5 +75,6 @@ __all__ = [
     "UvmWatcher",
     "default_streams",
     "kv",
+    "moe",
     "open_engine",
 ]
