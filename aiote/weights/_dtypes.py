@@ -1,0 +1,80 @@
+"""Element types of the weights flow and the casts between them, written once for NumPy and
+CuPy (``xp``): bfloat16 is stored as ``uint16`` (NumPy has no bfloat16 of its own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._core._errors import InvalidArgument
+
+__all__ = ["DTYPES", "FLOATS", "cast_into", "cast_supported", "check_dtype", "itemsize", "storage"]
+
+# element type name -> storage dtype (what the bytes are stored as in NumPy/CuPy)
+DTYPES: dict[str, str] = {
+    "float64": "float64",
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "uint16",
+    "int64": "int64",
+    "int32": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "uint8": "uint8",
+}
+FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+def check_dtype(name: Any, what: str) -> str:
+    """``name`` if it is a known element type; :class:`~aiote.InvalidArgument` otherwise."""
+    if not isinstance(name, str) or name not in DTYPES:
+        raise InvalidArgument(f"{what}: dtype {name!r} is not one of {sorted(DTYPES)}")
+    return name
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of the element type ``name`` (known: see :data:`DTYPES`)."""
+    return int(np.dtype(DTYPES[name]).itemsize)
+
+
+def storage(name: str) -> np.dtype[Any]:
+    """The NumPy dtype an element type is stored as (bfloat16: ``uint16``)."""
+    return np.dtype(DTYPES[name])
+
+
+def cast_supported(src: str, dst: str) -> bool:
+    """True for the identity and for any cast between two float types."""
+    return src == dst or (src in FLOATS and dst in FLOATS)
+
+
+def _to_f32(xp: Any, a: Any, src: str) -> Any:
+    if src == "bfloat16":
+        return (a.astype(xp.uint32) << 16).view(xp.float32)
+    return a.astype(xp.float32) if src != "float64" else a
+
+
+def _bf16_bits(xp: Any, f: Any) -> Any:
+    """float32 (or float64, rounded to float32 first) -> bfloat16 bits, round to nearest even;
+    NaN stays a quiet NaN."""
+    f = f.astype(xp.float32, copy=False)
+    u = f.view(xp.uint32)
+    rounded = (u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16
+    nan = (u & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
+    return xp.where(nan, xp.uint32(0x7FC0), rounded).astype(xp.uint16)
+
+
+def cast_into(xp: Any, out: Any, a: Any, src: str, dst: str) -> None:
+    """Writes ``a`` (stored as ``storage(src)``) cast to ``dst`` into ``out`` (same shape, stored
+    as ``storage(dst)``). Costs one pass over the elements (two through float32 for bfloat16);
+    raises :class:`~aiote.InvalidArgument` for a cast :func:`cast_supported` refuses."""
+    if src == dst:
+        out[...] = a
+    elif not cast_supported(src, dst):
+        raise InvalidArgument(f"no cast from {src} to {dst}")
+    elif dst == "bfloat16":
+        out[...] = _bf16_bits(xp, a if src in ("float32", "float64") else _to_f32(xp, a, src))
+    elif src == "bfloat16":
+        out[...] = _to_f32(xp, a, src).astype(storage(dst))
+    else:
+        out[...] = a.astype(storage(dst))
