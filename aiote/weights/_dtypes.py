@@ -70,9 +70,18 @@ def cast_into(xp: Any, out: Any, a: Any, src: str, dst: str) -> None:
     raises :class:`~aiote.InvalidArgument` for a cast :func:`cast_supported` refuses."""
     if src == dst:
         out[...] = a
-    elif not cast_supported(src, dst):
+        return
+    if not cast_supported(src, dst):
         raise InvalidArgument(f"no cast from {src} to {dst}")
-    elif dst == "bfloat16":
+    if xp is np:
+        with np.errstate(over="ignore", invalid="ignore"):  # out of range -> inf, as a GPU cast does
+            _cast(xp, out, a, src, dst)
+    else:
+        _cast(xp, out, a, src, dst)
+
+
+def _cast(xp: Any, out: Any, a: Any, src: str, dst: str) -> None:
+    if dst == "bfloat16":
         out[...] = _bf16_bits(xp, a if src in ("float32", "float64") else _to_f32(xp, a, src))
     elif src == "bfloat16":
         out[...] = _to_f32(xp, a, src).astype(storage(dst))
