@@ -5,6 +5,7 @@ rank its part."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -12,8 +13,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-
-import numpy as np
 
 from .._core._errors import InvalidArgument
 from ._dtypes import cast_supported, check_dtype, itemsize
@@ -560,87 +559,98 @@ def plan(
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 256:
         raise PlanError(f"tag must be an int in [0, 256), not {tag!r}")
     ref = _check_inputs(sources, targets)
-    holders = _holders(sources)
     ranks = sorted({s.rank for s in sources})
     index = {r: i for i, r in enumerate(ranks)}
-    load = np.zeros(len(ranks), np.int64)
+    holders = _holders(sources, index)
+    load = [0] * len(ranks)  # bytes assigned so far, by rank index
     tasks: list[Task] = []
     kept = _kept(previous, targets) if previous is not None else {}
-    for i, tgt in enumerate(targets):
+    for i, tgt in enumerate(targets if kept else ()):
         for t in kept.get((tgt.name, tgt.rank), ()):
             tasks.append(t._replace(target=i))
             if t.src in index:
                 load[index[t.src]] += t.nbytes
-    work: list[tuple[int, int, int, int, int, int, np.ndarray[Any, Any]]] = []
+    work: list[tuple[int, int, int, int, int, int, tuple[int, ...]]] = []
+    widths = {n: s.width for n, s in ref.items()}
+    sizes = {d: itemsize(d) for d in {t.dtype for t in targets}}
     for i, tgt in enumerate(targets):
-        if (tgt.name, tgt.rank) in kept:
+        if kept and (tgt.name, tgt.rank) in kept:
             continue
         base = tgt.offset
+        isz = sizes[tgt.dtype]
         for j, p in enumerate(tgt.pieces):
-            rb = _row_bytes(p, ref[p.source].width, tgt.dtype)
-            step = max(1, chunk_bytes // rb) if rb else max(1, p.rows[1] - p.rows[0])
-            for x, y, cands in _segments(holders[p.source], p.rows, tgt, j):
+            a, b = p.rows
+            rb = (p.cols[1] - p.cols[0] if p.cols is not None else widths[p.source]) * isz
+            step = max(1, chunk_bytes // rb) if rb else max(1, b - a)
+            h = holders[p.source]
+            if len(h.bounds) == 2 and h.bounds[0] <= a and b <= h.bounds[1] and a < b:
+                segs = [(a, b, h.cands[0])]  # one set of holders for every row: the common case
+            else:
+                segs = _segments(h, p.rows, tgt, j)
+            for x, y, cands in segs:
+                if y - x <= step:
+                    work.append(((y - x) * rb, i, j, x, y, base + (x - a) * rb, cands))
+                    continue
                 for r0 in range(x, y, step):
                     r1 = min(y, r0 + step)
-                    off = base + (r0 - p.rows[0]) * rb
-                    work.append(((r1 - r0) * rb, i, j, r0, r1, off, cands))
-            base += (p.rows[1] - p.rows[0]) * rb
+                    work.append(((r1 - r0) * rb, i, j, r0, r1, base + (r0 - a) * rb, cands))
+            base += (b - a) * rb
     work.sort(key=lambda w: -w[0])
     for nbytes, i, j, r0, r1, off, cands in work:
-        c = _least(load, cands, index)
-        load[index[c]] += nbytes
-        tasks.append(Task(c, targets[i].rank, i, j, r0, r1, off, nbytes))
-    tasks.sort(key=lambda t: (t.src, t.dst, t.target, t.piece, t.row0))
+        # the least-loaded holder, the lowest rank on a tie (cands are sorted)
+        c = cands[0] if len(cands) == 1 else min(cands, key=load.__getitem__)
+        load[c] += nbytes
+        tasks.append(Task(ranks[c], targets[i].rank, i, j, r0, r1, off, nbytes))
     return WeightPlan(sources, targets, tuple(tasks), tag, chunk_bytes)
-
-
-def _least(load: np.ndarray[Any, Any], cands: np.ndarray[Any, Any], index: dict[int, int]) -> int:
-    if len(cands) == 1:
-        return int(cands[0])
-    if len(cands) <= 8:
-        return min((int(c) for c in cands), key=lambda c: (int(load[index[c]]), c))
-    idx = np.fromiter((index[int(c)] for c in cands), np.int64, len(cands))
-    return int(cands[int(np.argmin(load[idx]))])
 
 
 class _Holders(NamedTuple):
     bounds: list[int]  # sorted breakpoints of the shards' rows
-    cands: list[np.ndarray[Any, Any]]  # ranks holding the whole of [bounds[k], bounds[k+1])
+    cands: list[tuple[int, ...]]  # indices of the ranks holding the whole of [bounds[k], bounds[k+1])
 
 
-def _holders(sources: Sequence[SourceShard]) -> dict[str, _Holders]:
+def _holders(sources: Sequence[SourceShard], index: dict[int, int]) -> dict[str, _Holders]:
     by_name: dict[str, list[SourceShard]] = defaultdict(list)
     for s in sources:
         by_name[s.name].append(s)
     out: dict[str, _Holders] = {}
+    interned: dict[tuple[int, ...], tuple[int, ...]] = {}
     for name, shards in by_name.items():
-        bounds = sorted({b for s in shards for b in s.rows})
-        cands = [
-            np.array(sorted(s.rank for s in shards if s.rows[0] <= a and b <= s.rows[1]), np.int64)
-            for a, b in itertools.pairwise(bounds)
-        ]
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for s in shards:
+            groups[s.rows].append(index[s.rank])
+        bounds = sorted({b for rows in groups for b in rows})
+        at = {b: k for k, b in enumerate(bounds)}
+        held: list[list[int]] = [[] for _ in range(len(bounds) - 1)]
+        for (a, b), idx in groups.items():
+            for k in range(at[a], at[b]):
+                held[k] += idx
+        cands = []
+        for c in held:
+            t = tuple(sorted(c))
+            cands.append(interned.setdefault(t, t))
         out[name] = _Holders(bounds, cands)
     return out
 
 
 def _segments(
     h: _Holders, rows: tuple[int, int], tgt: TargetShard, j: int
-) -> list[tuple[int, int, np.ndarray[Any, Any]]]:
+) -> list[tuple[int, int, tuple[int, ...]]]:
     """[x, y) sub-ranges of ``rows`` with the ranks holding each whole; PlanError on a gap."""
     a, b = rows
     if a == b:
         return []
-    k = max(0, int(np.searchsorted(h.bounds, a, side="right")) - 1)
-    out: list[tuple[int, int, np.ndarray[Any, Any]]] = []
+    k = max(0, bisect.bisect_right(h.bounds, a) - 1)
+    out: list[tuple[int, int, tuple[int, ...]]] = []
     pos = a
     while pos < b:
-        if k >= len(h.cands) or h.bounds[k] > pos or not len(h.cands[k]):
+        if k >= len(h.cands) or h.bounds[k] > pos or not h.cands[k]:
             raise PlanError(
                 f"target {tgt.name!r} of rank {tgt.rank}, piece {j}: row {pos} of "
                 f"{tgt.pieces[j].source!r} is held by no source rank"
             )
         y = min(b, h.bounds[k + 1])
-        if out and np.array_equal(out[-1][2], h.cands[k]):
+        if out and out[-1][2] is h.cands[k]:
             out[-1] = (out[-1][0], y, out[-1][2])
         else:
             out.append((pos, y, h.cands[k]))

@@ -120,11 +120,16 @@ class Worker:
             await self.proc.aclose()
 
 
-async def spawn_worker(backend: str = "asyncio", route: str = "tcp", timeout: float = 60.0) -> Worker:
+async def spawn_worker(
+    backend: str = "asyncio", route: str = "tcp", timeout: float = 60.0, gpu: int | None = None
+) -> Worker:
     """Starts a worker process (``route``: ``"tcp"`` for tcp loopback only, ``"default"`` for
-    ``open_engine()``'s defaults, shm to same-host peers). Raises RuntimeError/TimeoutError
-    if it does not come up. Costs a Python process that imports aiote and opens an engine."""
+    ``open_engine()``'s defaults, shm to same-host peers; ``gpu``: its tensors and buffers are
+    CuPy arrays on that GPU). Raises RuntimeError/TimeoutError if it does not come up. Costs a
+    Python process that imports aiote and opens an engine."""
     args = [sys.executable, "-m", "aiote.weights._worker", "--backend", backend, "--route", route]
+    if gpu is not None:
+        args += ["--gpu", str(gpu)]
     proc = await anyio.open_process(args, stdin=-1, stdout=-1, stderr=None)
     w = Worker(proc, b"")
     try:
@@ -138,20 +143,26 @@ async def spawn_worker(backend: str = "asyncio", route: str = "tcp", timeout: fl
 
 
 class _State:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, gpu: int | None) -> None:
         self.engine = engine
-        self.buf: np.ndarray[Any, Any] | None = None
+        self.gpu = gpu
+        self.buf: Any = None
         self.mr: MemoryRegion | None = None
         self.rx: WeightReceiver | None = None
         self.tx: WeightSender | None = None
-        self.shards: dict[str, np.ndarray[Any, Any]] = {}
+        self.shards: dict[str, Any] = {}
 
 
 async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
     op = cmd["op"]
     e = st.engine
     if op == "alloc":
-        st.buf = e.alloc_host(cmd["nbytes"]) if cmd.get("arena") else np.zeros(cmd["nbytes"], np.uint8)
+        if st.gpu is not None:
+            import cupy  # type: ignore[import-not-found,unused-ignore]
+
+            st.buf = cupy.zeros(cmd["nbytes"], cupy.uint8)
+        else:
+            st.buf = e.alloc_host(cmd["nbytes"]) if cmd.get("arena") else np.zeros(cmd["nbytes"], np.uint8)
         st.mr = await e.register(st.buf)
         return {"desc": bytes(st.mr.descriptor).hex()}
     if op == "receiver":
@@ -167,7 +178,7 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"complete": st.rx.poll(cmd["version"]), "latest": st.rx.latest}
     if op == "dump":
         assert st.buf is not None
-        st.buf.tofile(cmd["path"])
+        (st.buf if st.gpu is None else st.buf.get()).tofile(cmd["path"])
         return {}
     if op == "route":
         return {"provider": e.route(bytes.fromhex(cmd["peer"])).provider}
@@ -188,23 +199,43 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
             retry=retry,
         )
         return {"nbytes": plan.nbytes}
+    if op == "prepare":
+        _prepare(st, cmd)
+        return {}
     if op == "push":
+        if not cmd.get("prepared"):
+            _prepare(st, cmd)
         return await _push(st, cmd)
     raise ValueError(f"unknown op {op!r}")
+
+
+def _prepare(st: _State, cmd: dict[str, Any]) -> None:
+    """This rank's shards of version ``cmd["version"]``, in the same arrays each version (as a
+    trainer's parameters), on the GPU for a worker started with ``--gpu``."""
+    assert st.tx is not None
+    v = cmd["version"]
+    for s in st.tx.plan.sources:
+        if cmd.get("fill") == "fast":
+            new = fast_shard(s, v)
+        else:
+            new = source_tensor(s.name, s.shape, s.dtype, v, cmd.get("seed", 0))[s.rows[0] : s.rows[1]]
+        if st.gpu is not None:
+            import cupy
+
+            new = cupy.asarray(new)
+        if s.name in st.shards:
+            st.shards[s.name][...] = new
+        else:
+            st.shards[s.name] = new.copy()
+    if st.gpu is not None:
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
 
 
 async def _push(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
     assert st.tx is not None
     v = cmd["version"]
-    for s in st.tx.plan.sources:  # the same arrays each version (as a trainer's parameters)
-        if cmd.get("fill") == "fast":
-            new = fast_shard(s, v)
-        else:
-            new = source_tensor(s.name, s.shape, s.dtype, v, cmd.get("seed", 0))[s.rows[0] : s.rows[1]]
-        if s.name in st.shards:
-            st.shards[s.name][...] = new
-        else:
-            st.shards[s.name] = np.ascontiguousarray(new)
     try:
         stats = await st.tx.push(st.shards, version=v, timeout=cmd.get("timeout"))
     except PushFailed as exc:
@@ -219,10 +250,14 @@ async def _push(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"stats": d}
 
 
-async def _serve(route: str) -> None:
+async def _serve(route: str, gpu: int | None) -> None:
     kw: dict[str, Any] = {"same_host": None} if route == "tcp" else {}
+    if gpu is not None:
+        import cupy
+
+        cupy.cuda.Device(gpu).use()
     async with open_engine(**kw) as engine:
-        st = _State(engine)
+        st = _State(engine, gpu)
         print(json.dumps({"address": engine.address.hex(), "pid": os.getpid()}), flush=True)
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline)
@@ -245,8 +280,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--route", default="tcp", choices=["tcp", "default"])
+    ap.add_argument("--gpu", type=int, default=None, help="this rank's GPU (CuPy arrays)")
     a = ap.parse_args()
-    anyio.run(_serve, a.route, backend=a.backend)
+    anyio.run(_serve, a.route, a.gpu, backend=a.backend)
 
 
 if __name__ == "__main__":
