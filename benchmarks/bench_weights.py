@@ -89,16 +89,30 @@ def llama_model(size_gb: float, trainers: int, receivers: int) -> tuple[list[W.S
             gu = [(p + n, MLP) for n in ("gate_proj", "up_proj")]
             specs[r] += [
                 (p + "qkv_proj", "bfloat16", W.fused_tp(qkv, r, receivers)),
-                (p + "o_proj", "bfloat16", [W.Piece(p + "o_proj", (0, HIDDEN), W.split_rows(HIDDEN, receivers, r))]),
+                (
+                    p + "o_proj",
+                    "bfloat16",
+                    [W.Piece(p + "o_proj", (0, HIDDEN), W.split_rows(HIDDEN, receivers, r))],
+                ),
                 (p + "gate_up_proj", "bfloat16", W.fused_tp(gu, r, receivers)),
-                (p + "down_proj", "bfloat16", [W.Piece(p + "down_proj", (0, HIDDEN), W.split_rows(MLP, receivers, r))]),
+                (
+                    p + "down_proj",
+                    "bfloat16",
+                    [W.Piece(p + "down_proj", (0, HIDDEN), W.split_rows(MLP, receivers, r))],
+                ),
                 (p + "input_layernorm", "bfloat16", [W.Piece(p + "input_layernorm", (0, HIDDEN))]),
-                (p + "post_attention_layernorm", "bfloat16", [W.Piece(p + "post_attention_layernorm", (0, HIDDEN))]),
+                (
+                    p + "post_attention_layernorm",
+                    "bfloat16",
+                    [W.Piece(p + "post_attention_layernorm", (0, HIDDEN))],
+                ),
             ]
     return sources, specs
 
 
-def kimi_k2(trainers: int = 256, replicas: int = 8, tp: int = 16) -> tuple[list[W.SourceShard], list[W.TargetShard]]:
+def kimi_k2(
+    trainers: int = 256, replicas: int = 8, tp: int = 16
+) -> tuple[list[W.SourceShard], list[W.TargetShard]]:
     """Kimi-K2's shapes (DeepSeek-V3 architecture: 61 layers, the first dense, MLA attention,
     384 routed experts of 2048 stacked per layer, 1 shared expert, vocab 163840), bf16.
 
@@ -112,27 +126,42 @@ def kimi_k2(trainers: int = 256, replicas: int = 8, tp: int = 16) -> tuple[list[
     h, inter, moe_inter, experts, vocab = 7168, 18432, 2048, 384, 163840
     heads, qk, v_dim, q_lora, kv_lora, rope = 64, 192, 128, 1536, 512, 64
     dense: list[tuple[str, tuple[int, ...], str]] = [  # name, shape, inference kind
-        ("embed_tokens", (vocab, h), "rows"), ("lm_head", (vocab, h), "rows"), ("norm", (h,), "rep"),
+        ("embed_tokens", (vocab, h), "rows"),
+        ("lm_head", (vocab, h), "rows"),
+        ("norm", (h,), "rep"),
     ]
     moe: list[tuple[str, tuple[int, ...]]] = []
     for layer in range(61):
         p = f"layers.{layer}."
         dense += [
-            (p + "q_a_proj", (q_lora, h), "rep"), (p + "q_a_layernorm", (q_lora,), "rep"),
-            (p + "q_b_proj", (heads * qk, q_lora), "rows"), (p + "kv_a_proj_with_mqa", (kv_lora + rope, h), "rep"),
-            (p + "kv_a_layernorm", (kv_lora,), "rep"), (p + "kv_b_proj", (heads * (qk - rope + v_dim), kv_lora), "rows"),
-            (p + "o_proj", (h, heads * v_dim), "cols"), (p + "input_layernorm", (h,), "rep"),
+            (p + "q_a_proj", (q_lora, h), "rep"),
+            (p + "q_a_layernorm", (q_lora,), "rep"),
+            (p + "q_b_proj", (heads * qk, q_lora), "rows"),
+            (p + "kv_a_proj_with_mqa", (kv_lora + rope, h), "rep"),
+            (p + "kv_a_layernorm", (kv_lora,), "rep"),
+            (p + "kv_b_proj", (heads * (qk - rope + v_dim), kv_lora), "rows"),
+            (p + "o_proj", (h, heads * v_dim), "cols"),
+            (p + "input_layernorm", (h,), "rep"),
             (p + "post_attention_layernorm", (h,), "rep"),
         ]
         if layer == 0:
-            dense += [(p + "mlp.gate_proj", (inter, h), "rows"), (p + "mlp.up_proj", (inter, h), "rows"),
-                      (p + "mlp.down_proj", (h, inter), "cols")]
+            dense += [
+                (p + "mlp.gate_proj", (inter, h), "rows"),
+                (p + "mlp.up_proj", (inter, h), "rows"),
+                (p + "mlp.down_proj", (h, inter), "cols"),
+            ]
         else:
-            dense += [(p + "mlp.gate", (experts, h), "rep"),
-                      (p + "shared.gate_proj", (moe_inter, h), "rows"), (p + "shared.up_proj", (moe_inter, h), "rows"),
-                      (p + "shared.down_proj", (h, moe_inter), "cols")]
-            moe += [(p + "experts.w1", (experts, moe_inter, h)), (p + "experts.w3", (experts, moe_inter, h)),
-                    (p + "experts.w2", (experts, h, moe_inter))]
+            dense += [
+                (p + "mlp.gate", (experts, h), "rep"),
+                (p + "shared.gate_proj", (moe_inter, h), "rows"),
+                (p + "shared.up_proj", (moe_inter, h), "rows"),
+                (p + "shared.down_proj", (h, moe_inter), "cols"),
+            ]
+            moe += [
+                (p + "experts.w1", (experts, moe_inter, h)),
+                (p + "experts.w3", (experts, moe_inter, h)),
+                (p + "experts.w2", (experts, h, moe_inter)),
+            ]
     sources: list[W.SourceShard] = []
     ep = trainers // 2
     for name, shape in moe:
@@ -147,9 +176,12 @@ def kimi_k2(trainers: int = 256, replicas: int = 8, tp: int = 16) -> tuple[list[
         for k in range(tp):
             rank = rep * tp + k
             off = 0
-            for name, shape in moe:
-                targets.append(W.TargetShard(name, rank, "bfloat16", (W.Piece(name, W.split_rows(experts, tp, k)),),
-                                             b"", off))
+            for name, _ in moe:
+                targets.append(
+                    W.TargetShard(
+                        name, rank, "bfloat16", (W.Piece(name, W.split_rows(experts, tp, k)),), b"", off
+                    )
+                )
                 off += 1  # offsets only need to be distinct per target here (no region)
             for name, shape, kind in dense:
                 if kind == "rows":
@@ -173,10 +205,16 @@ def kimi_plan_report() -> dict[str, Any]:
     validate_s = time.perf_counter() - t0
     params = sum(int(np.prod(s.shape)) for s in {s.name: s for s in sources}.values())
     return {
-        "params": params, "tasks": rep.tasks, "plan_s": plan_s, "validate_s": validate_s,
-        "total_gb": rep.total_bytes / GB, "max_out_gb": max(rep.out_bytes.values()) / GB,
-        "min_out_gb": min(rep.out_bytes.values()) / GB, "max_in_gb": max(rep.in_bytes.values()) / GB,
-        "bound_s": rep.bound_s, "bound_fp8_s": (rep.bound_s or 0) / 2,
+        "params": params,
+        "tasks": rep.tasks,
+        "plan_s": plan_s,
+        "validate_s": validate_s,
+        "total_gb": rep.total_bytes / GB,
+        "max_out_gb": max(rep.out_bytes.values()) / GB,
+        "min_out_gb": min(rep.out_bytes.values()) / GB,
+        "max_in_gb": max(rep.in_bytes.values()) / GB,
+        "bound_s": rep.bound_s,
+        "bound_fp8_s": (rep.bound_s or 0) / 2,
     }
 
 
@@ -187,10 +225,26 @@ def c_core_link(providers: Sequence[str]) -> dict[str, float]:
     """GB/s of 16 MiB writes between two processes, C core alone and aiote, per provider."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "b.json")
-        cmd = [sys.executable, "-m", "aiote", "bench", "write", "--sizes", "16MiB", "--provider",
-               ",".join(providers), "--repeats", "1", "--total", "2GiB", "--json", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "aiote",
+            "bench",
+            "write",
+            "--sizes",
+            "16MiB",
+            "--provider",
+            ",".join(providers),
+            "--repeats",
+            "1",
+            "--total",
+            "2GiB",
+            "--json",
+            out,
+        ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
-        rows = json.load(open(out))["rows"]
+        with open(out) as f:
+            rows = json.load(f)["rows"]
     res: dict[str, float] = {}
     for r in rows:
         res[r["provider"]] = float(r["c_gbps"])
@@ -201,14 +255,17 @@ def c_core_link(providers: Sequence[str]) -> dict[str, float]:
 # ------------------------------------------------------------------ aiote
 
 
-async def aiote_run(route: str, sources: list[W.SourceShard], specs: list[list[Any]], repeats: int,
-                    max_tmp: int) -> dict[str, Any]:
+async def aiote_run(
+    route: str, sources: list[W.SourceShard], specs: list[list[Any]], repeats: int, max_tmp: int
+) -> dict[str, Any]:
     n_s = len({s.rank for s in sources})
     workers: list[Worker] = []
     try:
         async with anyio.create_task_group() as tg:
+
             async def one() -> None:
                 workers.append(await spawn_worker("asyncio", route))
+
             for _ in range(n_s + len(specs)):
                 tg.start_soon(one)
         senders, receivers = workers[:n_s], workers[n_s:]
@@ -222,7 +279,9 @@ async def aiote_run(route: str, sources: list[W.SourceShard], specs: list[list[A
         plan_s = time.perf_counter() - t0
         report = plan.validate()
         for s, w in enumerate(senders):
-            await w.call(op="sender", plan=plan.sender(s).to_json(), max_tmp_bytes=max_tmp, register_sources=True)
+            await w.call(
+                op="sender", plan=plan.sender(s).to_json(), max_tmp_bytes=max_tmp, register_sources=True
+            )
         for r, w in enumerate(receivers):
             await w.call(op="receiver", plan=plan.receiver(r).to_json())
         walls: list[float] = []
@@ -252,6 +311,9 @@ async def aiote_run(route: str, sources: list[W.SourceShard], specs: list[list[A
 
 
 def gloo_rank(rank: int, world: int, trainers: int, shard_bytes: int, port: int, repeats: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
     import torch
     import torch.distributed as dist
 
@@ -275,10 +337,10 @@ def gloo_rank(rank: int, world: int, trainers: int, shard_bytes: int, port: int,
             dist.all_gather_into_tensor(full, mine, group=tgroup)
         if rank == 0 or rank >= trainers:
             for off in range(0, total, bucket):
-                dist.broadcast(full[off:off + bucket], src=0, group=bgroup)
+                dist.broadcast(full[off : off + bucket], src=0, group=bgroup)
             if kept is not None:  # each inference rank keeps its part
                 r = rank - trainers
-                kept.copy_(full[r * keep:(r + 1) * keep])
+                kept.copy_(full[r * keep : (r + 1) * keep])
         dist.barrier()
         times.append(time.perf_counter() - t)
     if rank == 0:
@@ -296,10 +358,29 @@ def gloo_run(trainers: int, receivers: int, shard_bytes: int, repeats: int) -> d
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = trainers + receivers
-    procs = [subprocess.Popen([sys.executable, __file__, "--gloo-rank", str(r), "--gloo-world", str(world),
-                               "--gloo-trainers", str(trainers), "--gloo-shard", str(shard_bytes),
-                               "--gloo-port", str(port), "--repeats", str(repeats)],
-                              stdout=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--gloo-rank",
+                str(r),
+                "--gloo-world",
+                str(world),
+                "--gloo-trainers",
+                str(trainers),
+                "--gloo-shard",
+                str(shard_bytes),
+                "--gloo-port",
+                str(port),
+                "--repeats",
+                str(repeats),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
     out = procs[0].communicate(timeout=1200)[0]
     for p in procs[1:]:
         p.wait(timeout=120)
@@ -317,6 +398,7 @@ def gloo_run(trainers: int, receivers: int, shard_bytes: int, repeats: int) -> d
 async def gpu_run(size_gb: float, repeats: int) -> None:
     try:
         import cupy
+
         if cupy.cuda.runtime.getDeviceCount() < 2:
             raise RuntimeError("fewer than 2 GPUs")
     except Exception as exc:  # no CuPy, no CUDA, one GPU
@@ -330,7 +412,9 @@ async def gpu_run(size_gb: float, repeats: int) -> None:
         tg_, n = W.pack_targets(0, specs[0], sources)
         desc = (await rx.call(op="alloc", nbytes=n))["desc"]
         plan = W.plan(sources, W.with_desc(tg_, bytes.fromhex(desc)), chunk_bytes=256 << 20)
-        await tx.call(op="sender", plan=plan.sender(0).to_json(), max_tmp_bytes=1 << 30, register_sources=True)
+        await tx.call(
+            op="sender", plan=plan.sender(0).to_json(), max_tmp_bytes=1 << 30, register_sources=True
+        )
         await rx.call(op="receiver", plan=plan.receiver(0).to_json())
         walls = []
         last: dict[str, Any] = {}
@@ -347,17 +431,23 @@ async def gpu_run(size_gb: float, repeats: int) -> None:
         await tx.aclose()
         await rx.aclose()
     aiote_s = statistics.median_low(walls)
-    print(f"GPU aiote push GPU0 -> GPU1 over CUDA IPC: {nbytes / GB:.2f} GB in {aiote_s:.4f} s = "
-          f"{nbytes / aiote_s / GB:.1f} GB/s (median of {repeats}); stages: "
-          f"transform {last['transform_s']:.4f} s, direct {last['direct_bytes'] / GB:.2f} GB, "
-          f"peak staging {last['peak_staging_bytes'] / 2**20:.0f} MiB")
+    print(
+        f"GPU aiote push GPU0 -> GPU1 over CUDA IPC: {nbytes / GB:.2f} GB in {aiote_s:.4f} s = "
+        f"{nbytes / aiote_s / GB:.1f} GB/s (median of {repeats}); stages: "
+        f"transform {last['transform_s']:.4f} s, direct {last['direct_bytes'] / GB:.2f} GB, "
+        f"peak staging {last['peak_staging_bytes'] / 2**20:.0f} MiB"
+    )
     peer_s = _peer_copy(nbytes, repeats)
-    print(f"GPU ceiling, cudaMemcpyPeer of the same bytes: {peer_s:.4f} s = {nbytes / peer_s / GB:.1f} GB/s; "
-          f"aiote / ceiling = {peer_s / aiote_s:.2f}")
+    print(
+        f"GPU ceiling, cudaMemcpyPeer of the same bytes: {peer_s:.4f} s = {nbytes / peer_s / GB:.1f} GB/s; "
+        f"aiote / ceiling = {peer_s / aiote_s:.2f}"
+    )
     nccl = _nccl(nbytes, repeats)
     if nccl is not None:
-        print(f"GPU NCCL broadcast (torch.distributed) of the same bytes: {nccl:.4f} s = "
-              f"{nbytes / nccl / GB:.1f} GB/s; aiote / NCCL = {nccl / aiote_s:.2f}")
+        print(
+            f"GPU NCCL broadcast (torch.distributed) of the same bytes: {nccl:.4f} s = "
+            f"{nbytes / nccl / GB:.1f} GB/s; aiote / NCCL = {nccl / aiote_s:.2f}"
+        )
 
 
 def _peer_copy(nbytes: int, repeats: int) -> float:
@@ -386,9 +476,25 @@ def _nccl(nbytes: int, repeats: int) -> float | None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, __file__, "--nccl-rank", str(r), "--gloo-shard", str(nbytes),
-                               "--gloo-port", str(port), "--repeats", str(repeats)], stdout=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--nccl-rank",
+                str(r),
+                "--gloo-shard",
+                str(nbytes),
+                "--gloo-port",
+                str(port),
+                "--repeats",
+                str(repeats),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     out = procs[0].communicate(timeout=600)[0]
     procs[1].wait(timeout=60)
     for line in out.splitlines():
@@ -425,17 +531,28 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, gloo_s: float | Non
     rep = r["report"]
     bound = max(max(rep.out_bytes.values()), max(rep.in_bytes.values())) / (link * GB)
     wall = r["wall_s"]
-    print(f"\naiote push, route {route}: wall {wall:.3f} s (median of {len(r['walls'])}: "
-          + ", ".join(f"{x:.3f}" for x in r["walls"]) + f"), {rep.total_bytes / wall / GB:.2f} GB/s in all")
-    print(f"  bound at the C core's {link:.2f} GB/s per rank: {bound:.3f} s -> fraction of bound {bound / wall:.2f}")
+    print(
+        f"\naiote push, route {route}: wall {wall:.3f} s (median of {len(r['walls'])}: "
+        + ", ".join(f"{x:.3f}" for x in r["walls"])
+        + f"), {rep.total_bytes / wall / GB:.2f} GB/s in all"
+    )
+    print(
+        f"  bound at the C core's {link:.2f} GB/s per rank: {bound:.3f} s -> "
+        f"fraction of bound {bound / wall:.2f}"
+    )
     if gloo_s:
         print(f"  vs gloo all_gather + broadcast {gloo_s:.3f} s: {gloo_s / wall:.2f}x faster")
-    print(f"  plan: {r['plan_s'] * 1e3:.1f} ms, {rep.tasks} writes; " + str(rep).split("\n", 1)[1].replace("\n", "\n  "))
+    print(
+        f"  plan: {r['plan_s'] * 1e3:.1f} ms, {rep.tasks} writes; "
+        + str(rep).split("\n", 1)[1].replace("\n", "\n  ")
+    )
     for i, s in enumerate(r["stats"]):
-        print(f"  trainer {i}: push {s['wall_s']:.3f} s, staging wait {s['staging_wait_s']:.3f} s, "
-              f"transform {s['transform_s']:.3f} s, writes {s['write_s']:.3f} s summed ({s['writes']}), "
-              f"notify {s['notify_s'] * 1e3:.1f} ms, direct {s['direct_bytes'] / GB:.2f} GB, "
-              f"peak staging {s['peak_staging_bytes'] / 2**20:.0f} MiB")
+        print(
+            f"  trainer {i}: push {s['wall_s']:.3f} s, staging wait {s['staging_wait_s']:.3f} s, "
+            f"transform {s['transform_s']:.3f} s, writes {s['write_s']:.3f} s summed ({s['writes']}), "
+            f"notify {s['notify_s'] * 1e3:.1f} ms, direct {s['direct_bytes'] / GB:.2f} GB, "
+            f"peak staging {s['peak_staging_bytes'] / 2**20:.0f} MiB"
+        )
 
 
 async def main(a: argparse.Namespace) -> None:
@@ -445,16 +562,23 @@ async def main(a: argparse.Namespace) -> None:
         routes = a.routes.split(",")
         providers = ["tcp" if r == "tcp" else "shm" for r in routes]
         link = c_core_link(providers)
-        print("link, 16 MiB writes between two processes (C core / aiote): "
-              + ", ".join(f"{p} {link[p]:.2f} / {link[p + '_aiote']:.2f} GB/s" for p in providers))
+        print(
+            "link, 16 MiB writes between two processes (C core / aiote): "
+            + ", ".join(f"{p} {link[p]:.2f} / {link[p + '_aiote']:.2f} GB/s" for p in providers)
+        )
         sources, specs = llama_model(a.size, 2, 2)
         total = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
-        print(f"model: Llama-3-8B layer shapes, {len({s.name for s in sources})} parameters, "
-              f"{total / GB:.2f} GB bf16; 2 trainers (FSDP halves) -> 2 inference ranks (TP 2, fused qkv/gate_up)")
+        print(
+            f"model: Llama-3-8B layer shapes, {len({s.name for s in sources})} parameters, "
+            f"{total / GB:.2f} GB bf16; 2 trainers (FSDP halves) -> 2 inference ranks "
+            "(TP 2, fused qkv/gate_up)"
+        )
         gloo = None if a.no_gloo else gloo_run(2, 2, total // 2, a.repeats)
         if gloo:
-            print(f"gloo: all_gather + rank-0 broadcast in 256 MiB buckets: {gloo['wall_s']:.3f} s "
-                  f"(median of {len(gloo['walls'])}: " + ", ".join(f"{x:.3f}" for x in gloo["walls"]) + ")")
+            print(
+                f"gloo: all_gather + rank-0 broadcast in 256 MiB buckets: {gloo['wall_s']:.3f} s "
+                f"(median of {len(gloo['walls'])}: " + ", ".join(f"{x:.3f}" for x in gloo["walls"]) + ")"
+            )
         for route, prov in zip(routes, providers, strict=True):
             r = await aiote_run(route, sources, specs, a.repeats, a.max_tmp_mib << 20)
             _print_aiote(route, r, link[prov], gloo["wall_s"] if gloo else None)
@@ -462,13 +586,20 @@ async def main(a: argparse.Namespace) -> None:
         await gpu_run(a.size, a.repeats)
     if not a.no_kimi:
         k = kimi_plan_report()
-        print(f"\nKimi-K2 plan (computed, not run): {k['params'] / 1e12:.3f} T params, 256 trainers -> 128 inference "
-              f"ranks (8 replicas x 16), {k['tasks']} writes, planned in {k['plan_s']:.3f} s, validated in "
-              f"{k['validate_s']:.3f} s")
-        print(f"  {k['total_gb']:.0f} GB written (bf16); out per trainer {k['min_out_gb']:.1f}-{k['max_out_gb']:.1f} GB, "
-              f"in per inference rank up to {k['max_in_gb']:.1f} GB")
-        print(f"  bound at 50 GB/s per rank: {k['bound_s']:.2f} s in bf16, {k['bound_fp8_s']:.2f} s with FP8 "
-              "targets (half the bytes in); Perplexity reported 1.3 s (FP8 inference)")
+        print(
+            f"\nKimi-K2 plan (computed, not run): {k['params'] / 1e12:.3f} T params, 256 trainers -> "
+            f"128 inference ranks (8 replicas x 16), {k['tasks']} writes, "
+            f"planned in {k['plan_s']:.3f} s, validated in {k['validate_s']:.3f} s"
+        )
+        print(
+            f"  {k['total_gb']:.0f} GB written (bf16); "
+            f"out per trainer {k['min_out_gb']:.1f}-{k['max_out_gb']:.1f} GB, "
+            f"in per inference rank up to {k['max_in_gb']:.1f} GB"
+        )
+        print(
+            f"  bound at 50 GB/s per rank: {k['bound_s']:.2f} s in bf16, {k['bound_fp8_s']:.2f} s with FP8 "
+            "targets (half the bytes in); Perplexity reported 1.3 s (FP8 inference)"
+        )
 
 
 if __name__ == "__main__":
@@ -489,7 +620,9 @@ if __name__ == "__main__":
     ap.add_argument("--nccl-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gloo_rank is not None:
-        gloo_rank(args.gloo_rank, args.gloo_world, args.gloo_trainers, args.gloo_shard, args.gloo_port, args.repeats)
+        gloo_rank(
+            args.gloo_rank, args.gloo_world, args.gloo_trainers, args.gloo_shard, args.gloo_port, args.repeats
+        )
     elif args.nccl_rank is not None:
         nccl_rank(args.nccl_rank, args.gloo_shard, args.gloo_port, args.repeats)
     else:

@@ -419,3 +419,22 @@ async def test_wait_version_in_one_process_timeouts_and_two_waiters(anyio_backen
         assert done == [1, 1] and rx.is_complete(3) and rx.latest == 3
         assert stats.writes == 1 and stats.peak_staging_bytes == 64
         assert dst[:64].view(np.float16).tolist() == list(range(32))
+
+
+# ------------------------------------------------------------------ the vLLM-shaped example
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_vllm_backend_example_runs_standalone(backend: str) -> None:
+    """examples/weights_vllm_backend.py: the phases of vLLM's weight-transfer interface over
+    aiote.weights, without vLLM; two versions, every inference shard verified."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "weights_vllm_backend.py"
+    out = subprocess.run(
+        [sys.executable, str(path), "--backend", backend], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"version 2: every inference shard verified ({backend})" in out.stdout
+    assert "plan: 8 writes" in out.stdout

@@ -277,6 +277,13 @@ class ReceiverPlan:
             raise PlanError(f"not a receiver plan: {e}") from None
 
 
+def _fmt(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{n} B"
+
+
 @dataclass(frozen=True)
 class PlanReport:
     """What :meth:`WeightPlan.validate` proved and measured: bytes out of each trainer rank,
@@ -292,21 +299,21 @@ class PlanReport:
     bound_s: float | None = field(default=None)
 
     def __str__(self) -> str:
-        gb = 1e9
-        lines = [f"plan: {self.tasks} writes, {self.total_bytes / gb:.3f} GB in all"]
+        lines = [f"plan: {self.tasks} writes, {_fmt(self.total_bytes)} in all"]
         lines.append(
-            "  out (trainer rank: GB): "
-            + ", ".join(f"{r}: {b / gb:.3f}" for r, b in sorted(self.out_bytes.items()))
+            "  out (trainer rank: bytes): "
+            + ", ".join(f"{r}: {_fmt(b)}" for r, b in sorted(self.out_bytes.items()))
         )
         lines.append(
-            "  in (inference rank: GB): "
-            + ", ".join(f"{r}: {b / gb:.3f}" for r, b in sorted(self.in_bytes.items()))
+            "  in (inference rank: bytes): "
+            + ", ".join(f"{r}: {_fmt(b)}" for r, b in sorted(self.in_bytes.items()))
         )
         if self.bound_s is not None and self.link_bytes_per_s:
+            out_max = max(self.out_bytes.values(), default=0)
+            in_max = max(self.in_bytes.values(), default=0)
             lines.append(
-                f"  bound at {self.link_bytes_per_s / gb:.2f} GB/s per rank: "
-                f"max(out {max(self.out_bytes.values(), default=0) / gb:.3f} GB, "
-                f"in {max(self.in_bytes.values(), default=0) / gb:.3f} GB) / B = {self.bound_s:.4f} s"
+                f"  bound at {self.link_bytes_per_s / 1e9:.2f} GB/s per rank: max(out {_fmt(out_max)}, "
+                f"in {_fmt(in_max)}) / B = {self.bound_s:.6f} s"
             )
         return "\n".join(lines)
 
