@@ -121,15 +121,22 @@ class Worker:
 
 
 async def spawn_worker(
-    backend: str = "asyncio", route: str = "tcp", timeout: float = 60.0, gpu: int | None = None
+    backend: str = "asyncio",
+    route: str = "tcp",
+    timeout: float = 60.0,
+    gpu: int | None = None,
+    gpu_ipc: bool = True,
 ) -> Worker:
     """Starts a worker process (``route``: ``"tcp"`` for tcp loopback only, ``"default"`` for
     ``open_engine()``'s defaults, shm to same-host peers; ``gpu``: its tensors and buffers are
-    CuPy arrays on that GPU). Raises RuntimeError/TimeoutError if it does not come up. Costs a
-    Python process that imports aiote and opens an engine."""
+    CuPy arrays on that GPU; ``gpu_ipc=False``: GPU writes are staged through host memory
+    over the NIC instead of the CUDA-IPC rail). Raises RuntimeError/TimeoutError if it does
+    not come up. Costs a Python process that imports aiote and opens an engine."""
     args = [sys.executable, "-m", "aiote.weights._worker", "--backend", backend, "--route", route]
     if gpu is not None:
         args += ["--gpu", str(gpu)]
+    if not gpu_ipc:
+        args += ["--gpu-ipc", "no"]
     proc = await anyio.open_process(args, stdin=-1, stdout=-1, stderr=None)
     w = Worker(proc, b"")
     try:
@@ -180,6 +187,8 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
         assert st.buf is not None
         (st.buf if st.gpu is None else st.buf.get()).tofile(cmd["path"])
         return {}
+    if op == "stats":
+        return {"stats": e.stats()}
     if op == "route":
         return {"provider": e.route(bytes.fromhex(cmd["peer"])).provider}
     if op == "sender":
@@ -250,8 +259,9 @@ async def _push(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"stats": d}
 
 
-async def _serve(route: str, gpu: int | None) -> None:
+async def _serve(route: str, gpu: int | None, gpu_ipc: bool) -> None:
     kw: dict[str, Any] = {"same_host": None} if route == "tcp" else {}
+    kw["gpu_ipc"] = gpu_ipc
     if gpu is not None:
         import cupy
 
@@ -281,8 +291,11 @@ def main() -> None:
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--route", default="tcp", choices=["tcp", "default"])
     ap.add_argument("--gpu", type=int, default=None, help="this rank's GPU (CuPy arrays)")
+    ap.add_argument(
+        "--gpu-ipc", default="yes", choices=["yes", "no"], help="no: stage GPU writes over the NIC"
+    )
     a = ap.parse_args()
-    anyio.run(_serve, a.route, a.gpu, backend=a.backend)
+    anyio.run(_serve, a.route, a.gpu, a.gpu_ipc == "yes", backend=a.backend)
 
 
 if __name__ == "__main__":
