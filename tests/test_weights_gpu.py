@@ -56,9 +56,9 @@ async def _gpu_world(backend: str, route: str, gpu_ipc: bool, tmp: Path) -> None
         for v in (1, 2):
             async with anyio.create_task_group() as g:
                 for w in senders:
-                    g.start_soon(lambda w=w: w.call(op="push", version=v, timeout=60))
+                    g.start_soon(lambda w=w, v=v: w.call(op="push", version=v, timeout=60))
                 for w in receivers:
-                    g.start_soon(lambda w=w: w.call(op="wait", version=v, timeout=60))
+                    g.start_soon(lambda w=w, v=v: w.call(op="wait", version=v, timeout=60))
             for r, w in enumerate(receivers):
                 path = tmp / f"r{r}.bin"
                 await w.call(op="dump", path=str(path))
