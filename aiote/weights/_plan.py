@@ -605,7 +605,13 @@ def plan(
     work.sort(key=lambda w: -w[0])
     for nbytes, i, j, r0, r1, off, cands in work:
         # the least-loaded holder, the lowest rank on a tie (cands are sorted)
-        c = cands[0] if len(cands) == 1 else min(cands, key=load.__getitem__)
+        n = len(cands)
+        if n == 1:
+            c = cands[0]
+        elif n == 2:
+            c = cands[0] if load[cands[0]] <= load[cands[1]] else cands[1]
+        else:
+            c = min(cands, key=load.__getitem__)
         load[c] += nbytes
         tasks.append(Task(ranks[c], targets[i].rank, i, j, r0, r1, off, nbytes))
     return WeightPlan(sources, targets, tuple(tasks), tag, chunk_bytes)
