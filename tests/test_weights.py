@@ -355,6 +355,39 @@ async def test_sender_killed_mid_push_leaves_the_version_incomplete(
         assert not r["complete"] and r["latest"] is None
 
 
+async def test_push_deadline_on_a_frozen_receiver_and_the_next_push_waits_for_it(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """Receiver 1 frozen: the push's deadline fails rank 1 only (TransferTimeout), rank 0
+    completes; the next push refuses to start while those writes may still land (they read the
+    staging buffer); once receiver 1 runs again they settle and the next version reaches both."""
+    sources, specs = model_faults()
+    async with world(anyio_backend, "tcp", sources, 2, 2, tmp_path) as w:
+        for r in range(2):
+            await spawn_rx(w, anyio_backend, "tcp", r, specs(r))
+        await w.install()
+        s0 = w.senders[0]
+        frozen = w.receivers[1]
+        await w.push(1)  # connections open: writes to the frozen rank are then posted and stay in flight
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            with pytest.raises(WorkerError) as e:
+                await s0.call(op="push", version=2, timeout=1.0)
+            assert 0.9 <= time.monotonic() - t < 10
+            assert e.value.kind == "PushFailed" and e.value.reply["failed"] == {"1": "TransferTimeout"}
+            assert e.value.reply["completed"] == [0]
+            with pytest.raises(WorkerError) as e:
+                await s0.call(op="push", version=3, timeout=0.5)
+            assert e.value.kind == "TransferTimeout" and "earlier push" in str(e.value), e.value.reply
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        await w.push(4)
+        for r in range(2):
+            await w.receivers[r].call(op="wait", version=4, timeout=30)
+        await w.check(4)
+
+
 # ------------------------------------------------------------------ refusals, in one process
 
 

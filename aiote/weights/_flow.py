@@ -237,6 +237,7 @@ class WeightSender:
         self._xp: Any = None
         self._registered: dict[str, tuple[Any, MemoryRegion]] = {}
         self._busy = False
+        self._unsettled: list[TransferTimeout] = []
         self._log = _log.bind(rank=plan.rank)
 
     async def __aenter__(self) -> WeightSender:
@@ -316,9 +317,21 @@ class WeightSender:
         views, xp = self._check_tensors(tensors)
         self._busy = True
         try:
+            await self._settle_earlier(end)
             return await self._push(views, xp, version, imm, end)
         finally:
             self._busy = False
+
+    async def _settle_earlier(self, end: float | None) -> None:
+        """Waits until the writes an earlier push gave up on (timed out) can no longer land:
+        until then they may read the staging buffer and overwrite the bytes of this version."""
+        while self._unsettled:
+            exc = self._unsettled[0]
+            with anyio.move_on_after(_left(end) if end is not None else float("inf")):
+                await exc.settled()
+                self._unsettled.pop(0)
+                continue
+            raise TransferTimeout("writes of an earlier push that timed out are still in flight")
 
     async def _push(
         self, views: dict[str, Any], xp: Any, version: int, imm: int, end: float | None
@@ -374,7 +387,10 @@ class WeightSender:
                 for w in self._lanes[r]:
                     if r in ctx.errors:
                         break
-                    await self._issue(tg, r, w, ctx, pool)
+                    try:
+                        await self._issue(tg, r, w, ctx, pool)
+                    except AioteError as exc:  # caught here: out of the group it comes wrapped
+                        ctx.errors.setdefault(r, exc)
             if r not in ctx.errors:
                 t = time.monotonic()
                 await self.engine.write_imm(self._imm_desc(r), imm, timeout=_left(ctx.end), retry=_ONCE)
@@ -433,6 +449,12 @@ class WeightSender:
                 )
                 st.writes += 1
                 st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + w.nbytes
+        except TransferTimeout as exc:
+            # the write may still be in flight: its staging room stays taken for this push,
+            # and the next push first waits for it to settle (see _settle_earlier)
+            ctx.errors.setdefault(r, exc)
+            self._unsettled.append(exc)
+            off = -1
         except AioteError as exc:
             ctx.errors.setdefault(r, exc)
         finally:
