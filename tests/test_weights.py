@@ -19,6 +19,7 @@ import anyio
 import numpy as np
 import pytest
 from _util import nothing_posted
+from test_weights_plan import e4m3_reference
 
 import aiote
 from aiote import weights as W
@@ -43,6 +44,8 @@ def reference(t: W.TargetShard, shapes: dict[str, tuple[tuple[int, ...], str]], 
         block = full[p.rows[0] : p.rows[1], c0:c1]
         if dtype == "bfloat16" and t.dtype == "float32":
             block = (block.astype(np.uint32) << 16).view(np.float32)
+        elif t.dtype == "float8_e4m3":  # brute force: the nearest FP8 value
+            block = e4m3_reference(block.astype(np.float32)).reshape(block.shape)
         elif dtype != t.dtype:
             block = block.astype(np.dtype(t.dtype))  # float32 -> float16: NumPy's own rounding
         out.append(np.ascontiguousarray(block).tobytes())
@@ -221,8 +224,8 @@ async def spawn_rx(
 
 async def test_four_trainers_three_receivers_uneven_rows(anyio_backend: str, tmp_path: Path) -> None:
     """4 trainers with uneven FSDP rows -> 3 tensor-parallel inference ranks (rows that do not
-    divide), a bias every trainer holds whole (the planner spreads it), a float32 -> float16
-    target; over the default route."""
+    divide), a bias every trainer holds whole (the planner spreads it), float32 -> float16 and
+    float32 -> FP8 e4m3 targets; over the default route."""
     sources = [
         *fsdp("w", (37, 24), "float32", [0, 5, 20, 21, 37]),
         *fsdp("x", (11, 40), "float32", [0, 1, 2, 3, 11]),
@@ -238,6 +241,7 @@ async def test_four_trainers_three_receivers_uneven_rows(anyio_backend: str, tmp
                 [
                     ("w", "float32", [W.Piece("w", W.split_rows(37, 3, r))]),
                     ("x", "float16", [W.Piece("x", W.split_rows(11, 3, r))]),
+                    ("x8", "float8_e4m3", [W.Piece("x", W.split_rows(11, 3, r))]),  # FP8, saturating
                     ("b", "float32", [W.Piece("b", (0, 90))]),
                 ],
             )

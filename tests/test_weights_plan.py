@@ -64,7 +64,11 @@ def problems(draw: st.DrawFn) -> tuple[list[W.SourceShard], list[W.TargetShard],
                 pname, prows, _, pdtype = params[k - 1]
                 if W.cast_supported(pdtype, dtype) or pdtype == dtype:
                     pieces.append(W.Piece(pname, (0, prows)))
-            tdtype = dtype if dtype == "int8" else draw(st.sampled_from(["float32", "float16", "bfloat16"]))
+            tdtype = (
+                dtype
+                if dtype == "int8"
+                else draw(st.sampled_from(["float32", "float16", "bfloat16", "float8_e4m3"]))
+            )
             if any(not W.cast_supported(params[int(p.source[1:])][3], tdtype) for p in pieces):
                 tdtype = dtype
                 pieces = pieces[:1]
@@ -307,3 +311,37 @@ def test_casts_round_and_keep_nan() -> None:
     assert h[0] == 1.0 and h[3] == -2.5
     with pytest.raises(aiote.InvalidArgument, match="no cast"):
         W.cast_into(np, np.empty(2, np.int8), np.zeros(2, np.float32), "float32", "int8")
+
+
+def e4m3_reference(x: np.ndarray) -> np.ndarray:
+    """FP8 e4m3 codes by brute force, independent of the library's bit tricks: the nearest of
+    the 254 finite values (a tie to the even code), saturating at +-448, NaN -> 0x7F."""
+    codes = np.array([c for c in range(256) if (c & 0x7F) != 0x7F])
+    vals = W.e4m3_table()[codes].astype(np.float64)
+    x = np.asarray(x, np.float64).ravel()
+    d = np.abs(x[:, None] - vals[None, :])
+    best = d.min(axis=1, keepdims=True)
+    cand = np.where(d == best, codes[None, :], 1 << 20)
+    even = np.where((cand & 1) == 0, cand, 1 << 20).min(axis=1)  # a tie: the even code
+    pick = np.where(even < (1 << 20), even, cand.min(axis=1))
+    # the sign of zero follows the input (both zeros are nearest)
+    pick = np.where((pick & 0x7F) == 0, np.where(np.signbit(x), 0x80, 0), pick)
+    pick = np.where(np.abs(x) >= 448, np.where(x < 0, 0xFE, 0x7E), pick)
+    return np.where(np.isnan(x), 0x7F, pick).astype(np.uint8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=64))
+def test_fp8_e4m3_cast_matches_a_brute_force_reference(values: list[float]) -> None:
+    f = np.array(values, np.float32)
+    ties = np.array([2.0**-10, 3 * 2.0**-10, 1.0625, 1.1875, -1.0625, 464.0, 480.0], np.float32)
+    f = np.concatenate([f, ties, (W.e4m3_table()[:0x7F] * 1.0001).astype(np.float32)])
+    got = np.empty(f.shape, np.uint8)
+    W.cast_into(np, got, f, "float32", "float8_e4m3")
+    want = e4m3_reference(f)
+    nan = np.isnan(f)
+    assert np.array_equal(got[~nan], want[~nan])
+    assert ((got[nan] & 0x7F) == 0x7F).all()
+    back = np.empty(f.shape, np.float32)
+    W.cast_into(np, back, got, "float8_e4m3", "float32")
+    assert np.array_equal(back[~nan], W.e4m3_table()[want[~nan]])

@@ -20,7 +20,7 @@ immediate (24-bit sequence), so a late write of ``v`` never completes ``v + 1``.
 See docs/weights.md.
 """
 
-from ._dtypes import DTYPES, cast_into, cast_supported
+from ._dtypes import DTYPES, E4M3_MAX, cast_into, cast_supported, e4m3_table
 from ._flow import VERSION_BITS, PushFailed, PushStats, WeightReceiver, WeightSender, version_imm
 from ._layout import fused_tp, pack_targets, split_rows, with_desc
 from ._plan import (
@@ -39,6 +39,7 @@ from ._plan import (
 
 __all__ = [
     "DTYPES",
+    "E4M3_MAX",
     "VERSION_BITS",
     "Piece",
     "PlanError",
@@ -56,6 +57,7 @@ __all__ = [
     "Write",
     "cast_into",
     "cast_supported",
+    "e4m3_table",
     "fused_tp",
     "pack_targets",
     "plan",
