@@ -551,6 +551,11 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, gloo_s: float | Non
         f"  bound at the C core's {link:.2f} GB/s per rank: {bound:.3f} s -> "
         f"fraction of bound {bound / wall:.2f}"
     )
+    host = rep.total_bytes / (link * GB)  # every pair shares this host's cores and memory
+    print(
+        f"  one host moves about one link's worth at a time here: total / B = {host:.3f} s -> "
+        f"fraction {host / wall:.2f}"
+    )
     if gloo_s:
         print(f"  vs gloo all_gather + broadcast {gloo_s:.3f} s: {gloo_s / wall:.2f}x faster")
     print(
