@@ -9,6 +9,7 @@ import bisect
 import itertools
 import json
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -580,6 +581,7 @@ def plan(
     work: list[tuple[int, int, int, int, int, int, tuple[int, ...]]] = []
     widths = {n: s.width for n, s in ref.items()}
     sizes = {d: itemsize(d) for d in {t.dtype for t in targets}}
+    add = work.append
     for i, tgt in enumerate(targets):
         if kept and (tgt.name, tgt.rank) in kept:
             continue
@@ -596,13 +598,15 @@ def plan(
                 segs = _segments(h, p.rows, tgt, j)
             for x, y, cands in segs:
                 if y - x <= step:
-                    work.append(((y - x) * rb, i, j, x, y, base + (x - a) * rb, cands))
+                    add(((y - x) * rb, i, j, x, y, base + (x - a) * rb, cands))
                     continue
                 for r0 in range(x, y, step):
                     r1 = min(y, r0 + step)
                     work.append(((r1 - r0) * rb, i, j, r0, r1, base + (r0 - a) * rb, cands))
             base += (b - a) * rb
-    work.sort(key=lambda w: -w[0])
+    work.sort(key=operator.itemgetter(0), reverse=True)  # largest first; stable on ties
+    new = tuple.__new__  # a Task without its Python-level __new__ (a third of the time here)
+    dst = [t.rank for t in targets]
     for nbytes, i, j, r0, r1, off, cands in work:
         # the least-loaded holder, the lowest rank on a tie (cands are sorted)
         n = len(cands)
@@ -613,7 +617,7 @@ def plan(
         else:
             c = min(cands, key=load.__getitem__)
         load[c] += nbytes
-        tasks.append(Task(ranks[c], targets[i].rank, i, j, r0, r1, off, nbytes))
+        tasks.append(new(Task, (ranks[c], dst[i], i, j, r0, r1, off, nbytes)))
     return WeightPlan(sources, targets, tuple(tasks), tag, chunk_bytes)
 
 
