@@ -67,10 +67,8 @@ async def _gpu_world(backend: str, route: str, gpu_ipc: bool, tmp: Path) -> None
                     want = reference(t, shapes, v)
                     assert buf[t.offset : t.offset + len(want)].tobytes() == want, (r, t.name, v)
         stats = (await senders[0].call(op="stats"))["stats"]
-        if gpu_ipc:
-            assert stats["gpu_ipc"] > 0 and stats["gpu_staged"] == 0, stats
-        else:
-            assert stats["gpu_staged"] > 0 and stats["gpu_ipc"] == 0, stats
+        # the data went over the rail asked for (the zero-byte immediates may take either path)
+        assert stats["gpu_ipc" if gpu_ipc else "gpu_staged"] >= 10, stats
     finally:
         with anyio.CancelScope(shield=True):
             for w in workers:
