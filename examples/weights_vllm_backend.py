@@ -58,19 +58,15 @@ class AioteWeightTransferEngine:
         self.model = dict(model or {})  # name -> the engine's parameter (a view into one region)
         self.loop = _Loop(self.config.get("backend", "asyncio"))
         self.rx: W.WeightReceiver | None = None
-        self.buf: np.ndarray | None = None
-        self.targets: list[W.TargetShard] = []
+        self.mem: W.TargetRegion | None = None
 
     def init_transfer_engine(self, init_info: Mapping[str, Any]) -> dict[str, Any]:
-        """Lays out this rank's parameters in one region, registers it once, and returns its
-        target metadata (plain dict) for the controller's plan."""
+        """Lays out this rank's parameters in one region (the engine's host arena), registers
+        it once, and returns its target metadata (plain dict) for the controller's plan."""
         sources = [W.SourceShard(*s) for s in init_info["sources"]]
         specs = [(n, d, [W.Piece(p[0], tuple(p[1])) for p in pieces]) for n, d, pieces in init_info["specs"]]
-        targets, nbytes = W.pack_targets(init_info["rank"], specs, sources)
-        self.buf = np.zeros(nbytes, np.uint8)
-        mr = self.loop.call(self.loop.engine.register, self.buf)
-        self.targets = W.with_desc(targets, bytes(mr.descriptor))
-        return {"targets": W.ReceiverPlan(init_info["rank"], 0, (), 0, tuple(self.targets)).to_json()}
+        self.mem = self.loop.call(W.register_targets, self.loop.engine, init_info["rank"], specs, sources)
+        return {"targets": W.ReceiverPlan(init_info["rank"], 0, (), 0, tuple(self.mem.targets)).to_json()}
 
     def start_weight_update(self) -> None:
         """vLLM pauses generation here; nothing to do for the transfer (the memory is registered)."""
@@ -85,11 +81,9 @@ class AioteWeightTransferEngine:
 
     def finish_weight_update(self) -> None:
         """The bytes are in the engine's own parameters already: expose them (views)."""
-        assert self.buf is not None
-        for t in self.targets:
-            rows, width = sum(p.rows[1] - p.rows[0] for p in t.pieces), self.config["hidden"]
-            nbytes = rows * width * np.dtype(t.dtype).itemsize
-            self.model[t.name] = self.buf[t.offset : t.offset + nbytes].view(t.dtype).reshape(rows, width)
+        assert self.mem is not None
+        for t in self.mem.targets:
+            self.model[t.name] = self.mem.view(t.name)
 
     def shutdown(self) -> None:
         self.loop.close()
@@ -148,7 +142,7 @@ def main(backend: str) -> None:
             ),
             ("up", "float16", [["up", list(W.split_rows(256, tp, r))]]),
         ]
-        w = AioteWeightTransferEngine({"backend": backend, "hidden": hidden})
+        w = AioteWeightTransferEngine({"backend": backend})
         infos.append(w.init_transfer_engine({"rank": r, "sources": src_rows, "specs": specs}))
         workers.append(w)
     targets = [t for info in infos for t in W.ReceiverPlan.from_json(info["targets"]).targets]

@@ -475,3 +475,31 @@ def test_vllm_backend_example_runs_standalone(backend: str) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"version 2: every inference shard verified ({backend})" in out.stdout
     assert "plan: 8 writes" in out.stdout
+
+
+async def test_register_targets_and_typed_views(anyio_backend: str) -> None:
+    """An inference rank's memory laid out, registered once, and read through typed views."""
+    sources = [*fsdp("q", (8, 4), "float32", [0, 4, 8]), *fsdp("k", (4, 4), "float32", [0, 4])]
+    sources += fsdp("o", (4, 8), "float32", [0, 4])
+    async with engine_pair(same_host=None) as (a, b):
+        specs: list[Spec] = [
+            ("qk", "float16", W.fused_tp([("q", 8), ("k", 4)], 0, 2)),
+            ("o", "float32", [W.Piece("o", (0, 4), (2, 6))]),
+            ("mixed", "float32", [W.Piece("q", (0, 1)), W.Piece("o", (0, 1))]),
+        ]
+        mem = await W.register_targets(b, 0, specs, sources)
+        assert mem.shapes == {"qk": (6, 4), "o": (4, 4), "mixed": (12, 0)}
+        with pytest.raises(aiote.InvalidArgument, match="at least"):
+            await W.register_targets(b, 0, specs, sources, buffer=np.zeros(8, np.uint8))
+        p = W.plan(sources, mem.targets)
+        rx = W.WeightReceiver(b, p.receiver(0))
+        q = np.arange(32, dtype=np.float32).reshape(8, 4)
+        k = -np.arange(16, dtype=np.float32).reshape(4, 4)
+        o = np.arange(32, dtype=np.float32).reshape(4, 8) / 2
+        async with W.WeightSender(a, p.sender(0)) as t0, W.WeightSender(a, p.sender(1)) as t1:
+            await t0.push({"q": q[:4], "k": k, "o": o}, version=9, timeout=10)
+            await t1.push({"q": q[4:]}, version=9, timeout=10)
+        await rx.wait_version(9, timeout=10)
+        assert np.array_equal(mem.view("qk"), np.concatenate([q[:4], k[:2]]).astype(np.float16))
+        assert np.array_equal(mem.view("o"), o[:, 2:6])
+        assert np.array_equal(mem.view("mixed"), np.concatenate([q[0], o[0]]))

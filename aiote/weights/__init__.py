@@ -10,7 +10,9 @@ versioned::
     async with aiote.weights.WeightSender(engine, plan.sender(r), max_tmp_bytes=1 << 30) as tx:
         stats = await tx.push({"layers.0.q": q_shard, ...}, version=step, timeout=60)
 
-    # inference rank r (its parameter memory registered once; the plan carries its descriptor)
+    # inference rank r, before planning: its parameter memory laid out and registered once
+    mem = await aiote.weights.register_targets(engine, r, specs, sources)  # mem.targets -> controller
+    # ... and after: completion of each version
     rx = aiote.weights.WeightReceiver(engine, plan.receiver(r))
     await rx.wait_version(step, timeout=60)        # every byte of `step` is in place
 
@@ -36,6 +38,7 @@ from ._plan import (
     Write,
     plan,
 )
+from ._region import TargetRegion, register_targets
 
 __all__ = [
     "DTYPES",
@@ -49,6 +52,7 @@ __all__ = [
     "ReceiverPlan",
     "SenderPlan",
     "SourceShard",
+    "TargetRegion",
     "TargetShard",
     "Task",
     "WeightPlan",
@@ -61,6 +65,7 @@ __all__ = [
     "fused_tp",
     "pack_targets",
     "plan",
+    "register_targets",
     "split_rows",
     "version_imm",
     "with_desc",
