@@ -267,7 +267,12 @@ def c_core_link(providers: Sequence[str]) -> dict[str, float]:
 
 
 async def aiote_run(
-    route: str, sources: list[W.SourceShard], specs: list[list[Any]], repeats: int, max_tmp: int
+    route: str,
+    sources: list[W.SourceShard],
+    specs: list[list[Any]],
+    repeats: int,
+    max_tmp: int,
+    chunk: int = 16 << 20,
 ) -> dict[str, Any]:
     n_s = len({s.rank for s in sources})
     workers: list[Worker] = []
@@ -286,7 +291,7 @@ async def aiote_run(
             desc = (await w.call(op="alloc", nbytes=nbytes, arena=route == "default"))["desc"]
             targets += W.with_desc(tg_, bytes.fromhex(desc))
         t0 = time.perf_counter()
-        plan = W.plan(sources, targets)
+        plan = W.plan(sources, targets, chunk_bytes=chunk)
         plan_s = time.perf_counter() - t0
         report = plan.validate()
         for s, w in enumerate(senders):
@@ -596,7 +601,7 @@ async def main(a: argparse.Namespace) -> None:
                 f"(median of {len(gloo['walls'])}: " + ", ".join(f"{x:.3f}" for x in gloo["walls"]) + ")"
             )
         for route, prov in zip(routes, providers, strict=True):
-            r = await aiote_run(route, sources, specs, a.repeats, a.max_tmp_mib << 20)
+            r = await aiote_run(route, sources, specs, a.repeats, a.max_tmp_mib << 20, a.chunk_mib << 20)
             _print_aiote(route, r, link[prov], gloo["wall_s"] if gloo else None)
     if a.gpu:
         await gpu_run(a.size, a.repeats)
@@ -624,6 +629,7 @@ if __name__ == "__main__":
     ap.add_argument("--routes", default="tcp,default", help="tcp, default (shm), or both")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tmp-mib", type=int, default=256, help="each sender's staging pool")
+    ap.add_argument("--chunk-mib", type=int, default=16, help="the plan's chunk_bytes")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--no-kimi", action="store_true")
     ap.add_argument("--kimi-only", action="store_true")
