@@ -155,15 +155,23 @@ def _kimi_params() -> tuple[list[tuple[str, tuple[int, ...], str]], list[tuple[s
 
 
 def kimi_k2(
-    trainers: int = 256, replicas: int = 8, tp: int = 16, fp8: str = "float8_e4m3"
+    trainers: int = 256,
+    replicas: int = 8,
+    tp: int = 16,
+    fp8: str = "float8_e4m3",
+    expert_shards: bool = False,
 ) -> tuple[list[W.SourceShard], list[W.TargetShard]]:
     """Kimi-K2's shapes (DeepSeek-V3 architecture: 61 layers, the first dense, MLA attention,
     384 routed experts of 2048 stacked per layer, 1 shared expert, vocab 163840), bf16.
 
-    Trainers: every expert tensor [384, ...] is dim-0 sharded over 128 expert-parallel ranks (3
-    experts each) and replicated twice (HSDP), so 2 ranks hold each expert; the dense and
-    attention parameters are held whole (after ``full_tensor()`` in each 8-rank node group)
-    by the 8 ranks of node ``f(name) % 32`` (a fixed hash of the name). Inference:
+    Trainers, as in Perplexity's system: parameters are grouped into disjoint mesh groups and
+    every rank of a group can produce a whole parameter of it (``full_tensor()``), so each
+    parameter has the ranks of its group as holders, the planner picking the least-loaded:
+    the 180 expert tensors [384, ...] (w1, w3, w2 of 60 layers) are dealt round robin to 16 MoE
+    mesh groups of 16 ranks; the dense and attention parameters to the 8-rank node group ``f(name) % 32`` (a
+    fixed hash of the name). ``expert_shards=True`` instead shards every expert tensor by
+    expert over 128 ranks, replicated twice (2 holders per expert, 8 writes per inference
+    rank and tensor). Inference:
     ``replicas`` replicas of ``tp`` ranks (8 x 16 = 128 GPUs), experts split 24 per rank (EP
     16), attention and dense MLP tensor-parallel (column- or row-parallel as in vLLM), latent
     projections, norms and the router replicated, embeddings vocab-parallel; linear weights
@@ -173,9 +181,13 @@ def kimi_k2(
     experts = 384
     sources: list[W.SourceShard] = []
     ep = trainers // 2
-    for name, shape in moe:
-        for t in range(trainers):
-            sources.append(W.SourceShard(name, shape, "bfloat16", t, W.split_rows(experts, ep, t % ep)))
+    for n, (name, shape) in enumerate(moe):
+        if expert_shards:
+            for t in range(trainers):
+                sources.append(W.SourceShard(name, shape, "bfloat16", t, W.split_rows(experts, ep, t % ep)))
+        else:
+            g = n % (trainers // 16)  # the 180 expert tensors dealt round robin
+            sources += [W.SourceShard(name, shape, "bfloat16", g * 16 + i, (0, experts)) for i in range(16)]
     groups = trainers // 8
     for name, shape, _ in dense:
         g = (sum(name.encode()) * 2654435761) % groups
@@ -206,8 +218,8 @@ def kimi_k2(
     return sources, targets
 
 
-def kimi_plan_report(fp8: str = "float8_e4m3") -> dict[str, Any]:
-    sources, targets = kimi_k2(fp8=fp8)
+def kimi_plan_report(fp8: str = "float8_e4m3", expert_shards: bool = False) -> dict[str, Any]:
+    sources, targets = kimi_k2(fp8=fp8, expert_shards=expert_shards)
     t0, c0 = time.perf_counter(), time.process_time()
     plan = W.plan(sources, targets, chunk_bytes=1 << 30)
     plan_s, plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -606,9 +618,13 @@ async def main(a: argparse.Namespace) -> None:
     if a.gpu:
         await gpu_run(a.size, a.repeats)
     if not a.no_kimi:
-        for fp8 in ("float8_e4m3", "bfloat16"):
-            k = kimi_plan_report(fp8)
-            what = "FP8 e4m3 linear weights" if fp8 != "bfloat16" else "bf16 throughout"
+        layouts = [
+            ("float8_e4m3", False, "FP8 e4m3 linear weights, whole tensors in mesh groups"),
+            ("bfloat16", False, "bf16 throughout, whole tensors in mesh groups"),
+            ("float8_e4m3", True, "FP8, experts sharded by expert on the trainers"),
+        ]
+        for fp8, shards, what in layouts:
+            k = kimi_plan_report(fp8, shards)
             print(
                 f"\nKimi-K2 plan, {what} (computed, not run): {k['params'] / 1e12:.3f} T params, "
                 f"256 trainers -> 128 inference ranks (8 replicas x 16), {k['tasks']} writes, "
