@@ -259,7 +259,7 @@ def c_core_link(providers: Sequence[str]) -> dict[str, float]:
             "--provider",
             ",".join(providers),
             "--repeats",
-            "1",
+            "3",
             "--total",
             "2GiB",
             "--json",
@@ -354,21 +354,28 @@ def gloo_rank(rank: int, world: int, trainers: int, shard_bytes: int, port: int,
     receivers = world - trainers
     keep = total // receivers
     mine = torch.full((shard_bytes,), rank % 100, dtype=torch.uint8) if rank < trainers else None
-    full = torch.empty(total, dtype=torch.uint8)
+    full = torch.empty(total, dtype=torch.uint8) if rank < trainers else None  # inference: one bucket
+    buf = torch.empty(bucket, dtype=torch.uint8) if rank >= trainers else None
     kept = torch.empty(keep, dtype=torch.uint8) if rank >= trainers else None
+    lo = (rank - trainers) * keep
     times = []
     for _ in range(repeats + 1):
         dist.barrier()
         t = time.perf_counter()
-        if rank < trainers:
+        if full is not None:
             assert mine is not None
             dist.all_gather_into_tensor(full, mine, group=tgroup)
         if rank == 0 or rank >= trainers:
             for off in range(0, total, bucket):
-                dist.broadcast(full[off : off + bucket], src=0, group=bgroup)
-            if kept is not None:  # each inference rank keeps its part
-                r = rank - trainers
-                kept.copy_(full[r * keep : (r + 1) * keep])
+                n = min(bucket, total - off)
+                if full is not None:
+                    dist.broadcast(full[off : off + n], src=0, group=bgroup)
+                else:  # each inference rank keeps its part of the bucket (a copy)
+                    assert buf is not None and kept is not None
+                    dist.broadcast(buf[:n], src=0, group=bgroup)
+                    a, b = max(off, lo), min(off + n, lo + keep)
+                    if a < b:
+                        kept[a - lo : b - lo].copy_(buf[a - off : b - off])
         dist.barrier()
         times.append(time.perf_counter() - t)
     if rank == 0:
