@@ -308,8 +308,11 @@ class WeightSender:
         tensor, a wrong shape or type, a bad version or timeout, or a push already running.
         If some receivers fail (unreachable, a write error, ``timeout`` passed), the others
         still complete, then it raises :class:`PushFailed` naming each failed rank's error;
-        those ranks got no immediate for ``version``. Cost: ``bytes / link speed`` plus one
-        copy (and cast) of each byte that is not written straight from its source."""
+        those ranks got no immediate for ``version``. A write that timed out may still be in
+        flight: the next push first waits for it to settle, and raises
+        :class:`~aiote.TransferTimeout` (nothing posted) if it has not by its own deadline.
+        Cost: ``bytes / link speed`` plus one copy (and cast) of each byte that is not written
+        straight from its source."""
         imm = version_imm(self.plan.tag, version)
         end = _end(timeout)
         if self._busy:
@@ -374,7 +377,7 @@ class WeightSender:
                 continue
             if kept is not None:
                 await self.engine.unregister(kept[1], timeout=30)
-            mr = await self.engine.register(a, remote_write=False, remote_read=True)
+            mr = await self.engine.register(a, remote_write=False, remote_read=False)
             self._registered[name] = (a, mr)
 
     def _plain(self, w: Write) -> bool:
