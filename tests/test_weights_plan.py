@@ -103,6 +103,7 @@ def test_every_target_byte_is_written_exactly_once(
         rp = p.receiver(r)
         assert W.ReceiverPlan.from_json(rp.to_json()) == rp
         assert rp.nbytes == report.in_bytes[r]
+        assert p.expected_imms(r) == len(rp.senders) == len({t.src for t in p.tasks if t.dst == r})
 
 
 def test_replicated_parameters_are_balanced_least_bytes_first() -> None:

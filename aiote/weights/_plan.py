@@ -384,6 +384,11 @@ class WeightPlan:
         nbytes = sum(t.nbytes for t in self.tasks if t.dst == rank)
         return ReceiverPlan(rank, self.tag, tuple(senders), nbytes, targets)
 
+    def expected_imms(self, rank: int) -> int:
+        """How many immediates inference ``rank`` receives per version: one from each trainer
+        rank that writes to it (what :meth:`WeightReceiver.wait_version` waits for). O(tasks)."""
+        return len({t.src for t in self.tasks if t.dst == rank})
+
     def assignments(self, rank: int) -> list[tuple[str, int, int, int, int, int]]:
         """Inference ``rank``'s tasks as ``(target name, piece, row0, row1, src, nbytes)``,
         sorted: what a re-plan must leave unchanged for a rank that was already there."""
