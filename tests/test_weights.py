@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 import pytest
 from _util import nothing_posted
-from test_weights_plan import e4m3_reference
+from _weights_util import e4m3_reference
 
 import aiote
 from aiote import weights as W

@@ -8,6 +8,7 @@ import pickle
 
 import numpy as np
 import pytest
+from _weights_util import e4m3_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -312,23 +313,6 @@ def test_casts_round_and_keep_nan() -> None:
     assert h[0] == 1.0 and h[3] == -2.5
     with pytest.raises(aiote.InvalidArgument, match="no cast"):
         W.cast_into(np, np.empty(2, np.int8), np.zeros(2, np.float32), "float32", "int8")
-
-
-def e4m3_reference(x: np.ndarray) -> np.ndarray:
-    """FP8 e4m3 codes by brute force, independent of the library's bit tricks: the nearest of
-    the 254 finite values (a tie to the even code), saturating at +-448, NaN -> 0x7F."""
-    codes = np.array([c for c in range(256) if (c & 0x7F) != 0x7F])
-    vals = W.e4m3_table()[codes].astype(np.float64)
-    x = np.asarray(x, np.float64).ravel()
-    d = np.abs(x[:, None] - vals[None, :])
-    best = d.min(axis=1, keepdims=True)
-    cand = np.where(d == best, codes[None, :], 1 << 20)
-    even = np.where((cand & 1) == 0, cand, 1 << 20).min(axis=1)  # a tie: the even code
-    pick = np.where(even < (1 << 20), even, cand.min(axis=1))
-    # the sign of zero follows the input (both zeros are nearest)
-    pick = np.where((pick & 0x7F) == 0, np.where(np.signbit(x), 0x80, 0), pick)
-    pick = np.where(np.abs(x) >= 448, np.where(x < 0, 0xFE, 0x7E), pick)
-    return np.where(np.isnan(x), 0x7F, pick).astype(np.uint8)
 
 
 @settings(max_examples=60, deadline=None)
