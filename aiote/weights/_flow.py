@@ -1,0 +1,554 @@
+"""Execution of a plan: :class:`WeightSender` on each trainer rank, :class:`WeightReceiver`
+on each inference rank. Built on aiote's public operations only (``register``, ``write``,
+``write_imm``, ``imm_counter``)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .._core._counter import ImmCounter
+from .._core._descriptor import MemoryDescriptor
+from .._core._engine import Engine
+from .._core._errors import AioteError, InvalidArgument, TransferError, TransferTimeout
+from .._core._log import get_logger
+from .._core._memory import MemoryRegion
+from .._core._retry import RetryPolicy
+from ._dtypes import cast_into, storage
+from ._plan import PlanError, ReceiverPlan, SenderPlan, Write
+
+__all__ = ["VERSION_BITS", "PushFailed", "PushStats", "WeightReceiver", "WeightSender", "version_imm"]
+
+_log = get_logger(component="weights")
+VERSION_BITS = 24
+_VMASK = (1 << VERSION_BITS) - 1
+_ONCE = RetryPolicy(attempts=0)  # a completion immediate must count exactly once
+
+
+def version_imm(tag: int, version: int) -> int:
+    """The immediate that announces ``version`` (modulo 2**24) in a flow of high byte ``tag``:
+    each version has its own counter, so a late credit of ``v`` is never counted for another
+    version closer than 2**24 updates. Pure; raises :class:`~aiote.InvalidArgument` for a
+    negative or non-integer version or a tag outside [0, 256)."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidArgument(f"version must be an int >= 0, not {version!r}")
+    if not 0 <= tag < 256:
+        raise InvalidArgument(f"tag must be in [0, 256), not {tag!r}")
+    return (tag << VERSION_BITS) | (version & _VMASK)
+
+
+@dataclass
+class PushStats:
+    """What one :meth:`WeightSender.push` did. Times in seconds: ``wall_s`` the whole push;
+    ``staging_wait_s`` spent waiting for room in the staging pool; ``transform_s`` copying and
+    casting into the pool (on GPU: launching the kernels); ``write_s`` the writes' durations
+    summed (they overlap, so it can exceed ``wall_s``); ``notify_s`` the completion
+    immediates' durations summed. ``bytes_by_receiver`` the bytes written to each inference
+    rank; ``direct_bytes`` those written straight from registered source tensors;
+    ``peak_staging_bytes`` the most staging memory in use at once."""
+
+    version: int
+    wall_s: float = 0.0
+    staging_wait_s: float = 0.0
+    transform_s: float = 0.0
+    write_s: float = 0.0
+    notify_s: float = 0.0
+    writes: int = 0
+    bytes_by_receiver: dict[int, int] = field(default_factory=dict)
+    direct_bytes: int = 0
+    peak_staging_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written in all."""
+        return sum(self.bytes_by_receiver.values())
+
+
+class PushFailed(TransferError):
+    """A push did not reach every receiver: ``errors`` maps each failed inference rank to its
+    error (e.g. :class:`~aiote.PeerUnreachable`, :class:`~aiote.TransferTimeout`);
+    ``completed`` lists the ranks that received every byte and the version's immediate;
+    ``stats`` is the push's :class:`PushStats`."""
+
+    def __init__(
+        self, version: int, errors: dict[int, BaseException], completed: tuple[int, ...], stats: PushStats
+    ) -> None:
+        self.version = version
+        self.errors = errors
+        self.completed = completed
+        self.stats = stats
+        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(errors.items()))
+        super().__init__(
+            f"push of version {version} failed for inference ranks {sorted(errors)} ({detail}); "
+            f"completed {list(completed)}"
+        )
+
+
+class _Pool:
+    """First-fit allocator over the staging buffer, plus a per-receiver budget of bytes in
+    flight (so one stalled receiver cannot take the whole pool)."""
+
+    def __init__(self, size: int, lane_cap: int) -> None:
+        self.size = size
+        self.lane_cap = lane_cap
+        self.free: list[tuple[int, int]] = [(0, size)]
+        self.used = 0
+        self.peak = 0
+        self.lanes: dict[int, int] = defaultdict(int)
+        self.changed = anyio.Event()
+
+    def _alloc(self, n: int) -> int | None:
+        for i, (start, size) in enumerate(self.free):
+            if size >= n:
+                self.free[i] = (start + n, size - n)
+                if size == n:
+                    del self.free[i]
+                return start
+        return None
+
+    async def take(self, lane: int, n: int, memory: bool, end: float | None) -> int:
+        """Reserves ``n`` bytes of lane budget (and of memory if ``memory``); the offset, -1
+        when no memory was asked for. Raises TransferTimeout at ``end``."""
+        while True:
+            if self.lanes[lane] + n <= self.lane_cap or self.lanes[lane] == 0:
+                off = self._alloc(n) if memory else -1
+                if off is not None:
+                    self.lanes[lane] += n
+                    if memory:
+                        self.used += n
+                        self.peak = max(self.peak, self.used)
+                    return off
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise TransferTimeout("no room in the staging pool before the push's deadline")
+            with anyio.move_on_after(left if left is not None else float("inf")):
+                await self.changed.wait()
+
+    def give(self, lane: int, off: int, n: int) -> None:
+        self.lanes[lane] -= n
+        if off >= 0:
+            self.used -= n
+            self.free.append((off, n))
+            self.free.sort()
+            merged: list[tuple[int, int]] = []
+            for s, z in self.free:
+                if merged and merged[-1][0] + merged[-1][1] == s:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + z)
+                else:
+                    merged.append((s, z))
+            self.free = merged
+        changed, self.changed = self.changed, anyio.Event()
+        changed.set()
+
+
+def _xp_of(a: Any) -> Any:
+    if isinstance(a, np.ndarray):
+        return np
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy  # type: ignore[import-not-found,unused-ignore]
+
+        return cupy
+    raise InvalidArgument(f"tensors must be NumPy or CuPy arrays, not {type(a).__name__}")
+
+
+def _end(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise InvalidArgument(f"timeout must be a number of seconds >= 0 or None, not {timeout!r}")
+    return time.monotonic() + timeout
+
+
+def _left(end: float | None) -> float | None:
+    return None if end is None else max(0.0, end - time.monotonic())
+
+
+class _Push:
+    """The state of one push: errors per receiver, stats, the tensors."""
+
+    def __init__(self, version: int, tensors: dict[str, Any], end: float | None) -> None:
+        self.version = version
+        self.tensors = tensors
+        self.end = end
+        self.errors: dict[int, BaseException] = {}
+        self.stats = PushStats(version)
+
+
+class WeightSender:
+    """Executes trainer rank ``plan.rank``'s part of a plan, one version per :meth:`push`.
+
+    ``async with WeightSender(engine, plan.sender(rank), max_tmp_bytes=...) as tx``. Per
+    receiver a lane walks its writes in plan order: take room in the staging pool (at most
+    ``max_tmp_bytes`` in all, an even share of it per receiver in flight), copy the rows
+    (and cast) into it, start the write, go on; the pool's room comes back as writes
+    complete, so copies overlap the writes. Once every write to a receiver completed (the
+    bytes are in place), one zero-byte write carries the version's immediate to it. With
+    ``register_sources``, tensors that need no cast and no column slice are registered once
+    (kept while the same array is passed) and written from directly, with no staging copy.
+
+    Raises :class:`~aiote.InvalidArgument` (``PlanError``) for a plan without descriptors, a
+    write larger than ``max_tmp_bytes``, bad arguments; :class:`~aiote.DescriptorError` for a
+    corrupt descriptor. Costs one staging buffer of ``max_tmp_bytes`` (host or GPU, by the
+    type of the first tensors pushed), registered once, freed on exit.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        plan: SenderPlan,
+        *,
+        max_tmp_bytes: int = 256 << 20,
+        register_sources: bool = False,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if not isinstance(plan, SenderPlan):
+            raise InvalidArgument(f"plan must be a SenderPlan (plan.sender(rank)), not {type(plan).__name__}")
+        if isinstance(max_tmp_bytes, bool) or not isinstance(max_tmp_bytes, int) or max_tmp_bytes < 1:
+            raise InvalidArgument(f"max_tmp_bytes must be an int >= 1, not {max_tmp_bytes!r}")
+        biggest = max((w.nbytes for w in plan.writes), default=0)
+        if biggest > max_tmp_bytes:
+            raise PlanError(
+                f"a write of {biggest} B does not fit max_tmp_bytes={max_tmp_bytes}: "
+                "plan with a smaller chunk_bytes or raise max_tmp_bytes"
+            )
+        if any(not d for d in plan.descs):
+            raise PlanError("the plan was computed without region descriptors; it cannot be executed")
+        self.engine = engine
+        self.plan = plan
+        self.max_tmp_bytes = max_tmp_bytes
+        self.register_sources = register_sources
+        self._retry = retry
+        self._descs = [MemoryDescriptor.from_bytes(d) for d in plan.descs]
+        self._lanes: dict[int, list[Write]] = defaultdict(list)
+        for w in plan.writes:
+            self._lanes[w.dst].append(w)
+        self._first_desc = {r: self._descs[ws[0].desc] for r, ws in self._lanes.items()}
+        self._imm_descs: dict[int, MemoryDescriptor] = {}
+        self._sources = {s.name: s for s in plan.sources}
+        self._staging: Any = None
+        self._staging_mr: MemoryRegion | None = None
+        self._xp: Any = None
+        self._registered: dict[str, tuple[Any, MemoryRegion]] = {}
+        self._busy = False
+        self._unsettled: list[TransferTimeout] = []
+        self._log = _log.bind(rank=plan.rank)
+
+    async def __aenter__(self) -> WeightSender:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Unregisters the staging buffer and the registered sources (shielded, 30 s at
+        most). Idempotent; raises nothing for an engine already closed."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            regions = [mr for _, mr in self._registered.values()]
+            if self._staging_mr is not None:
+                regions.append(self._staging_mr)
+            self._registered.clear()
+            self._staging_mr = self._staging = None
+            for mr in regions:
+                if not self.engine.closed:
+                    try:
+                        await self.engine.unregister(mr, timeout=10)
+                    except AioteError as exc:
+                        self._log.warning("unregister failed", error=str(exc))
+
+    # -------------------------------------------------------------- checks
+
+    def _check_tensors(self, tensors: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+        """The 2-D (rows, width) views of the tensors this rank must push, and their xp."""
+        if not isinstance(tensors, Mapping):
+            raise InvalidArgument(f"tensors must be a mapping name -> array, not {type(tensors).__name__}")
+        views: dict[str, Any] = {}
+        xp: Any = None
+        for name, s in self._sources.items():
+            if name not in tensors:
+                raise InvalidArgument(
+                    f"push: no tensor for parameter {name!r} (rank {s.rank} holds rows {s.rows})"
+                )
+            a = tensors[name]
+            x = _xp_of(a)
+            if xp is None:
+                xp = x
+            elif x is not xp:
+                raise InvalidArgument("push: tensors must be all NumPy or all CuPy")
+            if tuple(a.shape) != s.local_shape:
+                raise InvalidArgument(
+                    f"push: {name!r} has shape {tuple(a.shape)}, the plan says {s.local_shape}"
+                )
+            want = storage(s.dtype)
+            if a.dtype != want and not (s.dtype == "bfloat16" and str(a.dtype) == "bfloat16"):
+                raise InvalidArgument(f"push: {name!r} is {a.dtype}, the plan says {s.dtype}")
+            if not a.flags.c_contiguous:
+                raise InvalidArgument(f"push: {name!r} must be C-contiguous")
+            views[name] = a.view(want).reshape(s.local_shape[0], s.width)
+        return views, xp
+
+    # -------------------------------------------------------------- push
+
+    async def push(
+        self, tensors: Mapping[str, Any], *, version: int, timeout: float | None = None
+    ) -> PushStats:
+        """Writes this rank's part of ``version`` from ``tensors`` (name -> this rank's shard,
+        NumPy or CuPy, the plan's local shape and type, C-contiguous; do not modify them
+        until it returns). Returns once every receiver has every byte and its immediate.
+
+        Raises, before anything is posted, :class:`~aiote.InvalidArgument` for a missing
+        tensor, a wrong shape or type, a bad version or timeout, or a push already running.
+        If some receivers fail (unreachable, a write error, ``timeout`` passed), the others
+        still complete, then it raises :class:`PushFailed` naming each failed rank's error;
+        those ranks got no immediate for ``version``. A write that timed out may still be in
+        flight: the next push first waits for it to settle, and raises
+        :class:`~aiote.TransferTimeout` (nothing posted) if it has not by its own deadline.
+        Cost: ``bytes / link speed`` plus one copy (and cast) of each byte that is not written
+        straight from its source."""
+        imm = version_imm(self.plan.tag, version)
+        end = _end(timeout)
+        if self._busy:
+            raise InvalidArgument("a push is already running on this sender")
+        views, xp = self._check_tensors(tensors)
+        self._busy = True
+        try:
+            await self._settle_earlier(end)
+            return await self._push(views, xp, version, imm, end)
+        finally:
+            self._busy = False
+
+    async def _settle_earlier(self, end: float | None) -> None:
+        """Waits until the writes an earlier push gave up on (timed out) can no longer land:
+        until then they may read the staging buffer and overwrite the bytes of this version."""
+        while self._unsettled:
+            exc = self._unsettled[0]
+            with anyio.move_on_after(_left(end) if end is not None else float("inf")):
+                await exc.settled()
+                self._unsettled.pop(0)
+                continue
+            raise TransferTimeout("writes of an earlier push that timed out are still in flight")
+
+    async def _push(
+        self, views: dict[str, Any], xp: Any, version: int, imm: int, end: float | None
+    ) -> PushStats:
+        t0 = time.monotonic()
+        ctx = _Push(version, views, end)
+        if self._lanes:
+            await self._prepare(xp, views)
+        lanes = len(self._lanes) or 1
+        biggest = max((w.nbytes for w in self.plan.writes), default=1)
+        pool = _Pool(self.max_tmp_bytes, max(biggest, self.max_tmp_bytes // lanes))
+        async with anyio.create_task_group() as tg:
+            for r in self._lanes:
+                tg.start_soon(self._lane, r, ctx, pool, imm)
+        ctx.stats.wall_s = time.monotonic() - t0
+        ctx.stats.peak_staging_bytes = pool.peak
+        if ctx.errors:
+            done = tuple(r for r in sorted(self._lanes) if r not in ctx.errors)
+            self._log.warning("push failed", version=version, failed=sorted(ctx.errors))
+            raise PushFailed(version, ctx.errors, done, ctx.stats) from next(iter(ctx.errors.values()))
+        self._log.debug("pushed", version=version, bytes=ctx.stats.nbytes, wall_s=ctx.stats.wall_s)
+        return ctx.stats
+
+    async def _prepare(self, xp: Any, views: dict[str, Any]) -> None:
+        if self._xp is not xp:
+            if self._staging_mr is not None:
+                await self.engine.unregister(self._staging_mr, timeout=30)
+                self._staging_mr = None
+            self._staging = xp.zeros(self.max_tmp_bytes, xp.uint8)
+            self._staging_mr = await self.engine.register(
+                self._staging, remote_write=False, remote_read=False
+            )
+            self._xp = xp
+        if not self.register_sources:
+            return
+        for name in {w.source for w in self.plan.writes if self._plain(w)}:
+            a = views[name]
+            kept = self._registered.get(name)
+            if kept is not None and _same(kept[0], a):
+                continue
+            if kept is not None:
+                await self.engine.unregister(kept[1], timeout=30)
+            mr = await self.engine.register(a, remote_write=False, remote_read=False)
+            self._registered[name] = (a, mr)
+
+    def _plain(self, w: Write) -> bool:
+        s = self._sources[w.source]
+        return w.src_dtype == w.dst_dtype and w.col0 == 0 and w.col1 == s.width
+
+    async def _lane(self, r: int, ctx: _Push, pool: _Pool, imm: int) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                for w in self._lanes[r]:
+                    if r in ctx.errors:
+                        break
+                    try:
+                        await self._issue(tg, r, w, ctx, pool)
+                    except AioteError as exc:  # caught here: out of the group it comes wrapped
+                        ctx.errors.setdefault(r, exc)
+            if r not in ctx.errors:
+                t = time.monotonic()
+                await self.engine.write_imm(self._imm_desc(r), imm, timeout=_left(ctx.end), retry=_ONCE)
+                ctx.stats.notify_s += time.monotonic() - t
+        except AioteError as exc:
+            ctx.errors.setdefault(r, exc)
+
+    def _imm_desc(self, r: int) -> MemoryDescriptor:
+        return self._first_desc[r]
+
+    async def _issue(self, tg: Any, r: int, w: Write, ctx: _Push, pool: _Pool) -> None:
+        st = ctx.stats
+        kept = self._registered.get(w.source) if self.register_sources and self._plain(w) else None
+        t = time.monotonic()
+        off = await pool.take(r, w.nbytes, kept is None, ctx.end)
+        st.staging_wait_s += time.monotonic() - t
+        if kept is not None:
+            s = self._sources[w.source]
+            mr, src_off = kept[1], w.row0 * s.width * self._itemsize(w.src_dtype)
+            st.direct_bytes += w.nbytes
+        else:
+            t = time.monotonic()
+            self._transform(w, ctx.tensors[w.source], off)
+            st.transform_s += time.monotonic() - t
+            assert self._staging_mr is not None
+            mr, src_off = self._staging_mr, off
+        tg.start_soon(self._write, r, w, mr, src_off, off, ctx, pool)
+
+    @staticmethod
+    def _itemsize(dtype: str) -> int:
+        return int(storage(dtype).itemsize)
+
+    def _transform(self, w: Write, src: Any, off: int) -> None:
+        xp = self._xp
+        rows, cols = w.row1 - w.row0, w.col1 - w.col0
+        out = self._staging[off : off + w.nbytes].view(storage(w.dst_dtype)).reshape(rows, cols)
+        cast_into(xp, out, src[w.row0 : w.row1, w.col0 : w.col1], w.src_dtype, w.dst_dtype)
+
+    async def _write(
+        self, r: int, w: Write, mr: MemoryRegion, src_off: int, off: int, ctx: _Push, pool: _Pool
+    ) -> None:
+        st = ctx.stats
+        t = time.monotonic()
+        try:
+            if r not in ctx.errors:
+                stream = self._xp.cuda.get_current_stream() if self._xp is not np else None
+                await self.engine.write(
+                    mr,
+                    self._descs[w.desc],
+                    length=w.nbytes,
+                    src_offset=src_off,
+                    dst_offset=w.offset,
+                    timeout=_left(ctx.end),
+                    retry=self._retry,
+                    stream=stream,
+                )
+                st.writes += 1
+                st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + w.nbytes
+        except TransferTimeout as exc:
+            # the write may still be in flight: its staging room stays taken for this push,
+            # and the next push first waits for it to settle (see _settle_earlier)
+            ctx.errors.setdefault(r, exc)
+            self._unsettled.append(exc)
+            off = -1
+        except AioteError as exc:
+            ctx.errors.setdefault(r, exc)
+        finally:
+            st.write_s += time.monotonic() - t
+            pool.give(r, off, w.nbytes)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two arrays are the same memory (pointer, size)."""
+    ia = a.__array_interface__ if hasattr(a, "__array_interface__") else a.__cuda_array_interface__
+    ib = b.__array_interface__ if hasattr(b, "__array_interface__") else b.__cuda_array_interface__
+    return bool(ia["data"][0] == ib["data"][0] and a.nbytes == b.nbytes)
+
+
+class WeightReceiver:
+    """Inference rank ``plan.rank``'s side of a plan: learns when a version is complete. The
+    bytes land in memory the application registered itself (the plan's descriptors) and need
+    nothing from this object: a receiver that never waits (passive) gets every byte too.
+
+    Completion: each sender writing to this rank sends one immediate per version once all its
+    bytes here are in place; :meth:`wait_version` waits for ``len(plan.senders)`` of them on
+    the version's own counter. Raises :class:`~aiote.InvalidArgument` for a plan that is not a
+    :class:`ReceiverPlan`; costs nothing else."""
+
+    def __init__(self, engine: Engine, plan: ReceiverPlan) -> None:
+        if not isinstance(plan, ReceiverPlan):
+            raise InvalidArgument(
+                f"plan must be a ReceiverPlan (plan.receiver(rank)), not {type(plan).__name__}"
+            )
+        self.engine = engine
+        self.plan = plan
+        self._complete: set[int] = set()
+        self._waits: dict[int, anyio.Event] = {}
+
+    @property
+    def latest(self) -> int | None:
+        """The highest version known complete, or None. O(1) amortized, no I/O."""
+        return max(self._complete, default=None)
+
+    def is_complete(self, version: int) -> bool:
+        """Whether every byte of ``version`` is known to be in place (a successful wait, or a
+        :meth:`poll` that saw every sender's immediate). O(1), no I/O."""
+        return version in self._complete
+
+    def poll(self, version: int) -> bool:
+        """Without waiting: True if every sender's immediate for ``version`` has arrived (it
+        is then marked complete), else False. Raises :class:`~aiote.InvalidArgument` for a
+        bad version; O(1), one native call."""
+        if version in self._complete:
+            return True
+        c = self.engine.imm_counter(version_imm(self.plan.tag, version))
+        if version not in self._waits and c.available >= len(self.plan.senders):
+            self._done(version, c)
+            return True
+        return False
+
+    def _done(self, version: int, c: ImmCounter) -> None:
+        self._complete.add(version)
+        if len(self._complete) > 64:  # keep the last ones: versions are waited for in order
+            self._complete.discard(min(self._complete))
+        c.release()  # its credits are spent; a late one starts it again from zero
+
+    async def wait_version(self, version: int, *, timeout: float | None = None) -> None:
+        """Returns once every byte of ``version`` is in place on this rank (every sender's
+        immediate for it arrived). Immediates of other versions are never counted: a late
+        write of ``v`` cannot complete ``v + 1``. Several tasks may wait for the same version.
+
+        Raises :class:`~aiote.TransferTimeout` after ``timeout`` seconds (the version is then
+        not marked complete, and the credits that did arrive stay counted for a later wait),
+        :class:`~aiote.InvalidArgument` for a bad version or timeout,
+        :class:`~aiote.EngineClosed`. Costs nothing while waiting (the engine's poller wakes
+        it)."""
+        c = self.engine.imm_counter(version_imm(self.plan.tag, version))
+        end = _end(timeout)
+        if version in self._complete:
+            await anyio.lowlevel.checkpoint()
+            return
+        other = self._waits.get(version)
+        if other is not None:  # another task waits for the credits: wait for it to finish
+            with anyio.move_on_after(_left(end) if end is not None else float("inf")):
+                await other.wait()
+            if version in self._complete:
+                return
+            if other.is_set():  # that wait failed (timed out): take over
+                return await self.wait_version(version, timeout=_left(end))
+            raise TransferTimeout(f"version {version} did not complete within {timeout:g} s")
+        ev = self._waits[version] = anyio.Event()
+        try:
+            await c.wait(len(self.plan.senders), timeout=timeout)
+            self._waits.pop(version, None)
+            self._done(version, c)
+        finally:
+            self._waits.pop(version, None)
+            ev.set()

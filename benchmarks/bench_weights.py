@@ -1,0 +1,674 @@
+"""RL weight-update benchmark (aiote.weights), same-run baselines.
+
+    python benchmarks/bench_weights.py                 # CPU: 2 GB model, tcp and shm routes, gloo
+    python benchmarks/bench_weights.py --size 0.5      # a quick run
+    python benchmarks/bench_weights.py --kimi-only     # only the 1T-parameter plan (computed, not run)
+    python benchmarks/bench_weights.py --gpu           # 2 GPUs of one host (see below)
+
+CPU: 2 trainer + 2 inference worker processes on this host. A synthetic model with
+Llama-3-8B's layer shapes (hidden 4096, 32 q / 8 kv heads of 128, MLP 14336), as many layers as
+``--size`` GB of bf16 takes. Trainers hold FSDP dim-0 halves of every parameter; each inference
+rank holds a tensor-parallel half (TP 2) with q/k/v fused into qkv and gate/up into gate_up,
+o_proj and down_proj row-parallel (a column slice: staged and gathered by the sender), in
+bf16. Lines, all measured in this run:
+- aiote: ``WeightSender.push`` on both trainers at once until both inference ranks'
+  ``wait_version`` returned (the median of ``--repeats`` versions after one warm-up), per route
+  (tcp loopback; the default same-host route, shm with the receivers' host arenas);
+- gloo: what the open frameworks do, torch.distributed over the same 4 processes' worth of
+  ranks: all_gather of the trainers' shards, then rank 0 broadcasts the whole model to every
+  inference rank in 256 MiB buckets, each keeping its half (a copy);
+- bound: ``max(max_s out(s), max_r in(r)) / B`` from the plan, B the C core's write
+  throughput between two processes on the same provider (``aiote bench write``), same run.
+
+GPU (``--gpu``, 2 GPUs): one trainer process on GPU 0 pushes the whole model into one
+inference process on GPU 1 over the CUDA-IPC rail; beside it NCCL broadcast of the same bytes
+(torch.distributed, 2 ranks) and concurrent ``cudaMemcpyPeer`` of the same bytes (the ceiling).
+Baselines whose library is missing are skipped with a line saying so.
+
+Kimi-K2 plan (always printed unless ``--no-kimi``): 1T parameters, 256 trainer ranks -> 128
+inference ranks, computed and validated (not run), with its planning time and the bound at
+50 GB/s per rank, beside the 1.3 s Perplexity reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+
+from aiote import weights as W
+from aiote.weights._worker import Worker, spawn_worker
+
+GB = 1e9
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 4096, 32, 8, 128, 14336
+
+
+# ------------------------------------------------------------------ models
+
+
+def llama_layer_params(layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    p = f"layers.{layer}."
+    return [
+        (p + "q_proj", (HEADS * HEAD_DIM, HIDDEN)),
+        (p + "k_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
+        (p + "v_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
+        (p + "o_proj", (HIDDEN, HEADS * HEAD_DIM)),
+        (p + "gate_proj", (MLP, HIDDEN)),
+        (p + "up_proj", (MLP, HIDDEN)),
+        (p + "down_proj", (HIDDEN, MLP)),
+        (p + "input_layernorm", (HIDDEN,)),
+        (p + "post_attention_layernorm", (HIDDEN,)),
+    ]
+
+
+def llama_model(size_gb: float, trainers: int, receivers: int) -> tuple[list[W.SourceShard], list[list[Any]]]:
+    """Sources (FSDP dim-0 over ``trainers``) and per inference rank its target specs (TP)."""
+    per_layer = sum(int(np.prod(s)) for _, s in llama_layer_params(0)) * 2
+    layers = max(1, round(size_gb * GB / per_layer))
+    sources: list[W.SourceShard] = []
+    specs: list[list[Any]] = [[] for _ in range(receivers)]
+    for layer in range(layers):
+        params = dict(llama_layer_params(layer))
+        for name, shape in params.items():
+            for t in range(trainers):
+                sources.append(W.SourceShard(name, shape, "bfloat16", t, W.split_rows(shape[0], trainers, t)))
+        p = f"layers.{layer}."
+        for r in range(receivers):
+            qkv = [(p + n, params[p + n][0]) for n in ("q_proj", "k_proj", "v_proj")]
+            gu = [(p + n, MLP) for n in ("gate_proj", "up_proj")]
+            specs[r] += [
+                (p + "qkv_proj", "bfloat16", W.fused_tp(qkv, r, receivers)),
+                (
+                    p + "o_proj",
+                    "bfloat16",
+                    [W.Piece(p + "o_proj", (0, HIDDEN), W.split_rows(HIDDEN, receivers, r))],
+                ),
+                (p + "gate_up_proj", "bfloat16", W.fused_tp(gu, r, receivers)),
+                (
+                    p + "down_proj",
+                    "bfloat16",
+                    [W.Piece(p + "down_proj", (0, HIDDEN), W.split_rows(MLP, receivers, r))],
+                ),
+                (p + "input_layernorm", "bfloat16", [W.Piece(p + "input_layernorm", (0, HIDDEN))]),
+                (
+                    p + "post_attention_layernorm",
+                    "bfloat16",
+                    [W.Piece(p + "post_attention_layernorm", (0, HIDDEN))],
+                ),
+            ]
+    return sources, specs
+
+
+def _kimi_params() -> tuple[list[tuple[str, tuple[int, ...], str]], list[tuple[str, tuple[int, ...]]]]:
+    """Kimi-K2's parameters: (dense ones with their inference kind: rows / cols / rep), experts."""
+    h, inter, moe_inter, experts, vocab = 7168, 18432, 2048, 384, 163840
+    heads, qk, v_dim, q_lora, kv_lora, rope = 64, 192, 128, 1536, 512, 64
+    dense: list[tuple[str, tuple[int, ...], str]] = [  # name, shape, inference kind
+        ("embed_tokens", (vocab, h), "rows"),
+        ("lm_head", (vocab, h), "rows"),
+        ("norm", (h,), "rep"),
+    ]
+    moe: list[tuple[str, tuple[int, ...]]] = []
+    for layer in range(61):
+        p = f"layers.{layer}."
+        dense += [
+            (p + "q_a_proj", (q_lora, h), "rep"),
+            (p + "q_a_layernorm", (q_lora,), "rep"),
+            (p + "q_b_proj", (heads * qk, q_lora), "rows"),
+            (p + "kv_a_proj_with_mqa", (kv_lora + rope, h), "rep"),
+            (p + "kv_a_layernorm", (kv_lora,), "rep"),
+            (p + "kv_b_proj", (heads * (qk - rope + v_dim), kv_lora), "rows"),
+            (p + "o_proj", (h, heads * v_dim), "cols"),
+            (p + "input_layernorm", (h,), "rep"),
+            (p + "post_attention_layernorm", (h,), "rep"),
+        ]
+        if layer == 0:
+            dense += [
+                (p + "mlp.gate_proj", (inter, h), "rows"),
+                (p + "mlp.up_proj", (inter, h), "rows"),
+                (p + "mlp.down_proj", (h, inter), "cols"),
+            ]
+        else:
+            dense += [
+                (p + "mlp.gate", (experts, h), "rep"),
+                (p + "shared.gate_proj", (moe_inter, h), "rows"),
+                (p + "shared.up_proj", (moe_inter, h), "rows"),
+                (p + "shared.down_proj", (h, moe_inter), "cols"),
+            ]
+            moe += [
+                (p + "experts.w1", (experts, moe_inter, h)),
+                (p + "experts.w3", (experts, moe_inter, h)),
+                (p + "experts.w2", (experts, h, moe_inter)),
+            ]
+    return dense, moe
+
+
+def kimi_k2(
+    trainers: int = 256,
+    replicas: int = 8,
+    tp: int = 16,
+    fp8: str = "float8_e4m3",
+    expert_shards: bool = False,
+) -> tuple[list[W.SourceShard], list[W.TargetShard]]:
+    """Kimi-K2's shapes (DeepSeek-V3 architecture: 61 layers, the first dense, MLA attention,
+    384 routed experts of 2048 stacked per layer, 1 shared expert, vocab 163840), bf16.
+
+    Trainers, as in Perplexity's system: parameters are grouped into disjoint mesh groups and
+    every rank of a group can produce a whole parameter of it (``full_tensor()``), so each
+    parameter has the ranks of its group as holders, the planner picking the least-loaded:
+    the 180 expert tensors [384, ...] (w1, w3, w2 of 60 layers) are dealt round robin to 16 MoE
+    mesh groups of 16 ranks; the dense and attention parameters to the 8-rank node group ``f(name) % 32`` (a
+    fixed hash of the name). ``expert_shards=True`` instead shards every expert tensor by
+    expert over 128 ranks, replicated twice (2 holders per expert, 8 writes per inference
+    rank and tensor). Inference:
+    ``replicas`` replicas of ``tp`` ranks (8 x 16 = 128 GPUs), experts split 24 per rank (EP
+    16), attention and dense MLP tensor-parallel (column- or row-parallel as in vLLM), latent
+    projections, norms and the router replicated, embeddings vocab-parallel; linear weights
+    cast to ``fp8`` (FP8 e4m3, by the sender; "bfloat16" for none), norms, router and
+    embeddings kept in bf16."""
+    dense, moe = _kimi_params()
+    experts = 384
+    sources: list[W.SourceShard] = []
+    ep = trainers // 2
+    for n, (name, shape) in enumerate(moe):
+        if expert_shards:
+            for t in range(trainers):
+                sources.append(W.SourceShard(name, shape, "bfloat16", t, W.split_rows(experts, ep, t % ep)))
+        else:
+            g = n % (trainers // 16)  # the 180 expert tensors dealt round robin
+            sources += [W.SourceShard(name, shape, "bfloat16", g * 16 + i, (0, experts)) for i in range(16)]
+    groups = trainers // 8
+    for name, shape, _ in dense:
+        g = (sum(name.encode()) * 2654435761) % groups
+        sources += [W.SourceShard(name, shape, "bfloat16", g * 8 + i, (0, shape[0])) for i in range(8)]
+    targets: list[W.TargetShard] = []
+    for rep in range(replicas):
+        for k in range(tp):
+            rank = rep * tp + k
+            off = 0
+            for name, _ in moe:
+                targets.append(
+                    W.TargetShard(name, rank, fp8, (W.Piece(name, W.split_rows(experts, tp, k)),), b"", off)
+                )
+                off += 1  # offsets only need to be distinct per target here (no region)
+            for name, shape, kind in dense:
+                if kind == "rows":
+                    piece = W.Piece(name, W.split_rows(shape[0], tp, k))
+                elif kind == "cols":
+                    piece = W.Piece(name, (0, shape[0]), W.split_rows(int(np.prod(shape[1:])), tp, k))
+                else:
+                    piece = W.Piece(name, (0, shape[0]))
+                quantized = (
+                    len(shape) > 1 and name not in ("embed_tokens", "lm_head") and not name.endswith(".gate")
+                )
+                dtype = fp8 if quantized else "bfloat16"
+                targets.append(W.TargetShard(name, rank, dtype, (piece,), b"", off))
+                off += 1
+    return sources, targets
+
+
+def kimi_plan_report(fp8: str = "float8_e4m3", expert_shards: bool = False) -> dict[str, Any]:
+    sources, targets = kimi_k2(fp8=fp8, expert_shards=expert_shards)
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = W.plan(sources, targets, chunk_bytes=1 << 30)
+    plan_s, plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    t0 = time.perf_counter()
+    rep = plan.validate(link_bytes_per_s=50 * GB)
+    validate_s = time.perf_counter() - t0
+    params = sum(int(np.prod(s.shape)) for s in {s.name: s for s in sources}.values())
+    return {
+        "params": params,
+        "tasks": rep.tasks,
+        "plan_s": plan_s,
+        "plan_cpu_s": plan_cpu_s,
+        "validate_s": validate_s,
+        "total_gb": rep.total_bytes / GB,
+        "max_out_gb": max(rep.out_bytes.values()) / GB,
+        "min_out_gb": min(rep.out_bytes.values()) / GB,
+        "max_in_gb": max(rep.in_bytes.values()) / GB,
+        "bound_s": rep.bound_s,
+    }
+
+
+# ------------------------------------------------------------------ link figure (C core, same run)
+
+
+def c_core_link(providers: Sequence[str]) -> dict[str, float]:
+    """GB/s of 16 MiB writes between two processes, C core alone and aiote, per provider."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "b.json")
+        cmd = [
+            sys.executable,
+            "-m",
+            "aiote",
+            "bench",
+            "write",
+            "--sizes",
+            "16MiB",
+            "--provider",
+            ",".join(providers),
+            "--repeats",
+            "3",
+            "--total",
+            "2GiB",
+            "--json",
+            out,
+        ]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        with open(out) as f:
+            rows = json.load(f)["rows"]
+    res: dict[str, float] = {}
+    for r in rows:
+        res[r["provider"]] = float(r["c_gbps"])
+        res[r["provider"] + "_aiote"] = float(r["py_gbps"])
+    return res
+
+
+# ------------------------------------------------------------------ aiote
+
+
+async def aiote_run(
+    route: str,
+    sources: list[W.SourceShard],
+    specs: list[list[Any]],
+    repeats: int,
+    max_tmp: int,
+    chunk: int = 16 << 20,
+) -> dict[str, Any]:
+    n_s = len({s.rank for s in sources})
+    workers: list[Worker] = []
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def one() -> None:
+                workers.append(await spawn_worker("asyncio", route))
+
+            for _ in range(n_s + len(specs)):
+                tg.start_soon(one)
+        senders, receivers = workers[:n_s], workers[n_s:]
+        targets: list[W.TargetShard] = []
+        for r, (w, sp) in enumerate(zip(receivers, specs, strict=True)):
+            tg_, nbytes = W.pack_targets(r, sp, sources)
+            desc = (await w.call(op="alloc", nbytes=nbytes, arena=route == "default"))["desc"]
+            targets += W.with_desc(tg_, bytes.fromhex(desc))
+        t0 = time.perf_counter()
+        plan = W.plan(sources, targets, chunk_bytes=chunk)
+        plan_s = time.perf_counter() - t0
+        report = plan.validate()
+        for s, w in enumerate(senders):
+            await w.call(
+                op="sender", plan=plan.sender(s).to_json(), max_tmp_bytes=max_tmp, register_sources=True
+            )
+        for r, w in enumerate(receivers):
+            await w.call(op="receiver", plan=plan.receiver(r).to_json())
+        walls: list[float] = []
+        stats: list[list[dict[str, Any]]] = []
+        for v in range(1, repeats + 2):
+            for w in senders:
+                await w.call(reply_timeout=300, op="prepare", version=v, fill="fast")
+            t = time.perf_counter()
+            for w in senders:
+                await w.send(op="push", version=v, prepared=True, timeout=300)
+            for w in receivers:
+                await w.call(reply_timeout=300, op="wait", version=v, timeout=300)
+            wall = time.perf_counter() - t
+            got = [(await w.reply(300))["stats"] for w in senders]
+            if v > 1:  # the first version is the warm-up (connections, first touch)
+                walls.append(wall)
+                stats.append(got)
+        k = walls.index(statistics.median_low(walls))
+        return {"wall_s": walls[k], "walls": walls, "stats": stats[k], "report": report, "plan_s": plan_s}
+    finally:
+        with anyio.CancelScope(shield=True):
+            for w in workers:
+                await w.aclose()
+
+
+# ------------------------------------------------------------------ gloo (what open frameworks do)
+
+
+def gloo_rank(rank: int, world: int, trainers: int, shard_bytes: int, port: int, repeats: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tgroup = dist.new_group(list(range(trainers)))
+    bgroup = dist.new_group([0, *range(trainers, world)])
+    total = shard_bytes * trainers
+    bucket = 256 << 20
+    receivers = world - trainers
+    keep = total // receivers
+    mine = torch.full((shard_bytes,), rank % 100, dtype=torch.uint8) if rank < trainers else None
+    full = torch.empty(total, dtype=torch.uint8) if rank < trainers else None  # inference: one bucket
+    buf = torch.empty(bucket, dtype=torch.uint8) if rank >= trainers else None
+    kept = torch.empty(keep, dtype=torch.uint8) if rank >= trainers else None
+    lo = (rank - trainers) * keep
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t = time.perf_counter()
+        if full is not None:
+            assert mine is not None
+            dist.all_gather_into_tensor(full, mine, group=tgroup)
+        if rank == 0 or rank >= trainers:
+            for off in range(0, total, bucket):
+                n = min(bucket, total - off)
+                if full is not None:
+                    dist.broadcast(full[off : off + n], src=0, group=bgroup)
+                else:  # each inference rank keeps its part of the bucket (a copy)
+                    assert buf is not None and kept is not None
+                    dist.broadcast(buf[:n], src=0, group=bgroup)
+                    a, b = max(off, lo), min(off + n, lo + keep)
+                    if a < b:
+                        kept[a - lo : b - lo].copy_(buf[a - off : b - off])
+        dist.barrier()
+        times.append(time.perf_counter() - t)
+    if rank == 0:
+        print("GLOO " + json.dumps({"walls": times[1:]}), flush=True)
+    dist.destroy_process_group()
+
+
+def gloo_run(trainers: int, receivers: int, shard_bytes: int, repeats: int) -> dict[str, Any] | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("gloo baseline skipped: torch is not installed (pip install torch==2.13.0, the CPU wheel)")
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = trainers + receivers
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--gloo-rank",
+                str(r),
+                "--gloo-world",
+                str(world),
+                "--gloo-trainers",
+                str(trainers),
+                "--gloo-shard",
+                str(shard_bytes),
+                "--gloo-port",
+                str(port),
+                "--repeats",
+                str(repeats),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    out = procs[0].communicate(timeout=1200)[0]
+    for p in procs[1:]:
+        p.wait(timeout=120)
+    for line in out.splitlines():
+        if line.startswith("GLOO "):
+            walls = json.loads(line[5:])["walls"]
+            return {"wall_s": statistics.median_low(walls), "walls": walls}
+    print("gloo baseline failed: no result")
+    return None
+
+
+# ------------------------------------------------------------------ GPU
+
+
+async def gpu_run(size_gb: float, repeats: int) -> None:
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 2:
+            raise RuntimeError("fewer than 2 GPUs")
+    except Exception as exc:  # no CuPy, no CUDA, one GPU
+        print(f"--gpu skipped: {exc}")
+        return
+    sources, specs = llama_model(size_gb, 1, 1)
+    nbytes = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
+    tx = await spawn_worker("asyncio", "default", gpu=0)
+    rx = await spawn_worker("asyncio", "default", gpu=1)
+    try:
+        tg_, n = W.pack_targets(0, specs[0], sources)
+        desc = (await rx.call(op="alloc", nbytes=n))["desc"]
+        plan = W.plan(sources, W.with_desc(tg_, bytes.fromhex(desc)), chunk_bytes=256 << 20)
+        await tx.call(
+            op="sender", plan=plan.sender(0).to_json(), max_tmp_bytes=1 << 30, register_sources=True
+        )
+        await rx.call(op="receiver", plan=plan.receiver(0).to_json())
+        walls = []
+        last: dict[str, Any] = {}
+        for v in range(1, repeats + 2):
+            await tx.call(reply_timeout=300, op="prepare", version=v, fill="fast")
+            t = time.perf_counter()
+            await tx.send(op="push", version=v, prepared=True, timeout=300)
+            await rx.call(reply_timeout=300, op="wait", version=v, timeout=300)
+            wall = time.perf_counter() - t
+            last = (await tx.reply(300))["stats"]
+            if v > 1:
+                walls.append(wall)
+    finally:
+        await tx.aclose()
+        await rx.aclose()
+    aiote_s = statistics.median_low(walls)
+    print(
+        f"GPU aiote push GPU0 -> GPU1 over CUDA IPC: {nbytes / GB:.2f} GB in {aiote_s:.4f} s = "
+        f"{nbytes / aiote_s / GB:.1f} GB/s (median of {repeats}); stages: "
+        f"transform {last['transform_s']:.4f} s, direct {last['direct_bytes'] / GB:.2f} GB, "
+        f"peak staging {last['peak_staging_bytes'] / 2**20:.0f} MiB"
+    )
+    peer_s = _peer_copy(nbytes, repeats)
+    print(
+        f"GPU ceiling, cudaMemcpyPeer of the same bytes: {peer_s:.4f} s = {nbytes / peer_s / GB:.1f} GB/s; "
+        f"aiote / ceiling = {peer_s / aiote_s:.2f}"
+    )
+    nccl = _nccl(nbytes, repeats)
+    if nccl is not None:
+        print(
+            f"GPU NCCL broadcast (torch.distributed) of the same bytes: {nccl:.4f} s = "
+            f"{nbytes / nccl / GB:.1f} GB/s; aiote / NCCL = {nccl / aiote_s:.2f}"
+        )
+
+
+def _peer_copy(nbytes: int, repeats: int) -> float:
+    import cupy
+
+    with cupy.cuda.Device(0):
+        src = cupy.ones(nbytes, cupy.uint8)
+    with cupy.cuda.Device(1):
+        dst = cupy.zeros(nbytes, cupy.uint8)
+    walls = []
+    for _ in range(repeats + 1):
+        cupy.cuda.Device(0).synchronize()
+        t = time.perf_counter()
+        cupy.cuda.runtime.memcpyPeer(dst.data.ptr, 1, src.data.ptr, 0, nbytes)
+        cupy.cuda.Device(1).synchronize()
+        walls.append(time.perf_counter() - t)
+    return statistics.median_low(walls[1:])
+
+
+def _nccl(nbytes: int, repeats: int) -> float | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("NCCL baseline skipped: torch is not installed")
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--nccl-rank",
+                str(r),
+                "--gloo-shard",
+                str(nbytes),
+                "--gloo-port",
+                str(port),
+                "--repeats",
+                str(repeats),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    out = procs[0].communicate(timeout=600)[0]
+    procs[1].wait(timeout=60)
+    for line in out.splitlines():
+        if line.startswith("NCCL "):
+            return float(statistics.median_low(json.loads(line[5:])))
+    return None
+
+
+def nccl_rank(rank: int, nbytes: int, port: int, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    buf = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    walls = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dist.broadcast(buf, src=0)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+    if rank == 0:
+        print("NCCL " + json.dumps(walls[1:]), flush=True)
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ main
+
+
+def _print_aiote(route: str, r: dict[str, Any], link: float, gloo_s: float | None) -> None:
+    rep = r["report"]
+    bound = max(max(rep.out_bytes.values()), max(rep.in_bytes.values())) / (link * GB)
+    wall = r["wall_s"]
+    print(
+        f"\naiote push, route {route}: wall {wall:.3f} s (median of {len(r['walls'])}: "
+        + ", ".join(f"{x:.3f}" for x in r["walls"])
+        + f"), {rep.total_bytes / wall / GB:.2f} GB/s in all"
+    )
+    print(
+        f"  bound at the C core's {link:.2f} GB/s per rank: {bound:.3f} s -> "
+        f"fraction of bound {bound / wall:.2f}"
+    )
+    host = rep.total_bytes / (link * GB)  # every pair shares this host's cores and memory
+    print(
+        f"  one host moves about one link's worth at a time here: total / B = {host:.3f} s -> "
+        f"fraction {host / wall:.2f}"
+    )
+    if gloo_s:
+        print(f"  vs gloo all_gather + broadcast {gloo_s:.3f} s: {gloo_s / wall:.2f}x faster")
+    print(
+        f"  plan: {r['plan_s'] * 1e3:.1f} ms, {rep.tasks} writes; "
+        + str(rep).split("\n", 1)[1].replace("\n", "\n  ")
+    )
+    for i, s in enumerate(r["stats"]):
+        print(
+            f"  trainer {i}: push {s['wall_s']:.3f} s, staging wait {s['staging_wait_s']:.3f} s, "
+            f"transform {s['transform_s']:.3f} s, writes {s['write_s']:.3f} s summed ({s['writes']}), "
+            f"notify {s['notify_s'] * 1e3:.1f} ms, direct {s['direct_bytes'] / GB:.2f} GB, "
+            f"peak staging {s['peak_staging_bytes'] / 2**20:.0f} MiB"
+        )
+
+
+async def main(a: argparse.Namespace) -> None:
+    cores = os.cpu_count()
+    print(f"bench_weights: {cores} cores; load {os.getloadavg()[0]:.2f} (other agents share this machine)")
+    if not a.kimi_only and not a.gpu:
+        routes = a.routes.split(",")
+        providers = ["tcp" if r == "tcp" else "shm" for r in routes]
+        link = c_core_link(providers)
+        print(
+            "link, 16 MiB writes between two processes (C core / aiote): "
+            + ", ".join(f"{p} {link[p]:.2f} / {link[p + '_aiote']:.2f} GB/s" for p in providers)
+        )
+        sources, specs = llama_model(a.size, 2, 2)
+        total = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
+        print(
+            f"model: Llama-3-8B layer shapes, {len({s.name for s in sources})} parameters, "
+            f"{total / GB:.2f} GB bf16; 2 trainers (FSDP halves) -> 2 inference ranks "
+            "(TP 2, fused qkv/gate_up)"
+        )
+        gloo = None if a.no_gloo else gloo_run(2, 2, total // 2, a.repeats)
+        if gloo:
+            print(
+                f"gloo: all_gather + rank-0 broadcast in 256 MiB buckets: {gloo['wall_s']:.3f} s "
+                f"(median of {len(gloo['walls'])}: " + ", ".join(f"{x:.3f}" for x in gloo["walls"]) + ")"
+            )
+        for route, prov in zip(routes, providers, strict=True):
+            r = await aiote_run(route, sources, specs, a.repeats, a.max_tmp_mib << 20, a.chunk_mib << 20)
+            _print_aiote(route, r, link[prov], gloo["wall_s"] if gloo else None)
+    if a.gpu:
+        await gpu_run(a.size, a.repeats)
+    if not a.no_kimi:
+        layouts = [
+            ("float8_e4m3", False, "FP8 e4m3 linear weights, whole tensors in mesh groups"),
+            ("bfloat16", False, "bf16 throughout, whole tensors in mesh groups"),
+            ("float8_e4m3", True, "FP8, experts sharded by expert on the trainers"),
+        ]
+        for fp8, shards, what in layouts:
+            k = kimi_plan_report(fp8, shards)
+            print(
+                f"\nKimi-K2 plan, {what} (computed, not run): {k['params'] / 1e12:.3f} T params, "
+                f"256 trainers -> 128 inference ranks (8 replicas x 16), {k['tasks']} writes, "
+                f"planned in {k['plan_s']:.3f} s ({k['plan_cpu_s']:.3f} s of CPU), "
+                f"validated in {k['validate_s']:.3f} s"
+            )
+            print(
+                f"  {k['total_gb']:.0f} GB written; "
+                f"out per trainer {k['min_out_gb']:.1f}-{k['max_out_gb']:.1f} GB, "
+                f"in per inference rank up to {k['max_in_gb']:.1f} GB; bound at 50 GB/s per rank: "
+                f"{k['bound_s']:.2f} s (Perplexity reported 1.3 s, FP8 inference)"
+            )
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=float, default=2.0, help="model size in GB of bf16 (default 2)")
+    ap.add_argument("--routes", default="tcp,default", help="tcp, default (shm), or both")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tmp-mib", type=int, default=256, help="each sender's staging pool")
+    ap.add_argument("--chunk-mib", type=int, default=16, help="the plan's chunk_bytes")
+    ap.add_argument("--no-gloo", action="store_true")
+    ap.add_argument("--no-kimi", action="store_true")
+    ap.add_argument("--kimi-only", action="store_true")
+    ap.add_argument("--gpu", action="store_true", help="the 2-GPU benchmark instead of the CPU one")
+    ap.add_argument("--gloo-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--gloo-world", type=int, default=4, help=argparse.SUPPRESS)
+    ap.add_argument("--gloo-trainers", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--gloo-shard", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--nccl-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.gloo_rank is not None:
+        gloo_rank(
+            args.gloo_rank, args.gloo_world, args.gloo_trainers, args.gloo_shard, args.gloo_port, args.repeats
+        )
+    elif args.nccl_rank is not None:
+        nccl_rank(args.nccl_rank, args.gloo_shard, args.gloo_port, args.repeats)
+    else:
+        anyio.run(main, args)
