@@ -77,4 +77,5 @@ __all__ = [
     "kv",
     "moe",
     "open_engine",
+    "weights",
 ]
