@@ -398,3 +398,19 @@ async def test_release_forgets_a_counter(aiote_engine_pair) -> None:
     c.release()
     await a.write_imm(md.descriptor, 7)
     await b.imm_counter(7).wait(1, timeout=10)
+
+
+async def test_a_credit_message_posted_twice_counts_once() -> None:
+    """A multi-NIC operation's deferred credit travels as a numbered internal message; one
+    that arrives twice (stranded on a failed link, then sent again on another) counts once."""
+    from aiote._core._engine import _CREDIT, _CREDIT_MSG, _K_CREDIT
+
+    async with aiote.testing.engine_pair(same_host=None) as (a, b):
+        msg = _CREDIT_MSG.pack(_K_CREDIT, 12345, 88, 3 * _CREDIT)
+        for _ in range(2):
+            await a._send_msg(b.address, msg, 10, None, internal=True)
+        other = _CREDIT_MSG.pack(_K_CREDIT, 12346, 88, 1 * _CREDIT)
+        await a._send_msg(b.address, other, 10, None, internal=True)
+        await b.imm_counter(88).wait(4, timeout=10)
+        await anyio.sleep(0.2)
+        assert b.imm_counter(88).available == 0

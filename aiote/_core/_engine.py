@@ -3,6 +3,7 @@ operations, all awaitable under asyncio and trio."""
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import hashlib
 import itertools
@@ -68,6 +69,10 @@ _log = get_logger(component="engine")
 _U32 = 1 << 32
 _CREDIT = int(lib.AIO_CREDIT_UNIT)
 _SPILL_BYTES = 1 << 20  # see Engine._held: queued copies of messages that were not held
+_CREDIT_MSG = struct.Struct("<BQIQ")  # internal credit message: kind, sequence number, imm, units
+_K_CREDIT = 2  # (kind 1: a GPU staging part, aiote/_core/_gpu.py)
+_K_CREDIT_BYTE = bytes([_K_CREDIT])
+_CREDITS_SEEN_MAX = 1 << 16  # credit messages remembered for de-duplication
 _MSG_HEADER = struct.Struct("<H")  # the sender's address length; the top bit marks internal messages
 _INTERNAL = 0x8000
 _GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_direct", "gpu_parts_in")
@@ -316,6 +321,10 @@ class Engine:
         self._budget_ns = post_budget_ns
         self._failovers = 0
         self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
+        self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (credits)
+        self._credit_seq = itertools.count(int.from_bytes(os.urandom(6), "little") << 16)
+        self._credit_ids: dict[tuple[int, Any], int] = {}  # credits being sent: their numbers
+        self._credits_seen: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
         self._pending: dict[int, _Op] = {}
@@ -712,7 +721,9 @@ class Engine:
         item = (raw[n:end], raw[end:length])  # sender and payload copied out, once each
         lib.aio_recv_repost(self._h, rail, slot)
         if internal:
-            if self._gpu is None:
+            if item[1][:1] == _K_CREDIT_BYTE:
+                self._on_credit(*item)
+            elif self._gpu is None:
                 self._log.warning("GPU staging message for an engine without GPU regions dropped")
             else:
                 self._gpu.on_part(*item)
@@ -1192,6 +1203,7 @@ class Engine:
             if credits is None:
                 raise AssertionError("a multi-NIC write with an immediate needs a credit list")
             credits[(full, data)] = credits.get((full, data), 0) + 1
+            self._owner_of(full, rdesc)
             data = flags = 0
         if n == 1 or length < self._stripe_min:
             rail, fa, base, key = path[start % n]
@@ -1367,55 +1379,60 @@ class Engine:
         exc._waiter = self._credits_later(credits, what, "timeout", all_landed).wait
 
     async def _send_credits(self, credits: dict[tuple[Any, int], int], end: float | None, what: str) -> None:
-        """Sends deferred credits (see :meth:`_rows`): one zero-byte write per (peer, imm)
-        carrying the number of units as its weight (several when more than 65535, or one per
-        unit on providers whose remote CQ data has no room for a weight). Cancelled meanwhile:
-        the credits not posted yet are sent by a background task (the data they count has
-        landed), so the operation is still counted once."""
-        assert self._scratch is not None
+        """Sends deferred credits (see :meth:`_rows`): one internal message per (peer, imm)
+        carrying the credits and a sequence number that the peer's engine counts once
+        (:meth:`_on_credit`). A message, not a zero-byte write: a write stranded on a NIC that
+        lost its link can still land when the link comes back, after its copy was re-posted on
+        another NIC, and be counted twice; a message posted twice is still counted once. The
+        sequence numbers are drawn once per credit (``_credit_ids``), so the background task
+        that finishes a cancelled send reuses them. Cancelled meanwhile: the credits not sent
+        yet are sent by a background task (the data they count has landed), so the operation
+        is still counted once."""
         left = dict(credits)
         try:
-            for key, units in credits.items():
+            for key, n in credits.items():
                 full, imm = key
-                path = self._router.live(full)
-                rail, fa, base, ckey = path[self._router.start(full) % len(path)]
-                rows: list[tuple[int, ...]] = []
-                if self._weights_ok(path):
-                    while units:
-                        k = min(units, 65535)
-                        units -= k
-                        rows.append(
-                            (
-                                self._scratch._ptr,
-                                0,
-                                0,
-                                fa,
-                                base,
-                                ckey,
-                                imm | ((k * _CREDIT) << 32),
-                                rail,
-                                lib.AIO_OP_WRITE,
-                                lib.AIO_F_DATA,
-                                0,
-                            )
-                        )
-                else:
-                    rows = [
-                        (self._scratch._ptr, 0, 0, fa, base, ckey, imm, rail, lib.AIO_OP_WRITE,
-                         lib.AIO_F_DATA, 0)
-                    ] * units
-                groups: list[_Op] = []
-                token = _GROUPS.set(groups)
-                try:
-                    await self._run(self._table(rows), None, _left(end), f"{what} (credit)", full)
-                finally:
-                    _GROUPS.reset(token)
-                    if sum(op.posted for op in groups if not op.failover) == len(rows):
-                        del left[key]  # posted whole: it lands (or fails) on its own
+                owner = self._owners.get(full)
+                if owner is None:  # not known any more (a full map was cleared): cannot be sent
+                    raise TransferError(f"{what}: the owner of the region to credit is not known", 0, 0)
+                seq = self._credit_ids.setdefault((id(credits), key), next(self._credit_seq))
+                payload = _CREDIT_MSG.pack(_K_CREDIT, seq, imm, n * _CREDIT)
+                await self._send_msg(owner, payload, _left(end), None, internal=True)
+                del left[key]
         except BaseException as exc:
             if left and isinstance(exc, anyio.get_cancelled_exc_class()) and not self._closed:
+                for k in left:  # the same numbers for the rest: a message already out counts once
+                    known = self._credit_ids.get((id(credits), k))
+                    if known is not None:
+                        self._credit_ids[(id(left), k)] = known
                 self._credits_later(left, what, "cancellation")
             raise
+        finally:
+            for key in credits:
+                self._credit_ids.pop((id(credits), key), None)
+
+    def _on_credit(self, sender: bytes, payload: bytes) -> None:
+        """An internal credit message (see :meth:`_send_credits`): adds its credits to the
+        counter once per (sender, sequence number); a copy of one already counted is dropped."""
+        if len(payload) != _CREDIT_MSG.size:
+            self._log.warning("malformed credit message dropped", length=len(payload))
+            return
+        _, seq, imm, units = _CREDIT_MSG.unpack(payload)
+        key = (sender, seq)
+        if key in self._credits_seen:
+            self._log.info("a credit posted twice was counted once", imm=imm)
+            return
+        self._credits_seen[key] = None
+        if len(self._credits_seen) > _CREDITS_SEEN_MAX:
+            self._credits_seen.popitem(last=False)
+        lib.aio_counter_add(self._h, imm, units)
+
+    def _owner_of(self, full: Any, rdesc: MemoryDescriptor) -> None:
+        """Remembers whose region a multi-route path reaches (the credit message goes there)."""
+        if full not in self._owners:
+            if len(self._owners) >= 4096:
+                self._owners.clear()
+            self._owners[full] = rdesc.address
 
     def _credits_later(
         self,
@@ -1441,10 +1458,6 @@ class Engine:
         assert self._bridge is not None
         self._bridge.spawn(later)
         return done
-
-    def _weights_ok(self, path: tuple[tuple[int, int, int, int], ...]) -> bool:
-        """Whether credit weights travel on these rails (64-bit remote CQ data)."""
-        return all(self._rails[h[0]].cq_data_size >= 8 for h in path)
 
     @staticmethod
     def _table(rows: list[tuple[int, ...]]) -> np.ndarray:
@@ -2311,6 +2324,7 @@ class Engine:
         credits: dict[tuple[Any, int], int] = {}
         if flags and len(full) > 1:  # counting rule: the credit follows the data (see _rows)
             credits[(full, data)] = n
+            self._owner_of(full, rdesc)
             data = flags = 0
         d = ffi.new("aio_paged_desc*")
         d.mr = mr._handle
