@@ -22,7 +22,7 @@ from .._core._log import get_logger
 from .._core._memory import MemoryRegion
 from .._core._retry import RetryPolicy
 from ._dtypes import cast_into, storage
-from ._plan import PlanError, ReceiverPlan, SenderPlan, Write
+from ._plan import PlanError, ReceiverPlan, SenderPlan, SourceShard, Write
 
 __all__ = ["VERSION_BITS", "PushFailed", "PushStats", "WeightReceiver", "WeightSender", "version_imm"]
 
@@ -213,7 +213,7 @@ class WeightSender:
         *,
         max_tmp_bytes: int = 256 << 20,
         register_sources: bool = False,
-        coalesce_bytes: int = 64 << 20,
+        coalesce_bytes: int = 1 << 30,
         retry: RetryPolicy | None = None,
     ) -> None:
         if not isinstance(plan, SenderPlan):
@@ -243,6 +243,11 @@ class WeightSender:
         self._first_desc = {r: self._descs[ws[0].desc] for r, ws in self._lanes.items()}
         self._imm_descs: dict[int, MemoryDescriptor] = {}
         self._sources = {s.name: s for s in plan.sources}
+        self._plain_names = sorted({w.source for w in plan.writes if self._plain(w)})
+        # name -> (the array last passed, (shape, dtype, address), its xp, its 2-D view)
+        self._seen: dict[str, tuple[Any, tuple[Any, ...], Any, Any]] = {}
+        # name -> (the 2-D view last registered from, its allocation's key, byte offset)
+        self._roots: dict[str, tuple[Any, tuple[int, int], int]] = {}
         self._staging: Any = None
         self._staging_mr: MemoryRegion | None = None
         self._xp: Any = None
@@ -279,7 +284,8 @@ class WeightSender:
     # -------------------------------------------------------------- checks
 
     def _check_tensors(self, tensors: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-        """The 2-D (rows, width) views of the tensors this rank must push, and their xp."""
+        """The 2-D (rows, width) views of the tensors this rank must push, and their xp. A
+        tensor passed again (the same array, shape, type and address) reuses its view."""
         if not isinstance(tensors, Mapping):
             raise InvalidArgument(f"tensors must be a mapping name -> array, not {type(tensors).__name__}")
         views: dict[str, Any] = {}
@@ -290,22 +296,28 @@ class WeightSender:
                     f"push: no tensor for parameter {name!r} (rank {s.rank} holds rows {s.rows})"
                 )
             a = tensors[name]
-            x = _xp_of(a)
+            seen = self._seen.get(name)
+            if seen is not None and seen[0] is a and seen[1] == (a.shape, a.dtype, _ptr(a)):
+                x, views[name] = seen[2], seen[3]
+            else:
+                x, views[name] = self._check_one(name, s, a)
+                self._seen[name] = (a, (a.shape, a.dtype, _ptr(a)), x, views[name])
             if xp is None:
                 xp = x
             elif x is not xp:
                 raise InvalidArgument("push: tensors must be all NumPy or all CuPy")
-            if tuple(a.shape) != s.local_shape:
-                raise InvalidArgument(
-                    f"push: {name!r} has shape {tuple(a.shape)}, the plan says {s.local_shape}"
-                )
-            want = storage(s.dtype)
-            if a.dtype != want and not (s.dtype == "bfloat16" and str(a.dtype) == "bfloat16"):
-                raise InvalidArgument(f"push: {name!r} is {a.dtype}, the plan says {s.dtype}")
-            if not a.flags.c_contiguous:
-                raise InvalidArgument(f"push: {name!r} must be C-contiguous")
-            views[name] = a.view(want).reshape(s.local_shape[0], s.width)
         return views, xp
+
+    def _check_one(self, name: str, s: SourceShard, a: Any) -> tuple[Any, Any]:
+        x = _xp_of(a)
+        if tuple(a.shape) != s.local_shape:
+            raise InvalidArgument(f"push: {name!r} has shape {tuple(a.shape)}, the plan says {s.local_shape}")
+        want = storage(s.dtype)
+        if a.dtype != want and not (s.dtype == "bfloat16" and str(a.dtype) == "bfloat16"):
+            raise InvalidArgument(f"push: {name!r} is {a.dtype}, the plan says {s.dtype}")
+        if not a.flags.c_contiguous:
+            raise InvalidArgument(f"push: {name!r} must be C-contiguous")
+        return x, a.view(want).reshape(s.local_shape[0], s.width)
 
     # -------------------------------------------------------------- push
 
@@ -385,13 +397,20 @@ class WeightSender:
         if not self.register_sources:
             return
         keep: dict[tuple[int, int], tuple[Any, MemoryRegion]] = {}
-        for name in sorted({w.source for w in self.plan.writes if self._plain(w)}):
-            root, at = _root(xp, views[name])
-            key = (_ptr(root), int(root.nbytes))
-            kept = keep.get(key) or self._registered.pop(key, None)
-            if kept is None:
-                kept = (root, await self.engine.register(root, remote_write=False, remote_read=False))
-            keep[key] = kept
+        for name in self._plain_names:
+            v = views[name]
+            known = self._roots.get(name)
+            if known is not None and known[0] is v and known[1] in self._registered:
+                key, at = known[1], known[2]
+                keep[key] = self._registered.pop(key)
+            else:
+                root, at = _root(xp, v)
+                key = (_ptr(root), int(root.nbytes))
+                kept = keep.get(key) or self._registered.pop(key, None)
+                if kept is None:
+                    kept = (root, await self.engine.register(root, remote_write=False, remote_read=False))
+                keep[key] = kept
+                self._roots[name] = (v, key, at)
             ctx.direct[name] = (key, at)
         for _, mr in self._registered.values():  # allocations no longer passed
             await self.engine.unregister(mr, timeout=30)
@@ -430,31 +449,41 @@ class WeightSender:
         return d[0], d[1] + w.row0 * s.width * self._itemsize(w.src_dtype)
 
     def _runs(self, r: int, ctx: _Push, pool: _Pool) -> list[list[Write]]:
-        """Receiver ``r``'s writes in plan order, consecutive direct writes merged into one
-        where they read adjacent bytes of one registered allocation and land on adjacent
-        bytes of one region (at most ``coalesce_bytes``, and the lane's budget, a merge)."""
+        """Receiver ``r``'s writes, direct ones merged: taken in the order of what they read
+        (allocation, offset), consecutive ones go as one write where they read adjacent bytes
+        of one registered allocation and land on adjacent bytes of one region (at most
+        ``coalesce_bytes`` and the lane's budget a merge). Runs in plan order of their first
+        write; staged writes stay one each."""
         cap = min(self.coalesce_bytes, pool.lane_cap)
-        runs: list[list[Write]] = []
+        direct: list[tuple[tuple[int, int], int, int, Write]] = []
+        runs: list[tuple[int, list[Write]]] = []
+        for i, w in enumerate(self._lanes[r]):
+            src = self._src(w, ctx)
+            if src is None:
+                runs.append((i, [w]))
+            else:
+                direct.append((src[0], src[1], i, w))
+        direct.sort(key=lambda d: (d[0], d[1]))
         end: tuple[tuple[int, int], int] | None = None
         size = 0
-        for w in self._lanes[r]:
-            src = self._src(w, ctx)
-            last = runs[-1][-1] if runs else None
+        for key, at, i, w in direct:
+            last = runs[-1][1][-1] if end is not None else None
             if (
-                src is not None
-                and end == src
-                and last is not None
+                last is not None
+                and end == (key, at)
                 and last.desc == w.desc
                 and last.offset + last.nbytes == w.offset
                 and size + w.nbytes <= cap
             ):
-                runs[-1].append(w)
+                runs[-1][1].append(w)
+                runs[-1] = (min(runs[-1][0], i), runs[-1][1])
                 size += w.nbytes
             else:
-                runs.append([w])
+                runs.append((i, [w]))
                 size = w.nbytes
-            end = None if src is None else (src[0], src[1] + w.nbytes)
-        return runs
+            end = (key, at + w.nbytes)
+        runs.sort(key=lambda x: x[0])
+        return [run for _, run in runs]
 
     async def _issue(self, tg: Any, r: int, run: list[Write], ctx: _Push, pool: _Pool) -> None:
         st = ctx.stats
@@ -529,6 +558,9 @@ class WeightSender:
 
 def _ptr(a: Any) -> int:
     """The address of an array's first byte (NumPy or CuPy)."""
+    p = getattr(getattr(a, "data", None), "ptr", None)  # CuPy, without building a dict
+    if p is not None:
+        return int(p)
     if hasattr(a, "__array_interface__"):
         return int(a.__array_interface__["data"][0])
     return int(a.__cuda_array_interface__["data"][0])

@@ -205,8 +205,8 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
             plan,
             max_tmp_bytes=cmd.get("max_tmp_bytes", 64 << 20),
             register_sources=cmd.get("register_sources", False),
-            coalesce_bytes=cmd.get("coalesce_bytes", 64 << 20),
             retry=retry,
+            **({"coalesce_bytes": cmd["coalesce_bytes"]} if "coalesce_bytes" in cmd else {}),
         )
         return {"nbytes": plan.nbytes}
     if op == "prepare":
