@@ -462,8 +462,9 @@ async def test_registered_sources_in_one_flat_buffer_merge_into_few_writes(anyio
     """Tensors of different sizes laid out one after another in one buffer, packed the same
     way on the receiver (the plan orders the writes by size, not by place): with
     ``register_sources`` the buffer is registered once and the writes, taken in the order of
-    what they read, merge up to ``coalesce_bytes``; a cast, or a tensor of its own, stays a
-    write of its own. Every byte verified, three versions; ``coalesce_bytes=0`` merges none."""
+    what they read, merge up to ``coalesce_bytes`` (and a quarter of ``max_tmp_bytes``); a
+    cast, or a tensor of its own, stays a write of its own. Every byte verified, four
+    versions; ``coalesce_bytes=0`` merges none."""
     names = [f"p{i}" for i in range(6)]
     rows = {nm: 4 * (i + 1) for i, nm in enumerate(names)}  # 128 .. 768 bytes
     sources = [s for nm in names for s in fsdp(nm, (rows[nm], 8), "float32", [0, rows[nm]])]
@@ -484,10 +485,14 @@ async def test_registered_sources_in_one_flat_buffer_merge_into_few_writes(anyio
             t[nm] = flat[at : at + rows[nm] * 32].view(np.float32).reshape(rows[nm], 8)
             at += rows[nm] * 32
         t["own"], t["cast"] = np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32)
-        for coalesce, version, want_writes in ((1024, 1, 3 + 2), (0, 2, planned), (1 << 20, 3, 1 + 2)):
+        # (coalesce_bytes, max_tmp_bytes, version, writes): a merge is at most a quarter of the budget
+        cases = ((1024, 1 << 20, 1, 3 + 2), (0, 1 << 20, 2, planned), (1 << 20, 1 << 20, 3, 1 + 2))
+        for coalesce, tmp, version, want_writes in (*cases, (1 << 20, 4096, 4, 3 + 2)):
             for i, a_ in enumerate(t.values()):
                 a_[...] = np.arange(a_.size, dtype=np.float32).reshape(a_.shape) + 100 * i + version
-            async with W.WeightSender(a, p.sender(0), register_sources=True, coalesce_bytes=coalesce) as tx:
+            async with W.WeightSender(
+                a, p.sender(0), register_sources=True, coalesce_bytes=coalesce, max_tmp_bytes=tmp
+            ) as tx:
                 stats = await tx.push(t, version=version, timeout=10)
                 await rx.wait_version(version, timeout=10)
                 assert len(tx._registered) == 2  # the flat buffer and "own"

@@ -195,10 +195,10 @@ class WeightSender:
     ``register_sources``, tensors that need no cast and no column slice are written from
     directly, with no staging copy: the allocation each is a view of is registered once
     (kept while passed again), and consecutive writes that read adjacent bytes of it and
-    land on adjacent bytes of one region go as one write of up to ``coalesce_bytes`` (0: no
-    merging). Parameters laid out one after another in one flat buffer, as trainers' flat
-    parameter buffers are, then cost a few large writes instead of one per tensor, which is
-    what reaches the link's speed where each write has a fixed cost (the CUDA-IPC rail).
+    land on adjacent bytes of one region go as one write of up to ``coalesce_bytes`` and a
+    quarter of a receiver's share of ``max_tmp_bytes`` (0: no merging): parameters laid out
+    one after another in one flat buffer then cost a few large writes, not one per tensor.
+    Merging takes a receiver's direct writes in the order of what they read.
 
     Raises :class:`~aiote.InvalidArgument` (``PlanError``) for a plan without descriptors, a
     write larger than ``max_tmp_bytes``, bad arguments; :class:`~aiote.DescriptorError` for a
@@ -213,7 +213,7 @@ class WeightSender:
         *,
         max_tmp_bytes: int = 256 << 20,
         register_sources: bool = False,
-        coalesce_bytes: int = 1 << 30,
+        coalesce_bytes: int = 256 << 20,
         retry: RetryPolicy | None = None,
     ) -> None:
         if not isinstance(plan, SenderPlan):
@@ -400,9 +400,9 @@ class WeightSender:
         for name in self._plain_names:
             v = views[name]
             known = self._roots.get(name)
-            if known is not None and known[0] is v and known[1] in self._registered:
+            if known is not None and known[0] is v and (known[1] in keep or known[1] in self._registered):
                 key, at = known[1], known[2]
-                keep[key] = self._registered.pop(key)
+                keep[key] = keep.get(key) or self._registered.pop(key)
             else:
                 root, at = _root(xp, v)
                 key = (_ptr(root), int(root.nbytes))
@@ -452,9 +452,10 @@ class WeightSender:
         """Receiver ``r``'s writes, direct ones merged: taken in the order of what they read
         (allocation, offset), consecutive ones go as one write where they read adjacent bytes
         of one registered allocation and land on adjacent bytes of one region (at most
-        ``coalesce_bytes`` and the lane's budget a merge). Runs in plan order of their first
-        write; staged writes stay one each."""
-        cap = min(self.coalesce_bytes, pool.lane_cap)
+        ``coalesce_bytes`` and a quarter of the lane's budget a merge: a merge as large as the
+        budget would wait for the one before it). Runs in plan order of their first write;
+        staged writes stay one each."""
+        cap = min(self.coalesce_bytes, pool.lane_cap // 4)  # several in flight, not one at a time
         direct: list[tuple[tuple[int, int], int, int, Write]] = []
         runs: list[tuple[int, list[Write]]] = []
         for i, w in enumerate(self._lanes[r]):
