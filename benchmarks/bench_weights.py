@@ -21,8 +21,13 @@ bf16. Lines, all measured in this run:
   throughput between two processes on the same provider (``aiote bench write``), same run.
 
 GPU (``--gpu``, 2 GPUs): one trainer process on GPU 0 pushes the whole model into one
-inference process on GPU 1 over the CUDA-IPC rail; beside it NCCL broadcast of the same bytes
-(torch.distributed, 2 ranks) and concurrent ``cudaMemcpyPeer`` of the same bytes (the ceiling).
+inference process on GPU 1 over the CUDA-IPC rail (``register_sources``), its tensors in one
+allocation each, then in one flat parameter buffer; the sender's push time and the end-to-end
+time (push command sent -> the receiver's ``wait_version`` returned, through two worker
+processes' pipes). Beside it, same run: ``cudaMemcpyPeerAsync`` GPU 0 -> GPU 1 of the same
+bytes, peer access on, warmed up, CUDA events, as one copy (the ceiling) and one copy per plan
+write; NCCL broadcast of the same bytes (torch.distributed, 2 ranks); one aiote write of all
+the bytes.
 Baselines whose library is missing are skipped with a line saying so.
 
 Kimi-K2 plan (always printed unless ``--no-kimi``): 1T parameters, 256 trainer ranks -> 128
@@ -33,6 +38,7 @@ inference ranks, computed and validated (not run), with its planning time and th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -441,6 +447,49 @@ async def gpu_run(size_gb: float, repeats: int) -> None:
         return
     sources, specs = llama_model(size_gb, 1, 1)
     nbytes = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
+    tg_, n = W.pack_targets(0, specs[0], sources)
+    plan0 = W.plan(sources, tg_, chunk_bytes=256 << 20)
+    print(
+        f"GPU model: {len(sources)} tensors, {nbytes / GB:.2f} GB bf16, 1 trainer (GPU 0) -> "
+        f"1 inference rank (GPU 1), {len(plan0.sender(0).writes)} plan writes"
+    )
+    peer = _peer_copy(plan0, n, repeats)
+    print(
+        f"GPU ceiling, one cudaMemcpyPeerAsync of all {nbytes / GB:.2f} GB (peer access on, "
+        f"CUDA events, median of {repeats}): {peer['one']:.4f} s = {nbytes / peer['one'] / GB:.1f} GB/s"
+    )
+    print(
+        f"GPU reference, one cudaMemcpyPeerAsync per plan write ({peer['writes']} copies, one stream): "
+        f"{peer['loop']:.4f} s = {nbytes / peer['loop'] / GB:.1f} GB/s"
+    )
+    nccl = _nccl(nbytes, repeats)
+    if nccl is not None:
+        print(f"GPU NCCL broadcast (torch.distributed): {nccl:.4f} s = {nbytes / nccl / GB:.1f} GB/s")
+    for flat in (False, True):
+        r = await _gpu_aiote(sources, specs, repeats, flat)
+        layout = "one flat parameter buffer" if flat else "one allocation per tensor"
+        for what, t in (("sender's push", r["push_s"]), ("end to end", r["wall_s"])):
+            line = (
+                f"GPU aiote push over CUDA IPC, {layout}, {what}: {t:.4f} s = {nbytes / t / GB:.1f} GB/s "
+                f"(median of {repeats}); aiote / ceiling = {peer['one'] / t:.2f}"
+            )
+            if nccl is not None:
+                line += f", aiote / NCCL = {nccl / t:.2f}"
+            print(line)
+        s = r["stats"]
+        print(
+            f"  {s['writes']} writes, {s['write_s']:.4f} s of writes summed, notify "
+            f"{s['notify_s'] * 1e3:.2f} ms, direct {s['direct_bytes'] / GB:.2f} GB, peak staging "
+            f"{s['peak_staging_bytes'] / 2**20:.0f} MiB; command to push start "
+            f"{r['dispatch_s'] * 1e3:.2f} ms, push end to receiver's wait return "
+            f"{r['notice_s'] * 1e3:.2f} ms; "
+            f"one aiote write of all the bytes: {r['rail_s']:.4f} s = {nbytes / r['rail_s'] / GB:.1f} GB/s"
+        )
+
+
+async def _gpu_aiote(sources: Any, specs: Any, repeats: int, flat: bool) -> dict[str, Any]:
+    """One trainer worker on GPU 0 pushing into one inference worker on GPU 1: medians of the
+    sender's push time and the end-to-end time (command sent -> receiver's wait returned)."""
     tx = await spawn_worker("asyncio", "default", gpu=0)
     rx = await spawn_worker("asyncio", "default", gpu=1)
     try:
@@ -451,55 +500,74 @@ async def gpu_run(size_gb: float, repeats: int) -> None:
             op="sender", plan=plan.sender(0).to_json(), max_tmp_bytes=1 << 30, register_sources=True
         )
         await rx.call(op="receiver", plan=plan.receiver(0).to_json())
-        walls = []
-        last: dict[str, Any] = {}
+        rows: list[dict[str, Any]] = []
         for v in range(1, repeats + 2):
-            await tx.call(reply_timeout=300, op="prepare", version=v, fill="fast")
-            t = time.perf_counter()
+            await tx.call(reply_timeout=300, op="prepare", version=v, fill="fast", flat=flat)
+            t0, t = time.time(), time.perf_counter()
             await tx.send(op="push", version=v, prepared=True, timeout=300)
-            await rx.call(reply_timeout=300, op="wait", version=v, timeout=300)
+            got = await rx.call(reply_timeout=300, op="wait", version=v, timeout=300)
             wall = time.perf_counter() - t
-            last = (await tx.reply(300))["stats"]
-            if v > 1:
-                walls.append(wall)
+            rep = await tx.reply(300)
+            st = rep["stats"]
+            rows.append(
+                dict(
+                    wall_s=wall,
+                    push_s=st["wall_s"],
+                    stats=st,
+                    dispatch_s=rep["t0"] - t0,
+                    notice_s=got["at"] - rep["t1"],
+                )
+            )
+        rail = await tx.call(reply_timeout=300, op="rail", desc=desc, nbytes=n, repeats=repeats)
     finally:
         await tx.aclose()
         await rx.aclose()
-    aiote_s = statistics.median_low(walls)
-    print(
-        f"GPU aiote push GPU0 -> GPU1 over CUDA IPC: {nbytes / GB:.2f} GB in {aiote_s:.4f} s = "
-        f"{nbytes / aiote_s / GB:.1f} GB/s (median of {repeats}); stages: "
-        f"transform {last['transform_s']:.4f} s, direct {last['direct_bytes'] / GB:.2f} GB, "
-        f"peak staging {last['peak_staging_bytes'] / 2**20:.0f} MiB"
+    rows = rows[1:]
+    mid = sorted(rows, key=lambda x: x["wall_s"])[(len(rows) - 1) // 2]
+    return dict(
+        mid,
+        wall_s=statistics.median_low([x["wall_s"] for x in rows]),
+        push_s=statistics.median_low([x["push_s"] for x in rows]),
+        rail_s=statistics.median_low(rail["walls"]),
     )
-    peer_s = _peer_copy(nbytes, repeats)
-    print(
-        f"GPU ceiling, cudaMemcpyPeer of the same bytes: {peer_s:.4f} s = {nbytes / peer_s / GB:.1f} GB/s; "
-        f"aiote / ceiling = {peer_s / aiote_s:.2f}"
-    )
-    nccl = _nccl(nbytes, repeats)
-    if nccl is not None:
-        print(
-            f"GPU NCCL broadcast (torch.distributed) of the same bytes: {nccl:.4f} s = "
-            f"{nbytes / nccl / GB:.1f} GB/s; aiote / NCCL = {nccl / aiote_s:.2f}"
-        )
 
 
-def _peer_copy(nbytes: int, repeats: int) -> float:
+def _peer_copy(plan: W.Plan, region: int, repeats: int) -> dict[str, Any]:
+    """cudaMemcpyPeerAsync GPU 0 -> GPU 1 of the bytes the plan writes: one copy of them all
+    (the ceiling), and one copy per plan write on one stream (the per-write reference). Peer
+    access enabled and one warm-up outside the timing; CUDA events; medians of ``repeats``."""
     import cupy
 
+    rt = cupy.cuda.runtime
+    for d, o in ((0, 1), (1, 0)):
+        with cupy.cuda.Device(d), contextlib.suppress(rt.CUDARuntimeError):  # already enabled
+            rt.deviceEnablePeerAccess(o)
+    writes = plan.sender(0).writes
+    nbytes = sum(w.nbytes for w in writes)
     with cupy.cuda.Device(0):
         src = cupy.ones(nbytes, cupy.uint8)
+        stream = cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.Device(1):
-        dst = cupy.zeros(nbytes, cupy.uint8)
-    walls = []
-    for _ in range(repeats + 1):
-        cupy.cuda.Device(0).synchronize()
-        t = time.perf_counter()
-        cupy.cuda.runtime.memcpyPeer(dst.data.ptr, 1, src.data.ptr, 0, nbytes)
-        cupy.cuda.Device(1).synchronize()
-        walls.append(time.perf_counter() - t)
-    return statistics.median_low(walls[1:])
+        dst = cupy.zeros(region, cupy.uint8)
+    offs, at = [], 0
+    for w in writes:  # the sources one after another, each write into its target offset
+        offs.append((at, w.offset, w.nbytes))
+        at += w.nbytes
+
+    def timed(copies: list[tuple[int, int, int]]) -> float:
+        walls = []
+        with cupy.cuda.Device(0):
+            for _ in range(repeats + 1):
+                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                for so, do, k in copies:
+                    rt.memcpyPeerAsync(dst.data.ptr + do, 1, src.data.ptr + so, 0, k, stream.ptr)
+                stop.record(stream)
+                stop.synchronize()
+                walls.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+        return float(statistics.median_low(walls[1:]))
+
+    return {"one": timed([(0, 0, nbytes)]), "loop": timed(offs), "writes": len(writes)}
 
 
 def _nccl(nbytes: int, repeats: int) -> float | None:

@@ -458,6 +458,53 @@ async def test_wait_version_in_one_process_timeouts_and_two_waiters(anyio_backen
         assert dst[:64].view(np.float16).tolist() == list(range(32))
 
 
+async def test_registered_sources_in_one_flat_buffer_merge_into_few_writes(anyio_backend: str) -> None:
+    """Tensors of different sizes laid out one after another in one buffer, packed the same
+    way on the receiver (the plan orders the writes by size, not by place): with
+    ``register_sources`` the buffer is registered once and the writes, taken in the order of
+    what they read, merge up to ``coalesce_bytes`` (and a quarter of ``max_tmp_bytes``); a
+    cast, or a tensor of its own, stays a write of its own. Every byte verified, four
+    versions; ``coalesce_bytes=0`` merges none."""
+    names = [f"p{i}" for i in range(6)]
+    rows = {nm: 4 * (i + 1) for i, nm in enumerate(names)}  # 128 .. 768 bytes
+    sources = [s for nm in names for s in fsdp(nm, (rows[nm], 8), "float32", [0, rows[nm]])]
+    sources += fsdp("own", (4, 8), "float32", [0, 4]) + fsdp("cast", (4, 8), "float32", [0, 4])
+    specs: list[Spec] = [(nm, "float32", [W.Piece(nm, (0, rows[nm]))]) for nm in names]
+    specs += [("own", "float32", [W.Piece("own", (0, 4))]), ("cast", "float16", [W.Piece("cast", (0, 4))])]
+    async with engine_pair(same_host=None) as (a, b):
+        tg, n = W.pack_targets(0, specs, sources, align=32)
+        dst = np.zeros(n, np.uint8)
+        mr = await b.register(dst)
+        p = W.plan(sources, W.with_desc(tg, bytes(mr.descriptor)), chunk_bytes=256)
+        planned = len(p.sender(0).writes)
+        assert planned == 12 + 2 and [w.source for w in p.sender(0).writes][:2] != ["p0", "p1"]
+        rx = W.WeightReceiver(b, p.receiver(0))
+        flat = np.zeros(sum(rows.values()) * 32, np.uint8)
+        t, at = {}, 0
+        for nm in names:
+            t[nm] = flat[at : at + rows[nm] * 32].view(np.float32).reshape(rows[nm], 8)
+            at += rows[nm] * 32
+        t["own"], t["cast"] = np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32)
+        # (coalesce_bytes, max_tmp_bytes, version, writes): a merge is at most a quarter of the budget
+        cases = ((1024, 1 << 20, 1, 3 + 2), (0, 1 << 20, 2, planned), (1 << 20, 1 << 20, 3, 1 + 2))
+        for coalesce, tmp, version, want_writes in (*cases, (1 << 20, 4096, 4, 3 + 2)):
+            for i, a_ in enumerate(t.values()):
+                a_[...] = np.arange(a_.size, dtype=np.float32).reshape(a_.shape) + 100 * i + version
+            async with W.WeightSender(
+                a, p.sender(0), register_sources=True, coalesce_bytes=coalesce, max_tmp_bytes=tmp
+            ) as tx:
+                stats = await tx.push(t, version=version, timeout=10)
+                await rx.wait_version(version, timeout=10)
+                assert len(tx._registered) == 2  # the flat buffer and "own"
+            assert stats.writes == want_writes, (coalesce, stats)
+            assert stats.direct_bytes == flat.nbytes + 128 and stats.nbytes == flat.nbytes + 128 + 64
+            for tgt in tg:
+                want = t[tgt.name].astype(np.float16 if tgt.name == "cast" else np.float32).tobytes()
+                assert dst[tgt.offset : tgt.offset + len(want)].tobytes() == want, (tgt.name, version)
+        with pytest.raises(aiote.InvalidArgument, match="coalesce_bytes"):
+            W.WeightSender(a, p.sender(0), coalesce_bytes=-1)
+
+
 # ------------------------------------------------------------------ the vLLM-shaped example
 
 

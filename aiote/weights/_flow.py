@@ -22,7 +22,7 @@ from .._core._log import get_logger
 from .._core._memory import MemoryRegion
 from .._core._retry import RetryPolicy
 from ._dtypes import cast_into, storage
-from ._plan import PlanError, ReceiverPlan, SenderPlan, Write
+from ._plan import PlanError, ReceiverPlan, SenderPlan, SourceShard, Write
 
 __all__ = ["VERSION_BITS", "PushFailed", "PushStats", "WeightReceiver", "WeightSender", "version_imm"]
 
@@ -179,6 +179,8 @@ class _Push:
         self.end = end
         self.errors: dict[int, BaseException] = {}
         self.stats = PushStats(version)
+        # source name -> (its registered allocation's key, the shard's byte offset in it)
+        self.direct: dict[str, tuple[tuple[int, int], int]] = {}
 
 
 class WeightSender:
@@ -190,8 +192,13 @@ class WeightSender:
     (and cast) into it, start the write, go on; the pool's room comes back as writes
     complete, so copies overlap the writes. Once every write to a receiver completed (the
     bytes are in place), one zero-byte write carries the version's immediate to it. With
-    ``register_sources``, tensors that need no cast and no column slice are registered once
-    (kept while the same array is passed) and written from directly, with no staging copy.
+    ``register_sources``, tensors that need no cast and no column slice are written from
+    directly, with no staging copy: the allocation each is a view of is registered once
+    (kept while passed again), and consecutive writes that read adjacent bytes of it and
+    land on adjacent bytes of one region go as one write of up to ``coalesce_bytes`` and a
+    quarter of a receiver's share of ``max_tmp_bytes`` (0: no merging): parameters laid out
+    one after another in one flat buffer then cost a few large writes, not one per tensor.
+    Merging takes a receiver's direct writes in the order of what they read.
 
     Raises :class:`~aiote.InvalidArgument` (``PlanError``) for a plan without descriptors, a
     write larger than ``max_tmp_bytes``, bad arguments; :class:`~aiote.DescriptorError` for a
@@ -206,12 +213,15 @@ class WeightSender:
         *,
         max_tmp_bytes: int = 256 << 20,
         register_sources: bool = False,
+        coalesce_bytes: int = 256 << 20,
         retry: RetryPolicy | None = None,
     ) -> None:
         if not isinstance(plan, SenderPlan):
             raise InvalidArgument(f"plan must be a SenderPlan (plan.sender(rank)), not {type(plan).__name__}")
         if isinstance(max_tmp_bytes, bool) or not isinstance(max_tmp_bytes, int) or max_tmp_bytes < 1:
             raise InvalidArgument(f"max_tmp_bytes must be an int >= 1, not {max_tmp_bytes!r}")
+        if isinstance(coalesce_bytes, bool) or not isinstance(coalesce_bytes, int) or coalesce_bytes < 0:
+            raise InvalidArgument(f"coalesce_bytes must be an int >= 0, not {coalesce_bytes!r}")
         biggest = max((w.nbytes for w in plan.writes), default=0)
         if biggest > max_tmp_bytes:
             raise PlanError(
@@ -224,6 +234,7 @@ class WeightSender:
         self.plan = plan
         self.max_tmp_bytes = max_tmp_bytes
         self.register_sources = register_sources
+        self.coalesce_bytes = coalesce_bytes
         self._retry = retry
         self._descs = [MemoryDescriptor.from_bytes(d) for d in plan.descs]
         self._lanes: dict[int, list[Write]] = defaultdict(list)
@@ -232,10 +243,16 @@ class WeightSender:
         self._first_desc = {r: self._descs[ws[0].desc] for r, ws in self._lanes.items()}
         self._imm_descs: dict[int, MemoryDescriptor] = {}
         self._sources = {s.name: s for s in plan.sources}
+        self._plain_names = sorted({w.source for w in plan.writes if self._plain(w)})
+        # name -> (the array last passed, (shape, dtype, address), its xp, its 2-D view)
+        self._seen: dict[str, tuple[Any, tuple[Any, ...], Any, Any]] = {}
+        # name -> (the 2-D view last registered from, its allocation's key, byte offset)
+        self._roots: dict[str, tuple[Any, tuple[int, int], int]] = {}
         self._staging: Any = None
         self._staging_mr: MemoryRegion | None = None
         self._xp: Any = None
-        self._registered: dict[str, tuple[Any, MemoryRegion]] = {}
+        # registered allocations: (address, bytes) -> (the flat array, its region)
+        self._registered: dict[tuple[int, int], tuple[Any, MemoryRegion]] = {}
         self._busy = False
         self._unsettled: list[TransferTimeout] = []
         self._log = _log.bind(rank=plan.rank)
@@ -267,7 +284,8 @@ class WeightSender:
     # -------------------------------------------------------------- checks
 
     def _check_tensors(self, tensors: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-        """The 2-D (rows, width) views of the tensors this rank must push, and their xp."""
+        """The 2-D (rows, width) views of the tensors this rank must push, and their xp. A
+        tensor passed again (the same array, shape, type and address) reuses its view."""
         if not isinstance(tensors, Mapping):
             raise InvalidArgument(f"tensors must be a mapping name -> array, not {type(tensors).__name__}")
         views: dict[str, Any] = {}
@@ -278,22 +296,28 @@ class WeightSender:
                     f"push: no tensor for parameter {name!r} (rank {s.rank} holds rows {s.rows})"
                 )
             a = tensors[name]
-            x = _xp_of(a)
+            seen = self._seen.get(name)
+            if seen is not None and seen[0] is a and seen[1] == (a.shape, a.dtype, _ptr(a)):
+                x, views[name] = seen[2], seen[3]
+            else:
+                x, views[name] = self._check_one(name, s, a)
+                self._seen[name] = (a, (a.shape, a.dtype, _ptr(a)), x, views[name])
             if xp is None:
                 xp = x
             elif x is not xp:
                 raise InvalidArgument("push: tensors must be all NumPy or all CuPy")
-            if tuple(a.shape) != s.local_shape:
-                raise InvalidArgument(
-                    f"push: {name!r} has shape {tuple(a.shape)}, the plan says {s.local_shape}"
-                )
-            want = storage(s.dtype)
-            if a.dtype != want and not (s.dtype == "bfloat16" and str(a.dtype) == "bfloat16"):
-                raise InvalidArgument(f"push: {name!r} is {a.dtype}, the plan says {s.dtype}")
-            if not a.flags.c_contiguous:
-                raise InvalidArgument(f"push: {name!r} must be C-contiguous")
-            views[name] = a.view(want).reshape(s.local_shape[0], s.width)
         return views, xp
+
+    def _check_one(self, name: str, s: SourceShard, a: Any) -> tuple[Any, Any]:
+        x = _xp_of(a)
+        if tuple(a.shape) != s.local_shape:
+            raise InvalidArgument(f"push: {name!r} has shape {tuple(a.shape)}, the plan says {s.local_shape}")
+        want = storage(s.dtype)
+        if a.dtype != want and not (s.dtype == "bfloat16" and str(a.dtype) == "bfloat16"):
+            raise InvalidArgument(f"push: {name!r} is {a.dtype}, the plan says {s.dtype}")
+        if not a.flags.c_contiguous:
+            raise InvalidArgument(f"push: {name!r} must be C-contiguous")
+        return x, a.view(want).reshape(s.local_shape[0], s.width)
 
     # -------------------------------------------------------------- push
 
@@ -342,7 +366,7 @@ class WeightSender:
         t0 = time.monotonic()
         ctx = _Push(version, views, end)
         if self._lanes:
-            await self._prepare(xp, views)
+            await self._prepare(xp, views, ctx)
         lanes = len(self._lanes) or 1
         biggest = max((w.nbytes for w in self.plan.writes), default=1)
         pool = _Pool(self.max_tmp_bytes, max(biggest, self.max_tmp_bytes // lanes))
@@ -358,7 +382,9 @@ class WeightSender:
         self._log.debug("pushed", version=version, bytes=ctx.stats.nbytes, wall_s=ctx.stats.wall_s)
         return ctx.stats
 
-    async def _prepare(self, xp: Any, views: dict[str, Any]) -> None:
+    async def _prepare(self, xp: Any, views: dict[str, Any], ctx: _Push) -> None:
+        """The staging buffer for ``xp``; with ``register_sources``, the allocations the plain
+        sources are views of, registered (kept while passed again), in ``ctx.direct``."""
         if self._xp is not xp:
             if self._staging_mr is not None:
                 await self.engine.unregister(self._staging_mr, timeout=30)
@@ -370,15 +396,25 @@ class WeightSender:
             self._xp = xp
         if not self.register_sources:
             return
-        for name in {w.source for w in self.plan.writes if self._plain(w)}:
-            a = views[name]
-            kept = self._registered.get(name)
-            if kept is not None and _same(kept[0], a):
-                continue
-            if kept is not None:
-                await self.engine.unregister(kept[1], timeout=30)
-            mr = await self.engine.register(a, remote_write=False, remote_read=False)
-            self._registered[name] = (a, mr)
+        keep: dict[tuple[int, int], tuple[Any, MemoryRegion]] = {}
+        for name in self._plain_names:
+            v = views[name]
+            known = self._roots.get(name)
+            if known is not None and known[0] is v and (known[1] in keep or known[1] in self._registered):
+                key, at = known[1], known[2]
+                keep[key] = keep.get(key) or self._registered.pop(key)
+            else:
+                root, at = _root(xp, v)
+                key = (_ptr(root), int(root.nbytes))
+                kept = keep.get(key) or self._registered.pop(key, None)
+                if kept is None:
+                    kept = (root, await self.engine.register(root, remote_write=False, remote_read=False))
+                keep[key] = kept
+                self._roots[name] = (v, key, at)
+            ctx.direct[name] = (key, at)
+        for _, mr in self._registered.values():  # allocations no longer passed
+            await self.engine.unregister(mr, timeout=30)
+        self._registered = keep
 
     def _plain(self, w: Write) -> bool:
         s = self._sources[w.source]
@@ -387,11 +423,11 @@ class WeightSender:
     async def _lane(self, r: int, ctx: _Push, pool: _Pool, imm: int) -> None:
         try:
             async with anyio.create_task_group() as tg:
-                for w in self._lanes[r]:
+                for run in self._runs(r, ctx, pool):
                     if r in ctx.errors:
                         break
                     try:
-                        await self._issue(tg, r, w, ctx, pool)
+                        await self._issue(tg, r, run, ctx, pool)
                     except AioteError as exc:  # caught here: out of the group it comes wrapped
                         ctx.errors.setdefault(r, exc)
             if r not in ctx.errors:
@@ -404,23 +440,70 @@ class WeightSender:
     def _imm_desc(self, r: int) -> MemoryDescriptor:
         return self._first_desc[r]
 
-    async def _issue(self, tg: Any, r: int, w: Write, ctx: _Push, pool: _Pool) -> None:
+    def _src(self, w: Write, ctx: _Push) -> tuple[tuple[int, int], int] | None:
+        """Where a direct write reads: (its allocation's key, byte offset), or None (staged)."""
+        d = ctx.direct.get(w.source) if self._plain(w) else None
+        if d is None:
+            return None
+        s = self._sources[w.source]
+        return d[0], d[1] + w.row0 * s.width * self._itemsize(w.src_dtype)
+
+    def _runs(self, r: int, ctx: _Push, pool: _Pool) -> list[list[Write]]:
+        """Receiver ``r``'s writes, direct ones merged: taken in the order of what they read
+        (allocation, offset), consecutive ones go as one write where they read adjacent bytes
+        of one registered allocation and land on adjacent bytes of one region (at most
+        ``coalesce_bytes`` and a quarter of the lane's budget a merge: a merge as large as the
+        budget would wait for the one before it). Runs in plan order of their first write;
+        staged writes stay one each."""
+        cap = min(self.coalesce_bytes, pool.lane_cap // 4)  # several in flight, not one at a time
+        direct: list[tuple[tuple[int, int], int, int, Write]] = []
+        runs: list[tuple[int, list[Write]]] = []
+        for i, w in enumerate(self._lanes[r]):
+            src = self._src(w, ctx)
+            if src is None:
+                runs.append((i, [w]))
+            else:
+                direct.append((src[0], src[1], i, w))
+        direct.sort(key=lambda d: (d[0], d[1]))
+        end: tuple[tuple[int, int], int] | None = None
+        size = 0
+        for key, at, i, w in direct:
+            last = runs[-1][1][-1] if end is not None else None
+            if (
+                last is not None
+                and end == (key, at)
+                and last.desc == w.desc
+                and last.offset + last.nbytes == w.offset
+                and size + w.nbytes <= cap
+            ):
+                runs[-1][1].append(w)
+                runs[-1] = (min(runs[-1][0], i), runs[-1][1])
+                size += w.nbytes
+            else:
+                runs.append((i, [w]))
+                size = w.nbytes
+            end = (key, at + w.nbytes)
+        runs.sort(key=lambda x: x[0])
+        return [run for _, run in runs]
+
+    async def _issue(self, tg: Any, r: int, run: list[Write], ctx: _Push, pool: _Pool) -> None:
         st = ctx.stats
-        kept = self._registered.get(w.source) if self.register_sources and self._plain(w) else None
+        w = run[0]
+        n = sum(x.nbytes for x in run)
+        src = self._src(w, ctx)
         t = time.monotonic()
-        off = await pool.take(r, w.nbytes, kept is None, ctx.end)
+        off = await pool.take(r, n, src is None, ctx.end)
         st.staging_wait_s += time.monotonic() - t
-        if kept is not None:
-            s = self._sources[w.source]
-            mr, src_off = kept[1], w.row0 * s.width * self._itemsize(w.src_dtype)
-            st.direct_bytes += w.nbytes
-        else:
+        if src is not None:
+            mr, src_off = self._registered[src[0]][1], src[1]
+            st.direct_bytes += n
+        else:  # a staged write is never merged: run == [w]
             t = time.monotonic()
             self._transform(w, ctx.tensors[w.source], off)
             st.transform_s += time.monotonic() - t
             assert self._staging_mr is not None
             mr, src_off = self._staging_mr, off
-        tg.start_soon(self._write, r, w, mr, src_off, off, ctx, pool)
+        tg.start_soon(self._write, r, (w.desc, w.offset, n), mr, src_off, off, ctx, pool)
 
     @staticmethod
     def _itemsize(dtype: str) -> int:
@@ -433,8 +516,17 @@ class WeightSender:
         cast_into(xp, out, src[w.row0 : w.row1, w.col0 : w.col1], w.src_dtype, w.dst_dtype)
 
     async def _write(
-        self, r: int, w: Write, mr: MemoryRegion, src_off: int, off: int, ctx: _Push, pool: _Pool
+        self,
+        r: int,
+        where: tuple[int, int, int],
+        mr: MemoryRegion,
+        src_off: int,
+        off: int,
+        ctx: _Push,
+        pool: _Pool,
     ) -> None:
+        """One write of ``where`` = (descriptor index, destination offset, bytes)."""
+        desc, dst_off, n = where
         st = ctx.stats
         t = time.monotonic()
         try:
@@ -442,16 +534,16 @@ class WeightSender:
                 stream = self._xp.cuda.get_current_stream() if self._xp is not np else None
                 await self.engine.write(
                     mr,
-                    self._descs[w.desc],
-                    length=w.nbytes,
+                    self._descs[desc],
+                    length=n,
                     src_offset=src_off,
-                    dst_offset=w.offset,
+                    dst_offset=dst_off,
                     timeout=_left(ctx.end),
                     retry=self._retry,
                     stream=stream,
                 )
                 st.writes += 1
-                st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + w.nbytes
+                st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + n
         except TransferTimeout as exc:
             # the write may still be in flight: its staging room stays taken for this push,
             # and the next push first waits for it to settle (see _settle_earlier)
@@ -462,14 +554,32 @@ class WeightSender:
             ctx.errors.setdefault(r, exc)
         finally:
             st.write_s += time.monotonic() - t
-            pool.give(r, off, w.nbytes)
+            pool.give(r, off, n)
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Whether two arrays are the same memory (pointer, size)."""
-    ia = a.__array_interface__ if hasattr(a, "__array_interface__") else a.__cuda_array_interface__
-    ib = b.__array_interface__ if hasattr(b, "__array_interface__") else b.__cuda_array_interface__
-    return bool(ia["data"][0] == ib["data"][0] and a.nbytes == b.nbytes)
+def _ptr(a: Any) -> int:
+    """The address of an array's first byte (NumPy or CuPy)."""
+    p = getattr(getattr(a, "data", None), "ptr", None)  # CuPy, without building a dict
+    if p is not None:
+        return int(p)
+    if hasattr(a, "__array_interface__"):
+        return int(a.__array_interface__["data"][0])
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+def _root(xp: Any, a: Any) -> tuple[Any, int]:
+    """The allocation ``a`` is a view of, as a flat byte array, and ``a``'s byte offset in
+    it: the last array of ``a``'s ``.base`` chain when that one is C-contiguous and holds
+    ``a``'s bytes, else ``a`` itself (offset 0). Registering the allocation once lets writes
+    from tensors laid out one after another in it (a trainer's flat parameter buffer) merge."""
+    root = a
+    while isinstance(getattr(root, "base", None), xp.ndarray):
+        root = root.base
+    if root is not a and root.flags.c_contiguous:
+        at = _ptr(a) - _ptr(root)
+        if at >= 0 and at + a.nbytes <= root.nbytes:
+            return root.reshape(-1).view(xp.uint8), at
+    return a.reshape(-1).view(xp.uint8), 0
 
 
 class WeightReceiver:

@@ -206,6 +206,7 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
             max_tmp_bytes=cmd.get("max_tmp_bytes", 64 << 20),
             register_sources=cmd.get("register_sources", False),
             retry=retry,
+            **({"coalesce_bytes": cmd["coalesce_bytes"]} if "coalesce_bytes" in cmd else {}),
         )
         return {"nbytes": plan.nbytes}
     if op == "prepare":
@@ -214,15 +215,22 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "push":
         if not cmd.get("prepared"):
             _prepare(st, cmd)
-        return await _push(st, cmd)
+        t0 = time.time()
+        r = await _push(st, cmd)
+        return dict(r, t0=t0, t1=time.time())
+    if op == "rail":
+        return {"walls": await _rail(st, cmd)}
     raise ValueError(f"unknown op {op!r}")
 
 
 def _prepare(st: _State, cmd: dict[str, Any]) -> None:
     """This rank's shards of version ``cmd["version"]``, in the same arrays each version (as a
-    trainer's parameters), on the GPU for a worker started with ``--gpu``."""
+    trainer's parameters), on the GPU for a worker started with ``--gpu``; with ``flat``, the
+    first call lays them out one after another in one buffer (a flat parameter buffer)."""
     assert st.tx is not None
     v = cmd["version"]
+    if cmd.get("flat") and not st.shards:
+        _flat_shards(st)
     for s in st.tx.plan.sources:
         if cmd.get("fill") == "fast":
             new = fast_shard(s, v)
@@ -240,6 +248,46 @@ def _prepare(st: _State, cmd: dict[str, Any]) -> None:
         import cupy
 
         cupy.cuda.get_current_stream().synchronize()
+
+
+def _flat_shards(st: _State) -> None:
+    """Views, one after another in plan order, into one zeroed buffer (8-byte aligned)."""
+    assert st.tx is not None
+    xp: Any = np
+    if st.gpu is not None:
+        import cupy
+
+        xp = cupy
+    sizes = [int(np.prod(s.local_shape)) * storage(s.dtype).itemsize for s in st.tx.plan.sources]
+    flat = xp.zeros(sum(-(-n // 8) * 8 for n in sizes), xp.uint8)
+    at = 0
+    for s, n in zip(st.tx.plan.sources, sizes, strict=True):
+        st.shards[s.name] = flat[at : at + n].view(storage(s.dtype)).reshape(s.local_shape)
+        at += -(-n // 8) * 8
+
+
+async def _rail(st: _State, cmd: dict[str, Any]) -> list[float]:
+    """Seconds of each of ``repeats`` single ``engine.write`` calls of ``nbytes`` into the
+    region ``desc`` (after one warm-up): what one write of everything costs on this route."""
+    from .._core._descriptor import MemoryDescriptor
+
+    xp: Any = np
+    if st.gpu is not None:
+        import cupy
+
+        xp = cupy
+    buf = xp.ones(cmd["nbytes"], xp.uint8)
+    mr = await st.engine.register(buf, remote_write=False, remote_read=False)
+    desc = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["desc"]))
+    walls = []
+    try:
+        for _ in range(cmd.get("repeats", 3) + 1):
+            t = time.perf_counter()
+            await st.engine.write(mr, desc, length=cmd["nbytes"], timeout=60)
+            walls.append(time.perf_counter() - t)
+    finally:
+        await st.engine.unregister(mr, timeout=30)
+    return walls[1:]
 
 
 async def _push(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
