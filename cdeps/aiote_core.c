@@ -1882,6 +1882,32 @@ fail:
     return -FI_ENOMEM;
 }
 
+/* libfabric probes every provider it knows on its first call (fi_ini), reading FI_PROVIDER
+ * then and never again. aiote uses few of them, so when the user has not chosen (FI_PROVIDER
+ * unset) the first call is made with FI_PROVIDER set to those, and the variable is removed
+ * again as soon as fi_ini has read it: the process environment is left as it was (importing
+ * aiote no longer touches it). Done once, under pthread_once, from the first function that
+ * would call into libfabric (fab_init below). The variable exists only for the length of one
+ * fi_getinfo: a thread that reads the C environment meanwhile (getenv) may see it, and glibc's
+ * setenv/unsetenv take its environment lock against each other (Python's os.environ writes go
+ * through putenv/unsetenv too), so nothing is lost or torn; a user who wants other providers
+ * sets FI_PROVIDER, which is then left alone. */
+#define AIO_DEFAULT_PROVIDERS "tcp,ofi_rxm,shm,verbs,efa"
+static pthread_once_t fab_once = PTHREAD_ONCE_INIT;
+static void fab_init_once(void) {
+    if (getenv("FI_PROVIDER")) return; /* the user's choice; fi_ini reads it on first use */
+    if (setenv("FI_PROVIDER", AIO_DEFAULT_PROVIDERS, 0)) return;
+    struct fi_info *h = fi_allocinfo(), *info = NULL;
+    if (h) {
+        h->ep_attr->type = FI_EP_RDM;
+        h->fabric_attr->prov_name = strdup("shm"); /* cheap; the call only has to run fi_ini */
+        if (fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, h, &info) == 0) fi_freeinfo(info);
+        fi_freeinfo(h);
+    }
+    unsetenv("FI_PROVIDER");
+}
+static void fab_init(void) { pthread_once(&fab_once, fab_init_once); }
+
 static const char *map_provider(const char *p) {
     if (!strcmp(p, "tcp")) return "tcp;ofi_rxm";
     if (!strcmp(p, "verbs")) return "verbs;ofi_rxm";
@@ -1911,6 +1937,7 @@ static struct fi_info *make_hints(const char *prov, const char *nic) {
 }
 
 static void list_nics(const char *prov, char *buf, size_t len) {
+    fab_init();
     struct fi_info *h = make_hints(prov, NULL), *info = NULL;
     buf[0] = 0;
     if (!h) return;
@@ -1929,6 +1956,7 @@ static void list_nics(const char *prov, char *buf, size_t len) {
 }
 
 int aio_probe(const char *provider, aio_probe_entry *out, int max) {
+    fab_init();
     struct fi_info *h = make_hints(provider, NULL), *info = NULL;
     if (!h) return -FI_ENOMEM;
     int ret = fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, h, &info);
@@ -2199,6 +2227,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
         set_err(err, errlen, "eventfd/epoll for poller %d: %s", qi, strerror(errno));
         return -FI_ENOMEM;
     }
+    fab_init();
     if (recv_slots == 0) recv_slots = 1;
     if (slot_size < 64) slot_size = 64;
     if (!strcmp(map_provider(provider), "shm")) shm_sweep_stale();

@@ -58,9 +58,8 @@ from ._util import as_index, check_timeout, deadline_at, now, timeout_error, wai
 
 __all__ = ["Engine", "RailInfo", "ScatterTarget", "Transfer", "TransferBatch", "open_engine"]
 
-# libfabric probes every provider it knows at start-up (0.2-0.5 s of CPU); restrict it to the
-# ones aiote can use unless the user chose otherwise.
-os.environ.setdefault("FI_PROVIDER", "tcp,ofi_rxm,shm,verbs,efa")
+# libfabric probes every provider it knows at start-up; the C core restricts that first probe to
+# the providers aiote can use (unless FI_PROVIDER is set) without changing os.environ (fab_init).
 
 _log = get_logger(component="engine")
 
