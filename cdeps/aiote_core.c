@@ -241,7 +241,28 @@ typedef struct watch_slot {
 typedef struct overflow_node {
     aio_record rec;
     struct overflow_node *next;
+    int reserve; /* from the engine's reserve block (ovf_block): goes back there, not to free() */
 } overflow_node;
+
+/* Records are never dropped for want of memory (ring_put). When the ring is full they queue
+ * behind it on the overflow list, in nodes from malloc; when malloc fails:
+ *   - a poller thread keeps the record in its own stash (RING_STASH records, allocated with the
+ *     poller) and stops producing: while its stash is not empty it neither reads its rails'
+ *     CQs nor makes copies, holding no lock, and moves the stash into the ring as the loop
+ *     drains it (backpressure: completions wait in the provider, nothing is lost);
+ *   - any other thread (the loop's posts, aio_want_space, aio_counter_add: a few records per
+ *     call, and it may be the very thread that drains the ring, so it must not wait) takes a
+ *     node from the engine's reserve (RING_RESERVE nodes, allocated with the engine), which
+ *     the drain gives back.
+ * While the ring is full, threads other than pollers read no completions (progress_locked):
+ * their own records are a few per call. Only such a thread producing more than RING_RESERVE
+ * records while the ring is full and malloc fails would lose one; it is counted (st_lost) and
+ * logged to stderr. */
+#define RING_RESERVE 1024
+#define RING_STASH 1024
+#ifdef AIO_TEST_HOOKS
+_Atomic int aio_test_ovf_malloc_fail; /* tests: the overflow list's malloc fails */
+#endif
 
 /* One poller thread and what it drives: its rails (rail i goes to poller i % npollers), the
  * queue of requests handed to it for those rails, and its sleep (an epoll set of its rails' wait
@@ -263,6 +284,8 @@ typedef struct aio_poller {
     aio_op *dq_head, *dq_tail;  /* handed-over requests (and, on poller 0, direct copies), in order */
     _Atomic int32_t dq_pending;
     uint64_t drun;              /* direct_run passes (poller 0's tell direct_copy its pass) */
+    aio_record *stash;          /* records the ring could not take (see RING_STASH); poller only */
+    int nstash;
 } aio_poller;
 
 struct aio_engine {
@@ -278,6 +301,8 @@ struct aio_engine {
     _Atomic uint64_t ring_tail;
     overflow_node *ovf_head, *ovf_tail;
     _Atomic uint64_t ovf_count;
+    overflow_node *ovf_block, *ovf_free; /* the reserve (RING_RESERVE nodes) and its free list */
+    _Atomic uint64_t st_lost;
     _Atomic int armed;
     int efd;
 
@@ -381,25 +406,80 @@ uint32_t aio_fabric_version(void) { return fi_version(); }
 
 /* ------------------------------------------------------------------ ring */
 
-static void ring_put(aio_engine *e, const aio_record *r, int quiet) {
-    pthread_mutex_lock(&e->ring_mu);
+/* the poller this thread is (poller_main sets it): ring_put's stash */
+static __thread struct aio_poller *tl_poller;
+
+/* Places a record in the ring or behind it. Caller holds ring_mu. 0: no room and no memory
+ * (only when `may_stash`, a poller that keeps it; other callers take a reserve node). */
+static int ring_place_locked(aio_engine *e, const aio_record *r, int may_stash) {
     uint64_t tail = atomic_load_explicit(&e->ring_tail, memory_order_relaxed);
     uint64_t head = atomic_load_explicit(&e->ring_head, memory_order_acquire);
     if (atomic_load(&e->ovf_count) == 0 && tail - head <= e->ring_mask) {
         e->ring[tail & e->ring_mask] = *r;
         atomic_store_explicit(&e->ring_tail, tail + 1, memory_order_release);
-    } else {
-        /* keep order: once anything overflowed, everything goes behind it */
-        overflow_node *n = malloc(sizeof(*n));
-        if (n) {
-            n->rec = *r;
-            n->next = NULL;
-            if (e->ovf_tail) e->ovf_tail->next = n; else e->ovf_head = n;
-            e->ovf_tail = n;
-            atomic_fetch_add(&e->ovf_count, 1);
-        }
+        return 1;
     }
+    /* keep order: once anything overflowed, everything goes behind it */
+    overflow_node *n = NULL;
+#ifdef AIO_TEST_HOOKS
+    if (!atomic_load(&aio_test_ovf_malloc_fail))
+#endif
+        n = malloc(sizeof(*n));
+    if (n) {
+        n->reserve = 0;
+    } else if (may_stash) {
+        return 0;
+    } else if ((n = e->ovf_free)) {
+        e->ovf_free = n->next;
+    } else {
+        if (atomic_fetch_add(&e->st_lost, 1) == 0)
+            fprintf(stderr, "aiote: out of memory for completion records: a record was lost\n");
+        return 1;
+    }
+    n->rec = *r;
+    n->next = NULL;
+    if (e->ovf_tail) e->ovf_tail->next = n; else e->ovf_head = n;
+    e->ovf_tail = n;
+    atomic_fetch_add(&e->ovf_count, 1);
+    return 1;
+}
+
+static void ring_signal(aio_engine *e) {
+    if (atomic_exchange(&e->armed, 0)) {
+        uint64_t one = 1;
+        ssize_t w = write(e->efd, &one, sizeof(one));
+        (void)w;
+        atomic_fetch_add_explicit(&e->st_wakeups, 1, memory_order_relaxed);
+    }
+}
+
+/* A poller moves its stash into the ring (in order): 1 if some is left (it must not produce
+ * more meanwhile). */
+static int stash_flush(aio_poller *q) {
+    aio_engine *e = q->e;
+    int k = 0;
+    pthread_mutex_lock(&e->ring_mu);
+    while (k < q->nstash && ring_place_locked(e, &q->stash[k], 1)) k++;
     pthread_mutex_unlock(&e->ring_mu);
+    if (k) {
+        memmove(q->stash, q->stash + k, (size_t)(q->nstash - k) * sizeof(aio_record));
+        q->nstash -= k;
+    }
+    ring_signal(e); /* the loop drains: room for the rest */
+    return q->nstash > 0;
+}
+
+static void ring_put(aio_engine *e, const aio_record *r, int quiet) {
+    aio_poller *q = tl_poller && tl_poller->e == e && tl_poller->stash ? tl_poller : NULL;
+    int placed = 0;
+    pthread_mutex_lock(&e->ring_mu);
+    if (!q || q->nstash == 0) placed = ring_place_locked(e, r, q && q->nstash < RING_STASH);
+    if (!placed && q && q->nstash >= RING_STASH) placed = ring_place_locked(e, r, 0);
+    pthread_mutex_unlock(&e->ring_mu);
+    if (!placed) { /* behind the stash, in order; the poller stops producing (poller_main) */
+        q->stash[q->nstash++] = *r;
+        quiet = 0;
+    }
     if (quiet) {
         /* signal only if a task waits for a quiet record (it counted itself in before it
          * looked at the ring: one of the two sees the other), or the ring fills up */
@@ -409,12 +489,7 @@ static void ring_put(aio_engine *e, const aio_record *r, int quiet) {
             atomic_load(&e->ovf_count) == 0)
             return;
     }
-    if (atomic_exchange(&e->armed, 0)) {
-        uint64_t one = 1;
-        ssize_t w = write(e->efd, &one, sizeof(one));
-        (void)w;
-        atomic_fetch_add_explicit(&e->st_wakeups, 1, memory_order_relaxed);
-    }
+    ring_signal(e);
 }
 
 static void ring_push(aio_engine *e, const aio_record *r) { ring_put(e, r, 0); }
@@ -442,7 +517,12 @@ int aio_drain(aio_engine *e, aio_record *out, int max) {
             out[n++] = x->rec;
             e->ovf_head = x->next;
             if (!e->ovf_head) e->ovf_tail = NULL;
-            free(x);
+            if (x->reserve) {
+                x->next = e->ovf_free;
+                e->ovf_free = x;
+            } else {
+                free(x);
+            }
             atomic_fetch_sub(&e->ovf_count, 1);
         }
         pthread_mutex_unlock(&e->ring_mu);
@@ -862,6 +942,12 @@ static void handle_remote_data(aio_engine *e, aio_rail *r, uint64_t data) {
 
 /* Reads and processes up to one batch of completions. Caller holds r->mu. */
 static int progress_locked(aio_engine *e, aio_rail *r) {
+    /* the ring is full: only pollers read completions (their records wait in their stash, see
+     * RING_STASH); another thread leaves them in the provider rather than use up the reserve */
+    if (!(tl_poller && tl_poller->e == e) &&
+        (atomic_load(&e->ovf_count) > 0 ||
+         atomic_load(&e->ring_tail) - atomic_load(&e->ring_head) > e->ring_mask))
+        return 0;
     struct fi_cq_data_entry ent[CQ_BATCH];
     ssize_t n = fi_cq_read(r->cq, ent, CQ_BATCH);
     if (n > 0) {
@@ -1683,7 +1769,14 @@ static void *poller_main(void *arg) {
         if (q->rails[i]->wait_fd < 0) all_fd = 0;
         if (q->rails[i]->bytes_fd) any_fd = 1;
     }
+    tl_poller = q;
     while (!atomic_load(&e->stop)) {
+        /* records the ring could not take (ring_put): produce nothing more until they are in */
+        if (q->nstash && stash_flush(q)) {
+            struct timespec ts = {.tv_sec = 0, .tv_nsec = 200000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
         int got = direct_run(q);
         int64_t t_poll = now_ns(); /* idle gaps end here: reading a large message is not idle */
         for (int i = 0; i < q->nrails; i++) {
@@ -1804,6 +1897,11 @@ static int poller_open(aio_engine *e) {
     aio_poller *q = &e->pollers[e->npollers];
     q->e = e;
     q->index = e->npollers;
+    q->stash = calloc(RING_STASH, sizeof(aio_record));
+    if (!q->stash) {
+        errno = ENOMEM;
+        return -1;
+    }
     q->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     q->epfd = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = q->kick_fd};
@@ -1811,6 +1909,8 @@ static int poller_open(aio_engine *e) {
         int saved = errno;
         if (q->kick_fd >= 0) close(q->kick_fd);
         if (q->epfd >= 0) close(q->epfd);
+        free(q->stash);
+        q->stash = NULL;
         errno = saved;
         return -1;
     }
@@ -1847,6 +1947,13 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     if (e->cfg.watch_us <= 0) e->cfg.watch_us = 100;
     if (e->cfg.watch_us > 1000000) e->cfg.watch_us = 1000000;
     e->ring = calloc(cap, sizeof(aio_record));
+    e->ovf_block = calloc(RING_RESERVE, sizeof(overflow_node));
+    if (!e->ovf_block) goto fail;
+    for (int i = 0; i < RING_RESERVE; i++) {
+        e->ovf_block[i].reserve = 1;
+        e->ovf_block[i].next = i + 1 < RING_RESERVE ? &e->ovf_block[i + 1] : NULL;
+    }
+    e->ovf_free = e->ovf_block;
     e->ring_mask = cap - 1;
     e->groups = calloc(e->cfg.max_groups, sizeof(aio_group));
     e->ccap = 1024;
@@ -1875,6 +1982,7 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     return 0;
 fail:
     if (e->efd > 0) close(e->efd);
+    free(e->ovf_block);
     free(e->ring);
     free(e->groups);
     free(e->cslots);
@@ -2486,13 +2594,15 @@ void aio_engine_destroy(aio_engine *e) {
     while (e->ovf_head) {
         overflow_node *x = e->ovf_head;
         e->ovf_head = x->next;
-        free(x);
+        if (!x->reserve) free(x);
     }
+    free(e->ovf_block);
     close(e->efd);
     for (int i = 0; i < e->npollers; i++) {
         close(e->pollers[i].kick_fd);
         close(e->pollers[i].epfd);
         pthread_mutex_destroy(&e->pollers[i].qmu);
+        free(e->pollers[i].stash);
     }
     if (e->nl_fd >= 0) close(e->nl_fd);
     free(e->ring);
@@ -2633,6 +2743,21 @@ uint64_t aio_mr_remote_base(aio_mr *m, int rail) {
     return (rail >= 0 && rail < m->nrails) ? m->base[rail] : 0;
 }
 int64_t aio_mr_inflight(aio_mr *m) { return atomic_load(&m->inflight); }
+
+/* A region whose unregister gave up (RegionBusy) stays fully usable: aio_mr_close cleared its
+ * slot's key at its first attempt (new direct copies refused, so that the copies in flight
+ * drain); this publishes the key again, as direct_publish did. Copies refused meanwhile failed
+ * at their initiator (RemoteAccessError), as they would have had the region been retired. */
+int aio_mr_reopen(aio_engine *e, aio_mr *m) {
+    if (m->direct_slot < 0) return 0;
+    int first = -1;
+    for (int i = 0; i < m->nrails && first < 0; i++)
+        if (e->rails[i]->is_shm) first = i;
+    if (first < 0) return -FI_EINVAL;
+    direct_slot *s = &e->dtab->slots[m->direct_slot];
+    atomic_store(&s->key, m->key[first]); /* base, len, access are unchanged since publish */
+    return 0;
+}
 
 int aio_mr_close(aio_engine *e, aio_mr *m) {
     if (atomic_load(&m->inflight) > 0) return -FI_EBUSY;
