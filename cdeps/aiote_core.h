@@ -191,6 +191,9 @@ int64_t aio_mr_inflight(aio_mr *mr);
  * is copying into or out of it directly (a microsecond-to-millisecond wait: call again; from
  * the first such call on, new direct copies into the region are refused). */
 int aio_mr_close(aio_engine *e, aio_mr *mr);
+/* After aio_mr_close said -EBUSY and the caller gives up: direct copies into and out of the
+ * region are admitted again (the region stays registered and fully usable). 0. */
+int aio_mr_reopen(aio_engine *e, aio_mr *mr);
 
 /* Direct same-host copies.
  *
