@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -185,6 +186,12 @@ typedef struct aio_rail {
     int by_addr;          /* a tcp rail bound to an interface's address */
     int is_shm;           /* the shm provider: regions get a direct-copy slot */
     int is_tcp;           /* the tcp provider: its sockets' send buffers are set (tcp_tune) */
+    /* shm wake-ups (see "Owned shm names and wake-ups"): ours, and our peers' (per fi_addr) */
+    int wake_fd;                   /* our endpoint's fifo (read end), -1: none */
+    _Atomic uint32_t *wake_word;   /* our endpoint's "the poller sleeps" word, shared */
+    char shm_name[64];             /* our endpoint's name (its files' prefix in /dev/shm) */
+    struct shm_wpeer *wpeers;      /* per fi_addr (< wcap): how to wake that peer */
+    uint32_t wcap;
     uint8_t *tune_tries;  /* per fi_addr (< tune_cap): scans made for it, TUNE_TRIES when done */
     uint32_t tune_cap;
     size_t iov_limit;     /* local iovecs per RMA request */
@@ -1394,6 +1401,8 @@ static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int
 
 static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op);
 static void posted_to(aio_engine *e, aio_rail *r, uint64_t peer);
+static void shm_wake(aio_rail *r, uint64_t fa);
+static void shm_own_release(aio_rail *r);
 
 /* Puts ops back at the head of poller q's queue, in order (their rail's queue was full). */
 static void direct_requeue(aio_poller *q, aio_op *list) {
@@ -1470,6 +1479,7 @@ static int direct_run(aio_poller *q) {
             ssize_t ret = op->dpost ? post_one(r, d, op)
                                     : fi_writedata(r->ep, (char *)m->buf + d->offset, 0, m->desc[op->rail],
                                                    d->data, d->peer, d->raddr, d->rkey, &op->ctx);
+            if (!op->dpost && r->is_shm) shm_wake(r, d->peer);
             if (ret == -FI_EAGAIN && op->dpost) {
                 /* a handed-over request the provider refuses: room comes as the rail's requests
                  * complete, unless its connection failed meanwhile (no deferral to that peer
@@ -1765,8 +1775,10 @@ static void *poller_main(void *arg) {
     int64_t io_checked = 0;
     uint64_t seen_seq = atomic_load(&q->post_seq);
     int all_fd = 1, any_fd = 0; /* any_fd: some rail's wait fd signals bytes arriving */
+    int woken = 1; /* every rail has a wait fd, or is an shm rail its peers wake (shm_wake) */
     for (int i = 0; i < q->nrails; i++) {
         if (q->rails[i]->wait_fd < 0) all_fd = 0;
+        if (q->rails[i]->wait_fd < 0 && q->rails[i]->wake_fd < 0) woken = 0;
         if (q->rails[i]->bytes_fd) any_fd = 1;
     }
     tl_poller = q;
@@ -1850,30 +1862,65 @@ static void *poller_main(void *arg) {
             if (tw == -FI_EAGAIN) can_sleep = 0;
             else if (tw != FI_SUCCESS) fd_broken = 1;
         }
+        /* shm rails whose peers wake us: nothing of ours in flight, so what can come is a peer's
+         * request, and the peer wakes us (shm_wake). Say that we sleep, then look once more. */
+        int wake_sleep = can_sleep && !all_fd && woken && inflight == 0 && !fd_broken;
+        if (wake_sleep) {
+            for (int i = 0; i < q->nrails; i++)
+                if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 1);
+            atomic_thread_fence(memory_order_seq_cst);
+            int more = 0;
+            for (int i = 0; i < q->nrails; i++) {
+                aio_rail *r = q->rails[i];
+                if (!r->wake_word) continue;
+                pthread_mutex_lock(&r->mu);
+                more += progress_locked(e, r);
+                pthread_mutex_unlock(&r->mu);
+            }
+            if (more || atomic_load(&q->post_seq) != seen_seq) {
+                for (int i = 0; i < q->nrails; i++)
+                    if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 0);
+                atomic_store(&q->sleeping, 0);
+                io_wake = 1; /* activity: the top of the loop counts it */
+                continue;
+            }
+        }
         if (can_sleep) {
-            struct epoll_event evs[AIO_MAX_RAILS + 2]; /* rails, kick, netlink */
+            struct epoll_event evs[AIO_MAX_RAILS * 2 + 2]; /* rails' wait and wake fds, kick, netlink */
             int timeout = e->cfg.sleep_ms;
             /* a rail without a wait object, or work of ours in flight on a
              * manual-progress provider: sleep in short steps */
             if (inflight > 0 || fd_broken) timeout = 1;
-            else if (!all_fd) /* no wait object: short steps, longer once idle a while */
+            else if (!all_fd && !wake_sleep) /* no wait object: short steps, longer once idle a while */
                 timeout = (now_ns() - last_active > 200000000LL) ? 5 : 1;
             atomic_fetch_add_explicit(&e->st_sleeps, 1, memory_order_relaxed);
             int ne;
-            /* a rail without a wait object (shm) tells nobody that an immediate arrived: while
-             * a task awaits one, poll it every 50 us rather than every millisecond */
-            long short_us = (!all_fd && atomic_load(&e->nwant) > 0) ? 50 : 0;
+            /* a rail without a wait object (shm) that no peer wakes, or a completion of ours to
+             * come on one, tells nobody that it arrived: while a task awaits one, poll it every
+             * 50 us rather than every millisecond */
+            long short_us = (!all_fd && !wake_sleep && atomic_load(&e->nwant) > 0) ? 50 : 0;
             if (watcher && atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
                 short_us = e->cfg.watch_us; /* watched words: read them again soon */
             slept = 1;
             if (short_us) {
                 struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};
-                ne = epoll_pwait2(q->epfd, evs, AIO_MAX_RAILS + 2, &ts, NULL);
+                ne = epoll_pwait2(q->epfd, evs, AIO_MAX_RAILS * 2 + 2, &ts, NULL);
             } else {
-                ne = epoll_wait(q->epfd, evs, AIO_MAX_RAILS + 2, timeout);
+                ne = epoll_wait(q->epfd, evs, AIO_MAX_RAILS * 2 + 2, timeout);
             }
+            if (wake_sleep)
+                for (int i = 0; i < q->nrails; i++)
+                    if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 0);
             for (int k = 0; k < ne; k++) {
-                if (evs[k].data.fd == q->kick_fd) {
+                int wk = -1;
+                for (int i = 0; i < q->nrails && wk < 0; i++)
+                    if (q->rails[i]->wake_fd >= 0 && evs[k].data.fd == q->rails[i]->wake_fd) wk = i;
+                if (wk >= 0) { /* a peer woke us: its request is in our queue */
+                    char buf[256];
+                    while (read(q->rails[wk]->wake_fd, buf, sizeof(buf)) > 0) {
+                    }
+                    io_wake = 1;
+                } else if (evs[k].data.fd == q->kick_fd) {
                     uint64_t v;
                     ssize_t rr = read(q->kick_fd, &v, sizeof(v));
                     (void)rr;
@@ -2290,33 +2337,269 @@ static void rail_free(aio_rail *r) {
     free(r->send_buf);
     free(r->send_free);
     free(r->tune_tries);
+    shm_own_release(r); /* after the endpoint's own file is gone (fi_close above) */
     pthread_mutex_destroy(&r->mu);
     pthread_mutex_destroy(&r->pool_mu);
     free(r);
 }
 
-/* libfabric's shm provider names its region /dev/shm/<pid>:<n>:<m> and leaves it behind when
- * a process is killed; a later process that gets the same pid then fails to open its
- * endpoint (EBUSY). Before this process's first shm endpoint: remove the regions of its own
- * pid (all stale: it has created none yet) and of processes that no longer exist. */
+/* ------------------------------------------------------------------ owned shm names and wake-ups
+ *
+ * Theory of operation. libfabric's shm provider keeps an endpoint's queues in a file in
+ * /dev/shm named after the endpoint, and leaves it behind when its process is killed. By
+ * default it names it <pid>:<uid>:<n>: a name that says neither whose it is nor, once another
+ * PID namespace shares /dev/shm, whether its process lives. So aiote names its endpoints itself
+ * (fi_setname, before fi_enable): aiote-<token>-<n>, where <token> is 64 random bits drawn once
+ * per process (again in a forked child) and <n> counts the process's endpoints. Before the first
+ * of them it creates /dev/shm/aiote-<token>.lock (O_EXCL) and holds an exclusive flock on it for
+ * the rest of its life; the kernel drops the lock when the process dies, whatever its PID
+ * namespace. Every file aiote (or libfabric on its behalf) creates for the endpoint starts with
+ * aiote-<token>-: the endpoint's queues, the mmap-protocol files libfabric adds after the name,
+ * and our wake-up word (.w) and fifo (.p).
+ *
+ * Sweeping (shm_sweep_stale, once per process, before its first shm endpoint) removes only
+ * those: for each aiote-<token>.lock whose lock it can take at once (no living process holds
+ * it, in any namespace), still the same file after the lock is taken, it removes every
+ * aiote-<token>-* and then the lock file, holding the lock throughout. A creator that lost the
+ * race (its new lock file was swept before it locked it) sees st_nlink == 0 after locking and
+ * draws another token. Files aiote did not name (another program's <pid>:..., an old aiote's)
+ * are never touched, nor are a living process's, whatever its pid.
+ *
+ * Wake-ups. The shm provider has no wait object: nothing tells a sleeping poller that a peer
+ * put a message or an immediate in its queue, so an idle engine used to poll its shm rail every
+ * 50 us to 1 ms. Each aiote shm endpoint has a word in a small shared file (aiote-...-<n>.w,
+ * nonzero while its poller sleeps) and a fifo (aiote-...-<n>.p) in its poller's epoll set. After
+ * every request it hands to the shm provider (taken or refused with -FI_EAGAIN, which may be a
+ * connection request the target must answer), an aiote sender reads the target's word and, if
+ * it is set, writes a byte into its fifo (shm_wake; the target's files are opened once per
+ * address). A poller about to sleep sets its word, then reads its CQ once more: the sender's
+ * queue write, fence, word read and the sleeper's word write, fence, queue read cannot both
+ * miss each other. With every rail woken this way or by its own wait fd, and nothing of its own
+ * in flight (a completion of our request needs no sender to wake us: then it keeps the short
+ * steps), the poller sleeps for sleep_ms (100 ms by default); a peer that is not aiote (no word
+ * to read) is served at that pace. */
+#define OWN_PREFIX "aiote-"
+#define WAKE_MAX_ADDR (1u << 20)
+typedef struct shm_wpeer {
+    int state; /* 0: not looked up, 1: fd and word valid, -1: cannot be woken (not aiote's) */
+    int fd;
+    _Atomic uint32_t *word;
+} shm_wpeer;
+
+static pthread_mutex_t own_mu = PTHREAD_MUTEX_INITIALIZER;
+static pid_t own_pid;
+static char own_token[17];
+static int own_lockfd = -1;
+static uint32_t own_next;
+static int own_live; /* endpoints named with the token: at 0 the lock file goes */
+
+/* This process's token and held lock file (caller holds own_mu): 0, or -1 with errno. */
+static int own_init_locked(void) {
+    if (own_lockfd >= 0 && own_pid == getpid()) return 0;
+    if (own_lockfd >= 0) { /* a forked child: the lock is its parent's (closing keeps it there) */
+        close(own_lockfd);
+        own_lockfd = -1;
+    }
+    for (int tries = 0; tries < 16; tries++) {
+        uint64_t v = 0;
+        if (getrandom(&v, sizeof(v), 0) != sizeof(v)) v = (uint64_t)now_ns() * 0x9E3779B97F4A7C15ULL ^ (uint64_t)getpid();
+        snprintf(own_token, sizeof(own_token), "%016llx", (unsigned long long)v);
+        char path[96];
+        snprintf(path, sizeof(path), "/dev/shm/" OWN_PREFIX "%s.lock", own_token);
+        int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+        if (fd < 0) {
+            if (errno == EEXIST) continue;
+            return -1;
+        }
+        struct stat st;
+        if (flock(fd, LOCK_EX) != 0 || fstat(fd, &st) != 0 || st.st_nlink == 0) {
+            close(fd); /* swept before we locked it: another token */
+            continue;
+        }
+        own_lockfd = fd;
+        own_pid = getpid();
+        own_next = 0;
+        return 0;
+    }
+    errno = EEXIST;
+    return -1;
+}
+
+/* Removes the files of aiote processes that are gone (see above). Once per process. */
 static void shm_sweep_stale(void) {
     static atomic_int done;
     if (atomic_exchange(&done, 1)) return;
+    enum { MAX_DEAD = 256 };
+    char dead[MAX_DEAD][17];
+    int dead_fd[MAX_DEAD], ndead = 0;
+    pthread_mutex_lock(&own_mu);
+    char mine[17];
+    snprintf(mine, sizeof(mine), "%s", own_lockfd >= 0 && own_pid == getpid() ? own_token : "");
+    pthread_mutex_unlock(&own_mu);
     DIR *d = opendir("/dev/shm");
     if (!d) return;
-    pid_t me = getpid();
     struct dirent *ent;
-    while ((ent = readdir(d)) != NULL) {
-        char *end = NULL;
-        long pid = strtol(ent->d_name, &end, 10);
-        if (end == ent->d_name || *end != ':' || pid <= 0) continue;
-        int mine = pid == (long)me;
-        if (!mine && pid_alive((int32_t)pid)) continue;
+    const size_t pl = strlen(OWN_PREFIX);
+    while ((ent = readdir(d)) != NULL && ndead < MAX_DEAD) {
+        const char *nm = ent->d_name;
+        if (strncmp(nm, OWN_PREFIX, pl) || strlen(nm) != pl + 16 + 5 || strcmp(nm + pl + 16, ".lock"))
+            continue;
+        if (!strncmp(nm + pl, mine, 16)) continue;
         char path[300];
-        snprintf(path, sizeof(path), "/dev/shm/%s", ent->d_name);
-        unlink(path);
+        snprintf(path, sizeof(path), "/dev/shm/%s", nm);
+        int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+        if (fd < 0) continue;
+        struct stat a, b;
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fstat(fd, &a) != 0 || !S_ISREG(a.st_mode) ||
+            stat(path, &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev) {
+            close(fd); /* held: its process lives (in whatever PID namespace); or replaced */
+            continue;
+        }
+        memcpy(dead[ndead], nm + pl, 16);
+        dead[ndead][16] = 0;
+        dead_fd[ndead++] = fd;
+    }
+    if (ndead) {
+        rewinddir(d);
+        while ((ent = readdir(d)) != NULL) {
+            const char *nm = ent->d_name;
+            if (strncmp(nm, OWN_PREFIX, pl) || strlen(nm) < pl + 17 || nm[pl + 16] != '-') continue;
+            for (int i = 0; i < ndead; i++) {
+                if (strncmp(nm + pl, dead[i], 16)) continue;
+                char path[300];
+                snprintf(path, sizeof(path), "/dev/shm/%s", nm);
+                unlink(path);
+                break;
+            }
+        }
+        for (int i = 0; i < ndead; i++) {
+            char path[96];
+            snprintf(path, sizeof(path), "/dev/shm/" OWN_PREFIX "%.16s.lock", dead[i]);
+            unlink(path); /* still holding its lock: a creator that raced us sees nlink 0 */
+            close(dead_fd[i]);
+        }
     }
     closedir(d);
+}
+
+/* Names a new shm endpoint (before fi_enable) and creates its wake word and fifo. 0, or a
+ * negative error (nothing left behind). */
+static int shm_own_endpoint(aio_rail *r) {
+    pthread_mutex_lock(&own_mu);
+    int rc = own_init_locked();
+    if (!rc) own_live++;
+    uint32_t n = own_next++;
+    char tok[17];
+    snprintf(tok, sizeof(tok), "%s", own_token);
+    pthread_mutex_unlock(&own_mu);
+    if (rc) return -FI_EIO;
+    snprintf(r->shm_name, sizeof(r->shm_name), OWN_PREFIX "%s-%u", tok, n);
+    int ret = fi_setname(&r->ep->fid, r->shm_name, strlen(r->shm_name) + 1);
+    if (ret) return ret;
+    char path[96];
+    snprintf(path, sizeof(path), "/dev/shm/%s.w", r->shm_name);
+    int wfd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (wfd < 0) return -errno;
+    void *w = MAP_FAILED;
+    if (ftruncate(wfd, 4096) == 0) w = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, wfd, 0);
+    close(wfd);
+    if (w == MAP_FAILED) {
+        unlink(path);
+        return -FI_ENOMEM;
+    }
+    r->wake_word = w;
+    snprintf(path, sizeof(path), "/dev/shm/%s.p", r->shm_name);
+    if (mkfifo(path, 0600) == 0) r->wake_fd = open(path, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    if (r->wake_fd < 0) { /* no fifo: the rail is polled in short steps, as without names */
+        unlink(path);
+        munmap(r->wake_word, 4096);
+        r->wake_word = NULL;
+    }
+    return 0;
+}
+
+static void shm_wpeer_forget(shm_wpeer *w) {
+    if (w->state == 1) {
+        close(w->fd);
+        munmap((void *)w->word, 4096);
+    }
+    memset(w, 0, sizeof(*w));
+}
+
+/* Our own endpoint's and our peers' wake-up objects, at rail_free. */
+static void shm_own_release(aio_rail *r) {
+    for (uint32_t i = 0; i < r->wcap; i++) shm_wpeer_forget(&r->wpeers[i]);
+    free(r->wpeers);
+    r->wpeers = NULL;
+    r->wcap = 0;
+    char path[96];
+    if (r->wake_word) {
+        munmap((void *)r->wake_word, 4096);
+        snprintf(path, sizeof(path), "/dev/shm/%s.w", r->shm_name);
+        unlink(path);
+    }
+    if (r->wake_fd >= 0) {
+        close(r->wake_fd);
+        snprintf(path, sizeof(path), "/dev/shm/%s.p", r->shm_name);
+        unlink(path);
+    }
+    if (!r->shm_name[0]) return;
+    pthread_mutex_lock(&own_mu);
+    if (own_pid == getpid() && own_lockfd >= 0 && --own_live == 0) {
+        /* the process's last endpoint: its lock file goes (a later one draws a new token) */
+        snprintf(path, sizeof(path), "/dev/shm/" OWN_PREFIX "%.16s.lock", own_token);
+        unlink(path);
+        close(own_lockfd);
+        own_lockfd = -1;
+    }
+    pthread_mutex_unlock(&own_mu);
+}
+
+/* After a request to `fa` went to (or was refused by) an shm rail's provider: wake the target's
+ * poller if it sleeps. Caller holds r->mu. */
+static void shm_wake(aio_rail *r, uint64_t fa) {
+    if (!r->is_shm || fa >= WAKE_MAX_ADDR) return;
+    if (fa >= r->wcap) {
+        uint32_t cap = r->wcap ? r->wcap : 64;
+        while (cap <= fa) cap *= 2;
+        shm_wpeer *t = realloc(r->wpeers, cap * sizeof(*t));
+        if (!t) return;
+        memset(t + r->wcap, 0, (cap - r->wcap) * sizeof(*t));
+        r->wpeers = t, r->wcap = cap;
+    }
+    shm_wpeer *w = &r->wpeers[fa];
+    if (w->state == 0) {
+        w->state = -1;
+        char name[256] = {0};
+        size_t l = sizeof(name) - 1;
+        if (fi_av_lookup(r->av, fa, name, &l) == 0 && l < sizeof(name) &&
+            !strncmp(name, OWN_PREFIX, strlen(OWN_PREFIX)) && !strchr(name, '/')) {
+            char path[300];
+            snprintf(path, sizeof(path), "/dev/shm/%s.w", name);
+            int wfd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+            void *m = MAP_FAILED;
+            if (wfd >= 0) {
+                m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, wfd, 0);
+                close(wfd);
+            }
+            snprintf(path, sizeof(path), "/dev/shm/%s.p", name);
+            int pfd = m != MAP_FAILED ? open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC) : -1;
+            if (pfd >= 0) {
+                w->fd = pfd;
+                w->word = m;
+                w->state = 1;
+            } else if (m != MAP_FAILED) {
+                munmap(m, 4096);
+            }
+        }
+    }
+    if (w->state != 1) return;
+    atomic_thread_fence(memory_order_seq_cst); /* our queue write, then their word: see above */
+    if (atomic_load_explicit(w->word, memory_order_relaxed)) {
+        char c = 0;
+        ssize_t n = write(w->fd, &c, 1); /* a full fifo already wakes it */
+        (void)n;
+    }
 }
 
 int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, uint32_t recv_slots,
@@ -2346,6 +2629,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     pthread_mutex_init(&r->pool_mu, NULL);
     r->index = e->nrails;
     r->wait_fd = -1;
+    r->wake_fd = -1;
     char node[INET6_ADDRSTRLEN + 1] = {0};
     int by_addr = strncmp(map_provider(provider), "tcp", 3) == 0 && nic_address(nic, node, sizeof(node));
     if (by_addr) { /* an interface: watch its link */
@@ -2472,6 +2756,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     CHECK(fi_endpoint(r->domain, fi, &r->ep, NULL), "fi_endpoint");
     CHECK(fi_ep_bind(r->ep, &r->av->fid, 0), "fi_ep_bind(av)");
     CHECK(fi_ep_bind(r->ep, &r->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    if (r->is_shm) CHECK(shm_own_endpoint(r), "naming the shm endpoint");
     CHECK(fi_enable(r->ep), "fi_enable");
     r->addr_len = sizeof(r->addr);
     CHECK(fi_getname(&r->ep->fid, r->addr, &r->addr_len), "fi_getname");
@@ -2520,6 +2805,13 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
         if (epoll_ctl(q->epfd, EPOLL_CTL_ADD, r->wait_fd, &ev) != 0) {
             r->wait_fd = -1;
             r->bytes_fd = 0;
+        }
+    }
+    if (r->wake_fd >= 0) { /* peers wake us through it (see "Owned shm names and wake-ups") */
+        struct epoll_event ev = {.events = EPOLLIN, .data.fd = r->wake_fd};
+        if (epoll_ctl(q->epfd, EPOLL_CTL_ADD, r->wake_fd, &ev) != 0) {
+            close(r->wake_fd);
+            r->wake_fd = -1;
         }
     }
     r->poller = qi;
@@ -2649,6 +2941,7 @@ int aio_av_insert(aio_engine *e, int rail, const void *addr, size_t len, uint64_
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
     pthread_mutex_lock(&r->mu);
     int ret = fi_av_insert(r->av, addr, 1, &fa, 0, NULL);
+    if (ret == 1 && fa < r->wcap) shm_wpeer_forget(&r->wpeers[fa]); /* a reused address */
     pthread_mutex_unlock(&r->mu);
     if (ret != 1) return ret < 0 ? ret : -FI_EINVAL;
     *fi_addr = fa;
@@ -2661,6 +2954,7 @@ int aio_av_remove(aio_engine *e, int rail, uint64_t fi_addr) {
     fi_addr_t fa = fi_addr;
     pthread_mutex_lock(&r->mu);
     int ret = fi_av_remove(r->av, &fa, 1, 0);
+    if (fa < r->wcap) shm_wpeer_forget(&r->wpeers[fa]);
     pthread_mutex_unlock(&r->mu);
     return ret;
 }
@@ -2798,19 +3092,25 @@ static ssize_t post_gather(aio_rail *r, const aio_op_desc *it, const uint64_t *g
                              .rma_iov = &rma, .rma_iov_count = 1, .context = &op->ctx,
                              .data = it->data};
     uint64_t flags = r->tx_op_flags | ((it->flags & AIO_F_DATA) ? FI_REMOTE_CQ_DATA : 0);
-    return fi_writemsg(r->ep, &msg, flags);
+    ssize_t ret = fi_writemsg(r->ep, &msg, flags);
+    if (r->is_shm) shm_wake(r, it->peer);
+    return ret;
 }
 
 static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op) {
     aio_mr *m = it->mr;
     void *buf = (char *)m->buf + it->offset;
     void *desc = m->desc[it->rail];
+    ssize_t ret;
     if (it->op == AIO_OP_READ)
-        return fi_read(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
-    if (it->flags & AIO_F_DATA)
-        return fi_writedata(r->ep, buf, it->length, desc, it->data, it->peer, it->raddr, it->rkey,
-                            &op->ctx);
-    return fi_write(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+        ret = fi_read(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+    else if (it->flags & AIO_F_DATA)
+        ret = fi_writedata(r->ep, buf, it->length, desc, it->data, it->peer, it->raddr, it->rkey,
+                           &op->ctx);
+    else
+        ret = fi_write(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+    if (r->is_shm) shm_wake(r, it->peer);
+    return ret;
 }
 
 /* While a post waits for room (queue full): drives the rail once. 0 when the caller should
@@ -3134,6 +3434,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     ssize_t ret;
     for (;;) {
         ret = fi_send(r->ep, sbuf, len, r->send_desc, peer, &op->ctx);
+        if (r->is_shm) shm_wake(r, peer);
         if (ret != -FI_EAGAIN) break;
         progress_locked(e, r);
         if (now_ns() >= deadline) break;
