@@ -2256,14 +2256,71 @@ static int sa_loopback(const struct sockaddr *a) {
     return 0;
 }
 
-/* Sets e->sndbuf on the rail's sockets (see aio_engine_set_tcp_sndbuf): those whose local
- * address is the rail's listening address (the listener and the connections it accepted), and
- * the connection to `peer` (its remote address is the peer's listening address); same-host
- * ones only unless sndbuf_all. Walks /proc/self/fd: a few system calls per open descriptor.
- * Returns 1 when it saw the connection to `peer`. */
+/* Which sockets are the rail's own. libfabric does not hand out its sockets, and addresses do
+ * not tell them apart from the application's (a socket of the application connected to the
+ * same peer port looks alike). But libfabric's tcp provider watches every socket of the rail
+ * (its listener, the connections it made and accepted) in epoll sets that its CQ's wait object
+ * (FI_GETWAIT: an epoll fd) holds, directly or through nested epoll sets. The kernel lists an
+ * epoll set's members in /proc/self/fdinfo/<epfd> ("tfd: <fd> ... ino:<hex>"), with the inode
+ * of the file registered, which tells a reused descriptor number apart. So the rail's sockets
+ * are the inodes reached from its wait fd, and only those are ever tuned (tcp_tune). Fills
+ * `ino` (at most `max`), returns how many; 0 when the rail has no epoll wait object. */
+#define RAIL_SOCKS_MAX 4096
+static int rail_sockets(aio_rail *r, uint64_t *ino, int max) {
+    if (r->wait_fd < 0) return 0;
+    enum { MAX_EP = 64 };
+    int ep[MAX_EP], nep = 0, n = 0;
+    ep[nep++] = r->wait_fd;
+    for (int k = 0; k < nep; k++) {
+        char path[64], link[64];
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", ep[k]);
+        ssize_t ll = readlink(path, link, sizeof(link) - 1);
+        if (ll <= 0) continue;
+        link[ll] = 0;
+        if (strcmp(link, "anon_inode:[eventpoll]")) continue;
+        snprintf(path, sizeof(path), "/proc/self/fdinfo/%d", ep[k]);
+        FILE *f = fopen(path, "re");
+        if (!f) continue;
+        char line[256];
+        while (fgets(line, sizeof(line), f)) {
+            int tfd;
+            if (sscanf(line, "tfd: %d", &tfd) != 1) continue;
+            const char *ip = strstr(line, "ino:");
+            unsigned long long want = ip ? strtoull(ip + 4, NULL, 16) : 0;
+            snprintf(path, sizeof(path), "/proc/self/fd/%d", tfd);
+            ll = readlink(path, link, sizeof(link) - 1);
+            if (ll <= 0) continue;
+            link[ll] = 0;
+            if (!strcmp(link, "anon_inode:[eventpoll]")) {
+                int seen = 0;
+                for (int j = 0; j < nep; j++) seen |= ep[j] == tfd;
+                if (!seen && nep < MAX_EP) ep[nep++] = tfd;
+                continue;
+            }
+            unsigned long long si;
+            if (sscanf(link, "socket:[%llu]", &si) != 1 || !want || si != want) continue;
+            if (n < max) ino[n++] = si;
+        }
+        fclose(f);
+    }
+    return n;
+}
+
+/* Sets e->sndbuf on the rail's sockets (see aio_engine_set_tcp_sndbuf): among those that are
+ * the rail's own (rail_sockets: never a socket of the application's, whatever its addresses),
+ * those whose local address is the rail's listening address (the listener and the connections
+ * it accepted), and the connection to `peer` (its remote address is the peer's listening
+ * address); same-host ones only unless sndbuf_all. Walks /proc/self/fd: a few system calls per
+ * open descriptor. Returns 1 when it saw the connection to `peer`. */
 static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
-    DIR *d = opendir("/proc/self/fd");
-    if (!d) return 0;
+    uint64_t *own = malloc(RAIL_SOCKS_MAX * sizeof(uint64_t));
+    if (!own) return 0;
+    int nown = rail_sockets(r, own, RAIL_SOCKS_MAX);
+    DIR *d = nown ? opendir("/proc/self/fd") : NULL;
+    if (!d) {
+        free(own);
+        return 0;
+    }
     struct sockaddr_storage mine_ss;
     memset(&mine_ss, 0, sizeof(mine_ss));
     memcpy(&mine_ss, r->addr, r->addr_len < sizeof(mine_ss) ? r->addr_len : sizeof(mine_ss));
@@ -2275,6 +2332,11 @@ static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
         int fd = atoi(de->d_name), v = 0;
         socklen_t l = sizeof(v);
         if (fd == dirfd(d) || getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &v, &l) || v != IPPROTO_TCP) continue;
+        struct stat st;
+        int owned = 0;
+        if (fstat(fd, &st) == 0)
+            for (int k = 0; k < nown && !owned; k++) owned = own[k] == (uint64_t)st.st_ino;
+        if (!owned) continue; /* not the rail's: the application's, or another library's */
         struct sockaddr_storage loc, rem;
         socklen_t ll = sizeof(loc), rl = sizeof(rem);
         if (getsockname(fd, (struct sockaddr *)&loc, &ll)) continue;
@@ -2297,6 +2359,7 @@ static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
         if (!getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &l)) atomic_store(&e->sndbuf_got, v);
     }
     closedir(d);
+    free(own);
     return found;
 }
 
