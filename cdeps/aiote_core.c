@@ -65,6 +65,12 @@
 #ifndef ADAPT_SPARSE_NS
 #define ADAPT_SPARSE_NS 250000LL
 #endif
+/* A poller relies on wake-ups only once idle this long: until then it keeps its short timed
+ * steps (50 us while a task awaits something), which on a VM answer a ping-pong faster than a
+ * wake-up from another process (an interrupt to a sleeping CPU: aiote's imm-latency p50 went
+ * from 23 to 66 us with wake-ups alone; see "Owned shm
+ * names and wake-ups"). Idle means idle after this. */
+#define WAKE_IDLE_NS 200000000LL
 /* a post waiting for room stops driving the rail itself after this long without a completion */
 #define POST_IDLE_NS 20000LL
 /* Requests handed to the poller (post_item_g): only to peers whose address is below DEFER_PEERS
@@ -1864,7 +1870,8 @@ static void *poller_main(void *arg) {
         }
         /* shm rails whose peers wake us: nothing of ours in flight, so what can come is a peer's
          * request, and the peer wakes us (shm_wake). Say that we sleep, then look once more. */
-        int wake_sleep = can_sleep && !all_fd && woken && inflight == 0 && !fd_broken;
+        int wake_sleep = can_sleep && !all_fd && woken && inflight == 0 && !fd_broken &&
+                         now_ns() - last_active > WAKE_IDLE_NS;
         if (wake_sleep) {
             for (int i = 0; i < q->nrails; i++)
                 if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 1);
@@ -2439,8 +2446,8 @@ static void rail_free(aio_rail *r) {
  * queue write, fence, word read and the sleeper's word write, fence, queue read cannot both
  * miss each other. With every rail woken this way or by its own wait fd, and nothing of its own
  * in flight (a completion of our request needs no sender to wake us: then it keeps the short
- * steps), the poller sleeps for sleep_ms (100 ms by default); a peer that is not aiote (no word
- * to read) is served at that pace. */
+ * steps), and idle for WAKE_IDLE_NS, the poller sleeps for sleep_ms (100 ms by default); a peer
+ * that is not aiote (no word to read) is then served at that pace. */
 #define OWN_PREFIX "aiote-"
 #define WAKE_MAX_ADDR (1u << 20)
 typedef struct shm_wpeer {
