@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -64,6 +65,12 @@
 #ifndef ADAPT_SPARSE_NS
 #define ADAPT_SPARSE_NS 250000LL
 #endif
+/* A poller relies on wake-ups only once idle this long: until then it keeps its short timed
+ * steps (50 us while a task awaits something), which on a VM answer a ping-pong faster than a
+ * wake-up from another process (an interrupt to a sleeping CPU: aiote's imm-latency p50 went
+ * from 23 to 66 us with wake-ups alone; see "Owned shm
+ * names and wake-ups"). Idle means idle after this. */
+#define WAKE_IDLE_NS 200000000LL
 /* a post waiting for room stops driving the rail itself after this long without a completion */
 #define POST_IDLE_NS 20000LL
 /* Requests handed to the poller (post_item_g): only to peers whose address is below DEFER_PEERS
@@ -186,6 +193,12 @@ typedef struct aio_rail {
     int by_addr;          /* a tcp rail bound to an interface's address */
     int is_shm;           /* the shm provider: regions get a direct-copy slot */
     int is_tcp;           /* the tcp provider: its sockets' send buffers are set (tcp_tune) */
+    /* shm wake-ups (see "Owned shm names and wake-ups"): ours, and our peers' (per fi_addr) */
+    int wake_fd;                   /* our endpoint's fifo (read end), -1: none */
+    _Atomic uint32_t *wake_word;   /* our endpoint's "the poller sleeps" word, shared */
+    char shm_name[64];             /* our endpoint's name (its files' prefix in /dev/shm) */
+    struct shm_wpeer *wpeers;      /* per fi_addr (< wcap): how to wake that peer */
+    uint32_t wcap;
     uint8_t *tune_tries;  /* per fi_addr (< tune_cap): scans made for it, TUNE_TRIES when done */
     uint32_t tune_cap;
     size_t iov_limit;     /* local iovecs per RMA request */
@@ -242,7 +255,28 @@ typedef struct watch_slot {
 typedef struct overflow_node {
     aio_record rec;
     struct overflow_node *next;
+    int reserve; /* from the engine's reserve block (ovf_block): goes back there, not to free() */
 } overflow_node;
+
+/* Records are never dropped for want of memory (ring_put). When the ring is full they queue
+ * behind it on the overflow list, in nodes from malloc; when malloc fails:
+ *   - a poller thread keeps the record in its own stash (RING_STASH records, allocated with the
+ *     poller) and stops producing: while its stash is not empty it neither reads its rails'
+ *     CQs nor makes copies, holding no lock, and moves the stash into the ring as the loop
+ *     drains it (backpressure: completions wait in the provider, nothing is lost);
+ *   - any other thread (the loop's posts, aio_want_space, aio_counter_add: a few records per
+ *     call, and it may be the very thread that drains the ring, so it must not wait) takes a
+ *     node from the engine's reserve (RING_RESERVE nodes, allocated with the engine), which
+ *     the drain gives back.
+ * While the ring is full, threads other than pollers read no completions (progress_locked):
+ * their own records are a few per call. Only such a thread producing more than RING_RESERVE
+ * records while the ring is full and malloc fails would lose one; it is counted (st_lost) and
+ * logged to stderr. */
+#define RING_RESERVE 1024
+#define RING_STASH 1024
+#ifdef AIO_TEST_HOOKS
+_Atomic int aio_test_ovf_malloc_fail; /* tests: the overflow list's malloc fails */
+#endif
 
 /* One poller thread and what it drives: its rails (rail i goes to poller i % npollers), the
  * queue of requests handed to it for those rails, and its sleep (an epoll set of its rails' wait
@@ -264,6 +298,8 @@ typedef struct aio_poller {
     aio_op *dq_head, *dq_tail;  /* handed-over requests (and, on poller 0, direct copies), in order */
     _Atomic int32_t dq_pending;
     uint64_t drun;              /* direct_run passes (poller 0's tell direct_copy its pass) */
+    aio_record *stash;          /* records the ring could not take (see RING_STASH); poller only */
+    int nstash;
 } aio_poller;
 
 struct aio_engine {
@@ -279,6 +315,8 @@ struct aio_engine {
     _Atomic uint64_t ring_tail;
     overflow_node *ovf_head, *ovf_tail;
     _Atomic uint64_t ovf_count;
+    overflow_node *ovf_block, *ovf_free; /* the reserve (RING_RESERVE nodes) and its free list */
+    _Atomic uint64_t st_lost;
     _Atomic int armed;
     int efd;
 
@@ -382,25 +420,80 @@ uint32_t aio_fabric_version(void) { return fi_version(); }
 
 /* ------------------------------------------------------------------ ring */
 
-static void ring_put(aio_engine *e, const aio_record *r, int quiet) {
-    pthread_mutex_lock(&e->ring_mu);
+/* the poller this thread is (poller_main sets it): ring_put's stash */
+static __thread struct aio_poller *tl_poller;
+
+/* Places a record in the ring or behind it. Caller holds ring_mu. 0: no room and no memory
+ * (only when `may_stash`, a poller that keeps it; other callers take a reserve node). */
+static int ring_place_locked(aio_engine *e, const aio_record *r, int may_stash) {
     uint64_t tail = atomic_load_explicit(&e->ring_tail, memory_order_relaxed);
     uint64_t head = atomic_load_explicit(&e->ring_head, memory_order_acquire);
     if (atomic_load(&e->ovf_count) == 0 && tail - head <= e->ring_mask) {
         e->ring[tail & e->ring_mask] = *r;
         atomic_store_explicit(&e->ring_tail, tail + 1, memory_order_release);
-    } else {
-        /* keep order: once anything overflowed, everything goes behind it */
-        overflow_node *n = malloc(sizeof(*n));
-        if (n) {
-            n->rec = *r;
-            n->next = NULL;
-            if (e->ovf_tail) e->ovf_tail->next = n; else e->ovf_head = n;
-            e->ovf_tail = n;
-            atomic_fetch_add(&e->ovf_count, 1);
-        }
+        return 1;
     }
+    /* keep order: once anything overflowed, everything goes behind it */
+    overflow_node *n = NULL;
+#ifdef AIO_TEST_HOOKS
+    if (!atomic_load(&aio_test_ovf_malloc_fail))
+#endif
+        n = malloc(sizeof(*n));
+    if (n) {
+        n->reserve = 0;
+    } else if (may_stash) {
+        return 0;
+    } else if ((n = e->ovf_free)) {
+        e->ovf_free = n->next;
+    } else {
+        if (atomic_fetch_add(&e->st_lost, 1) == 0)
+            fprintf(stderr, "aiote: out of memory for completion records: a record was lost\n");
+        return 1;
+    }
+    n->rec = *r;
+    n->next = NULL;
+    if (e->ovf_tail) e->ovf_tail->next = n; else e->ovf_head = n;
+    e->ovf_tail = n;
+    atomic_fetch_add(&e->ovf_count, 1);
+    return 1;
+}
+
+static void ring_signal(aio_engine *e) {
+    if (atomic_exchange(&e->armed, 0)) {
+        uint64_t one = 1;
+        ssize_t w = write(e->efd, &one, sizeof(one));
+        (void)w;
+        atomic_fetch_add_explicit(&e->st_wakeups, 1, memory_order_relaxed);
+    }
+}
+
+/* A poller moves its stash into the ring (in order): 1 if some is left (it must not produce
+ * more meanwhile). */
+static int stash_flush(aio_poller *q) {
+    aio_engine *e = q->e;
+    int k = 0;
+    pthread_mutex_lock(&e->ring_mu);
+    while (k < q->nstash && ring_place_locked(e, &q->stash[k], 1)) k++;
     pthread_mutex_unlock(&e->ring_mu);
+    if (k) {
+        memmove(q->stash, q->stash + k, (size_t)(q->nstash - k) * sizeof(aio_record));
+        q->nstash -= k;
+    }
+    ring_signal(e); /* the loop drains: room for the rest */
+    return q->nstash > 0;
+}
+
+static void ring_put(aio_engine *e, const aio_record *r, int quiet) {
+    aio_poller *q = tl_poller && tl_poller->e == e && tl_poller->stash ? tl_poller : NULL;
+    int placed = 0;
+    pthread_mutex_lock(&e->ring_mu);
+    if (!q || q->nstash == 0) placed = ring_place_locked(e, r, q && q->nstash < RING_STASH);
+    if (!placed && q && q->nstash >= RING_STASH) placed = ring_place_locked(e, r, 0);
+    pthread_mutex_unlock(&e->ring_mu);
+    if (!placed) { /* behind the stash, in order; the poller stops producing (poller_main) */
+        q->stash[q->nstash++] = *r;
+        quiet = 0;
+    }
     if (quiet) {
         /* signal only if a task waits for a quiet record (it counted itself in before it
          * looked at the ring: one of the two sees the other), or the ring fills up */
@@ -410,12 +503,7 @@ static void ring_put(aio_engine *e, const aio_record *r, int quiet) {
             atomic_load(&e->ovf_count) == 0)
             return;
     }
-    if (atomic_exchange(&e->armed, 0)) {
-        uint64_t one = 1;
-        ssize_t w = write(e->efd, &one, sizeof(one));
-        (void)w;
-        atomic_fetch_add_explicit(&e->st_wakeups, 1, memory_order_relaxed);
-    }
+    ring_signal(e);
 }
 
 static void ring_push(aio_engine *e, const aio_record *r) { ring_put(e, r, 0); }
@@ -443,7 +531,12 @@ int aio_drain(aio_engine *e, aio_record *out, int max) {
             out[n++] = x->rec;
             e->ovf_head = x->next;
             if (!e->ovf_head) e->ovf_tail = NULL;
-            free(x);
+            if (x->reserve) {
+                x->next = e->ovf_free;
+                e->ovf_free = x;
+            } else {
+                free(x);
+            }
             atomic_fetch_sub(&e->ovf_count, 1);
         }
         pthread_mutex_unlock(&e->ring_mu);
@@ -863,6 +956,12 @@ static void handle_remote_data(aio_engine *e, aio_rail *r, uint64_t data) {
 
 /* Reads and processes up to one batch of completions. Caller holds r->mu. */
 static int progress_locked(aio_engine *e, aio_rail *r) {
+    /* the ring is full: only pollers read completions (their records wait in their stash, see
+     * RING_STASH); another thread leaves them in the provider rather than use up the reserve */
+    if (!(tl_poller && tl_poller->e == e) &&
+        (atomic_load(&e->ovf_count) > 0 ||
+         atomic_load(&e->ring_tail) - atomic_load(&e->ring_head) > e->ring_mask))
+        return 0;
     struct fi_cq_data_entry ent[CQ_BATCH];
     ssize_t n = fi_cq_read(r->cq, ent, CQ_BATCH);
     if (n > 0) {
@@ -1412,6 +1511,8 @@ static void direct_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int
 
 static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op);
 static void posted_to(aio_engine *e, aio_rail *r, uint64_t peer);
+static void shm_wake(aio_rail *r, uint64_t fa);
+static void shm_own_release(aio_rail *r);
 
 /* Puts ops back at the head of poller q's queue, in order (their rail's queue was full). */
 static void direct_requeue(aio_poller *q, aio_op *list) {
@@ -1494,6 +1595,7 @@ static int direct_run(aio_poller *q) {
             ssize_t ret = op->dpost ? post_one(r, d, op)
                                     : fi_writedata(r->ep, (char *)m->buf + d->offset, 0, m->desc[op->rail],
                                                    d->data, d->peer, d->raddr, d->rkey, &op->ctx);
+            if (!op->dpost && r->is_shm) shm_wake(r, d->peer);
             if (ret == -FI_EAGAIN && op->dpost) {
                 /* a handed-over request the provider refuses: room comes as the rail's requests
                  * complete, unless its connection failed meanwhile (no deferral to that peer
@@ -1789,11 +1891,20 @@ static void *poller_main(void *arg) {
     int64_t io_checked = 0;
     uint64_t seen_seq = atomic_load(&q->post_seq);
     int all_fd = 1, any_fd = 0; /* any_fd: some rail's wait fd signals bytes arriving */
+    int woken = 1; /* every rail has a wait fd, or is an shm rail its peers wake (shm_wake) */
     for (int i = 0; i < q->nrails; i++) {
         if (q->rails[i]->wait_fd < 0) all_fd = 0;
+        if (q->rails[i]->wait_fd < 0 && q->rails[i]->wake_fd < 0) woken = 0;
         if (q->rails[i]->bytes_fd) any_fd = 1;
     }
+    tl_poller = q;
     while (!atomic_load(&e->stop)) {
+        /* records the ring could not take (ring_put): produce nothing more until they are in */
+        if (q->nstash && stash_flush(q)) {
+            struct timespec ts = {.tv_sec = 0, .tv_nsec = 200000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
         int got = direct_run(q);
         int64_t t_poll = now_ns(); /* idle gaps end here: reading a large message is not idle */
         for (int i = 0; i < q->nrails; i++) {
@@ -1867,30 +1978,66 @@ static void *poller_main(void *arg) {
             if (tw == -FI_EAGAIN) can_sleep = 0;
             else if (tw != FI_SUCCESS) fd_broken = 1;
         }
+        /* shm rails whose peers wake us: nothing of ours in flight, so what can come is a peer's
+         * request, and the peer wakes us (shm_wake). Say that we sleep, then look once more. */
+        int wake_sleep = can_sleep && !all_fd && woken && inflight == 0 && !fd_broken &&
+                         now_ns() - last_active > WAKE_IDLE_NS;
+        if (wake_sleep) {
+            for (int i = 0; i < q->nrails; i++)
+                if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 1);
+            atomic_thread_fence(memory_order_seq_cst);
+            int more = 0;
+            for (int i = 0; i < q->nrails; i++) {
+                aio_rail *r = q->rails[i];
+                if (!r->wake_word) continue;
+                pthread_mutex_lock(&r->mu);
+                more += progress_locked(e, r);
+                pthread_mutex_unlock(&r->mu);
+            }
+            if (more || atomic_load(&q->post_seq) != seen_seq) {
+                for (int i = 0; i < q->nrails; i++)
+                    if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 0);
+                atomic_store(&q->sleeping, 0);
+                io_wake = 1; /* activity: the top of the loop counts it */
+                continue;
+            }
+        }
         if (can_sleep) {
-            struct epoll_event evs[AIO_MAX_RAILS + 2]; /* rails, kick, netlink */
+            struct epoll_event evs[AIO_MAX_RAILS * 2 + 2]; /* rails' wait and wake fds, kick, netlink */
             int timeout = e->cfg.sleep_ms;
             /* a rail without a wait object, or work of ours in flight on a
              * manual-progress provider: sleep in short steps */
             if (inflight > 0 || fd_broken) timeout = 1;
-            else if (!all_fd) /* no wait object: short steps, longer once idle a while */
+            else if (!all_fd && !wake_sleep) /* no wait object: short steps, longer once idle a while */
                 timeout = (now_ns() - last_active > 200000000LL) ? 5 : 1;
             atomic_fetch_add_explicit(&e->st_sleeps, 1, memory_order_relaxed);
             int ne;
-            /* a rail without a wait object (shm) tells nobody that an immediate arrived: while
-             * a task awaits one, poll it every 50 us rather than every millisecond */
-            long short_us = (!all_fd && atomic_load(&e->nwant) > 0) ? 50 : 0;
+            /* a rail without a wait object (shm) that no peer wakes, or a completion of ours to
+             * come on one, tells nobody that it arrived: while a task awaits one, poll it every
+             * 50 us rather than every millisecond */
+            long short_us = (!all_fd && !wake_sleep && atomic_load(&e->nwant) > 0) ? 50 : 0;
             if (watcher && atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
                 short_us = e->cfg.watch_us; /* watched words: read them again soon */
             slept = 1;
             if (short_us) {
                 struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};
-                ne = epoll_pwait2(q->epfd, evs, AIO_MAX_RAILS + 2, &ts, NULL);
+                ne = epoll_pwait2(q->epfd, evs, AIO_MAX_RAILS * 2 + 2, &ts, NULL);
             } else {
-                ne = epoll_wait(q->epfd, evs, AIO_MAX_RAILS + 2, timeout);
+                ne = epoll_wait(q->epfd, evs, AIO_MAX_RAILS * 2 + 2, timeout);
             }
+            if (wake_sleep)
+                for (int i = 0; i < q->nrails; i++)
+                    if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 0);
             for (int k = 0; k < ne; k++) {
-                if (evs[k].data.fd == q->kick_fd) {
+                int wk = -1;
+                for (int i = 0; i < q->nrails && wk < 0; i++)
+                    if (q->rails[i]->wake_fd >= 0 && evs[k].data.fd == q->rails[i]->wake_fd) wk = i;
+                if (wk >= 0) { /* a peer woke us: its request is in our queue */
+                    char buf[256];
+                    while (read(q->rails[wk]->wake_fd, buf, sizeof(buf)) > 0) {
+                    }
+                    io_wake = 1;
+                } else if (evs[k].data.fd == q->kick_fd) {
                     uint64_t v;
                     ssize_t rr = read(q->kick_fd, &v, sizeof(v));
                     (void)rr;
@@ -1914,6 +2061,11 @@ static int poller_open(aio_engine *e) {
     aio_poller *q = &e->pollers[e->npollers];
     q->e = e;
     q->index = e->npollers;
+    q->stash = calloc(RING_STASH, sizeof(aio_record));
+    if (!q->stash) {
+        errno = ENOMEM;
+        return -1;
+    }
     q->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     q->epfd = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = q->kick_fd};
@@ -1921,6 +2073,8 @@ static int poller_open(aio_engine *e) {
         int saved = errno;
         if (q->kick_fd >= 0) close(q->kick_fd);
         if (q->epfd >= 0) close(q->epfd);
+        free(q->stash);
+        q->stash = NULL;
         errno = saved;
         return -1;
     }
@@ -1957,6 +2111,13 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     if (e->cfg.watch_us <= 0) e->cfg.watch_us = 100;
     if (e->cfg.watch_us > 1000000) e->cfg.watch_us = 1000000;
     e->ring = calloc(cap, sizeof(aio_record));
+    e->ovf_block = calloc(RING_RESERVE, sizeof(overflow_node));
+    if (!e->ovf_block) goto fail;
+    for (int i = 0; i < RING_RESERVE; i++) {
+        e->ovf_block[i].reserve = 1;
+        e->ovf_block[i].next = i + 1 < RING_RESERVE ? &e->ovf_block[i + 1] : NULL;
+    }
+    e->ovf_free = e->ovf_block;
     e->ring_mask = cap - 1;
     e->groups = calloc(e->cfg.max_groups, sizeof(aio_group));
     e->ccap = 1024;
@@ -1985,12 +2146,39 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     return 0;
 fail:
     if (e->efd > 0) close(e->efd);
+    free(e->ovf_block);
     free(e->ring);
     free(e->groups);
     free(e->cslots);
     free(e);
     return -FI_ENOMEM;
 }
+
+/* libfabric probes every provider it knows on its first call (fi_ini), reading FI_PROVIDER
+ * then and never again. aiote uses few of them, so when the user has not chosen (FI_PROVIDER
+ * unset) the first call is made with FI_PROVIDER set to those, and the variable is removed
+ * again as soon as fi_ini has read it: the process environment is left as it was (importing
+ * aiote no longer touches it). Done once, under pthread_once, from the first function that
+ * would call into libfabric (fab_init below). The variable exists only for the length of one
+ * fi_getinfo: a thread that reads the C environment meanwhile (getenv) may see it, and glibc's
+ * setenv/unsetenv take its environment lock against each other (Python's os.environ writes go
+ * through putenv/unsetenv too), so nothing is lost or torn; a user who wants other providers
+ * sets FI_PROVIDER, which is then left alone. */
+#define AIO_DEFAULT_PROVIDERS "tcp,ofi_rxm,shm,verbs,efa"
+static pthread_once_t fab_once = PTHREAD_ONCE_INIT;
+static void fab_init_once(void) {
+    if (getenv("FI_PROVIDER")) return; /* the user's choice; fi_ini reads it on first use */
+    if (setenv("FI_PROVIDER", AIO_DEFAULT_PROVIDERS, 0)) return;
+    struct fi_info *h = fi_allocinfo(), *info = NULL;
+    if (h) {
+        h->ep_attr->type = FI_EP_RDM;
+        h->fabric_attr->prov_name = strdup("shm"); /* cheap; the call only has to run fi_ini */
+        if (fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, h, &info) == 0) fi_freeinfo(info);
+        fi_freeinfo(h);
+    }
+    unsetenv("FI_PROVIDER");
+}
+static void fab_init(void) { pthread_once(&fab_once, fab_init_once); }
 
 static const char *map_provider(const char *p) {
     if (!strcmp(p, "tcp")) return "tcp;ofi_rxm";
@@ -2021,6 +2209,7 @@ static struct fi_info *make_hints(const char *prov, const char *nic) {
 }
 
 static void list_nics(const char *prov, char *buf, size_t len) {
+    fab_init();
     struct fi_info *h = make_hints(prov, NULL), *info = NULL;
     buf[0] = 0;
     if (!h) return;
@@ -2039,6 +2228,7 @@ static void list_nics(const char *prov, char *buf, size_t len) {
 }
 
 int aio_probe(const char *provider, aio_probe_entry *out, int max) {
+    fab_init();
     struct fi_info *h = make_hints(provider, NULL), *info = NULL;
     if (!h) return -FI_ENOMEM;
     int ret = fi_getinfo(FI_VERSION(1, 9), NULL, NULL, 0, h, &info);
@@ -2183,14 +2373,71 @@ static int sa_loopback(const struct sockaddr *a) {
     return 0;
 }
 
-/* Sets e->sndbuf on the rail's sockets (see aio_engine_set_tcp_sndbuf): those whose local
- * address is the rail's listening address (the listener and the connections it accepted), and
- * the connection to `peer` (its remote address is the peer's listening address); same-host
- * ones only unless sndbuf_all. Walks /proc/self/fd: a few system calls per open descriptor.
- * Returns 1 when it saw the connection to `peer`. */
+/* Which sockets are the rail's own. libfabric does not hand out its sockets, and addresses do
+ * not tell them apart from the application's (a socket of the application connected to the
+ * same peer port looks alike). But libfabric's tcp provider watches every socket of the rail
+ * (its listener, the connections it made and accepted) in epoll sets that its CQ's wait object
+ * (FI_GETWAIT: an epoll fd) holds, directly or through nested epoll sets. The kernel lists an
+ * epoll set's members in /proc/self/fdinfo/<epfd> ("tfd: <fd> ... ino:<hex>"), with the inode
+ * of the file registered, which tells a reused descriptor number apart. So the rail's sockets
+ * are the inodes reached from its wait fd, and only those are ever tuned (tcp_tune). Fills
+ * `ino` (at most `max`), returns how many; 0 when the rail has no epoll wait object. */
+#define RAIL_SOCKS_MAX 4096
+static int rail_sockets(aio_rail *r, uint64_t *ino, int max) {
+    if (r->wait_fd < 0) return 0;
+    enum { MAX_EP = 64 };
+    int ep[MAX_EP], nep = 0, n = 0;
+    ep[nep++] = r->wait_fd;
+    for (int k = 0; k < nep; k++) {
+        char path[64], link[64];
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", ep[k]);
+        ssize_t ll = readlink(path, link, sizeof(link) - 1);
+        if (ll <= 0) continue;
+        link[ll] = 0;
+        if (strcmp(link, "anon_inode:[eventpoll]")) continue;
+        snprintf(path, sizeof(path), "/proc/self/fdinfo/%d", ep[k]);
+        FILE *f = fopen(path, "re");
+        if (!f) continue;
+        char line[256];
+        while (fgets(line, sizeof(line), f)) {
+            int tfd;
+            if (sscanf(line, "tfd: %d", &tfd) != 1) continue;
+            const char *ip = strstr(line, "ino:");
+            unsigned long long want = ip ? strtoull(ip + 4, NULL, 16) : 0;
+            snprintf(path, sizeof(path), "/proc/self/fd/%d", tfd);
+            ll = readlink(path, link, sizeof(link) - 1);
+            if (ll <= 0) continue;
+            link[ll] = 0;
+            if (!strcmp(link, "anon_inode:[eventpoll]")) {
+                int seen = 0;
+                for (int j = 0; j < nep; j++) seen |= ep[j] == tfd;
+                if (!seen && nep < MAX_EP) ep[nep++] = tfd;
+                continue;
+            }
+            unsigned long long si;
+            if (sscanf(link, "socket:[%llu]", &si) != 1 || !want || si != want) continue;
+            if (n < max) ino[n++] = si;
+        }
+        fclose(f);
+    }
+    return n;
+}
+
+/* Sets e->sndbuf on the rail's sockets (see aio_engine_set_tcp_sndbuf): among those that are
+ * the rail's own (rail_sockets: never a socket of the application's, whatever its addresses),
+ * those whose local address is the rail's listening address (the listener and the connections
+ * it accepted), and the connection to `peer` (its remote address is the peer's listening
+ * address); same-host ones only unless sndbuf_all. Walks /proc/self/fd: a few system calls per
+ * open descriptor. Returns 1 when it saw the connection to `peer`. */
 static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
-    DIR *d = opendir("/proc/self/fd");
-    if (!d) return 0;
+    uint64_t *own = malloc(RAIL_SOCKS_MAX * sizeof(uint64_t));
+    if (!own) return 0;
+    int nown = rail_sockets(r, own, RAIL_SOCKS_MAX);
+    DIR *d = nown ? opendir("/proc/self/fd") : NULL;
+    if (!d) {
+        free(own);
+        return 0;
+    }
     struct sockaddr_storage mine_ss;
     memset(&mine_ss, 0, sizeof(mine_ss));
     memcpy(&mine_ss, r->addr, r->addr_len < sizeof(mine_ss) ? r->addr_len : sizeof(mine_ss));
@@ -2202,6 +2449,11 @@ static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
         int fd = atoi(de->d_name), v = 0;
         socklen_t l = sizeof(v);
         if (fd == dirfd(d) || getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &v, &l) || v != IPPROTO_TCP) continue;
+        struct stat st;
+        int owned = 0;
+        if (fstat(fd, &st) == 0)
+            for (int k = 0; k < nown && !owned; k++) owned = own[k] == (uint64_t)st.st_ino;
+        if (!owned) continue; /* not the rail's: the application's, or another library's */
         struct sockaddr_storage loc, rem;
         socklen_t ll = sizeof(loc), rl = sizeof(rem);
         if (getsockname(fd, (struct sockaddr *)&loc, &ll)) continue;
@@ -2224,6 +2476,7 @@ static int tcp_tune(aio_engine *e, aio_rail *r, const struct sockaddr *peer) {
         if (!getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &l)) atomic_store(&e->sndbuf_got, v);
     }
     closedir(d);
+    free(own);
     return found;
 }
 
@@ -2264,33 +2517,269 @@ static void rail_free(aio_rail *r) {
     free(r->send_buf);
     free(r->send_free);
     free(r->tune_tries);
+    shm_own_release(r); /* after the endpoint's own file is gone (fi_close above) */
     pthread_mutex_destroy(&r->mu);
     pthread_mutex_destroy(&r->pool_mu);
     free(r);
 }
 
-/* libfabric's shm provider names its region /dev/shm/<pid>:<n>:<m> and leaves it behind when
- * a process is killed; a later process that gets the same pid then fails to open its
- * endpoint (EBUSY). Before this process's first shm endpoint: remove the regions of its own
- * pid (all stale: it has created none yet) and of processes that no longer exist. */
+/* ------------------------------------------------------------------ owned shm names and wake-ups
+ *
+ * Theory of operation. libfabric's shm provider keeps an endpoint's queues in a file in
+ * /dev/shm named after the endpoint, and leaves it behind when its process is killed. By
+ * default it names it <pid>:<uid>:<n>: a name that says neither whose it is nor, once another
+ * PID namespace shares /dev/shm, whether its process lives. So aiote names its endpoints itself
+ * (fi_setname, before fi_enable): aiote-<token>-<n>, where <token> is 64 random bits drawn once
+ * per process (again in a forked child) and <n> counts the process's endpoints. Before the first
+ * of them it creates /dev/shm/aiote-<token>.lock (O_EXCL) and holds an exclusive flock on it for
+ * the rest of its life; the kernel drops the lock when the process dies, whatever its PID
+ * namespace. Every file aiote (or libfabric on its behalf) creates for the endpoint starts with
+ * aiote-<token>-: the endpoint's queues, the mmap-protocol files libfabric adds after the name,
+ * and our wake-up word (.w) and fifo (.p).
+ *
+ * Sweeping (shm_sweep_stale, once per process, before its first shm endpoint) removes only
+ * those: for each aiote-<token>.lock whose lock it can take at once (no living process holds
+ * it, in any namespace), still the same file after the lock is taken, it removes every
+ * aiote-<token>-* and then the lock file, holding the lock throughout. A creator that lost the
+ * race (its new lock file was swept before it locked it) sees st_nlink == 0 after locking and
+ * draws another token. Files aiote did not name (another program's <pid>:..., an old aiote's)
+ * are never touched, nor are a living process's, whatever its pid.
+ *
+ * Wake-ups. The shm provider has no wait object: nothing tells a sleeping poller that a peer
+ * put a message or an immediate in its queue, so an idle engine used to poll its shm rail every
+ * 50 us to 1 ms. Each aiote shm endpoint has a word in a small shared file (aiote-...-<n>.w,
+ * nonzero while its poller sleeps) and a fifo (aiote-...-<n>.p) in its poller's epoll set. After
+ * every request it hands to the shm provider (taken or refused with -FI_EAGAIN, which may be a
+ * connection request the target must answer), an aiote sender reads the target's word and, if
+ * it is set, writes a byte into its fifo (shm_wake; the target's files are opened once per
+ * address). A poller about to sleep sets its word, then reads its CQ once more: the sender's
+ * queue write, fence, word read and the sleeper's word write, fence, queue read cannot both
+ * miss each other. With every rail woken this way or by its own wait fd, and nothing of its own
+ * in flight (a completion of our request needs no sender to wake us: then it keeps the short
+ * steps), and idle for WAKE_IDLE_NS, the poller sleeps for sleep_ms (100 ms by default); a peer
+ * that is not aiote (no word to read) is then served at that pace. */
+#define OWN_PREFIX "aiote-"
+#define WAKE_MAX_ADDR (1u << 20)
+typedef struct shm_wpeer {
+    int state; /* 0: not looked up, 1: fd and word valid, -1: cannot be woken (not aiote's) */
+    int fd;
+    _Atomic uint32_t *word;
+} shm_wpeer;
+
+static pthread_mutex_t own_mu = PTHREAD_MUTEX_INITIALIZER;
+static pid_t own_pid;
+static char own_token[17];
+static int own_lockfd = -1;
+static uint32_t own_next;
+static int own_live; /* endpoints named with the token: at 0 the lock file goes */
+
+/* This process's token and held lock file (caller holds own_mu): 0, or -1 with errno. */
+static int own_init_locked(void) {
+    if (own_lockfd >= 0 && own_pid == getpid()) return 0;
+    if (own_lockfd >= 0) { /* a forked child: the lock is its parent's (closing keeps it there) */
+        close(own_lockfd);
+        own_lockfd = -1;
+    }
+    for (int tries = 0; tries < 16; tries++) {
+        uint64_t v = 0;
+        if (getrandom(&v, sizeof(v), 0) != sizeof(v)) v = (uint64_t)now_ns() * 0x9E3779B97F4A7C15ULL ^ (uint64_t)getpid();
+        snprintf(own_token, sizeof(own_token), "%016llx", (unsigned long long)v);
+        char path[96];
+        snprintf(path, sizeof(path), "/dev/shm/" OWN_PREFIX "%s.lock", own_token);
+        int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+        if (fd < 0) {
+            if (errno == EEXIST) continue;
+            return -1;
+        }
+        struct stat st;
+        if (flock(fd, LOCK_EX) != 0 || fstat(fd, &st) != 0 || st.st_nlink == 0) {
+            close(fd); /* swept before we locked it: another token */
+            continue;
+        }
+        own_lockfd = fd;
+        own_pid = getpid();
+        own_next = 0;
+        return 0;
+    }
+    errno = EEXIST;
+    return -1;
+}
+
+/* Removes the files of aiote processes that are gone (see above). Once per process. */
 static void shm_sweep_stale(void) {
     static atomic_int done;
     if (atomic_exchange(&done, 1)) return;
+    enum { MAX_DEAD = 256 };
+    char dead[MAX_DEAD][17];
+    int dead_fd[MAX_DEAD], ndead = 0;
+    pthread_mutex_lock(&own_mu);
+    char mine[17];
+    snprintf(mine, sizeof(mine), "%s", own_lockfd >= 0 && own_pid == getpid() ? own_token : "");
+    pthread_mutex_unlock(&own_mu);
     DIR *d = opendir("/dev/shm");
     if (!d) return;
-    pid_t me = getpid();
     struct dirent *ent;
-    while ((ent = readdir(d)) != NULL) {
-        char *end = NULL;
-        long pid = strtol(ent->d_name, &end, 10);
-        if (end == ent->d_name || *end != ':' || pid <= 0) continue;
-        int mine = pid == (long)me;
-        if (!mine && pid_alive((int32_t)pid)) continue;
+    const size_t pl = strlen(OWN_PREFIX);
+    while ((ent = readdir(d)) != NULL && ndead < MAX_DEAD) {
+        const char *nm = ent->d_name;
+        if (strncmp(nm, OWN_PREFIX, pl) || strlen(nm) != pl + 16 + 5 || strcmp(nm + pl + 16, ".lock"))
+            continue;
+        if (!strncmp(nm + pl, mine, 16)) continue;
         char path[300];
-        snprintf(path, sizeof(path), "/dev/shm/%s", ent->d_name);
-        unlink(path);
+        snprintf(path, sizeof(path), "/dev/shm/%s", nm);
+        int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+        if (fd < 0) continue;
+        struct stat a, b;
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fstat(fd, &a) != 0 || !S_ISREG(a.st_mode) ||
+            stat(path, &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev) {
+            close(fd); /* held: its process lives (in whatever PID namespace); or replaced */
+            continue;
+        }
+        memcpy(dead[ndead], nm + pl, 16);
+        dead[ndead][16] = 0;
+        dead_fd[ndead++] = fd;
+    }
+    if (ndead) {
+        rewinddir(d);
+        while ((ent = readdir(d)) != NULL) {
+            const char *nm = ent->d_name;
+            if (strncmp(nm, OWN_PREFIX, pl) || strlen(nm) < pl + 17 || nm[pl + 16] != '-') continue;
+            for (int i = 0; i < ndead; i++) {
+                if (strncmp(nm + pl, dead[i], 16)) continue;
+                char path[300];
+                snprintf(path, sizeof(path), "/dev/shm/%s", nm);
+                unlink(path);
+                break;
+            }
+        }
+        for (int i = 0; i < ndead; i++) {
+            char path[96];
+            snprintf(path, sizeof(path), "/dev/shm/" OWN_PREFIX "%.16s.lock", dead[i]);
+            unlink(path); /* still holding its lock: a creator that raced us sees nlink 0 */
+            close(dead_fd[i]);
+        }
     }
     closedir(d);
+}
+
+/* Names a new shm endpoint (before fi_enable) and creates its wake word and fifo. 0, or a
+ * negative error (nothing left behind). */
+static int shm_own_endpoint(aio_rail *r) {
+    pthread_mutex_lock(&own_mu);
+    int rc = own_init_locked();
+    if (!rc) own_live++;
+    uint32_t n = own_next++;
+    char tok[17];
+    snprintf(tok, sizeof(tok), "%s", own_token);
+    pthread_mutex_unlock(&own_mu);
+    if (rc) return -FI_EIO;
+    snprintf(r->shm_name, sizeof(r->shm_name), OWN_PREFIX "%s-%u", tok, n);
+    int ret = fi_setname(&r->ep->fid, r->shm_name, strlen(r->shm_name) + 1);
+    if (ret) return ret;
+    char path[96];
+    snprintf(path, sizeof(path), "/dev/shm/%s.w", r->shm_name);
+    int wfd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (wfd < 0) return -errno;
+    void *w = MAP_FAILED;
+    if (ftruncate(wfd, 4096) == 0) w = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, wfd, 0);
+    close(wfd);
+    if (w == MAP_FAILED) {
+        unlink(path);
+        return -FI_ENOMEM;
+    }
+    r->wake_word = w;
+    snprintf(path, sizeof(path), "/dev/shm/%s.p", r->shm_name);
+    if (mkfifo(path, 0600) == 0) r->wake_fd = open(path, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    if (r->wake_fd < 0) { /* no fifo: the rail is polled in short steps, as without names */
+        unlink(path);
+        munmap(r->wake_word, 4096);
+        r->wake_word = NULL;
+    }
+    return 0;
+}
+
+static void shm_wpeer_forget(shm_wpeer *w) {
+    if (w->state == 1) {
+        close(w->fd);
+        munmap((void *)w->word, 4096);
+    }
+    memset(w, 0, sizeof(*w));
+}
+
+/* Our own endpoint's and our peers' wake-up objects, at rail_free. */
+static void shm_own_release(aio_rail *r) {
+    for (uint32_t i = 0; i < r->wcap; i++) shm_wpeer_forget(&r->wpeers[i]);
+    free(r->wpeers);
+    r->wpeers = NULL;
+    r->wcap = 0;
+    char path[96];
+    if (r->wake_word) {
+        munmap((void *)r->wake_word, 4096);
+        snprintf(path, sizeof(path), "/dev/shm/%s.w", r->shm_name);
+        unlink(path);
+    }
+    if (r->wake_fd >= 0) {
+        close(r->wake_fd);
+        snprintf(path, sizeof(path), "/dev/shm/%s.p", r->shm_name);
+        unlink(path);
+    }
+    if (!r->shm_name[0]) return;
+    pthread_mutex_lock(&own_mu);
+    if (own_pid == getpid() && own_lockfd >= 0 && --own_live == 0) {
+        /* the process's last endpoint: its lock file goes (a later one draws a new token) */
+        snprintf(path, sizeof(path), "/dev/shm/" OWN_PREFIX "%.16s.lock", own_token);
+        unlink(path);
+        close(own_lockfd);
+        own_lockfd = -1;
+    }
+    pthread_mutex_unlock(&own_mu);
+}
+
+/* After a request to `fa` went to (or was refused by) an shm rail's provider: wake the target's
+ * poller if it sleeps. Caller holds r->mu. */
+static void shm_wake(aio_rail *r, uint64_t fa) {
+    if (!r->is_shm || fa >= WAKE_MAX_ADDR) return;
+    if (fa >= r->wcap) {
+        uint32_t cap = r->wcap ? r->wcap : 64;
+        while (cap <= fa) cap *= 2;
+        shm_wpeer *t = realloc(r->wpeers, cap * sizeof(*t));
+        if (!t) return;
+        memset(t + r->wcap, 0, (cap - r->wcap) * sizeof(*t));
+        r->wpeers = t, r->wcap = cap;
+    }
+    shm_wpeer *w = &r->wpeers[fa];
+    if (w->state == 0) {
+        w->state = -1;
+        char name[256] = {0};
+        size_t l = sizeof(name) - 1;
+        if (fi_av_lookup(r->av, fa, name, &l) == 0 && l < sizeof(name) &&
+            !strncmp(name, OWN_PREFIX, strlen(OWN_PREFIX)) && !strchr(name, '/')) {
+            char path[300];
+            snprintf(path, sizeof(path), "/dev/shm/%s.w", name);
+            int wfd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+            void *m = MAP_FAILED;
+            if (wfd >= 0) {
+                m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, wfd, 0);
+                close(wfd);
+            }
+            snprintf(path, sizeof(path), "/dev/shm/%s.p", name);
+            int pfd = m != MAP_FAILED ? open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC) : -1;
+            if (pfd >= 0) {
+                w->fd = pfd;
+                w->word = m;
+                w->state = 1;
+            } else if (m != MAP_FAILED) {
+                munmap(m, 4096);
+            }
+        }
+    }
+    if (w->state != 1) return;
+    atomic_thread_fence(memory_order_seq_cst); /* our queue write, then their word: see above */
+    if (atomic_load_explicit(w->word, memory_order_relaxed)) {
+        char c = 0;
+        ssize_t n = write(w->fd, &c, 1); /* a full fifo already wakes it */
+        (void)n;
+    }
 }
 
 int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, uint32_t recv_slots,
@@ -2309,6 +2798,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
         set_err(err, errlen, "eventfd/epoll for poller %d: %s", qi, strerror(errno));
         return -FI_ENOMEM;
     }
+    fab_init();
     if (recv_slots == 0) recv_slots = 1;
     if (slot_size < 64) slot_size = 64;
     if (!strcmp(map_provider(provider), "shm")) shm_sweep_stale();
@@ -2319,6 +2809,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     pthread_mutex_init(&r->pool_mu, NULL);
     r->index = e->nrails;
     r->wait_fd = -1;
+    r->wake_fd = -1;
     char node[INET6_ADDRSTRLEN + 1] = {0};
     int by_addr = strncmp(map_provider(provider), "tcp", 3) == 0 && nic_address(nic, node, sizeof(node));
     if (by_addr) { /* an interface: watch its link */
@@ -2445,6 +2936,7 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
     CHECK(fi_endpoint(r->domain, fi, &r->ep, NULL), "fi_endpoint");
     CHECK(fi_ep_bind(r->ep, &r->av->fid, 0), "fi_ep_bind(av)");
     CHECK(fi_ep_bind(r->ep, &r->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    if (r->is_shm) CHECK(shm_own_endpoint(r), "naming the shm endpoint");
     CHECK(fi_enable(r->ep), "fi_enable");
     r->addr_len = sizeof(r->addr);
     CHECK(fi_getname(&r->ep->fid, r->addr, &r->addr_len), "fi_getname");
@@ -2493,6 +2985,13 @@ int aio_engine_add_rail(aio_engine *e, const char *provider, const char *nic, ui
         if (epoll_ctl(q->epfd, EPOLL_CTL_ADD, r->wait_fd, &ev) != 0) {
             r->wait_fd = -1;
             r->bytes_fd = 0;
+        }
+    }
+    if (r->wake_fd >= 0) { /* peers wake us through it (see "Owned shm names and wake-ups") */
+        struct epoll_event ev = {.events = EPOLLIN, .data.fd = r->wake_fd};
+        if (epoll_ctl(q->epfd, EPOLL_CTL_ADD, r->wake_fd, &ev) != 0) {
+            close(r->wake_fd);
+            r->wake_fd = -1;
         }
     }
     r->poller = qi;
@@ -2567,13 +3066,15 @@ void aio_engine_destroy(aio_engine *e) {
     while (e->ovf_head) {
         overflow_node *x = e->ovf_head;
         e->ovf_head = x->next;
-        free(x);
+        if (!x->reserve) free(x);
     }
+    free(e->ovf_block);
     close(e->efd);
     for (int i = 0; i < e->npollers; i++) {
         close(e->pollers[i].kick_fd);
         close(e->pollers[i].epfd);
         pthread_mutex_destroy(&e->pollers[i].qmu);
+        free(e->pollers[i].stash);
     }
     if (e->nl_fd >= 0) close(e->nl_fd);
     free(e->ring);
@@ -2620,6 +3121,7 @@ int aio_av_insert(aio_engine *e, int rail, const void *addr, size_t len, uint64_
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
     pthread_mutex_lock(&r->mu);
     int ret = fi_av_insert(r->av, addr, 1, &fa, 0, NULL);
+    if (ret == 1 && fa < r->wcap) shm_wpeer_forget(&r->wpeers[fa]); /* a reused address */
     pthread_mutex_unlock(&r->mu);
     if (ret != 1) return ret < 0 ? ret : -FI_EINVAL;
     *fi_addr = fa;
@@ -2632,6 +3134,7 @@ int aio_av_remove(aio_engine *e, int rail, uint64_t fi_addr) {
     fi_addr_t fa = fi_addr;
     pthread_mutex_lock(&r->mu);
     int ret = fi_av_remove(r->av, &fa, 1, 0);
+    if (fa < r->wcap) shm_wpeer_forget(&r->wpeers[fa]);
     pthread_mutex_unlock(&r->mu);
     return ret;
 }
@@ -2715,6 +3218,21 @@ uint64_t aio_mr_remote_base(aio_mr *m, int rail) {
 }
 int64_t aio_mr_inflight(aio_mr *m) { return atomic_load(&m->inflight); }
 
+/* A region whose unregister gave up (RegionBusy) stays fully usable: aio_mr_close cleared its
+ * slot's key at its first attempt (new direct copies refused, so that the copies in flight
+ * drain); this publishes the key again, as direct_publish did. Copies refused meanwhile failed
+ * at their initiator (RemoteAccessError), as they would have had the region been retired. */
+int aio_mr_reopen(aio_engine *e, aio_mr *m) {
+    if (m->direct_slot < 0) return 0;
+    int first = -1;
+    for (int i = 0; i < m->nrails && first < 0; i++)
+        if (e->rails[i]->is_shm) first = i;
+    if (first < 0) return -FI_EINVAL;
+    direct_slot *s = &e->dtab->slots[m->direct_slot];
+    atomic_store(&s->key, m->key[first]); /* base, len, access are unchanged since publish */
+    return 0;
+}
+
 int aio_mr_close(aio_engine *e, aio_mr *m) {
     if (atomic_load(&m->inflight) > 0) return -FI_EBUSY;
     if (m->direct_slot >= 0) {
@@ -2754,19 +3272,25 @@ static ssize_t post_gather(aio_rail *r, const aio_op_desc *it, const uint64_t *g
                              .rma_iov = &rma, .rma_iov_count = 1, .context = &op->ctx,
                              .data = it->data};
     uint64_t flags = r->tx_op_flags | ((it->flags & AIO_F_DATA) ? FI_REMOTE_CQ_DATA : 0);
-    return fi_writemsg(r->ep, &msg, flags);
+    ssize_t ret = fi_writemsg(r->ep, &msg, flags);
+    if (r->is_shm) shm_wake(r, it->peer);
+    return ret;
 }
 
 static ssize_t post_one(aio_rail *r, const aio_op_desc *it, aio_op *op) {
     aio_mr *m = it->mr;
     void *buf = (char *)m->buf + it->offset;
     void *desc = m->desc[it->rail];
+    ssize_t ret;
     if (it->op == AIO_OP_READ)
-        return fi_read(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
-    if (it->flags & AIO_F_DATA)
-        return fi_writedata(r->ep, buf, it->length, desc, it->data, it->peer, it->raddr, it->rkey,
-                            &op->ctx);
-    return fi_write(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+        ret = fi_read(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+    else if (it->flags & AIO_F_DATA)
+        ret = fi_writedata(r->ep, buf, it->length, desc, it->data, it->peer, it->raddr, it->rkey,
+                           &op->ctx);
+    else
+        ret = fi_write(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+    if (r->is_shm) shm_wake(r, it->peer);
+    return ret;
 }
 
 /* While a post waits for room (queue full): drives the rail once. 0 when the caller should
@@ -3090,6 +3614,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     ssize_t ret;
     for (;;) {
         ret = fi_send(r->ep, sbuf, len, r->send_desc, peer, &op->ctx);
+        if (r->is_shm) shm_wake(r, peer);
         if (ret != -FI_EAGAIN) break;
         progress_locked(e, r);
         if (now_ns() >= deadline) break;

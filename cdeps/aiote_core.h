@@ -191,6 +191,9 @@ int64_t aio_mr_inflight(aio_mr *mr);
  * is copying into or out of it directly (a microsecond-to-millisecond wait: call again; from
  * the first such call on, new direct copies into the region are refused). */
 int aio_mr_close(aio_engine *e, aio_mr *mr);
+/* After aio_mr_close said -EBUSY and the caller gives up: direct copies into and out of the
+ * region are admitted again (the region stays registered and fully usable). 0. */
+int aio_mr_reopen(aio_engine *e, aio_mr *mr);
 
 /* Direct same-host copies.
  *
@@ -384,8 +387,10 @@ void aio_clear_eventfd(aio_engine *e);
 int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token);
 int aio_watch_remove(aio_engine *e, int id);
 /* A task of the loop starts (+1) or stops (-1) waiting for something a rail without a wait
- * object (shm) reports only when polled (a message): while any waits, the poller polls such
- * rails every 50 us instead of every millisecond. Counter watches count by themselves. */
+ * object (shm) reports only when polled (a message): while any waits and work of ours is in
+ * flight on such a rail, the poller polls it every 50 us instead of every millisecond. With
+ * nothing of ours in flight it sleeps: aiote peers wake it when they post to it (see "Owned shm
+ * names and wake-ups" in aiote_core.c). Counter watches count by themselves. */
 void aio_waiters_add(aio_engine *e, int32_t delta);
 
 /* Memory interfaces for aio_mr_register_dev. */

@@ -139,3 +139,54 @@ async def test_an_arena_owner_reached_without_direct_copies_goes_through_shm() -
         await peer.wait(imm=79)
         assert await peer.digest("dst") == digest(src)
         assert e.stats()["direct_copies"] == 0
+
+
+async def test_a_finalizer_freeing_while_the_allocator_holds_its_lock_neither_hangs_nor_corrupts() -> None:
+    """The garbage collector runs finalizers on whatever thread allocates, ``alloc`` included:
+    a range freed by one while the arena's own (non-reentrant) lock is held used to take the
+    lock again on the same thread and hang the process. Run in a worker thread under a
+    deadline, so that a regression fails instead of hanging the suite."""
+    import anyio
+
+    async with aiote.open_engine() as e:
+        arena = e._arena
+        assert arena is not None
+
+        def churn() -> None:
+            class Cycle:
+                pass
+
+            # 1. deterministic: a finalizer runs on this thread while the lock is held
+            c = Cycle()
+            c.me, c.a = c, e.alloc_host(3 * 4096)  # type: ignore[attr-defined]
+            del c
+            assert arena.in_use == 3 * 4096
+            with arena._lock:
+                gc.collect()  # frees the range: queued, not merged (the lock is ours)
+            assert arena.in_use == 0
+            assert arena._starts == [0] and arena._lens == [arena.size]
+            # 2. the collector running inside alloc itself (a threshold of 1: at nearly every
+            # allocation), with arrays that only a collection frees
+            old = gc.get_threshold()
+            gc.set_threshold(1, 1, 1)
+            try:
+                keep = []
+                for i in range(3000):
+                    c = Cycle()
+                    c.me, c.a = c, e.alloc_host(4096 * (1 + i % 5))  # type: ignore[attr-defined]
+                    if i % 7 == 0:
+                        keep.append(e.alloc_host(4096))
+                    del c
+                    if len(keep) > 20:
+                        keep.clear()
+                keep.clear()
+            finally:
+                gc.set_threshold(*old)
+            gc.collect()
+
+        with anyio.fail_after(60):
+            await anyio.to_thread.run_sync(churn, abandon_on_cancel=True)
+        assert arena.in_use == 0
+        assert arena._starts == [0] and arena._lens == [arena.size], "the free list lost or doubled a range"
+        b = e.alloc_host(arena.size)  # the whole arena in one piece again
+        assert b is not None and b.size == arena.size and not b.any()

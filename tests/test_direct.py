@@ -11,7 +11,7 @@ from _util import digest, pattern, zeros
 
 import aiote
 from aiote._core._descriptor import MemoryDescriptor
-from aiote.testing import spawn_peer
+from aiote.testing import PeerError, spawn_peer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("need_shm")]
 
@@ -90,3 +90,55 @@ async def test_without_direct_copies_a_same_host_peer_is_reached_over_tcp() -> N
         await e.read(ml, pdesc, timeout=30)
         assert np.array_equal(local, pattern(1 << 20, seed=66))
         assert e.stats()["direct_copies"] == 0
+
+
+async def test_an_unregister_that_gives_up_leaves_the_region_fully_usable() -> None:
+    """``unregister`` refuses new direct copies while it waits for those in flight; when it
+    gives up (``RegionBusy``) the region is as before: registered, and a same-host peer's
+    copies into it are admitted again (they used to be refused for good, the region left
+    half-retired). A later ``unregister`` finishes, and the descriptor goes stale."""
+    import anyio
+
+    size = 128 << 20  # a copy long enough (tens of ms) to be caught in flight
+    async with spawn_peer("tcp") as peer:
+        e = peer.engine
+        await peer.register("src", size, fill="pattern", seed=71)
+        for _attempt in range(5):
+            local = zeros(size)
+            mr = await e.register(local)
+            assert mr.descriptor.direct is not None
+            busy = False
+            refused: list[BaseException] = []
+
+            async def writer(mr: aiote.MemoryRegion = mr, refused: list[BaseException] = refused) -> None:
+                try:  # the peer writes the whole region 4 times, one copy after another
+                    await peer.write("src", mr.descriptor, count=4, imm=9)
+                except PeerError as exc:  # a copy that came while unregister waited
+                    refused.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(writer)
+                await anyio.sleep(0.05)
+                try:
+                    await e.unregister(mr, timeout=0)
+                except aiote.RegionBusy:
+                    busy = True
+            if busy:
+                break
+            # it caught the peer between two copies and unregistered: not what is tested here
+        assert busy, "no unregister caught a copy in flight in 5 attempts"
+        assert mr.registered
+        # only while unregister waited may a copy have been refused, with RemoteAccessError
+        assert all("RemoteAccessError" in str(x) for x in refused), refused
+        # from then on the region is as before: copies are admitted (it stayed refused for good)
+        for _ in range(3):
+            local[:] = 0
+            await peer.write("src", mr.descriptor, imm=10)
+            await e.imm_counter(10).wait(1, timeout=30)
+            assert digest(local) == digest(pattern(size, seed=71))
+        await e.unregister(mr, timeout=30)
+        assert not mr.registered
+        local[:] = 0
+        with pytest.raises(PeerError, match="RemoteAccessError"):
+            await peer.write("src", mr.descriptor, length=4096)
+        assert not local.any()

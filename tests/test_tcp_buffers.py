@@ -86,3 +86,36 @@ async def test_bad_sizes_are_refused_before_anything_opens(bad: object) -> None:
     with pytest.raises(aiote.InvalidArgument, match="tcp_send_buffer"):
         async with aiote.open_engine(tcp_send_buffer=bad):  # type: ignore[arg-type]
             pass
+
+
+async def test_sockets_of_the_application_are_never_tuned() -> None:
+    """The engine finds libfabric's sockets by walking this process's descriptors; addresses
+    alone do not tell them apart: a socket of the application connected over loopback to the
+    peer's tcp listener looked like the engine's connection to it, and got its SO_SNDBUF set.
+    Only the rail's own sockets (those libfabric watches for it) are tuned now."""
+    import socket
+
+    async with spawn_peer("tcp", same_host=None) as peer:
+        e = peer.engine
+        theirs = [r.address for r in EngineAddress.from_bytes(peer.address).rails]
+        assert theirs and all(int.from_bytes(a[:2], "little") == socket.AF_INET for a in theirs)
+        # the application's own connections to the peer engine's listeners, made first
+        mine = [socket.create_connection((socket.inet_ntoa(a[4:8]), port_of(a)), timeout=10) for a in theirs]
+        try:
+            before = [s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for s in mine]
+            assert all(b != kernel_sndbuf(_AUTO) for b in before), before
+            tuned0 = e.stats()["tcp_buffers_set"]
+            await _write_and_check(peer, e, 73)  # the engine connects and tunes its connections
+            after = [s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for s in mine]
+            assert after == before, f"the application's sockets were tuned: {before} -> {after}"
+            # the engine's own connections were tuned, and nothing else was counted
+            ours = {s.getsockname()[1] for s in mine}
+            active = [
+                sndbuf for local, remote, sndbuf in tcp_sockets()
+                if remote is not None and remote[1] in {port_of(a) for a in theirs} and local[1] not in ours
+            ]
+            assert active and set(active) == {kernel_sndbuf(_AUTO)}, active
+            assert e.stats()["tcp_buffers_set"] - tuned0 == len(active)
+        finally:
+            for s in mine:
+                s.close()

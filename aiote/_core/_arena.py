@@ -10,6 +10,7 @@ range that is freed gives its pages back (``MADV_REMOVE``).
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
 import os
 import threading
@@ -27,7 +28,13 @@ class Arena:
     """A first-fit allocator of page-aligned ranges of one shared-memory file.
 
     Thread-safe (ranges are given back by finalizers, on whatever thread the garbage collector
-    runs). Raises ``OSError`` from the constructor where memfds cannot be created or mapped."""
+    runs). Raises ``OSError`` from the constructor where memfds cannot be created or mapped.
+
+    A finalizer may run on a thread that holds the lock already (the garbage collector runs
+    inside any allocation, ``alloc``'s included), and may land in the middle of a change to the
+    free lists: so a finalizer never waits for the lock. It queues the range (``_pending``, a
+    deque: appends are atomic) and settles the queue only if the lock is free; whoever releases
+    the lock settles what was queued meanwhile (``_settle``)."""
 
     def __init__(self, size: int) -> None:
         self.size = -(-size // PAGE) * PAGE
@@ -44,7 +51,14 @@ class Arena:
         self._lock = threading.Lock()
         self._starts: list[int] = [0]  # free ranges, sorted by start, never adjacent
         self._lens: list[int] = [self.size]
-        self.in_use = 0
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()  # freed, not yet merged
+        self._in_use = 0
+
+    @property
+    def in_use(self) -> int:
+        """Bytes handed out and not yet given back."""
+        self._settle()
+        return self._in_use
 
     def close(self) -> None:
         """Closes this process's descriptor of the file (the mapping stays while arrays use it)."""
@@ -58,6 +72,7 @@ class Arena:
         array using it is gone. O(free ranges)."""
         want = max(PAGE, -(-nbytes // PAGE) * PAGE)
         with self._lock:
+            self._drain()
             for i, ln in enumerate(self._lens):
                 if ln >= want:
                     off = self._starts[i]
@@ -66,10 +81,13 @@ class Arena:
                     else:
                         self._starts[i] += want
                         self._lens[i] -= want
-                    self.in_use += want
+                    self._in_use += want
                     break
             else:
-                return None
+                off = -1
+        self._settle()  # ranges a finalizer queued while the lock was held
+        if off < 0:
+            return None
         # views of the returned array keep `flat` alive: numpy collapses a view's base to the
         # first array whose base is not an array, which is `flat` (its base is the mapping)
         flat = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=off)
@@ -78,12 +96,30 @@ class Arena:
         return out
 
     def _free(self, off: int, ln: int) -> None:
+        """A finalizer: never waits for the lock (see the class)."""
         try:
             self._map.madvise(mmap.MADV_REMOVE, off, ln)  # zero pages again, memory given back
         except (OSError, ValueError):  # the mapping is closing with the interpreter
             return
-        with self._lock:
-            self.in_use -= ln
+        self._pending.append((off, ln))
+        self._settle()
+
+    def _settle(self) -> None:
+        """Merges the queued ranges if the lock is free (a holder settles them on release)."""
+        while self._pending and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Merges the queued ranges into the free lists. Caller holds the lock."""
+        while self._pending:
+            try:
+                off, ln = self._pending.popleft()
+            except IndexError:
+                return
+            self._in_use -= ln
             i = bisect.bisect(self._starts, off)
             if i > 0 and self._starts[i - 1] + self._lens[i - 1] == off:  # merge with the one before
                 i -= 1

@@ -60,9 +60,8 @@ from ._util import as_index, check_timeout, deadline_at, now, timeout_error, wai
 
 __all__ = ["Engine", "RailInfo", "ScatterTarget", "Transfer", "TransferBatch", "open_engine"]
 
-# libfabric probes every provider it knows at start-up (0.2-0.5 s of CPU); restrict it to the
-# ones aiote can use unless the user chose otherwise.
-os.environ.setdefault("FI_PROVIDER", "tcp,ofi_rxm,shm,verbs,efa")
+# libfabric probes every provider it knows at start-up; the C core restricts that first probe to
+# the providers aiote can use (unless FI_PROVIDER is set) without changing os.environ (fab_init).
 
 _log = get_logger(component="engine")
 
@@ -898,7 +897,13 @@ class Engine:
         ``timeout`` seconds (``timeout=0``: raise at once), :class:`InvalidArgument` if it is not
         a registered region of this engine, :class:`EngineClosed`. Peers' later accesses fail at
         their side. Costs one native call that closes the provider registration on each NIC
-        (O(NICs)); while the region is busy it polls with back-off from 0.5 ms to 20 ms."""
+        (O(NICs)); while the region is busy it polls with back-off from 0.5 ms to 20 ms.
+
+        While it waits, same-host peers' new direct copies into or out of the region are refused
+        (they fail with :class:`RemoteAccessError` at the peer), so that those in flight drain.
+        If it raises :class:`RegionBusy`, nothing changed: the region is still registered and
+        fully usable by this engine and by every peer (their copies are admitted again), and a
+        later ``unregister`` starts over."""
         h = self._handle()
         if not isinstance(mr, MemoryRegion) or mr._engine is not self:
             raise InvalidArgument("not a memory region of this engine")
@@ -906,28 +911,35 @@ class Engine:
             raise InvalidArgument("the region is already unregistered (unregister each region once)")
         start = now()
         delay = 0.0005
-        while True:
-            if lib.aio_mr_inflight(mr._handle) == 0 and mr._dev_pending == 0:
-                handle, mr._handle = mr._handle, None
-                rc = lib.aio_mr_close(h, handle)
-                if rc == 0:
-                    break
-                mr._handle = handle
-                if rc != -_FI_EBUSY:  # pragma: no cover - the provider refused to close
-                    raise RegionBusy(f"unregister failed: {_strerror(-rc)}")
-                # a same-host peer is copying into or out of it directly (new copies are
-                # refused from now on): wait like for our own requests
-            if timeout is not None and now() - start >= timeout:
-                raise RegionBusy(
-                    f"{int(lib.aio_mr_inflight(mr._handle))} work requests and {mr._dev_pending} GPU copies "
-                    "on the region are still in flight, or a same-host peer is copying into it; wait for "
-                    "them or retry unregister later"
-                )
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 0.02)
-            h = self._handle()
-            if mr._handle is None:
-                raise InvalidArgument("the region was unregistered meanwhile")
+        try:
+            while True:
+                if lib.aio_mr_inflight(mr._handle) == 0 and mr._dev_pending == 0:
+                    handle, mr._handle = mr._handle, None
+                    rc = lib.aio_mr_close(h, handle)
+                    if rc == 0:
+                        break
+                    mr._handle = handle
+                    if rc != -_FI_EBUSY:  # pragma: no cover - the provider refused to close
+                        raise RegionBusy(f"unregister failed: {_strerror(-rc)}")
+                    # a same-host peer is copying into or out of it directly (new copies are
+                    # refused from now on): wait like for our own requests
+                if timeout is not None and now() - start >= timeout:
+                    raise RegionBusy(
+                        f"{int(lib.aio_mr_inflight(mr._handle))} work requests and {mr._dev_pending} GPU "
+                        "copies on the region are still in flight, or a same-host peer is copying into it; "
+                        "wait for them or retry unregister later (the region stays registered and usable)"
+                    )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.02)
+                h = self._handle()
+                if mr._handle is None:
+                    raise InvalidArgument("the region was unregistered meanwhile")
+        except BaseException:
+            # RegionBusy, cancelled, closed: the region stays as it was, fully usable (its
+            # direct copies, refused while this call waited, are admitted again)
+            if mr._handle is not None and not self._closed:
+                lib.aio_mr_reopen(self._h, mr._handle)
+            raise
         self._regions.discard(mr)
         mr._memos.clear()
         if self._gpu is not None:

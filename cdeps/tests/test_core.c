@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1207,6 +1208,49 @@ static int t_idle(fix_t *f) {
 }
 
 
+/* An idle engine with a task of its loop awaiting something (aio_waiters_add: a message or a
+ * counter) sleeps: on shm, which has no wait object, its poller used to look every 50 us (12%
+ * of a core); now the peer wakes it when it posts (shm_wake). An immediate from the peer is
+ * then seen at once, not at the poller's next timed look (sleep_ms, 100 ms). */
+static int t_idle_waiting(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    aio_waiters_add(b->e, 1);
+    sleep_us(300000); /* spin budgets run out */
+    aio_stats s0, s1;
+    aio_get_stats(b->e, &s0);
+    double c0 = cpu_s(), t0 = now_s();
+    sleep_us(1000000);
+    double c1 = cpu_s(), t1 = now_s();
+    aio_get_stats(b->e, &s1);
+    double pct = 100.0 * (c1 - c0) / (t1 - t0);
+    uint64_t polls = s1.polls - s0.polls;
+    uint32_t imm = 0x7300;
+    aio_op_desc d = op_to(a, b, AIO_OP_WRITE, 0, 0, 0, AIO_F_DATA, imm);
+    double dts[5];
+    int rc = 0;
+    for (int i = 0; i < 5 && !rc; i++) {
+        sleep_us(300000); /* asleep again, past the poller's short steps (WAKE_IDLE_NS) */
+        double ts = now_s();
+        rc = run_group(a, &d, 1, NULL) || wait_take(b, imm, U, TIMEOUT);
+        dts[i] = now_s() - ts;
+    }
+    aio_waiters_add(b->e, -1);
+    CHECK(rc == 0, "an immediate to the sleeping engine did not arrive");
+    for (int i = 0; i < 5; i++)
+        for (int j = i + 1; j < 5; j++)
+            if (dts[j] < dts[i]) {
+                double t = dts[i];
+                dts[i] = dts[j], dts[j] = t;
+            }
+    printf("    (a waiter, idle: %.2f%% CPU, %llu polls in %.2f s; immediates seen after %.2f ms (median))\n",
+           pct, (unsigned long long)polls, t1 - t0, dts[2] * 1e3);
+    CHECK(polls < 100, "%llu polls in %.2f s while idle: the poller did not sleep", (unsigned long long)polls,
+          t1 - t0);
+    CHECK(dts[2] < 0.03, "an immediate to a sleeping engine took %.1f ms (median of 5)", dts[2] * 1e3);
+    return 0;
+}
+
+
 
 /* The adaptive spin window: a stream of 1 MiB writes may grow the receiver's window; 8-byte
  * writes 300 to about 400 us apart straight after it (more than ADAPT_SPARSE_NS, less than
@@ -2356,6 +2400,80 @@ static int t_pollers(fix_t *f) {
     return rc;
 }
 
+
+/* The ring full and malloc failing (the core's test hook: the overflow list's malloc fails):
+ * no completion record is lost. N one-write groups are submitted while nothing drains, so
+ * that the ring (4096) fills and more records come: the poller keeps its records and stops
+ * reading completions until the ring has room (backpressure), other threads take reserve
+ * nodes. Then everything is drained: every group's record must come, exactly once. */
+extern _Atomic int aio_test_ovf_malloc_fail;
+static int t_ring_nomem(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    enum { N = 7000 };
+    aio_op_desc d = op_to(a, b, AIO_OP_WRITE, 0, 0, 8, 0, 0);
+    uint64_t tok0 = g_token;
+    g_token += N;
+    uint8_t *seen = calloc(N, 1);
+    CHECK(seen, "oom");
+    pump(a);
+    int ninbox0 = a->ninbox;
+    atomic_store(&aio_test_ovf_malloc_fail, 1);
+    int posted = 0, got = 0, draining = 0, err = 0;
+    int64_t g = -1;
+    double t0 = now_s(), last = now_s();
+    while (got < N) {
+        if (now_s() - t0 > 60) {
+            err = -FI_ETIMEDOUT;
+            break;
+        }
+        if (posted < N) {
+            int64_t r;
+            if (g < 0) {
+                r = aio_submit(a->e, tok0 + (uint64_t)posted, &d, 1, 1000000, &g);
+                if (g < 0) r = 0;
+                else if (r == 1) g = -1;
+            } else {
+                r = aio_post(a->e, g, &d, 1, 1000000);
+                if (r == 1) {
+                    aio_group_seal(a->e, g);
+                    g = -1;
+                }
+            }
+            if (r < 0) {
+                err = (int)r;
+                break;
+            }
+            if (r == 1) {
+                posted++;
+                last = now_s();
+            } else if (now_s() - last > 0.1) {
+                draining = 1; /* the engine holds back: let it go on */
+            }
+        }
+        if (posted == N || draining) {
+            pump(a);
+            for (int i = ninbox0; i < a->ninbox; i++) {
+                aio_record *x = &a->inbox[i];
+                if (x->kind != AIO_REC_GROUP || x->token < tok0 || x->token >= tok0 + N) continue;
+                if (x->status != 0) err = x->status;
+                if (seen[x->token - tok0]++ == 0) got++;
+                memmove(x, x + 1, (size_t)(a->ninbox - i - 1) * sizeof(aio_record));
+                a->ninbox--;
+                i--;
+            }
+            if (posted == N) sleep_us(100);
+        }
+    }
+    atomic_store(&aio_test_ovf_malloc_fail, 0);
+    int twice = 0;
+    for (int i = 0; i < N; i++) twice += seen[i] > 1;
+    free(seen);
+    CHECK(err == 0, "%s (posted %d, records %d)", aio_strerror(err), posted, got);
+    CHECK(got == N && twice == 0, "%d of %d group records came (%d twice)", got, N, twice);
+    printf("    (%s while posting)\n", draining ? "drained" : "not drained");
+    return 0;
+}
+
 static const test_t TESTS[] = {
     {"write_sizes", t_write_sizes},   {"zero_byte_imm", t_zero_byte_imm},
     {"weight", t_weight},             {"counters", t_counters},
@@ -2365,13 +2483,15 @@ static const test_t TESTS[] = {
     {"post_invalid", t_post_invalid}, {"paged", t_paged},
     {"mr_close_busy", t_mr_close_busy}, {"eventfd", t_eventfd},
     {"two_process", t_two_process},   {"remote_error", t_remote_error},
-    {"idle_cpu", t_idle},             {"watch", t_watch},
+    {"idle_cpu", t_idle},             {"idle_waiting", t_idle_waiting},
+    {"watch", t_watch},
     {"register_dev", t_register_dev},
     {"poll_ring", t_poll_ring},       {"submit", t_submit},
     {"submit_quiet", t_submit_quiet}, {"spin_window", t_spin_window},
     {"direct", t_direct},             {"direct_retire", t_direct_retire},
     {"tcp_sndbuf", t_tcp_sndbuf},     {"handed", t_handed},
     {"handed_stall", t_handed_stall}, {"pollers", t_pollers},
+    {"ring_nomem", t_ring_nomem},
 };
 
 static void report(const char *prov, const char *name, int rc, double dt) {
