@@ -1189,7 +1189,13 @@ class Engine:
         # a same-host peer that published the region, over shm: a direct copy by our poller
         # (a memcpy into or out of the peer's arena, else process_vm_writev / readv), checked
         # against the owner's region table; a bare immediate is checked in place (see _host_of)
-        dcode = self._direct(rdesc)[0] if rdesc.direct is not None and mr._dev is None else 0
+        dcode, dkey = self._direct(rdesc) if rdesc.direct is not None and mr._dev is None else _NO_DIRECT
+        dhop = _direct_hop(full, dkey, self._shm_rails) if dcode else None
+        if dhop is not None:
+            # every byte is copied by our poller 0 whatever the stream: one row, on the stream
+            # to the owner's first shm NIC (whose key the table publishes), the immediate with it
+            rail, fa, base, _ = dhop
+            return [(ptr, loc_off, length, fa, base + rem_off, dkey, data, rail, op, flags, dcode)], (dhop,)
         if (
             n > 1
             and self._streams > 1
@@ -1209,6 +1215,7 @@ class Engine:
             hop = opened[start % len(opened)]
             rail, fa, base, key = hop
             dc = dcode if rail in self._shm_rails else 0
+            key = dkey if dc else key
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
         path, n = opened, len(opened)  # NICs not connected yet take nothing until they are
         if len(full) > 1 and flags and length:
@@ -1220,6 +1227,7 @@ class Engine:
         if n == 1 or length < self._stripe_min:
             rail, fa, base, key = path[start % n]
             dc = dcode if rail in self._shm_rails else 0
+            key = dkey if dc else key
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], full
         # striped: n shards, 4 KiB aligned
         chunk = -(-length // n)
@@ -1229,6 +1237,7 @@ class Engine:
             rail, fa, base, key = path[(start + i) % n]
             ln = min(chunk, length - o)
             dc = dcode if rail in self._shm_rails else 0
+            key = dkey if dc else key
             rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, dc))
         return rows, full
 
@@ -1261,7 +1270,11 @@ class Engine:
                 code = ((att + 1) << 16) | x.slot
         if len(self._direct_codes) >= 1024:
             self._direct_codes.clear()
-        out = (code, x.key) if x is not None and code else _NO_DIRECT
+        # the key a direct copy presents: the descriptor's key of the owner's first shm NIC, the
+        # one its table publishes (rows on its other shm streams carry the same, so that a
+        # forged or stale key is refused on every stream)
+        skey = next((k.key for k in rdesc.keys if k.provider == "shm"), 0)
+        out = (code, skey) if x is not None and code else _NO_DIRECT
         self._direct_codes[id(rdesc)] = (rdesc, out)  # holds rdesc: its id cannot be reused meanwhile
         return out
 
@@ -2330,7 +2343,10 @@ class Engine:
             sp, dp = sp[order], dp[order]
         full = self._path(rdesc)
         path = self._router.live(full)
-        dcode = self._direct(rdesc)[0] if rdesc.direct is not None and mr._dev is None else 0
+        dcode, dkey = self._direct(rdesc) if rdesc.direct is not None and mr._dev is None else _NO_DIRECT
+        dhop = _direct_hop(full, dkey, self._shm_rails) if dcode else None
+        if dhop is not None:  # direct copies: one stream, the immediate with the pages (see _rows)
+            full = path = (dhop,)
         if len(path) > 1:  # until every connection is open, pages go only over the open ones
             path = self._open_routes(path, lib.AIO_OP_WRITE)
         credits: dict[tuple[Any, int], int] = {}
@@ -2357,8 +2373,8 @@ class Engine:
             d.routes[i].rail = rail
             d.routes[i].peer = fa
             d.routes[i].rbase = base
-            d.routes[i].rkey = key
-            d.routes[i].direct = dcode if rail in self._shm_rails else 0
+            d.routes[i].direct = dc = dcode if rail in self._shm_rails else 0
+            d.routes[i].rkey = dkey if dc else key
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
@@ -2851,6 +2867,12 @@ def _as_bytes(v: Any, name: str) -> bytes:
     if isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v)
     raise InvalidArgument(f"{name} must be bytes, not {type(v).__name__}")
+
+
+def _direct_hop(full: Any, dkey: int, shm: frozenset[int]) -> Any:
+    """The route of ``full`` to the owner's first shm NIC (the one whose key ``dkey`` its
+    region table publishes), which direct copies take whatever the streams; None if absent."""
+    return next((h for h in full if h[3] == dkey and h[0] in shm), None)
 
 
 def _rails_of(op: _Op) -> frozenset[int]:
