@@ -1298,6 +1298,18 @@ int aio_direct_mark(aio_engine *e, int attach, int32_t slot, int on) {
     return 0;
 }
 
+/* Whether a slot refuses request d: closed (key 0), another key, a range past its region, or
+ * no right for the direction. The key is read first (seq_cst), after the caller's busy mark
+ * when it copies: see direct_copy. */
+static int slot_refuses(direct_slot *s, const aio_op_desc *d) {
+    uint64_t key = atomic_load(&s->key);
+    uint64_t base = atomic_load_explicit(&s->base, memory_order_relaxed);
+    uint64_t len = atomic_load_explicit(&s->len, memory_order_relaxed);
+    uint32_t need = d->op == AIO_OP_READ ? AIO_ACCESS_REMOTE_READ : AIO_ACCESS_REMOTE_WRITE;
+    return key == 0 || key != d->rkey || d->raddr < base || d->raddr - base > len ||
+           d->length > len - (d->raddr - base) || !(atomic_load_explicit(&s->access, memory_order_relaxed) & need);
+}
+
 /* Makes one direct copy (poller 0's thread, the only one that copies: a peer's slot has one busy
  * bit per engine, set and cleared around each copy): 0, or a negative error for its op. */
 static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
@@ -1318,13 +1330,7 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
      * so either it sees our mark and waits, or we see its cleared key and do not copy */
     atomic_fetch_or(&s->busy, bit);
     int rc = 0;
-    uint64_t key = atomic_load(&s->key);
-    uint64_t base = atomic_load_explicit(&s->base, memory_order_relaxed);
-    uint64_t len = atomic_load_explicit(&s->len, memory_order_relaxed);
-    uint32_t need = d->op == AIO_OP_READ ? AIO_ACCESS_REMOTE_READ : AIO_ACCESS_REMOTE_WRITE;
-    if (key == 0 || key != d->rkey || d->raddr < base || d->raddr - base > len ||
-        d->length > len - (d->raddr - base) ||
-        !(atomic_load_explicit(&s->access, memory_order_relaxed) & need)) {
+    if (slot_refuses(s, d)) {
         rc = -FI_EACCES;
     } else if (in_arena(p, d->raddr, d->length)) {
         /* in the peer's arena, mapped here: a plain copy, then a release fence so that whoever
@@ -1371,15 +1377,7 @@ static int direct_check(aio_engine *e, const aio_op_desc *d) {
         atomic_store(&p->dead, 1);
         return -FI_ECONNRESET;
     }
-    direct_slot *s = &p->t->slots[d->direct & 0xffff];
-    uint64_t key = atomic_load(&s->key);
-    uint64_t base = atomic_load_explicit(&s->base, memory_order_relaxed);
-    uint64_t len = atomic_load_explicit(&s->len, memory_order_relaxed);
-    uint32_t need = d->op == AIO_OP_READ ? AIO_ACCESS_REMOTE_READ : AIO_ACCESS_REMOTE_WRITE;
-    if (key == 0 || key != d->rkey || d->raddr < base || d->raddr - base > len ||
-        d->length > len - (d->raddr - base) ||
-        !(atomic_load_explicit(&s->access, memory_order_relaxed) & need))
-        return -FI_EACCES;
+    if (slot_refuses(&p->t->slots[d->direct & 0xffff], d)) return -FI_EACCES;
     return 0;
 }
 

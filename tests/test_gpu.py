@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _cuda import require_cuda
 
 import aiote
 from aiote.testing import digest, pattern, spawn_peer
 
-cupy = pytest.importorskip("cupy")
-try:
-    NGPU = int(cupy.cuda.runtime.getDeviceCount())
-except Exception:  # no driver / no device
-    NGPU = 0
-if NGPU == 0:
-    pytest.skip("no CUDA GPU here", allow_module_level=True)
+cupy, NGPU = require_cuda()
 
 pytestmark = pytest.mark.anyio
 

@@ -14,14 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _cuda import require_cuda
 
-cupy = pytest.importorskip("cupy")
-try:
-    NGPU = int(cupy.cuda.runtime.getDeviceCount())
-except Exception:  # no driver / no device
-    NGPU = 0
-if NGPU == 0:
-    pytest.skip("no CUDA GPU here", allow_module_level=True)
+cupy, NGPU = require_cuda()
 
 from test_moe import Ranks, case, start_ranks, stop_ranks  # noqa: E402
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+from _cuda import require_cuda
 from test_weights import model_2x2, reference
 
 import aiote
@@ -20,13 +21,7 @@ from aiote import weights as W
 from aiote.testing import engine_pair
 from aiote.weights._worker import Worker, spawn_worker
 
-cupy = pytest.importorskip("cupy")
-try:
-    NGPU = int(cupy.cuda.runtime.getDeviceCount())
-except Exception:  # no driver / no device
-    NGPU = 0
-if NGPU == 0:
-    pytest.skip("no CUDA GPU here", allow_module_level=True)
+cupy, NGPU = require_cuda()
 
 pytestmark = pytest.mark.anyio
 
