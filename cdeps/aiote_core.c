@@ -1298,6 +1298,18 @@ int aio_direct_mark(aio_engine *e, int attach, int32_t slot, int on) {
     return 0;
 }
 
+/* Whether an attached peer's process exited or closed its table (its pidfd is readable):
+ * marks it dead for good. A poll of the pidfd, no wait. */
+static int peer_gone(direct_peer *p) {
+    if (atomic_load(&p->dead)) return 1;
+    struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
+    if (poll(&pf, 1, 0) > 0 || atomic_load(&p->t->closed)) {
+        atomic_store(&p->dead, 1);
+        return 1;
+    }
+    return 0;
+}
+
 /* Whether a slot refuses request d: closed (key 0), another key, a range past its region, or
  * no right for the direction. The key is read first (seq_cst), after the caller's busy mark
  * when it copies: see direct_copy. */
@@ -1318,11 +1330,7 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     if (atomic_load(&p->dead)) return -FI_ECONNRESET;
     if (p->checked != run) { /* once per pass: has its process exited (pid reuse)? */
         p->checked = run;
-        struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
-        if (poll(&pf, 1, 0) > 0 || atomic_load(&p->t->closed)) {
-            atomic_store(&p->dead, 1);
-            return -FI_ECONNRESET;
-        }
+        if (peer_gone(p)) return -FI_ECONNRESET;
     }
     direct_slot *s = &p->t->slots[idx];
     uint64_t bit = 1ULL << p->index;
@@ -1367,16 +1375,8 @@ static int direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
  * 0, -FI_EINVAL (bad code), -FI_ECONNRESET (the peer died) or -FI_EACCES. No busy mark: nothing
  * of the region is touched. */
 static int direct_check(aio_engine *e, const aio_op_desc *d) {
-    if ((d->direct >> 16) < 1 || (d->direct >> 16) > atomic_load(&e->ndpeers) ||
-        (d->direct & 0xffff) >= AIO_DIRECT_SLOTS)
-        return -FI_EINVAL;
     direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
-    if (atomic_load(&p->dead)) return -FI_ECONNRESET;
-    struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
-    if (poll(&pf, 1, 0) > 0 || atomic_load(&p->t->closed)) {
-        atomic_store(&p->dead, 1);
-        return -FI_ECONNRESET;
-    }
+    if (peer_gone(p)) return -FI_ECONNRESET;
     if (slot_refuses(&p->t->slots[d->direct & 0xffff], d)) return -FI_EACCES;
     return 0;
 }
@@ -3387,8 +3387,8 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     if (it->offset > m->len || it->length > m->len - it->offset) return -FI_EINVAL;
     /* a direct copy: one local piece, at least one byte (a bare immediate goes the provider's way) */
     int direct = it->direct != 0 && ngather <= 1 && it->length > 0;
-    if (direct && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
-                   (it->direct & 0xffff) >= AIO_DIRECT_SLOTS))
+    if (it->direct != 0 && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
+                            (it->direct & 0xffff) >= AIO_DIRECT_SLOTS))
         return -FI_EINVAL;
     if (it->direct != 0 && !direct) {
         /* a request to a same-host peer that is no copy: several gathered pieces (never formed

@@ -72,6 +72,8 @@ _CREDIT_MSG = struct.Struct("<BQIQ")  # internal credit message: kind, sequence 
 _K_CREDIT = 2  # (kind 1: a GPU staging part, aiote/_core/_gpu.py)
 _K_CREDIT_BYTE = bytes([_K_CREDIT])
 _CREDITS_SEEN_MAX = 1 << 16  # credit messages remembered for de-duplication
+# deferred credits of multi-route operations: (path, imm, owner's address) -> logical writes
+_Credits = dict[tuple[Any, int, EngineAddress], int]
 _MSG_HEADER = struct.Struct("<H")  # the sender's address length; the top bit marks internal messages
 _INTERNAL = 0x8000
 _GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_direct", "gpu_parts_in")
@@ -320,9 +322,8 @@ class Engine:
         self._budget_ns = post_budget_ns
         self._failovers = 0
         self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
-        self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (credits)
+        self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (a cache)
         self._credit_seq = itertools.count(int.from_bytes(os.urandom(6), "little") << 16)
-        self._credit_ids: dict[tuple[int, Any], int] = {}  # credits being sent: their numbers
         self._credits_seen: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
@@ -986,7 +987,7 @@ class Engine:
         host = rdesc.host_id
         if host != self._address.host_id or not self._shm_rails or rdesc.device_kind != DEVICE_HOST:
             return host
-        if self._router.provider_for([k.provider for k in rdesc.keys], host) not in ("shm",):
+        if self._router.provider_for([k.provider for k in rdesc.keys], host) != "shm":
             return host
         if rdesc.direct is not None and self._direct(rdesc)[0]:
             return host
@@ -1148,7 +1149,7 @@ class Engine:
         dst_offset: int,
         imm: int | None,
         op: int,
-        credits: dict[tuple[Any, int], int] | None = None,
+        credits: _Credits | None = None,
         gpu_ok: bool = False,
         load: int = 0,
         note: list[bool] | None = None,
@@ -1193,7 +1194,9 @@ class Engine:
         dhop = _direct_hop(full, dkey, self._shm_rails) if dcode else None
         if dhop is not None:
             # every byte is copied by our poller 0 whatever the stream: one row, on the stream
-            # to the owner's first shm NIC (whose key the table publishes), the immediate with it
+            # to the owner's first shm NIC (whose key the table publishes), the immediate with it.
+            # Below this, no row is a direct copy (the rows of a same-host peer without a table
+            # never come here: _host_of routes such a peer over the main provider)
             rail, fa, base, _ = dhop
             return [(ptr, loc_off, length, fa, base + rem_off, dkey, data, rail, op, flags, dcode)], (dhop,)
         if (
@@ -1214,21 +1217,17 @@ class Engine:
             # adds work requests and a credit message and moves nothing faster
             hop = opened[start % len(opened)]
             rail, fa, base, key = hop
-            dc = dcode if rail in self._shm_rails else 0
-            key = dkey if dc else key
-            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], (hop,)
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], (hop,)
         path, n = opened, len(opened)  # NICs not connected yet take nothing until they are
         if len(full) > 1 and flags and length:
             if credits is None:
                 raise AssertionError("a multi-NIC write with an immediate needs a credit list")
-            credits[(full, data)] = credits.get((full, data), 0) + 1
-            self._owner_of(full, rdesc)
+            ckey = (full, data, self._owner_of(full, rdesc))
+            credits[ckey] = credits.get(ckey, 0) + 1
             data = flags = 0
         if n == 1 or length < self._stripe_min:
             rail, fa, base, key = path[start % n]
-            dc = dcode if rail in self._shm_rails else 0
-            key = dkey if dc else key
-            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, dc)], full
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], full
         # striped: n shards, 4 KiB aligned
         chunk = -(-length // n)
         chunk = -(-chunk // 4096) * 4096
@@ -1236,9 +1235,7 @@ class Engine:
         for i, o in enumerate(range(0, length, chunk)):
             rail, fa, base, key = path[(start + i) % n]
             ln = min(chunk, length - o)
-            dc = dcode if rail in self._shm_rails else 0
-            key = dkey if dc else key
-            rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, dc))
+            rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, 0))
         return rows, full
 
     def _direct(self, rdesc: MemoryDescriptor) -> tuple[int, int]:
@@ -1343,7 +1340,7 @@ class Engine:
             self._routes_opening.discard((rail, fa))
 
     async def _then_credit(
-        self, data: Awaitable[None], credits: dict[tuple[Any, int], int], end: float | None, what: str,
+        self, data: Awaitable[None], credits: _Credits, end: float | None, what: str,
         rows: int,
     ) -> None:
         """Awaits ``data`` (the ``rows`` requests of an operation over several routes), then
@@ -1374,7 +1371,7 @@ class Engine:
         await self._send_credits(credits, end, what)
 
     def _credit_after_cancel(
-        self, groups: list[_Op], rows: int, credits: dict[tuple[Any, int], int], what: str
+        self, groups: list[_Op], rows: int, credits: _Credits, what: str
     ) -> None:
         """After a cancellation: when the groups of the operation (those not moved to other
         NICs by a failover) had posted all its ``rows`` requests, a background task sends its
@@ -1392,7 +1389,7 @@ class Engine:
 
         self._credits_later(credits, what, "cancellation", landed)
 
-    def _credit_later(self, exc: TransferTimeout, credits: dict[tuple[Any, int], int], what: str) -> None:
+    def _credit_later(self, exc: TransferTimeout, credits: _Credits, what: str) -> None:
         """Sends ``credits`` from a background task once the timed-out operation of ``exc``
         has settled and every request of it landed; ``exc.settled()`` then waits for that task."""
         settle, landed = exc._waiter, exc._landed
@@ -1403,38 +1400,30 @@ class Engine:
 
         exc._waiter = self._credits_later(credits, what, "timeout", all_landed).wait
 
-    async def _send_credits(self, credits: dict[tuple[Any, int], int], end: float | None, what: str) -> None:
+    async def _send_credits(
+        self, credits: _Credits, end: float | None, what: str, seqs: dict[Any, int] | None = None
+    ) -> None:
         """Sends deferred credits (see :meth:`_rows`): one internal message per (peer, imm)
         carrying the credits and a sequence number that the peer's engine counts once
         (:meth:`_on_credit`). A message, not a zero-byte write: a write stranded on a NIC that
         lost its link can still land when the link comes back, after its copy was re-posted on
-        another NIC, and be counted twice; a message posted twice is still counted once. The
-        sequence numbers are drawn once per credit (``_credit_ids``), so the background task
-        that finishes a cancelled send reuses them. Cancelled meanwhile: the credits not sent
-        yet are sent by a background task (the data they count has landed), so the operation
-        is still counted once."""
+        another NIC, and be counted twice; a message posted twice is still counted once.
+        ``seqs`` (credit key -> number) keeps the numbers drawn for these credits: cancelled
+        meanwhile, the credits not sent yet go from a background task with the same numbers (a
+        message already out counts once), so the operation is still counted once."""
+        seqs = {} if seqs is None else seqs
         left = dict(credits)
         try:
             for key, n in credits.items():
-                full, imm = key
-                owner = self._owners.get(full)
-                if owner is None:  # not known any more (a full map was cleared): cannot be sent
-                    raise TransferError(f"{what}: the owner of the region to credit is not known", 0, 0)
-                seq = self._credit_ids.setdefault((id(credits), key), next(self._credit_seq))
+                _, imm, owner = key
+                seq = seqs.setdefault(key, next(self._credit_seq))
                 payload = _CREDIT_MSG.pack(_K_CREDIT, seq, imm, n * _CREDIT)
                 await self._send_msg(owner, payload, _left(end), None, internal=True)
                 del left[key]
         except BaseException as exc:
             if left and isinstance(exc, anyio.get_cancelled_exc_class()) and not self._closed:
-                for k in left:  # the same numbers for the rest: a message already out counts once
-                    known = self._credit_ids.get((id(credits), k))
-                    if known is not None:
-                        self._credit_ids[(id(left), k)] = known
-                self._credits_later(left, what, "cancellation")
+                self._credits_later(left, what, "cancellation", seqs=seqs)
             raise
-        finally:
-            for key in credits:
-                self._credit_ids.pop((id(credits), key), None)
 
     def _on_credit(self, sender: bytes, payload: bytes) -> None:
         """An internal credit message (see :meth:`_send_credits`): adds its credits to the
@@ -1452,19 +1441,23 @@ class Engine:
             self._credits_seen.popitem(last=False)
         lib.aio_counter_add(self._h, imm, units)
 
-    def _owner_of(self, full: Any, rdesc: MemoryDescriptor) -> None:
-        """Remembers whose region a multi-route path reaches (the credit message goes there)."""
-        if full not in self._owners:
+    def _owner_of(self, full: Any, rdesc: MemoryDescriptor) -> EngineAddress:
+        """The address of the engine that a multi-route path reaches (its credit messages go
+        there), cached per path: building it from the descriptor costs O(NICs)."""
+        owner = self._owners.get(full)
+        if owner is None:
             if len(self._owners) >= 4096:
                 self._owners.clear()
-            self._owners[full] = rdesc.address
+            owner = self._owners[full] = rdesc.address
+        return owner
 
     def _credits_later(
         self,
-        credits: dict[tuple[Any, int], int],
+        credits: _Credits,
         what: str,
         after: str,
         landed: Callable[[], Awaitable[bool]] | None = None,
+        seqs: dict[Any, int] | None = None,
     ) -> Any:
         """Sends the credits of an operation that timed out or was cancelled (``after``) from a
         background task: once ``landed()`` says its data is all in place (None: it is), unless
@@ -1474,7 +1467,7 @@ class Engine:
         async def later() -> None:
             try:
                 if (landed is None or await landed()) and not self._closed:
-                    await self._send_credits(credits, None, f"{what} (credit after its {after})")
+                    await self._send_credits(credits, None, f"{what} (credit after its {after})", seqs)
             except Exception as err:  # the peer is gone or the engine closed: never counted
                 self._log.info("a transfer's credit was not sent", what=what, after=after, error=str(err))
             finally:
@@ -1983,7 +1976,7 @@ class Engine:
     ) -> None:
         """A write between the NIC-registered memories (a GPU region's shadow included).
         ``key``: the caller's arguments, to memoize a host write over one route."""
-        credits: dict[tuple[Any, int], int] = {}
+        credits: _Credits = {}
         rows, full = self._rows(
             mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits, gpu_ok=True
         )
@@ -2090,7 +2083,7 @@ class Engine:
                 ),
                 "write",
             )
-        credits: dict[tuple[Any, int], int] = {}
+        credits: _Credits = {}
         rows, full = self._rows(
             mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits, gpu_ok=True
         )
@@ -2349,10 +2342,9 @@ class Engine:
             full = path = (dhop,)
         if len(path) > 1:  # until every connection is open, pages go only over the open ones
             path = self._open_routes(path, lib.AIO_OP_WRITE)
-        credits: dict[tuple[Any, int], int] = {}
+        credits: _Credits = {}
         if flags and len(full) > 1:  # counting rule: the credit follows the data (see _rows)
-            credits[(full, data)] = n
-            self._owner_of(full, rdesc)
+            credits[(full, data, self._owner_of(full, rdesc))] = n
             data = flags = 0
         d = ffi.new("aio_paged_desc*")
         d.mr = mr._handle
@@ -2373,8 +2365,8 @@ class Engine:
             d.routes[i].rail = rail
             d.routes[i].peer = fa
             d.routes[i].rbase = base
-            d.routes[i].direct = dc = dcode if rail in self._shm_rails else 0
-            d.routes[i].rkey = dkey if dc else key
+            d.routes[i].rkey = key
+            d.routes[i].direct = dcode if dhop is not None else 0
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
@@ -2413,7 +2405,7 @@ class Engine:
         what: str,
         full: Any,
         rails: set[int],
-        credits: dict[tuple[Any, int], int],
+        credits: _Credits,
         mr: MemoryRegion,
         sp: np.ndarray,
         dp: np.ndarray,
@@ -2463,7 +2455,7 @@ class Engine:
         if imm is not None:
             as_index(imm, "imm", hi=_U32)  # checked even when there is no target
         rows: list[tuple[int, ...]] = []
-        credits: dict[tuple[Any, int], int] = {}
+        credits: _Credits = {}
         for i, t in enumerate(targets):
             if not isinstance(t, ScatterTarget):
                 raise InvalidArgument(f"targets[{i}] must be an aiote.ScatterTarget, not {type(t).__name__}")
@@ -2916,7 +2908,7 @@ class TransferBatch:
         self._engine = engine
         self._table = np.zeros(16, _OP_DTYPE)
         self._n = 0
-        self._credits: dict[tuple[Any, int], int] = {}  # multi-NIC peers: sent after the data
+        self._credits: _Credits = {}  # multi-NIC peers: sent after the data
         self._refs: set[MemoryRegion] = set()
         self._entries = 0  # transfers added (a striped one is several rows)
         # transfers to peers of several routes whose rows depend on the batch's final size or
@@ -2941,7 +2933,7 @@ class TransferBatch:
     def _append(self, mr: MemoryRegion, args: tuple[Any, ...]) -> None:
         """Validates and adds one transfer (``args``: :meth:`Engine._rows`' from ``remote``
         to ``op``), remembering it when its rows may change by :meth:`_place`."""
-        credits: dict[tuple[Any, int], int] = {}
+        credits: _Credits = {}
         rows, settled = self._rows_of((mr, *args), credits, self._n)
         first = self._n
         self._add(rows)
@@ -2953,7 +2945,7 @@ class TransferBatch:
         self._entries += 1
 
     def _rows_of(
-        self, spec: tuple[Any, ...], credits: dict[tuple[Any, int], int], load: int
+        self, spec: tuple[Any, ...], credits: _Credits, load: int
     ) -> tuple[list[tuple[int, ...]], bool]:
         """The rows of one transfer (``spec``: :meth:`Engine._rows`' arguments from ``mr`` to
         ``op``), and whether they are settled (see :meth:`_place`)."""
@@ -2984,7 +2976,7 @@ class TransferBatch:
         total = self._credits.copy()
         pos = shift = 0
         for first, count, args, old in self._moving:  # built aside: nothing changes if one raises
-            credits: dict[tuple[Any, int], int] = {}
+            credits: _Credits = {}
             rows, settled = self._rows_of(args, credits, self._entries)
             pieces.append(self._table[pos:first])
             pieces.append(eng._table(rows))
@@ -3106,7 +3098,7 @@ class TransferBatch:
     async def _submit(
         self,
         table: np.ndarray,
-        credits: dict[tuple[Any, int], int],
+        credits: _Credits,
         timeout: float | None,
         retry: RetryPolicy | None,
     ) -> None:
