@@ -73,10 +73,14 @@
 #define WAKE_IDLE_NS 200000000LL
 /* a post waiting for room stops driving the rail itself after this long without a completion */
 #define POST_IDLE_NS 20000LL
-/* Requests handed to the poller (post_item_g): only to peers whose address is below DEFER_PEERS
- * and whose connection has carried a request since its last failure; one that the provider
- * still refuses (queue full, reconnecting) after DEFER_STALL_NS fails as "timed out". */
-#define DEFER_PEERS 256
+/* Requests handed to the poller (post_item_g): only to peers whose connection has carried a
+ * request since its last failure (a flag per address, in chunks of DEFER_CHUNK allocated at a
+ * peer's first post and kept until the rail closes: a lock-free read for the poller; addresses
+ * past DEFER_PEERS, which libfabric's reuse of removed addresses keeps out of reach for bounded
+ * peer sets, are posted in place); one that the provider still refuses (queue full,
+ * reconnecting) after DEFER_STALL_NS fails as "timed out". */
+#define DEFER_CHUNK 256
+#define DEFER_PEERS 65536
 #define DEFER_STALL_NS 1000000000LL
 /* By default (hand mode 0) a tcp write of at least this many bytes is always handed to the
  * poller: its bytes go into the socket from the poller's thread, never from the posting one
@@ -158,7 +162,7 @@ typedef struct aio_rail {
     pthread_mutex_t mu;
     pthread_mutex_t pool_mu;      /* the op pool only (op_get, op_put): innermost, held briefly */
     _Atomic int32_t ndeferred;    /* requests queued for the poller to post (post_item_g) */
-    _Atomic uint8_t defer_ok[DEFER_PEERS]; /* a request to this peer may be handed to the poller */
+    _Atomic(_Atomic uint8_t *) defer_ok[DEFER_PEERS / DEFER_CHUNK]; /* see defer_get */
     int index;
     struct fi_info *info;
     struct fid_fabric *fabric;
@@ -207,6 +211,25 @@ typedef struct aio_rail {
     _Atomic int link_up;
     int poller; /* the poller thread that drives it (aio_engine_add_rail: rail index % pollers) */
 } aio_rail;
+
+/* Whether a request to `peer` may be handed to the poller (see DEFER_PEERS): lock-free. */
+static int defer_get(aio_rail *r, uint64_t peer) {
+    if (peer >= DEFER_PEERS) return 0;
+    _Atomic uint8_t *c = atomic_load(&r->defer_ok[peer / DEFER_CHUNK]);
+    return c ? atomic_load(&c[peer % DEFER_CHUNK]) : 0;
+}
+
+/* Sets the flag; a chunk is allocated when set to 1 the first time (caller holds r->mu). */
+static void defer_set(aio_rail *r, uint64_t peer, uint8_t on) {
+    if (peer >= DEFER_PEERS) return;
+    _Atomic uint8_t *c = atomic_load(&r->defer_ok[peer / DEFER_CHUNK]);
+    if (!c) {
+        if (!on || !(c = calloc(DEFER_CHUNK, 1))) return;
+        atomic_store(&r->defer_ok[peer / DEFER_CHUNK], c);
+    }
+    atomic_store(&c[peer % DEFER_CHUNK], on);
+}
+
 
 struct aio_mr {
     void *buf;
@@ -850,7 +873,7 @@ static inline void inflight_add(aio_engine *e, aio_rail *r, int64_t d) {
 static void complete_op(aio_engine *e, aio_rail *r, aio_op *op, int status, int prov_errno) {
     if (op->mr) atomic_fetch_sub(&op->mr->inflight, 1);
     if (op->kind == OPK_SEND) r->send_free[r->send_nfree++] = op->slot;
-    else if (status && op->peer < DEFER_PEERS) atomic_store(&r->defer_ok[op->peer], 0);
+    else if (status) defer_set(r, op->peer, 0);
     int64_t g = op->group;
     op_put(r, op);
     inflight_add(e, r, -1);
@@ -1170,11 +1193,14 @@ int aio_direct_attach(aio_engine *e, const aio_direct_info *pi, char *err, size_
     int n = atomic_load(&e->ndpeers);
     for (int i = 0; i < n; i++) {
         direct_peer *p = &e->dpeers[i];
-        if (p->pid == pi->pid && p->nonce == pi->nonce && !atomic_load(&p->dead)) {
+        if (p->t && p->pid == pi->pid && p->nonce == pi->nonce && !atomic_load(&p->dead)) {
             pthread_mutex_unlock(&e->dmu);
             return i;
         }
     }
+    int slot = n; /* an entry freed by aio_direct_detach is reused first */
+    for (int i = 0; i < n && slot == n; i++)
+        if (e->dpeers && !e->dpeers[i].t) slot = i;
     int ret = 0;
     int fd = -1, pidfd = -1, index = -1;
     direct_table *t = MAP_FAILED;
@@ -1183,7 +1209,7 @@ int aio_direct_attach(aio_engine *e, const aio_direct_info *pi, char *err, size_
         ret = -FI_ENOMEM;
         goto out;
     }
-    if (n >= AIO_DIRECT_ATTACH) {
+    if (slot >= AIO_DIRECT_ATTACH) {
         set_err(err, errlen, "this engine is attached to %d peers' tables already", n);
         ret = -FI_ENOSPC;
         goto out;
@@ -1266,7 +1292,7 @@ int aio_direct_attach(aio_engine *e, const aio_direct_info *pi, char *err, size_
         }
         amap = am;
     }
-    direct_peer *p = &e->dpeers[n];
+    direct_peer *p = &e->dpeers[slot];
     p->amap = amap;
     p->abase = t->arena_base;
     p->alen = alen;
@@ -1278,9 +1304,9 @@ int aio_direct_attach(aio_engine *e, const aio_direct_info *pi, char *err, size_
     atomic_store(&p->dead, 0);
     p->checked = 0;
     close(fd);
-    atomic_store(&e->ndpeers, n + 1);
+    if (slot == n) atomic_store(&e->ndpeers, n + 1);
     pthread_mutex_unlock(&e->dmu);
-    return n;
+    return slot;
 out:
     if (fd >= 0) close(fd);
     if (pidfd >= 0) close(pidfd);
@@ -1289,8 +1315,44 @@ out:
     return ret;
 }
 
+/* Lets go of a peer's table: our busy marks and our place in it, its mappings and its pidfd.
+ * The entry is reused by a later attach. Caller's promise: nothing of ours to that peer is
+ * queued or in flight, and no direct code naming it will be posted again. */
+static void dpeer_release(direct_peer *p) {
+    int32_t me = (int32_t)getpid();
+    for (int k = 0; k < AIO_DIRECT_SLOTS; k++) atomic_fetch_and(&p->t->slots[k].busy, ~(1ULL << p->index));
+    atomic_compare_exchange_strong(&p->t->peers[p->index], &me, 0);
+    munmap(p->t, sizeof(direct_table));
+    if (p->amap) munmap(p->amap, p->alen);
+    close(p->pidfd);
+    p->t = NULL, p->amap = NULL, p->pid = 0, p->pidfd = -1;
+}
+
+int aio_direct_detach(aio_engine *e, int attach) {
+    pthread_mutex_lock(&e->dmu);
+    int ret = -FI_EINVAL;
+    if (attach >= 0 && attach < atomic_load(&e->ndpeers) && e->dpeers[attach].t) {
+        dpeer_release(&e->dpeers[attach]);
+        ret = 0;
+    }
+    pthread_mutex_unlock(&e->dmu);
+    return ret;
+}
+
+static int peer_gone(direct_peer *p);
+
+int aio_direct_gone(aio_engine *e, int attach) {
+    pthread_mutex_lock(&e->dmu);
+    int ret = -FI_EINVAL;
+    if (attach >= 0 && attach < atomic_load(&e->ndpeers) && e->dpeers[attach].t)
+        ret = peer_gone(&e->dpeers[attach]);
+    pthread_mutex_unlock(&e->dmu);
+    return ret;
+}
+
 int aio_direct_mark(aio_engine *e, int attach, int32_t slot, int on) {
-    if (attach < 0 || attach >= atomic_load(&e->ndpeers) || slot < 0 || slot >= AIO_DIRECT_SLOTS)
+    if (attach < 0 || attach >= atomic_load(&e->ndpeers) || slot < 0 || slot >= AIO_DIRECT_SLOTS ||
+        !e->dpeers[attach].t)
         return -FI_EINVAL;
     direct_peer *p = &e->dpeers[attach];
     if (on) atomic_fetch_or(&p->t->slots[slot].busy, 1ULL << p->index);
@@ -1604,7 +1666,7 @@ static int direct_run(aio_poller *q) {
                     op->dsince = t;
                     atomic_fetch_add_explicit(&e->st_handed_waited, 1, memory_order_relaxed);
                 }
-                if ((d->peer < DEFER_PEERS && !atomic_load(&r->defer_ok[d->peer])) ||
+                if (!defer_get(r, d->peer) ||
                     t - op->dsince > DEFER_STALL_NS)
                     ret = -FI_ETIMEDOUT;
             }
@@ -1643,14 +1705,8 @@ static int direct_run(aio_poller *q) {
 }
 
 static void direct_destroy(aio_engine *e) {
-    for (int i = 0; i < atomic_load(&e->ndpeers); i++) {
-        direct_peer *p = &e->dpeers[i];
-        int32_t me = (int32_t)getpid();
-        atomic_compare_exchange_strong(&p->t->peers[p->index], &me, 0);
-        munmap(p->t, sizeof(direct_table));
-        if (p->amap) munmap(p->amap, p->alen);
-        close(p->pidfd);
-    }
+    for (int i = 0; i < atomic_load(&e->ndpeers); i++)
+        if (e->dpeers[i].t) dpeer_release(&e->dpeers[i]);
     free(e->dpeers);
     if (e->dtab) { /* closed since aio_engine_destroy began */
         munmap(e->dtab, sizeof(direct_table));
@@ -2515,6 +2571,7 @@ static void rail_free(aio_rail *r) {
     free(r->send_buf);
     free(r->send_free);
     free(r->tune_tries);
+    for (int i = 0; i < DEFER_PEERS / DEFER_CHUNK; i++) free((void *)atomic_load(&r->defer_ok[i]));
     shm_own_release(r); /* after the endpoint's own file is gone (fi_close above) */
     pthread_mutex_destroy(&r->mu);
     pthread_mutex_destroy(&r->pool_mu);
@@ -3113,13 +3170,21 @@ int aio_rail_get_info(aio_engine *e, int rail, aio_rail_info *o) {
     return 0;
 }
 
+/* What the rail keeps per peer address (how to wake it, tuning tries, the hand-over flag):
+ * reset when the address is removed or reused. Caller holds r->mu. */
+static void addr_forget(aio_rail *r, fi_addr_t fa) {
+    if (fa < r->wcap) shm_wpeer_forget(&r->wpeers[fa]);
+    if (fa < r->tune_cap) r->tune_tries[fa] = 0;
+    defer_set(r, fa, 0);
+}
+
 int aio_av_insert(aio_engine *e, int rail, const void *addr, size_t len, uint64_t *fi_addr) {
     if (rail < 0 || rail >= e->nrails || !addr || len == 0) return -FI_EINVAL;
     aio_rail *r = e->rails[rail];
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
     pthread_mutex_lock(&r->mu);
     int ret = fi_av_insert(r->av, addr, 1, &fa, 0, NULL);
-    if (ret == 1 && fa < r->wcap) shm_wpeer_forget(&r->wpeers[fa]); /* a reused address */
+    if (ret == 1) addr_forget(r, fa); /* a reused address starts afresh */
     pthread_mutex_unlock(&r->mu);
     if (ret != 1) return ret < 0 ? ret : -FI_EINVAL;
     *fi_addr = fa;
@@ -3132,7 +3197,7 @@ int aio_av_remove(aio_engine *e, int rail, uint64_t fi_addr) {
     fi_addr_t fa = fi_addr;
     pthread_mutex_lock(&r->mu);
     int ret = fi_av_remove(r->av, &fa, 1, 0);
-    if (fa < r->wcap) shm_wpeer_forget(&r->wpeers[fa]);
+    addr_forget(r, fa);
     pthread_mutex_unlock(&r->mu);
     return ret;
 }
@@ -3355,7 +3420,7 @@ static int hold_rail(rail_hold *h, aio_rail *r, int how) {
  * the poller again. */
 static void posted_to(aio_engine *e, aio_rail *r, uint64_t peer) {
     if (r->is_tcp && e->sndbuf > 0) tcp_tune_peer(e, r, peer);
-    if (peer < DEFER_PEERS) atomic_store(&r->defer_ok[peer], 1);
+    defer_set(r, peer, 1);
 }
 
 /* Takes an op for `it` and counts it in flight (group, region, engine). */
@@ -3388,7 +3453,8 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     /* a direct copy: one local piece, at least one byte (a bare immediate goes the provider's way) */
     int direct = it->direct != 0 && ngather <= 1 && it->length > 0;
     if (it->direct != 0 && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
-                            (it->direct & 0xffff) >= AIO_DIRECT_SLOTS))
+                            (it->direct & 0xffff) >= AIO_DIRECT_SLOTS ||
+                            !e->dpeers[(it->direct >> 16) - 1].t))
         return -FI_EINVAL;
     if (it->direct != 0 && !direct) {
         /* a request to a same-host peer that is no copy: several gathered pieces (never formed
@@ -3407,7 +3473,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
      * loop), and that thread became the bottleneck at 64 KiB and 16 MiB (aiote bench, 2 vCPUs) */
     int hand = atomic_load_explicit(&e->hand_posts, memory_order_relaxed);
     int how = HOLD_WAIT;
-    if (hand >= 0 && !direct && ngather <= 1 && it->peer < DEFER_PEERS && atomic_load(&r->defer_ok[it->peer])) {
+    if (hand >= 0 && !direct && ngather <= 1 && defer_get(r, it->peer)) {
         if (hand > 0)
             how = HOLD_NONE;
         else if (r->is_tcp)

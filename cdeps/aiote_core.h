@@ -232,6 +232,12 @@ int aio_engine_enable_direct(aio_engine *e, char *err, size_t errlen);
 int aio_direct_info_get(aio_engine *e, aio_direct_info *out);
 int32_t aio_mr_direct_slot(aio_mr *mr);
 int aio_direct_attach(aio_engine *e, const aio_direct_info *peer, char *err, size_t errlen);
+/* aio_direct_detach: lets go of an attached table (its entry is reused by a later attach);
+ * the caller has nothing queued or in flight to it and posts no code naming it again.
+ * aio_direct_gone: 1 when the peer's process exited or closed its table, 0 when not. Both
+ * -FI_EINVAL for an index not attached. */
+int aio_direct_detach(aio_engine *e, int attach);
+int aio_direct_gone(aio_engine *e, int attach);
 /* Arenas. An engine with a table may publish one arena: a memfd of `len` bytes that this
  * process maps (MAP_SHARED, page-aligned) at `base`. Peers that attach map it as well, and a
  * direct copy whose peer range lies in the arena is a memcpy by the initiator's poller, under

@@ -12,6 +12,7 @@ import operator
 import os
 import struct
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
@@ -54,6 +55,7 @@ from ._errors import (
 from ._gpu import GpuSupport, UvmWatcher
 from ._log import get_logger
 from ._memory import MemoryRegion, host_buffer
+from ._peers import PeerBook
 from ._retry import RetryPolicy
 from ._routing import DomainGroup, Route, Router, addr_ends
 from ._util import as_index, check_timeout, deadline_at, now, timeout_error, wait_until
@@ -189,7 +191,9 @@ class ScatterTarget:
 
 
 class _Op:
-    __slots__ = ("alts", "done", "event", "failover", "g", "posted", "prov_errno", "rails", "refs", "status")
+    __slots__ = (
+        "alts", "done", "event", "failover", "g", "names", "posted", "prov_errno", "rails", "refs", "status"
+    )
 
     def __init__(self, refs: Any, event: Any) -> None:
         self.event = event
@@ -202,6 +206,9 @@ class _Op:
         self.rails: set[int] | None = None
         self.alts: frozenset[int] = frozenset()  # every rail of its peer's path
         self.failover = False  # woken because a rail of it lost its link
+        # the (rail, fi_addr) pairs its rows name, where known (a connection's opening): the
+        # engine may forget other peers while it is pending (see _maybe_sweep)
+        self.names: frozenset[tuple[int, int]] | None = None
 
 
 class _Group:
@@ -294,6 +301,7 @@ class Engine:
         same_host_direct: bool = True,
         arena: Arena | None = None,
         message_slots: int = 16,
+        max_peers: int = 1024,
     ) -> None:
         self._h = handle
         self._arena = arena
@@ -331,7 +339,9 @@ class Engine:
         self._opening = 0  # transfers in _run: seen by _rows before their groups open
         self._counters: dict[int, ImmCounter] = {}
         self._regions: set[MemoryRegion] = set()
-        self._peers: dict[tuple[int, bytes], int] = {}
+        self._book = PeerBook(max_peers)  # resolved peer addresses, forgotten by _sweep
+        self._busy = 0  # operations in _attempts (their rows may be posted again after a pause)
+        self._batches: weakref.WeakSet[TransferBatch] = weakref.WeakSet()  # rows they keep name peers
         self._desc_paths: dict[int, tuple[MemoryDescriptor, tuple[tuple[int, int, int, int], ...]]] = {}
         self._imm_memos: dict[tuple[int, int], Any] = {}  # single-route write_imms (see _memo_post)
         self._inbox: deque[tuple[bytes, bytes] | _Held] = deque()
@@ -467,7 +477,8 @@ class Engine:
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._pending),
             "regions": len(self._regions),
-            "peers": len(self._peers),
+            "peers": len(self._book),
+            "peers_forgotten": self._book.forgotten,
             "routes_open": len(self._routes_open),
             "routes_opening": len(self._routes_opening),
             "failovers": self._failovers,
@@ -499,14 +510,18 @@ class Engine:
         _check_retry(retry)
         end = _end(timeout)
         token = _POLICY.set(retry) if retry is not None else None
+        self._busy += 1
         try:
             try:
                 await attempt(timeout)
             except PeerUnreachable as exc:
                 await self._retry_after(exc, attempt, end, retry or self._retry, what)
         finally:
+            self._busy -= 1
             if token is not None:
                 _POLICY.reset(token)
+            if self._book.due:
+                self._maybe_sweep()
 
     async def _retry_after(
         self,
@@ -951,7 +966,7 @@ class Engine:
 
     def _peer(self, rail: int, address: bytes) -> int:
         key = (rail, address)
-        fa = self._peers.get(key)
+        fa = self._book.get(key)
         if fa is None:
             out = ffi.new("uint64_t*")
             rc = lib.aio_av_insert(self._h, rail, address, len(address), out)
@@ -960,8 +975,87 @@ class Engine:
                     f"the peer address is not valid for {self._rails[rail].provider}: {_strerror(-rc)}"
                 )
             fa = int(out[0])
-            self._peers[key] = fa
+            self._book.add(key, fa)
         return fa
+
+    def forget_peer(self, peer: bytes | EngineAddress | MemoryDescriptor) -> None:
+        """Lets go of what this engine keeps for a peer engine that left (its addresses in
+        the NICs' address vectors, its connections, its same-host region table and the route
+        caches naming it). Never cancels or fails anything: the peer is forgotten at once if
+        nothing is in flight, else at the engine's next quiet moment (no transfer being built,
+        posted, retried or awaited), and an address a kept :class:`TransferBatch` names stays
+        until the batch is gone. Reaching the peer again later works and costs a new connection.
+
+        The engine also forgets by itself: same-host peers whose process exited or closed its
+        engine (noticed when another same-host peer is first reached), and past
+        ``open_engine``'s ``max_peers`` addresses, those not used since the previous sweep, so
+        what it keeps per peer stays bounded however many peers come and go.
+
+        ``peer``: the peer's address (bytes or :class:`EngineAddress`) or a descriptor of one
+        of its regions. Raises :class:`InvalidArgument` for anything else. O(NICs), plus a
+        sweep (O(addresses kept)) when the engine is quiet."""
+        if isinstance(peer, MemoryDescriptor):
+            addr = peer.address
+        elif isinstance(peer, (bytes, bytearray, memoryview, EngineAddress)):
+            addr = self._engine_address(peer)
+        else:
+            raise InvalidArgument(
+                f"peer must be an engine address or a MemoryDescriptor, not {type(peer).__name__}"
+            )
+        self._check_open()
+        self._book.mark(r.address for r in addr.rails)
+        self._maybe_sweep()
+
+    def _named(self) -> set[tuple[int, int]] | None:
+        """The (rail, fi_addr) pairs that rows being built, posted, retried or awaited name, or
+        None when some of them are not known (a transfer in progress: the engine is not quiet)."""
+        if self._opening or self._busy or self._sends:
+            return None
+        busy = set(self._routes_opening)
+        for op in self._pending.values():
+            if op.names is None:
+                return None
+            busy |= op.names
+        for b in self._batches:
+            t = b._table[: b._n]
+            busy.update(zip(t["rail"].tolist(), t["peer"].tolist(), strict=True))
+        return busy
+
+    def _maybe_sweep(self) -> None:
+        """Forgets what :class:`PeerBook` says to (see :mod:`._peers`), if the engine is quiet."""
+        if self._closed or not self._book.due:
+            return
+        busy = self._named()
+        if busy is None:
+            return
+        gone, detach = self._book.sweep(busy)
+        for (rail, _), fa in gone:
+            lib.aio_av_remove(self._h, rail, fa)
+            self._routes_open.discard((rail, fa))
+            self._routes_made.discard((rail, fa))
+        for index in detach:
+            lib.aio_direct_detach(self._h, index)
+        if detach:
+            dropped = set(detach)
+            for k in [k for k, v in self._direct_attached.items() if v in dropped]:
+                del self._direct_attached[k]
+        if gone:
+            # every cache that may hold a forgotten fi_addr (or a detached table's code):
+            # rebuilt on next use, from the addresses kept or resolved anew
+            self._router.forget()
+            for cache in (self._desc_paths, self._direct_codes, self._one_nic, self._paths_open,
+                          self._owners, self._imm_memos):
+                cache.clear()
+            for mr in self._regions:
+                mr._memos.clear()
+            self._log.debug("peers forgotten", addresses=len(gone), tables=len(detach))
+
+    def _direct_sweep_gone(self) -> None:
+        """Marks the same-host peers whose process exited or closed its engine (a poll of
+        each attached table's pidfd): forgotten at the next sweep."""
+        for index in self._book.attachments():
+            if lib.aio_direct_gone(self._h, index) == 1:
+                self._book.mark_attached(index)
 
     def _path(self, rdesc: MemoryDescriptor) -> tuple[tuple[int, int, int, int], ...]:
         """Every route to the owner of ``rdesc``, up or down (cached per descriptor key set);
@@ -1251,6 +1345,7 @@ class Engine:
         if x is not None and self._direct_on and rdesc.host_id == self._address.host_id:
             att = self._direct_attached.get((x.pid, x.nonce))
             if att is None:
+                self._direct_sweep_gone()
                 info = ffi.new(
                     "aio_direct_info*", {"pid": x.pid, "fd": x.fd, "nonce": x.nonce, "table": x.table}
                 )
@@ -1263,6 +1358,8 @@ class Engine:
                         reason=ffi.string(err).decode(errors="replace") or _strerror(-att),
                     )
                 self._direct_attached[(x.pid, x.nonce)] = att
+                if att >= 0:
+                    self._book.attached(att, (k.address for k in rdesc.keys))
             if att >= 0 and 0 <= x.slot < _DIRECT_SLOTS:
                 code = ((att + 1) << 16) | x.slot
         if len(self._direct_codes) >= 1024:
@@ -1331,13 +1428,16 @@ class Engine:
         rail, fa, _, _ = hop
         table = self._table([self._probe(hop, op)])
         try:
-            if not await self._run_table(table, None, None, "opening a connection"):
+            names = frozenset({(rail, fa)})
+            if not await self._run_table(table, None, None, "opening a connection", names=names):
                 self._routes_open.add((rail, fa))
                 self._routes_made.add((rail, fa))
         except Exception as exc:  # the transfer that needs the peer reports the failure
             self._log.info("a connection to a peer did not open (tried again)", rail=rail, error=str(exc))
         finally:
             self._routes_opening.discard((rail, fa))
+            if self._book.due:
+                self._maybe_sweep()
 
     async def _then_credit(
         self, data: Awaitable[None], credits: _Credits, end: float | None, what: str,
@@ -1556,10 +1656,11 @@ class Engine:
         what: str,
         rails: set[int] | None = None,
         path: Any = None,
+        names: frozenset[tuple[int, int]] | None = None,
     ) -> bool:
         ptr = ffi.from_buffer("aio_op_desc[]", table)
         post = self._poster(ptr, len(table))
-        return await self._run_group(post, len(table), (refs, table), timeout, what, rails, path, ptr)
+        return await self._run_group(post, len(table), (refs, table), timeout, what, rails, path, ptr, names)
 
     def _poster(self, ptr: Any, n: int) -> Callable[[Any, int, int], int]:
         """The ``post`` of :meth:`_run_group` for the ``n`` rows at ``ptr``."""
@@ -1598,6 +1699,7 @@ class Engine:
         rails: set[int] | None = None,
         path: Any = None,
         items: Any = None,
+        names: frozenset[tuple[int, int]] | None = None,
     ) -> bool:
         """The life of one group of ``n`` work requests: open it (waiting while every group
         slot is in flight), post through ``post(handle, group, posted_so_far)`` (returns how
@@ -1616,10 +1718,18 @@ class Engine:
         # the deadline scope (a cancel scope and a timer: several microseconds) is entered only
         # around the awaits this makes, at the absolute deadline `end`
         end = _end(timeout)
-        return await self._finish(self._begin(n, refs, rails, path, items), post, n, end, timeout, what)
+        begun = self._begin(n, refs, rails, path, items, names=names)
+        return await self._finish(begun, post, n, end, timeout, what)
 
     def _begin(
-        self, n: int, refs: Any, rails: set[int] | None, path: Any, items: Any, quiet: bool = False
+        self,
+        n: int,
+        refs: Any,
+        rails: set[int] | None,
+        path: Any,
+        items: Any,
+        quiet: bool = False,
+        names: frozenset[tuple[int, int]] | None = None,
     ) -> _Group:
         """The synchronous start of a group's life (see :meth:`_run_group`): opens the group
         and, with ``items``, posts what the transport takes at once and seals the group if
@@ -1630,6 +1740,7 @@ class Engine:
         h = self._check_open()
         op = _Op(refs, self._event())
         op.rails = rails
+        op.names = names
         if path is not None:
             op.alts = frozenset(hop[0] for hop in path)
         token = next(self._tokens)
@@ -2906,6 +3017,7 @@ class TransferBatch:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        engine._batches.add(self)  # the peers its rows name are not forgotten while it lives
         self._table = np.zeros(16, _OP_DTYPE)
         self._n = 0
         self._credits: _Credits = {}  # multi-NIC peers: sent after the data
@@ -3468,6 +3580,7 @@ async def open_engine(
     tcp_send_buffer: int | None = None,
     host_arena: int = 4 << 30,
     pollers: int | None = None,
+    max_peers: int = 1024,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
 
@@ -3559,6 +3672,9 @@ async def open_engine(
     own rails, then sleeps. ``None`` (default): one per rail, up to the cores this process may
     use (at least two); more than the rails is capped at the rails. :meth:`stats` reports the
     count.
+    ``max_peers``: peer NIC addresses the engine keeps resolved (a peer engine with several
+    NICs or streams counts one per NIC); past it, those not used lately are forgotten at a
+    quiet moment and cost a new connection when used again (see :meth:`Engine.forget_peer`).
 
     Raises :class:`ProviderError` naming what is missing (unknown provider or NIC, no RMA).
     The engine closes when the block exits (see :meth:`Engine.aclose`). Opening costs a few
@@ -3584,6 +3700,7 @@ async def open_engine(
     nic_list = [nic for nic in nic_list for _ in range(streams)]
     max_message_size = as_index(max_message_size, "max_message_size", lo=0, hi=1 << 31)
     message_slots = as_index(message_slots, "message_slots", lo=1, hi=1 << 16)
+    max_peers = as_index(max_peers, "max_peers", lo=1, hi=1 << 20)
     max_in_flight = as_index(max_in_flight, "max_in_flight", lo=16, hi=1 << 24)
     stripe_min = as_index(stripe_min, "stripe_min", lo=1)
     if retry is not None and not isinstance(retry, RetryPolicy):
@@ -3645,6 +3762,7 @@ async def open_engine(
         same_host_direct=bool(same_host_direct),
         arena=arena,
         message_slots=message_slots,
+        max_peers=max_peers,
     )
     try:
         await engine._start()

@@ -27,6 +27,7 @@ _Hop = tuple[int, int, int, int]
 
 
 _ENDS: dict[EngineAddress, tuple[_RemoteKey, ...]] = {}
+_MAX_PATHS = 4096  # cached paths per router (one per peer region descriptor's key set)
 
 
 def addr_ends(addr: EngineAddress) -> tuple[_RemoteKey, ...]:
@@ -123,6 +124,8 @@ class Router:
         p = self._paths.get(ck)
         if p is not None:
             return p
+        if len(self._paths) >= _MAX_PATHS:
+            self.forget()
         prov = self.provider_for([e.provider for e in ends], host_id)
         local = [i for i, x in enumerate(self._prov) if x == prov]
         remote = [j for j, e in enumerate(ends) if e.provider == prov]
@@ -137,6 +140,13 @@ class Router:
         p = self._paths[ck] = tuple(hops)
         self._pairs[ck] = tuple(pairs)
         return p
+
+    def forget(self) -> None:
+        """Drops every cached path (the engine forgot peer addresses they name); paths are
+        resolved again on next use. Also bounds the caches: they are cleared past _MAX_PATHS."""
+        self._paths.clear()
+        self._pairs.clear()
+        self._rot.clear()
 
     def live(self, path: tuple[_Hop, ...]) -> tuple[_Hop, ...]:
         """The routes of ``path`` whose local NIC is in rotation. When every one is down, all
