@@ -661,6 +661,9 @@ def main(args: argparse.Namespace) -> int:
                 pairs = [v / c_runs[i] for i, v in p_runs.items() if c_runs.get(i)]
                 reps = range(args.repeats)
                 bare = sk.get((provider, nics, case, k), [])
+                # figures in the row's unit, named by it: py_us / c_us (one-way microseconds) on
+                # latency rows, py_gbps / c_gbps (and the bare sockets') on throughput rows
+                unit = "us" if mode in LATENCY else "gbps"
                 row: dict[str, Any] = {
                     "mode": mode,
                     "size": k,
@@ -674,13 +677,14 @@ def main(args: argparse.Namespace) -> int:
                     "tcp_send_buffer": args.tcp_send_buffer,
                     "memory": "arena" if args.arena and mode in TRANSFERS else "numpy",
                     "window": window or None,
-                    "py_gbps": statistics.median(p),
+                    f"py_{unit}": statistics.median(p),
                     "py_spread": [min(p), max(p)],
-                    "c_gbps": statistics.median(c) if c else None,
+                    f"c_{unit}": statistics.median(c) if c else None,
                     "c_spread": [min(c), max(c)] if c else None,
-                    "sockets_gbps": statistics.median(bare) if bare else None,
-                    "sockets_spread": [min(bare), max(bare)] if bare else None,
                 }
+                if unit == "gbps":
+                    row["sockets_gbps"] = statistics.median(bare) if bare else None
+                    row["sockets_spread"] = [min(bare), max(bare)] if bare else None
                 # the ratio: the median over the repeats of each repeat's aiote / C core (run
                 # back to back), which the machine's drift between repeats does not move as it
                 # moves the medians; the ratio of the medians beside it. The runs are listed by
@@ -689,7 +693,7 @@ def main(args: argparse.Namespace) -> int:
                 row["c_runs"] = [c_runs.get(i) for i in reps] if c_runs else None
                 row["ratio"] = statistics.median(pairs) if pairs else None
                 row["ratio_ci90"] = _benchout.median_ci(pairs)  # None below 5 repeats
-                row["ratio_of_medians"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
+                row["ratio_of_medians"] = row[f"py_{unit}"] / row[f"c_{unit}"] if row[f"c_{unit}"] else None
                 if mode == "write":  # the writer's CPU seconds per GB, medians over the repeats
                     row["py_cpu_s_per_gb"] = _cpu_medians(py, (config, case))
                     row["c_cpu_s_per_gb"] = _cpu_medians(cc, (provider, nics, case))
