@@ -40,6 +40,7 @@ import numpy as np
 
 import aiote
 from aiote._core._engine import KNOWN_PROVIDERS, auto_pollers, available_providers
+from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line, stop_process
 
 from . import _benchout
@@ -395,12 +396,12 @@ async def run_config(
             tuned = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
             if args.pollers is not None:
                 tuned += ["--pollers", str(args.pollers)]
-            cmd = [sys.executable, "-m", "aiote", "bench", "--listen", "--once", "--provider", provider,
-                   "--max-message", str(args.max_message), "--streams", str(args.streams), *tuned] + (
-                       ["--low-latency"] if args.low_latency else [])
+            cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
+                                "--max-message", str(args.max_message), "--streams", str(args.streams),
+                                *tuned) + (["--low-latency"] if args.low_latency else [])
             if nics:
                 cmd += ["--nics", ",".join(nics)]
-            proc = await anyio.open_process(cmd, stdin=None, stderr=None)
+            proc = await anyio.open_process(cmd, stdin=None, stderr=None, env=child_env())
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
