@@ -54,6 +54,7 @@ import anyio
 import numpy as np
 
 from aiote import weights as W
+from aiote._spawn import child_env, python_module
 from aiote.weights._worker import Worker, spawn_worker
 
 GB = 1e9
@@ -255,9 +256,7 @@ def c_core_link(providers: Sequence[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "b.json")
         cmd = [
-            sys.executable,
-            "-m",
-            "aiote",
+            *python_module("aiote"),  # the aiote this script imported, wherever it runs from
             "bench",
             "write",
             "--sizes",
@@ -271,7 +270,8 @@ def c_core_link(providers: Sequence[str]) -> dict[str, float]:
             "--json",
             out,
         ]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600,
+                       env=child_env())
         with open(out) as f:
             rows = json.load(f)["rows"]
     res: dict[str, float] = {}

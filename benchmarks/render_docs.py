@@ -28,6 +28,17 @@ LIBRARY_LABEL = {"sockets": "bare sockets (no library)"}
 NOT_PEERS = ("aiote", "aiote-arena", "sockets")  # rows of the peers' table that are no peer
 
 
+def fig_of(r: dict[str, Any], side: str) -> float | None:
+    """A bench row's median for ``side`` (``"py"``, ``"c"``, ``"sockets"``) in the row's unit:
+    ``{side}_us`` on latency rows and ``{side}_gbps`` on throughput rows; JSON written before the
+    latency fields had their own names (docs/*.json of earlier runs) kept microseconds in
+    ``{side}_gbps``, which is read when the new name is absent."""
+    for key in (f"{side}_us", f"{side}_gbps"):
+        if r.get(key) is not None:
+            return float(r[key])
+    return None
+
+
 def size_label(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
@@ -90,8 +101,8 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
         if _varies(rows, "loop"):
             path.append(r.get("loop", ""))
         ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
-        out.append(f"| {case} | {' '.join(path)} | {_fig(r.get('c_gbps'), r.get('c_spread'))} | "
-                   f"{_fig(r['py_gbps'], r.get('py_spread'))} | {ratio} |"
+        out.append(f"| {case} | {' '.join(path)} | {_fig(fig_of(r, 'c'), r.get('c_spread'))} | "
+                   f"{_fig(fig_of(r, 'py'), r.get('py_spread'))} | {ratio} |"
                    + (f" {_fig(r.get('sockets_gbps'), r.get('sockets_spread'))} |" if sockets else ""))
     if plot:
         out += ["", f"![aiote bench: throughput against size, latency percentiles]({plot})"]
@@ -132,25 +143,25 @@ def peers_section(peers: list[dict[str, Any]], b: dict[str, Any] | None) -> list
         out += versus_lines(versus)
     elif b:  # aiote's writes against the best peer at each size and path (tcp: tcp, shm: same-host)
         for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
-            aiote = {r["size"]: r["py_gbps"] for r in b["rows"]
+            aiote = {r["size"]: fig_of(r, "py") for r in b["rows"]
                      if r["mode"] == "write" and r.get("provider") == prov and r.get("unit") == "GB/s"}
             parts = []
             for s in sizes:
                 best = max(((v[s], k[0]) for k, v in tput.items()
                             if s in v and k[1].lower() == label and k[0] not in NOT_PEERS),
                            default=None)
-                if best and s in aiote:
+                if best and aiote.get(s):
                     parts.append(f"{size_label(s)}: {aiote[s] / best[0]:.2f} (best: {best[1]})")
             if parts:
                 out += ["", f"aiote write ({prov}) / best peer on a {label} path: " + "; ".join(parts) + "."]
         # WriteImm round trip (2 x the one-way p50) against UCXX's asyncio round trip
         for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
             for setting in ("default", "low-latency"):
-                one = [r["py_gbps"] for r in b["rows"]
+                one = [fig_of(r, "py") for r in b["rows"]
                        if r["mode"] == "imm-latency" and r.get("provider") == prov and r.get("size") == 50
                        and r.get("setting", "default") == setting]
                 ux = rtt.get(("ucxx", label, "rtt"))
-                if one and ux:
+                if one and one[0] is not None and ux:
                     how = "" if setting == "default" else ", low-latency setting"
                     out += ["", f"aiote WriteImm round trip ({prov}{how}) {2 * one[0]:.1f} µs against UCXX "
                                 f"asyncio ({label}) {ux:.1f} µs: ratio {2 * one[0] / ux:.2f} (target < 1)."]
@@ -228,7 +239,8 @@ def target_section(t: dict[str, Any]) -> list[str]:
             f"aiote / C core **{r['ratio']:.3f}** "
             f"{_ci(r.get('ratio_ci90'))}"
             f"(target >= 0.95; ratio of the medians {r['ratio_of_medians']:.3f}; C core "
-            f"{_fig(r['c_gbps'], r['c_spread'])} GB/s, aiote {_fig(r['py_gbps'], r['py_spread'])} GB/s; "
+            f"{_fig(fig_of(r, 'c'), r['c_spread'])} GB/s, "
+            f"aiote {_fig(fig_of(r, 'py'), r['py_spread'])} GB/s; "
             f"the repeats' ratios from {pairs[0]:.2f} to {pairs[-1]:.2f}, "
             f"{sum(x >= 0.95 for x in pairs)} of {len(pairs)} at or above 0.95).{_cpu(r)}"
         )

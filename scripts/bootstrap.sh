@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what aiote needs on a Debian/Ubuntu machine that has only Python:
 # libfabric's development files and a C compiler (apt, when missing), a virtualenv in
-# .venv, and the package with its test extras. Idempotent; prints what it does.
+# .venv, and the package with its test, bench and docs extras. Idempotent; prints what it does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,5 +32,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-echo "bootstrap: installing aiote[test,bench] into .venv (builds the C core)"
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+echo "bootstrap: installing aiote[test,bench,docs] into .venv (builds the C core)"
+.venv/bin/python -m pip install -q -e ".[test,bench,docs]"

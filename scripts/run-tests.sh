@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what it needs (scripts/bootstrap.sh), then lint, types,
+# the documentation site (mkdocs --strict: a broken link or docstring reference fails it),
 # the C core's tests (plain and under ASan/UBSan), and the Python suite (asyncio + trio,
 # real processes over libfabric tcp/shm on loopback, network namespaces when root).
 set -euo pipefail
@@ -8,6 +9,7 @@ cd "$(dirname "$0")/.."
 export FI_PROVIDER="${FI_PROVIDER:-tcp,ofi_rxm,shm}"
 echo "== ruff";            .venv/bin/ruff check aiote tests examples benchmarks
 echo "== mypy (strict)";   .venv/bin/mypy
+echo "== docs";            site=$(mktemp -d); .venv/bin/mkdocs build --strict -q -d "$site"; rm -rf "$site"
 echo "== C core tests";    make -s -C cdeps test
 echo "== C core tests under ASan/UBSan"; make -s -C cdeps asan
 echo "== python tests";    .venv/bin/python -m pytest -q "$@"

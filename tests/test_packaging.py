@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # from a copy of the source tree as a clean clone has it (a build/ folder left in the
-    # checkout by an earlier build would otherwise supply packages the configuration omits)
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the source tree as a clean clone has it: no build/ folder left by an earlier
+    build (it would supply packages the configuration omits), no compiled C core."""
     src = tmp_path_factory.mktemp("src")
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
@@ -31,6 +31,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
+    return src
+
+
+@pytest.fixture(scope="module")
+def wheel(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = source
     out = tmp_path_factory.mktemp("wheel")
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
@@ -107,3 +113,54 @@ def test_installed_bench_builds_its_c_baseline_from_the_shipped_sources(wheel: P
     assert row["c_gbps"] > 0 and row["py_gbps"] > 0
     built = list((tmp_path / "cache" / "aiote").glob("aiote_cbench-*"))
     assert len(built) == 1 and os.access(built[0], os.X_OK)  # compiled once, into the user's cache
+
+
+def test_installed_bench_run_inside_a_checkout_spawns_the_installed_aiote(
+    wheel: Path, source: Path, tmp_path: Path
+) -> None:
+    """A new user's first run: ``pip install .`` (not editable) in a checkout, then ``aiote bench
+    write`` from inside it. The bench's other side is a child process; started as ``python -m
+    aiote`` from the checkout it imported the unbuilt sources there ("aiote's C core is not
+    built") instead of the installed package."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
+         str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    # aiote's dependencies from this test's environment, after the venv's own site-packages
+    # (a path line in a .pth file: the editable install's hooks there are not run)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    deps = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    (Path(site) / "aiote-test-deps.pth").write_text("\n".join(deps) + "\n")
+    assert not (source / "aiote" / "_native" / "_core.abi3.so").exists()  # the checkout is unbuilt
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    env["CC"] = "false"  # no C baseline (its compile is another test's): the run is about the child
+    r = subprocess.run(
+        [str(venv / "bin" / "aiote"), "bench", "write", "--sizes", "64KiB", "--total", "4MiB",
+         "--repeats", "1"],
+        cwd=source, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    (row,) = result["rows"]
+    assert row["mode"] == "write" and row["py_gbps"] > 0
+
+
+def test_children_import_the_aiote_this_process_imported(tmp_path: Path) -> None:
+    import aiote
+    from aiote._spawn import child_env, python_module
+
+    home = str(Path(aiote.__file__).resolve().parent.parent)
+    env = child_env({"PYTHONPATH": os.pathsep.join(["/elsewhere", home]), "X": "1"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [home, "/elsewhere"] and env["X"] == "1"
+    # run from a directory that holds another aiote (broken), the child imports this one
+    (tmp_path / "aiote").mkdir()
+    (tmp_path / "aiote" / "__init__.py").write_text("raise ImportError('the wrong aiote')\n")
+    r = subprocess.run(python_module("aiote", "--help"), cwd=tmp_path, env=child_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "bench" in r.stdout, r.stderr[-2000:]

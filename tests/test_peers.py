@@ -39,7 +39,9 @@ run = _load_run()
 def _aiote_row(
     mode: str, size: int, value: float, provider: str = "tcp", loop: str = "asyncio"
 ) -> dict[str, Any]:
-    return {"mode": mode, "size": size, "provider": provider, "loop": loop, "window": 64, "py_gbps": value}
+    # as aiote bench writes it: one-way microseconds in py_us on latency rows, GB/s in py_gbps
+    key = "py_us" if mode.endswith("latency") else "py_gbps"
+    return {"mode": mode, "size": size, "provider": provider, "loop": loop, "window": 64, key: value}
 
 
 def _write(lib: str, path: str, size: int, gbps: float) -> dict[str, Any]:

@@ -32,6 +32,17 @@ def median_ci(values: list[float], level: float = 0.90) -> list[float] | None:
     return [xs[k - 1], xs[n - k]] if k >= 1 else None
 
 
+def figure(row: dict[str, Any], side: str) -> float | None:
+    """A row's median for one side (``"py"``, ``"c"`` or ``"sockets"``) in the row's unit: the
+    field ``{side}_us`` on latency rows (``unit`` ``"us"``), ``{side}_gbps`` on throughput rows.
+    JSON written before the latency fields had their own names kept microseconds in
+    ``{side}_gbps`` too: that name is read as a fallback."""
+    for key in (f"{side}_us", f"{side}_gbps"):
+        if row.get(key) is not None:
+            return float(row[key])
+    return None
+
+
 def case_label(mode: str, size: int, window: int) -> str:
     """A case as the progress bar and the table name it."""
     if mode in LATENCY_LABEL:
@@ -120,7 +131,7 @@ def _with_sockets(rows: list[dict[str, Any]]) -> bool:
 
 def _cells(r: dict[str, Any], sockets: bool) -> list[str]:
     """A row's figures: C core, aiote, ratio, and (``sockets``) the bare sockets'."""
-    cells = [_fmt(r["c_gbps"], r["c_spread"]), _fmt(r["py_gbps"], r["py_spread"]),
+    cells = [_fmt(figure(r, "c"), r["c_spread"]), _fmt(figure(r, "py"), r["py_spread"]),
              f"{r['ratio']:.2f}" if r["ratio"] else "-"]
     if sockets:
         cells.append(_fmt(r.get("sockets_gbps"), r.get("sockets_spread")))
@@ -200,10 +211,11 @@ def plot(result: dict[str, Any], path: str) -> None:
         where = path_label(r, rows)
         if _varies([x for x in rows if x["window"]], "window"):
             where += f" x{r['window']}" if r["window"] else ""
-        lines.setdefault(("aiote", f"{r['mode']} {where}"), {})[r["size"]] = r["py_gbps"]
-        if r["c_gbps"] is not None:
+        lines.setdefault(("aiote", f"{r['mode']} {where}"), {})[r["size"]] = figure(r, "py") or 0.0
+        c_figure = figure(r, "c")
+        if c_figure is not None:
             c_path = where.replace(f" {r['loop']}", "") if _varies(rows, "loop") else where
-            lines.setdefault(("C core", f"{r['mode']} {c_path}"), {})[r["size"]] = r["c_gbps"]
+            lines.setdefault(("C core", f"{r['mode']} {c_path}"), {})[r["size"]] = c_figure
     colors: dict[str, Any] = {}
     for (engine, what), pts in sorted(lines.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         xs = sorted(pts)
@@ -229,8 +241,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             for v in vals.values():
                 v.append(0.0)
         i = groups.index(g)
-        vals[f"aiote p{r['size']}"][i] = r["py_gbps"]
-        vals[f"C core p{r['size']}"][i] = r["c_gbps"] or 0.0
+        vals[f"aiote p{r['size']}"][i] = figure(r, "py") or 0.0
+        vals[f"C core p{r['size']}"][i] = figure(r, "c") or 0.0
     width = 0.2
     for j, (name, v) in enumerate(vals.items()):
         ax2.bar([i + (j - 1.5) * width for i in range(len(groups))], v, width, label=name,

@@ -40,6 +40,7 @@ import numpy as np
 
 import aiote
 from aiote._core._engine import KNOWN_PROVIDERS, auto_pollers, available_providers
+from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line, stop_process
 
 from . import _benchout
@@ -395,12 +396,12 @@ async def run_config(
             tuned = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
             if args.pollers is not None:
                 tuned += ["--pollers", str(args.pollers)]
-            cmd = [sys.executable, "-m", "aiote", "bench", "--listen", "--once", "--provider", provider,
-                   "--max-message", str(args.max_message), "--streams", str(args.streams), *tuned] + (
-                       ["--low-latency"] if args.low_latency else [])
+            cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
+                                "--max-message", str(args.max_message), "--streams", str(args.streams),
+                                *tuned) + (["--low-latency"] if args.low_latency else [])
             if nics:
                 cmd += ["--nics", ",".join(nics)]
-            proc = await anyio.open_process(cmd, stdin=None, stderr=None)
+            proc = await anyio.open_process(cmd, stdin=None, stderr=None, env=child_env())
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
@@ -661,6 +662,9 @@ def main(args: argparse.Namespace) -> int:
                 pairs = [v / c_runs[i] for i, v in p_runs.items() if c_runs.get(i)]
                 reps = range(args.repeats)
                 bare = sk.get((provider, nics, case, k), [])
+                # figures in the row's unit, named by it: py_us / c_us (one-way microseconds) on
+                # latency rows, py_gbps / c_gbps (and the bare sockets') on throughput rows
+                unit = "us" if mode in LATENCY else "gbps"
                 row: dict[str, Any] = {
                     "mode": mode,
                     "size": k,
@@ -674,13 +678,14 @@ def main(args: argparse.Namespace) -> int:
                     "tcp_send_buffer": args.tcp_send_buffer,
                     "memory": "arena" if args.arena and mode in TRANSFERS else "numpy",
                     "window": window or None,
-                    "py_gbps": statistics.median(p),
+                    f"py_{unit}": statistics.median(p),
                     "py_spread": [min(p), max(p)],
-                    "c_gbps": statistics.median(c) if c else None,
+                    f"c_{unit}": statistics.median(c) if c else None,
                     "c_spread": [min(c), max(c)] if c else None,
-                    "sockets_gbps": statistics.median(bare) if bare else None,
-                    "sockets_spread": [min(bare), max(bare)] if bare else None,
                 }
+                if unit == "gbps":
+                    row["sockets_gbps"] = statistics.median(bare) if bare else None
+                    row["sockets_spread"] = [min(bare), max(bare)] if bare else None
                 # the ratio: the median over the repeats of each repeat's aiote / C core (run
                 # back to back), which the machine's drift between repeats does not move as it
                 # moves the medians; the ratio of the medians beside it. The runs are listed by
@@ -689,7 +694,7 @@ def main(args: argparse.Namespace) -> int:
                 row["c_runs"] = [c_runs.get(i) for i in reps] if c_runs else None
                 row["ratio"] = statistics.median(pairs) if pairs else None
                 row["ratio_ci90"] = _benchout.median_ci(pairs)  # None below 5 repeats
-                row["ratio_of_medians"] = row["py_gbps"] / row["c_gbps"] if row["c_gbps"] else None
+                row["ratio_of_medians"] = row[f"py_{unit}"] / row[f"c_{unit}"] if row[f"c_{unit}"] else None
                 if mode == "write":  # the writer's CPU seconds per GB, medians over the repeats
                     row["py_cpu_s_per_gb"] = _cpu_medians(py, (config, case))
                     row["c_cpu_s_per_gb"] = _cpu_medians(cc, (provider, nics, case))

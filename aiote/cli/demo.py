@@ -16,6 +16,7 @@ import anyio
 import numpy as np
 
 import aiote
+from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line
 
 from .bench import parse_size
@@ -107,9 +108,9 @@ async def writer(peer: bytes, size: int, chunk: int, window: int, provider: str)
 
 
 async def run(args: argparse.Namespace) -> int:
-    cmd = [sys.executable, "-m", "aiote", "write-demo", "--role", "receiver", "--size", str(args.size),
-           "--provider", args.provider, "--backend", args.backend]
-    async with await anyio.open_process(cmd, stdout=-1, stderr=None) as proc:
+    cmd = python_module("aiote", "write-demo", "--role", "receiver", "--size", str(args.size),
+                        "--provider", args.provider, "--backend", args.backend)
+    async with await anyio.open_process(cmd, stdout=-1, stderr=None, env=child_env()) as proc:
         address = bytes.fromhex((await ready_line(proc, "AIOTE_DEMO", 60)).split()[1])
         result = await writer(address, args.size, args.chunk, args.window, args.provider)
         with anyio.fail_after(60):

@@ -26,6 +26,7 @@ import numpy as np
 
 import aiote
 from aiote import kv
+from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line
 
 SEED = 20251107
@@ -175,9 +176,7 @@ class Decoder:
 
 async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> Decoder:
     cmd = [
-        sys.executable,
-        "-m",
-        "aiote",
+        *python_module("aiote"),
         "demo",
         "--role",
         "decode",
@@ -202,7 +201,7 @@ async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> 
         *([] if getattr(args, "verify", True) else ["--no-verify"]),
         *(["--cancel-every", str(args.cancel_every)] if getattr(args, "cancel_every", 0) else []),
     ]
-    proc = await anyio.open_process(cmd, stdin=-1, stdout=-1, stderr=None)
+    proc = await anyio.open_process(cmd, stdin=-1, stdout=-1, stderr=None, env=child_env())
     await ready_line(proc, "AIOTE_KV_DECODER", 60)
     return Decoder(proc, name)
 

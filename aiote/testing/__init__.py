@@ -19,8 +19,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
-import sys
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -32,6 +30,7 @@ import numpy as np
 
 from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine, open_engine
+from .._spawn import child_env, python_module
 from ._hostgpu import HostDeviceArray, HostStream
 
 __all__ = [
@@ -263,7 +262,7 @@ async def spawn_peer(
     local engine. Costs a new Python process that imports aiote and opens an engine, plus a
     local engine when ``engine`` is None.
     """
-    args = [*prefix, sys.executable, "-m", "aiote.testing._peer", "--provider", provider]
+    args = [*prefix, *python_module("aiote.testing._peer", "--provider", provider)]
     for nic in (nics if peer_nics is None else peer_nics) or []:
         args += ["--nic", nic]
     args += ["--same-host", same_host or "none"]
@@ -278,8 +277,7 @@ async def spawn_peer(
     if not peer_same_host_direct:
         args += ["--no-direct"]
     engine_kw["same_host"] = same_host
-    env = dict(os.environ)
-    proc = await anyio.open_process(args, stdin=None, stdout=-1, stderr=None, env=env)
+    proc = await anyio.open_process(args, stdin=None, stdout=-1, stderr=None, env=child_env())
     try:
         line = await ready_line(proc, "AIOTE_PEER", startup_timeout)
         if not line.startswith("AIOTE_PEER "):

@@ -23,6 +23,7 @@ from .._core._engine import Engine, open_engine
 from .._core._errors import AioteError
 from .._core._memory import MemoryRegion
 from .._core._retry import RetryPolicy
+from .._spawn import child_env, python_module
 from ._dtypes import cast_into, storage
 from ._flow import PushFailed, WeightReceiver, WeightSender
 from ._plan import ReceiverPlan, SenderPlan, SourceShard
@@ -132,12 +133,12 @@ async def spawn_worker(
     CuPy arrays on that GPU; ``gpu_ipc=False``: GPU writes are staged through host memory
     over the NIC instead of the CUDA-IPC rail). Raises RuntimeError/TimeoutError if it does
     not come up. Costs a Python process that imports aiote and opens an engine."""
-    args = [sys.executable, "-m", "aiote.weights._worker", "--backend", backend, "--route", route]
+    args = python_module("aiote.weights._worker", "--backend", backend, "--route", route)
     if gpu is not None:
         args += ["--gpu", str(gpu)]
     if not gpu_ipc:
         args += ["--gpu-ipc", "no"]
-    proc = await anyio.open_process(args, stdin=-1, stdout=-1, stderr=None)
+    proc = await anyio.open_process(args, stdin=-1, stdout=-1, stderr=None, env=child_env())
     w = Worker(proc, b"")
     try:
         r = await w.reply(timeout)
