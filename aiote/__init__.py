@@ -10,6 +10,7 @@ immediates, counters and messages over libfabric), under asyncio and trio.
 from . import (
     kv,  # the KV-cache flow (prefill/decode), built on the core
     moe,  # MoE dispatch/combine: all-to-all over one-sided writes
+    weights,  # RL weight updates: trainer ranks push versions into inference ranks
 )
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
