@@ -10,6 +10,8 @@ follows the counter.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -392,3 +394,47 @@ async def test_kv_flow_with_gpu_pools() -> None:
         await req.finish(timeout=10)
         await got.wait_ready(timeout=10)
         await got.release()
+
+
+@pytest.mark.parametrize("route", ["staged", "ipc"])
+async def test_killed_gpu_peer_fails_pending_work_within_the_bound(route: str) -> None:
+    """A GPU peer killed mid-transfer: the writes to it raise PeerUnreachable within
+    connect_timeout + 3 s, on the staged route (tcp / shm under the GPU staging) and on the IPC
+    rail; the route each write took is the one named."""
+    policy = aiote.RetryPolicy(connect_timeout=2.0, stall_timeout=3.0)
+    n = 8 << 20
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend="host", gpu_ipc=route == "ipc",
+                          retry=policy) as peer:
+        e = peer.engine
+        src = _device(n, seed=9)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="shared" if route == "ipc" else "host")
+        await e.write(mr, dst, imm=1)
+        await peer.wait(imm=1, n=1, timeout=20)
+        assert e.stats()["gpu_ipc" if route == "ipc" else "gpu_staged"] == 1
+        killed = 0.0
+        outcome: dict[str, object] = {}
+
+        async def writes() -> None:
+            try:
+                with anyio.fail_after(60):
+                    while True:
+                        await e.write(mr, dst, imm=2)
+            except aiote.AioteError as exc:
+                outcome["error"] = exc
+                outcome["after_kill"] = time.monotonic() - killed
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writes)
+            await anyio.sleep(0.3)
+            killed = time.monotonic()
+            os.kill(peer.pid, signal.SIGKILL)
+        assert isinstance(outcome["error"], aiote.PeerUnreachable), outcome
+        assert outcome["after_kill"] < policy.connect_timeout + 3.0, outcome
+        # the requests the dead peer's transport still owns keep the region registered, and
+        # unregister (no timeout) says so after stall_timeout instead of waiting forever
+        if e.stats()["ops_in_flight"]:
+            t0 = time.monotonic()
+            with pytest.raises(aiote.RegionBusy, match="no progress"):
+                await e.unregister(mr)
+            assert time.monotonic() - t0 < policy.stall_timeout + 2  # type: ignore[operator]

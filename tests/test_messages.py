@@ -253,3 +253,55 @@ async def test_a_receiver_that_falls_behind_does_not_hold_up_sends_to_others() -
         assert done == n
         assert sorted(p[0] for _, p in got) == list(range(n))
         assert all(p == bytes([p[0]]) * size for _, p in got)
+
+
+_SILENT = r"""
+import sys, anyio, aiote
+async def main():
+    async with aiote.open_engine(**({} if sys.argv[1] == "shm" else {"same_host": None})) as e:
+        print(e.address.hex(), flush=True)
+        await anyio.sleep(3600)  # never receives: a sender's messages fill its slots, then pend
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("same_host", ["shm", None])
+async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | None) -> None:
+    """Messages to a peer killed meanwhile: PeerUnreachable within connect_timeout + 3 s on the
+    same-host route (shm takes nothing from a dead peer: its death is seen by its lock file)
+    and over tcp; the route each ran on is the one named."""
+    import subprocess
+    import sys
+    import time
+
+    policy = aiote.RetryPolicy(connect_timeout=2.0)
+    kw = {} if same_host else {"same_host": None}
+    proc = subprocess.Popen([sys.executable, "-c", _SILENT, str(same_host)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        addr = bytes.fromhex((await anyio.to_thread.run_sync(proc.stdout.readline)).decode().strip())
+        async with aiote.open_engine(retry=policy, **kw) as e:
+            route = e.route(addr)
+            assert route.provider == ("shm" if same_host else "tcp;ofi_rxm"), route
+            killed = 0.0
+            outcome: dict[str, object] = {}
+
+            async def sends() -> None:
+                try:
+                    with anyio.fail_after(60):
+                        while True:
+                            await e.send(addr, b"x" * 4096)
+                except aiote.AioteError as exc:
+                    outcome["error"] = exc
+                    outcome["after_kill"] = time.monotonic() - killed
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sends)
+                await anyio.sleep(0.5)
+                killed = time.monotonic()
+                proc.kill()
+            assert isinstance(outcome["error"], aiote.PeerUnreachable), outcome
+            assert outcome["after_kill"] < policy.connect_timeout + 3.0, outcome
+    finally:
+        proc.kill()
+        proc.wait()

@@ -58,7 +58,7 @@ from ._memory import MemoryRegion, host_buffer
 from ._peers import PeerBook
 from ._retry import RetryPolicy
 from ._routing import DomainGroup, Route, Router, addr_ends
-from ._util import as_index, check_timeout, deadline_at, now, timeout_error, wait_until
+from ._util import as_index, check_timeout, deadline_at, now, shm_peer_gone, timeout_error, wait_until
 
 __all__ = ["Engine", "RailInfo", "ScatterTarget", "Transfer", "TransferBatch", "open_engine"]
 
@@ -192,7 +192,8 @@ class ScatterTarget:
 
 class _Op:
     __slots__ = (
-        "alts", "done", "event", "failover", "g", "names", "posted", "prov_errno", "rails", "refs", "status"
+        "alts", "done", "event", "failover", "g", "names", "path", "posted", "prov_errno", "rails", "refs",
+        "status",
     )
 
     def __init__(self, refs: Any, event: Any) -> None:
@@ -209,6 +210,7 @@ class _Op:
         # the (rail, fi_addr) pairs its rows name, where known (a connection's opening): the
         # engine may forget other peers while it is pending (see _maybe_sweep)
         self.names: frozenset[tuple[int, int]] | None = None
+        self.path: Any = None  # the routes of its one peer, where known (see _peer_gone)
 
 
 class _Group:
@@ -910,7 +912,8 @@ class Engine:
     async def unregister(self, mr: MemoryRegion, *, timeout: float | None = None) -> None:
         """Unregisters a region. Waits while work requests that touch it are in flight (they
         keep the buffer alive); raises :class:`RegionBusy` if they are still in flight after
-        ``timeout`` seconds (``timeout=0``: raise at once), :class:`InvalidArgument` if it is not
+        ``timeout`` seconds (``timeout=0``: raise at once; without a timeout, once they made no
+        progress for the retry policy's ``stall_timeout``), :class:`InvalidArgument` if it is not
         a registered region of this engine, :class:`EngineClosed`. Peers' later accesses fail at
         their side. Costs one native call that closes the provider registration on each NIC
         (O(NICs)); while the region is busy it polls with back-off from 0.5 ms to 20 ms.
@@ -925,7 +928,8 @@ class Engine:
             raise InvalidArgument("not a memory region of this engine")
         if mr._handle is None:
             raise InvalidArgument("the region is already unregistered (unregister each region once)")
-        start = now()
+        start = moved = now()
+        last: tuple[int, int] | None = None
         delay = 0.0005
         try:
             while True:
@@ -939,6 +943,16 @@ class Engine:
                         raise RegionBusy(f"unregister failed: {_strerror(-rc)}")
                     # a same-host peer is copying into or out of it directly (new copies are
                     # refused from now on): wait like for our own requests
+                busy = (int(lib.aio_mr_inflight(mr._handle)), mr._dev_pending)
+                if busy != last:
+                    last, moved = busy, now()
+                stall = self._retry.stall_timeout
+                if timeout is None and stall is not None and now() - moved >= stall:
+                    raise RegionBusy(
+                        f"{busy[0]} work requests and {busy[1]} GPU copies on the region made no "
+                        f"progress for stall_timeout={stall:g} s (a peer stopped or gone that the "
+                        "transport still owns them for); the region stays registered and usable"
+                    )
                 if timeout is not None and now() - start >= timeout:
                     raise RegionBusy(
                         f"{int(lib.aio_mr_inflight(mr._handle))} work requests and {mr._dev_pending} GPU "
@@ -1741,6 +1755,7 @@ class Engine:
         op = _Op(refs, self._event())
         op.rails = rails
         op.names = names
+        op.path = path
         if path is not None:
             op.alts = frozenset(hop[0] for hop in path)
         token = next(self._tokens)
@@ -1896,15 +1911,17 @@ class Engine:
         p = _POLICY.get()
         policy = p if p is not None else self._retry
         stall = policy.stall_timeout
-        if stall is None and not self._router.down:
+        if stall is None and not self._router.down and not (self._shm_rails and self._shm_peers(op)):
             return await wait_until(op.event, end)
         h = self._h
         last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
         moved = now()
+        shm: list[bytes] | None = None  # the op's same-host peer's shm addresses, once looked up
         while True:
             marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]
-            if self._router.down:
-                marks.append(now() + 0.25)  # are all the peer's NICs down, and for how long?
+            if self._router.down or (shm is None or shm):
+                # are all the peer's NICs down, and for how long? has a same-host peer gone?
+                marks.append(now() + 0.25)
             if await wait_until(op.event, min(marks) if marks else None):
                 return True
             t = now()
@@ -1914,6 +1931,17 @@ class Engine:
             if op.event.is_set() or pending != last:
                 last, moved = pending, t
                 continue
+            if shm is None:
+                shm = self._shm_peers(op)
+            if shm and any(shm_peer_gone(a) for a in shm):
+                exc = PeerUnreachable(
+                    f"{what}: the same-host peer ({self._peer_names(op)}) is gone (its process "
+                    f"exited or its engine closed); {pending} of its requests stay with the transport",
+                    101,
+                    0,
+                )
+                exc._final = True  # type: ignore[attr-defined]  # not posted again
+                raise exc
             gone = self._all_down_for(op, t)
             if gone > policy.connect_timeout:
                 exc = PeerUnreachable(
@@ -1931,6 +1959,12 @@ class Engine:
                     f"({pending} of its requests still in flight to the peer through "
                     f"{self._peer_names(op)}); the peer is stopped, wedged or too slow for the bound",
                 )
+
+    def _shm_peers(self, op: _Op) -> list[bytes]:
+        """The shm addresses ``op``'s requests go to (a same-host peer reached through the shm
+        provider: messages, bare immediates), from the pairs it names; empty when none."""
+        pairs = _pairs_of(op)
+        return [a for r, fa in pairs if r in self._shm_rails and (a := self._book.address(r, fa))]
 
     def _all_down_for(self, op: _Op, t: float) -> float:
         """How long every NIC of ``op``'s peer has been down (0 while one is up)."""
@@ -2729,8 +2763,9 @@ class Engine:
 
         self._sends[key] = n + 1
         try:
+            names = frozenset({key})
             await self._attempts(
-                lambda t: self._run_group(post, 1, None, t, "send"), _left(end), retry, "send"
+                lambda t: self._run_group(post, 1, None, t, "send", names=names), _left(end), retry, "send"
             )
         finally:
             left = self._sends[key] - 1
@@ -2976,6 +3011,21 @@ def _direct_hop(full: Any, dkey: int, shm: frozenset[int]) -> Any:
     """The route of ``full`` to the owner's first shm NIC (the one whose key ``dkey`` its
     region table publishes), which direct copies take whatever the streams; None if absent."""
     return next((h for h in full if h[3] == dkey and h[0] in shm), None)
+
+
+def _pairs_of(op: _Op) -> frozenset[tuple[int, int]]:
+    """The (rail, fi_addr) pairs an operation's requests name: given when it began (a send,
+    a connection's opening), from its peer's routes, or read from its table of rows (its refs
+    hold it); empty when not known. For the slow paths (a stall, a gone peer)."""
+    if op.names is not None:
+        return op.names
+    if op.path:
+        return frozenset((h[0], h[1]) for h in op.path)
+    r = op.refs
+    table = r[1] if isinstance(r, tuple) and len(r) == 2 else None
+    if isinstance(table, np.ndarray) and "peer" in (table.dtype.names or ()):
+        return frozenset(zip(table["rail"].tolist(), table["peer"].tolist(), strict=True))
+    return frozenset()
 
 
 def _rails_of(op: _Op) -> frozenset[int]:

@@ -42,7 +42,7 @@ from ._descriptor import (
 from ._device import _Backend, device_backend
 from ._errors import AioteError, EngineClosed, InvalidArgument
 from ._log import get_logger
-from ._util import check_timeout, deadline, now, timeout_error, wait_until
+from ._util import check_timeout, deadline, first_error, now, timeout_error, wait_until
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -471,7 +471,7 @@ class GpuSupport:
                 ranges = np.array([dst_offset + o, n], dtype=np.uint64)
                 await self._send_part(rdesc, op, len(parts), imm, 1, 0, ranges, timeout, retry)
 
-        with deadline(timeout, "write"):
+        with deadline(timeout, "write"), first_error():
             async with anyio.create_task_group() as tg:
                 for k, (o, n) in enumerate(parts):
                     if ready:
@@ -525,7 +525,7 @@ class GpuSupport:
         op = next(self._ops)
         per = max(1, (self.e._max_message - 256) // 8)
         chunks = [dst_offs[i : i + per] for i in range(0, n, per)]
-        with deadline(timeout, "write_paged"):
+        with deadline(timeout, "write_paged"), first_error():
             async with anyio.create_task_group() as tg:
                 for c in chunks:
                     tg.start_soon(

@@ -35,11 +35,12 @@ Key = tuple[int, bytes]  # (local rail, the peer's NIC address)
 class PeerBook:
     """The resolved peer addresses of one engine and the sweeps that forget them."""
 
-    __slots__ = ("_attach", "_marked", "_next", "_seen", "_sweeps", "cap", "due", "fa", "forgotten")
+    __slots__ = ("_attach", "_by_fa", "_marked", "_next", "_seen", "_sweeps", "cap", "due", "fa", "forgotten")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.fa: dict[Key, int] = {}
+        self._by_fa: dict[tuple[int, int], bytes] = {}  # (rail, fi_addr) -> the peer's NIC address
         self._seen: dict[Key, int] = {}  # the sweep number when last resolved
         self._sweeps = 0
         self._next = cap
@@ -61,9 +62,14 @@ class PeerBook:
     def add(self, key: Key, fa: int) -> None:
         """Records a new resolution; makes a sweep due past the threshold."""
         self.fa[key] = fa
+        self._by_fa[(key[0], fa)] = key[1]
         self._seen[key] = self._sweeps
         if len(self.fa) > self._next:
             self.due = True
+
+    def address(self, rail: int, fa: int) -> bytes | None:
+        """The peer NIC address resolved as ``fa`` on ``rail``, if kept."""
+        return self._by_fa.get((rail, fa))
 
     def attached(self, index: int, addresses: Iterable[bytes]) -> None:
         """Table ``index`` belongs to the peer whose NICs are ``addresses``."""
@@ -101,9 +107,10 @@ class PeerBook:
                 if (key[0], fa) not in busy:
                     out.append((key, fa))
                     excess -= 1
-        for key, _ in out:
+        for key, fa in out:
             del self.fa[key]
             del self._seen[key]
+            self._by_fa.pop((key[0], fa), None)
         left = {k[1] for k in self.fa}
         self._marked &= left  # marks of addresses still kept (busy) wait for the next sweep
         detach = [i for i, addrs in self._attach.items() if not addrs & left]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import heapq
 import itertools
 import math
 import operator
+import os
+import re
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -14,7 +18,7 @@ from typing import Any
 
 import anyio
 
-from ._errors import InvalidArgument, TransferTimeout
+from ._errors import AioteError, InvalidArgument, TransferTimeout
 
 
 def now() -> float:
@@ -393,3 +397,63 @@ def as_index(value: Any, name: str, *, lo: int = 0, hi: int | None = None) -> in
         bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
         raise InvalidArgument(f"{name}={v} is out of range (must be {bound})")
     return v
+
+
+_SHM_NAME = re.compile(rb"aiote-([0-9a-f]{16})-[0-9]+")
+
+
+def shm_peer_gone(address: bytes) -> bool:
+    """Whether the engine behind a same-host (shm) peer address is gone: its endpoint's file
+    in /dev/shm was removed (the engine closed) or no process holds its owner's lock file
+    (aiote-<token>.lock, locked for the owning process's life: see cdeps, "Owned shm names").
+    A false answer for names aiote did not give (nothing is known of them). Costs a stat, and
+    an open + non-blocking shared flock + close of the lock file; touches nothing else."""
+    m = _SHM_NAME.fullmatch(address.rstrip(b"\0"))
+    if m is None:
+        return False
+    name = m.group(0).decode()
+    if not os.path.exists(f"/dev/shm/{name}"):
+        return True
+    try:
+        fd = os.open(f"/dev/shm/aiote-{m.group(1).decode()}.lock", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # its process holds it: alive
+    except OSError:
+        return False
+    else:
+        return True  # nobody holds it: the process died (released as the descriptor closes)
+    finally:
+        os.close(fd)
+
+
+if sys.version_info >= (3, 11):
+    _Group = BaseExceptionGroup  # noqa: F821
+else:  # pragma: no cover - anyio brings the backport on 3.10
+    from exceptiongroup import BaseExceptionGroup as _Group
+
+
+@contextmanager
+def first_error() -> Iterator[None]:
+    """Around a task group whose tasks are parts of one operation: when they fail with
+    aiote's errors only, the operation raises the first of them (chained to the group), as a
+    single-part operation would, instead of an exception group."""
+    try:
+        yield
+    except _Group as group:
+        leaves: list[BaseException] = []
+        todo: list[BaseException] = [group]
+        while todo:
+            x = todo.pop(0)
+            if isinstance(x, _Group):
+                todo = list(x.exceptions) + todo
+            else:
+                leaves.append(x)
+        if leaves and all(isinstance(x, AioteError) for x in leaves):
+            raise leaves[0] from group
+        raise
