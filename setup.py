@@ -7,9 +7,14 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+_HERE = Path(__file__).resolve().parent
 _CSRC = {  # source in the checkout -> place in the package
     "cdeps/aiote_core.h": "aiote/_native/csrc/aiote_core.h",
-    "cdeps/aiote_core.c": "aiote/_native/csrc/aiote_core.c",
+    # the core, one file per concern, with its internal headers
+    **{
+        f"cdeps/core/{p.name}": f"aiote/_native/csrc/core/{p.name}"
+        for p in sorted((_HERE / "cdeps" / "core").glob("*.[ch]"))
+    },
     "cdeps/bench/aiote_cbench.c": "aiote/_native/csrc/bench/aiote_cbench.c",
 }
 
@@ -17,11 +22,10 @@ _CSRC = {  # source in the checkout -> place in the package
 class _BuildPyWithCSources(build_py):
     def run(self) -> None:
         super().run()
-        here = Path(__file__).resolve().parent
         for src, dst in _CSRC.items():
             out = Path(self.build_lib) / dst
             out.parent.mkdir(parents=True, exist_ok=True)
-            self.copy_file(str(here / src), str(out))
+            self.copy_file(str(_HERE / src), str(out))
 
 
 setup(cffi_modules=["aiote/_native/_build.py:ffibuilder"], cmdclass={"build_py": _BuildPyWithCSources})

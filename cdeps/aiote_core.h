@@ -395,8 +395,8 @@ int aio_watch_remove(aio_engine *e, int id);
 /* A task of the loop starts (+1) or stops (-1) waiting for something a rail without a wait
  * object (shm) reports only when polled (a message): while any waits and work of ours is in
  * flight on such a rail, the poller polls it every 50 us instead of every millisecond. With
- * nothing of ours in flight it sleeps: aiote peers wake it when they post to it (see "Owned shm
- * names and wake-ups" in aiote_core.c). Counter watches count by themselves. */
+ * nothing of ours in flight it sleeps: aiote peers wake it when they post to it (see
+ * core/shm_wake.c). Counter watches count by themselves. */
 void aio_waiters_add(aio_engine *e, int32_t delta);
 
 /* Memory interfaces for aio_mr_register_dev. */

@@ -65,8 +65,10 @@ def test_wheel_holds_every_package(wheel: Path) -> None:
     assert any(n.startswith("aiote/_native/_core") and n.endswith(".so") for n in names), (
         "the compiled C core is not in the wheel"
     )
-    # the C core's and the C bench's sources, for aiote bench's C baseline
-    for src in ("aiote_core.h", "aiote_core.c", "bench/aiote_cbench.c"):
+    # the C core's and the C bench's sources, for aiote bench's C baseline: every file of the core
+    core = sorted(p.name for p in (ROOT / "cdeps" / "core").glob("*.[ch]"))
+    assert "internal.h" in core and "engine.c" in core
+    for src in ("aiote_core.h", *(f"core/{n}" for n in core), "bench/aiote_cbench.c"):
         assert f"aiote/_native/csrc/{src}" in names
 
 

@@ -16,7 +16,11 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parents[2]
 CDEPS = ROOT / "cdeps"
-HEADER = CDEPS / "aiote_core.h"
+HEADER = CDEPS / "aiote_core.h"  # the API: the only header the binding sees
+# the core, one file per concern (cdeps/core/internal.h lists them); each .c finds its internal
+# headers beside it
+SOURCES = sorted((CDEPS / "core").glob("*.c"))
+INTERNAL_HEADERS = sorted((CDEPS / "core").glob("*.h"))
 
 
 def _load_fabric_paths() -> Any:
@@ -55,7 +59,8 @@ ffibuilder.set_source(
     "aiote._native._core",
     '#include "aiote_core.h"',
     # setuptools wants paths relative to setup.py
-    sources=[os.path.relpath(CDEPS / "aiote_core.c", Path.cwd())],
+    sources=[os.path.relpath(p, Path.cwd()) for p in SOURCES],
+    depends=[os.path.relpath(p, Path.cwd()) for p in [HEADER, *INTERNAL_HEADERS]],
     include_dirs=[os.path.relpath(CDEPS, Path.cwd()), *_inc],
     library_dirs=_libdirs,
     libraries=["fabric", "pthread"],

@@ -85,8 +85,10 @@ def build_cbench() -> str | None:
             return f"could not build the C bench: {r.stderr.strip()[-300:]}"
         _built.append(CBENCH)
         return None
-    srcs = [CSRC / "aiote_core.h", CSRC / "aiote_core.c", CSRC / "bench" / "aiote_cbench.c"]
-    if not all(p.exists() for p in srcs):
+    bench = CSRC / "bench" / "aiote_cbench.c"
+    core = sorted((CSRC / "core").glob("*.c"))  # the core, one file per concern
+    srcs = [CSRC / "aiote_core.h", *sorted((CSRC / "core").glob("*.h")), *core, bench]
+    if not core or not all(p.exists() for p in srcs):
         return "the C core's sources are neither in a source checkout (cdeps/) nor in this installation"
     cc = shlex.split(os.environ.get("CC") or "cc")  # e.g. "ccache gcc"
     flags = ["-std=gnu11", "-O2", "-pthread", f"-I{CSRC}", *_fabric_cflags()]
@@ -98,7 +100,7 @@ def build_cbench() -> str | None:
         tmp = exe.with_name(f"{exe.name}.{os.getpid()}")
         try:
             cache.mkdir(parents=True, exist_ok=True)
-            r = subprocess.run([*cc, *flags, "-o", str(tmp), str(srcs[2]), str(srcs[1]), "-lfabric"],
+            r = subprocess.run([*cc, *flags, "-o", str(tmp), str(bench), *map(str, core), "-lfabric"],
                                capture_output=True, text=True, timeout=300)
             if r.returncode:
                 return f"could not build the C bench: {r.stderr.strip()[-300:]}"

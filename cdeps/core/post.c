@@ -1,0 +1,442 @@
+/* Posting: requests into groups, on the posting thread.
+ *
+ * Theory of operation. The posting thread (an event loop's, from Python with the GIL
+ * released, or any thread of the application) posts the requests of a transfer into a group
+ * (groups.c) in as few calls as it can: aio_post takes a batch of descriptors, aio_submit
+ * opens, posts and seals in one call, aio_post_paged forms the requests of a paged write
+ * itself. Each request is checked against its region, then goes one of three ways:
+ *   - a same-host direct copy (a direct code and one byte or more) is queued for poller 0,
+ *     which copies it (direct_copy.c, handoff.c);
+ *   - a write or read the poller should post is handed over (handoff.c), when its peer's
+ *     connection carried a request since its last failure: by default on tcp, every write of
+ *     HAND_MIN_BYTES or more, so that its bytes go into the socket from the poller's thread
+ *     and never from the loop's, and any request whose rail the poller holds at that moment
+ *     (it is moving data: waiting for its lock would cost the loop a futex sleep);
+ *   - else it is posted in place, under the rail's lock. A call keeps the lock across its
+ *     consecutive requests to one rail (rail_hold: a handover of the lock between the poller and
+ *     the poster per batch, not per request), and gives it back every HOLD_MAX_POSTS.
+ * When the provider's queue or the rail's op pool is full, the posting thread drives the rail
+ * itself (reads completions, which frees both) until budget_ns passes or no completion came
+ * for POST_IDLE_NS, then returns how many it posted: the caller waits for room with
+ * aio_want_space (an AIO_REC_SPACE record) rather than spin. A call kicks the pollers of the
+ * rails it posted to (their spin restarts: completions are coming).
+ *
+ * Messages (aio_post_sendv) are copied into one of the rail's registered send slots, without
+ * the rail's lock (the slot and the op are the caller's alone by then, and a large message is
+ * a long copy), and sent; receives are the rail's slots, reposted by the loop once read. Every
+ * request to an shm rail is followed by a wake-up of the target's poller if it sleeps
+ * (shm_wake.c), and the first requests to a tcp peer by the tuning of its connection
+ * (tcp_tune.c). */
+#include "internal.h"
+
+#include <sys/uio.h>
+
+#include "completion.h"
+#include "direct_copy.h"
+#include "groups.h"
+#include "handoff.h"
+#include "poller.h"
+#include "post.h"
+#include "shm_wake.h"
+#include "tcp_tune.h"
+
+/* a post waiting for room stops driving the rail itself after this long without a completion */
+#define POST_IDLE_NS 20000LL
+
+/* By default (hand mode 0) a tcp write of at least this many bytes is always handed to the
+ * poller: its bytes go into the socket from the poller's thread, never from the posting one
+ * (an event loop's). Smaller ones are posted in place when the rail is free, for latency. */
+#define HAND_MIN_BYTES (16 * 1024)
+
+/* A write gathering `n` local pieces of it->length bytes each (at it->offset + gather[i])
+ * into one contiguous remote range: one request, remote CQ data once. */
+static ssize_t post_gather(aio_rail *r, const aio_op_desc *it, const uint64_t *gather, int n,
+                           aio_op *op) {
+    aio_mr *m = it->mr;
+    struct iovec iov[AIO_MAX_GATHER];
+    void *desc[AIO_MAX_GATHER];
+    for (int i = 0; i < n; i++) {
+        iov[i].iov_base = (char *)m->buf + gather[i];
+        iov[i].iov_len = it->length;
+        desc[i] = m->desc[it->rail];
+    }
+    struct fi_rma_iov rma = {.addr = it->raddr, .len = it->length * (uint64_t)n, .key = it->rkey};
+    struct fi_msg_rma msg = {.msg_iov = iov, .desc = desc, .iov_count = (size_t)n, .addr = it->peer,
+                             .rma_iov = &rma, .rma_iov_count = 1, .context = &op->ctx,
+                             .data = it->data};
+    uint64_t flags = r->tx_op_flags | ((it->flags & AIO_F_DATA) ? FI_REMOTE_CQ_DATA : 0);
+    ssize_t ret = fi_writemsg(r->ep, &msg, flags);
+    if (r->is_shm) aio__shm_wake(r, it->peer);
+    return ret;
+}
+
+ssize_t aio__post_one(aio_rail *r, const aio_op_desc *it, aio_op *op) {
+    aio_mr *m = it->mr;
+    void *buf = (char *)m->buf + it->offset;
+    void *desc = m->desc[it->rail];
+    ssize_t ret;
+    if (it->op == AIO_OP_READ)
+        ret = fi_read(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+    else if (it->flags & AIO_F_DATA)
+        ret = fi_writedata(r->ep, buf, it->length, desc, it->data, it->peer, it->raddr, it->rkey,
+                           &op->ctx);
+    else
+        ret = fi_write(r->ep, buf, it->length, desc, it->peer, it->raddr, it->rkey, &op->ctx);
+    if (r->is_shm) aio__shm_wake(r, it->peer);
+    return ret;
+}
+
+/* While a post waits for room (queue full): drives the rail once. 0 when the caller should
+ * give up for now: the deadline passed, or no completion came back for POST_IDLE_NS (the
+ * queue frees only as completions return; spinning longer burns the CPU the peer and the
+ * kernel need, and the loop waits for room cheaply with aio_want_space). Caller holds r->mu. */
+static int post_progress(aio_engine *e, aio_rail *r, int64_t deadline, int64_t *idle) {
+    int got = aio__progress_locked(e, r);
+    int64_t t = now_ns();
+    if (t >= deadline) return 0;
+    if (got > 0 || *idle == 0) *idle = t + POST_IDLE_NS;
+    else if (t >= *idle) return 0;
+    return 1;
+}
+
+/* A posting call's hold of one rail's lock across consecutive requests to that rail: a batch
+ * takes the lock once rather than once per request, so that the poller (which holds it while the
+ * provider moves data) and the posting thread hand it over once per batch, not once per request
+ * (each handover a futex sleep and wake-up of the posting thread). Given back every
+ * HOLD_MAX_POSTS requests, so that a long paged call does not keep the poller out. */
+#define HOLD_MAX_POSTS 32
+
+typedef struct {
+    aio_rail *r; /* the rail whose lock is held, or NULL */
+    int posts;   /* requests posted under this hold */
+} rail_hold;
+
+static void release_rail(rail_hold *h) {
+    if (h->r) pthread_mutex_unlock(&h->r->mu);
+    h->r = NULL;
+}
+
+/* How post_item_g takes a rail's lock: waits for it; tries (hands the request to the poller if
+ * the rail is busy); does not take it (hands every eligible request over); or hands the request
+ * over even when this call holds the rail (a large tcp write by default). */
+enum { HOLD_WAIT, HOLD_TRY, HOLD_NONE, HOLD_HAND };
+
+/* Takes rail r's lock into h (kept if h holds it already, under HOLD_MAX_POSTS): 1 held. HOLD_TRY:
+ * only if it is free and no request of this rail waits in the poller's queue, else 0: the caller
+ * hands its request to the poller rather than wait for a poller busy moving data (a wait that
+ * costs the posting thread a futex sleep and wake-up, and on few cores the CPU the poller needs).
+ * HOLD_NONE: 0 unless already held. HOLD_HAND: 0, letting go of a rail held: the poller posts
+ * the request as soon as it takes the lock, and this call's later requests to the rail queue
+ * behind it (HOLD_TRY sees it waiting), in order. */
+static int hold_rail(rail_hold *h, aio_rail *r, int how) {
+    if (how == HOLD_HAND) {
+        release_rail(h);
+        return 0;
+    }
+    if (h->r == r && h->posts < HOLD_MAX_POSTS) return 1;
+    release_rail(h);
+    if (how == HOLD_NONE) return 0;
+    if (how == HOLD_TRY) {
+        if (atomic_load(&r->ndeferred) > 0 || pthread_mutex_trylock(&r->mu) != 0) return 0;
+    } else {
+        pthread_mutex_lock(&r->mu);
+    }
+    h->r = r;
+    h->posts = 0;
+    return 1;
+}
+
+/* A request to `peer` went to the rail's provider (caller holds the rail's lock): its tcp
+ * connection's send buffer is set (at the first posts), and requests to it may be handed to
+ * the poller again. */
+void aio__posted_to(aio_engine *e, aio_rail *r, uint64_t peer) {
+    if (r->is_tcp && e->sndbuf > 0) aio__tcp_tune_peer(e, r, peer);
+    defer_set(r, peer, 1);
+}
+
+/* Takes an op for `it` and counts it in flight (group, region, engine). */
+static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const aio_op_desc *it) {
+    aio_op *op = aio__op_get(r);
+    if (!op) return NULL;
+    op->kind = it->op == AIO_OP_READ ? OPK_READ : OPK_WRITE;
+    op->rail = it->rail;
+    op->group = g;
+    op->mr = m;
+    op->peer = it->peer;
+    aio_group *gr = &e->groups[g];
+    atomic_fetch_add(&m->inflight, 1);
+    atomic_fetch_add(&gr->posted, 1);
+    atomic_fetch_add(&gr->outstanding, 1);
+    inflight_add(e, r, 1);
+    return op;
+}
+
+/* Posts one request into group g: 1 posted, 0 no room before the deadline (nothing
+ * posted), negative: an error for this request (nothing posted). Takes the rail's lock into
+ * `h` (kept for the caller's next request; the caller releases it). */
+static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const uint64_t *gather,
+                       int ngather, int64_t deadline, rail_hold *h) {
+    if (it->rail < 0 || it->rail >= e->nrails || !it->mr ||
+        (it->op != AIO_OP_WRITE && it->op != AIO_OP_READ))
+        return -FI_EINVAL;
+    aio_mr *m = it->mr;
+    if (it->offset > m->len || it->length > m->len - it->offset) return -FI_EINVAL;
+    /* a direct copy: one local piece, at least one byte (a bare immediate goes the provider's way) */
+    int direct = it->direct != 0 && ngather <= 1 && it->length > 0;
+    if (it->direct != 0 && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
+                            (it->direct & 0xffff) >= AIO_DIRECT_SLOTS ||
+                            !e->dpeers[(it->direct >> 16) - 1].t))
+        return -FI_EINVAL;
+    if (it->direct != 0 && !direct) {
+        /* a request to a same-host peer that is no copy: several gathered pieces (never formed
+         * for a direct route, see aio_post_paged) or a bare immediate: the slot's checks here */
+        int rc = aio__direct_check(e, it);
+        if (rc) return rc;
+    }
+    aio_group *gr = &e->groups[g];
+    aio_rail *r = e->rails[it->rail];
+    aio_op *op;
+    /* by default only on tcp, whose poller pushes bytes into sockets under the rail's lock: on
+     * shm, handing 64 KiB writes to the poller cut them to a third (the poller then queues every
+     * write into the target's shm queue itself, against the target's lock). On tcp a write of
+     * HAND_MIN_BYTES or more is always handed: copied in the posting thread, a batch of 16 writes
+     * of 1 MiB held the posting call for 75 us on average and up to 430 us (a Python event
+     * loop), and that thread became the bottleneck at 64 KiB and 16 MiB (aiote bench, 2 vCPUs) */
+    int hand = atomic_load_explicit(&e->hand_posts, memory_order_relaxed);
+    int how = HOLD_WAIT;
+    if (hand >= 0 && !direct && ngather <= 1 && defer_get(r, it->peer)) {
+        if (hand > 0)
+            how = HOLD_NONE;
+        else if (r->is_tcp)
+            how = it->op == AIO_OP_WRITE && it->length >= HAND_MIN_BYTES ? HOLD_HAND : HOLD_TRY;
+    }
+    if (!hold_rail(h, r, how)) {
+        /* the poller holds the rail (it is moving data): it posts this request when it is done */
+        if ((op = op_start(e, r, g, m, it))) {
+            aio__direct_enqueue(e, op, it, 1);
+            return 1;
+        }
+        hold_rail(h, r, HOLD_WAIT); /* no op free: wait for the lock, and drive completions, as below */
+    }
+    int64_t idle = 0; /* when the self-driven progress found nothing for POST_IDLE_NS: give up */
+    while (!(op = op_start(e, r, g, m, it))) {
+        if (!post_progress(e, r, deadline, &idle)) break;
+    }
+    if (!op) return 0;
+    h->posts++;
+    ssize_t ret = 0;
+    if (direct) {
+        aio__direct_enqueue(e, op, it, 0); /* the poller copies (aio_post kicks it) */
+    } else {
+        for (;;) {
+            ret = ngather > 1 ? post_gather(r, it, gather, ngather, op) : aio__post_one(r, it, op);
+            if (ret != -FI_EAGAIN) break;
+            if (!post_progress(e, r, deadline, &idle)) break;
+        }
+        if (!ret) aio__posted_to(e, r, it->peer);
+    }
+    if (ret) {
+        atomic_fetch_sub(&m->inflight, 1);
+        atomic_fetch_sub(&gr->posted, 1);
+        atomic_fetch_sub(&gr->outstanding, 1);
+        inflight_add(e, r, -1);
+        aio__op_put(r, op);
+    }
+    if (ret == -FI_EAGAIN) return 0;
+    return ret ? (int)ret : 1;
+}
+
+int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, int64_t budget_ns) {
+    if (!aio__group_postable(e, g)) return -FI_EINVAL;
+    int64_t deadline = now_ns() + budget_ns;
+    int64_t i = 0;
+    int rc = 0;
+    rail_hold h = {0};
+    uint32_t mask = 0; /* the rails posted to: their pollers are kicked */
+    for (; i < n; i++) {
+        rc = post_item_g(e, g, &items[i], NULL, 1, deadline, &h);
+        if (rc <= 0) break;
+        mask |= 1u << items[i].rail;
+        if (items[i].direct) mask |= 1u; /* a direct copy may be queued for poller 0 (rail 0's) */
+    }
+    release_rail(&h);
+    if (i > 0) aio__kick_rails(e, mask);
+    if (i == 0 && rc < 0) return rc;
+    return i;
+}
+
+static int64_t submit(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                      int64_t budget_ns, int64_t *group, int quiet) {
+    int64_t g = aio_group_open(e, token);
+    *group = g;
+    if (g < 0) return g;
+    e->groups[g].quiet = quiet; /* read when the group finishes, after it was posted */
+    int64_t k = aio_post(e, g, items, n, budget_ns);
+    if (k == n) aio_group_seal(e, g);
+    return k;
+}
+
+int64_t aio_submit(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                   int64_t budget_ns, int64_t *group) {
+    return submit(e, token, items, n, budget_ns, group, 0);
+}
+
+int64_t aio_submit_quiet(aio_engine *e, uint64_t token, const aio_op_desc *items, int64_t n,
+                         int64_t budget_ns, int64_t *group) {
+    return submit(e, token, items, n, budget_ns, group, 1);
+}
+
+/* a*b+c <= limit without overflow */
+static int fits(uint64_t a, uint64_t b, uint64_t c, uint64_t limit) {
+    if (b && a > (UINT64_MAX - c) / b) return 0;
+    return a * b + c <= limit;
+}
+
+int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_t start, int64_t n,
+                       int64_t budget_ns) {
+    if (!aio__group_postable(e, g) || !d || !d->mr || d->nroutes < 1 || d->nroutes > AIO_MAX_RAILS ||
+        d->first_route < 0 || start < 0 || n < start || d->page_size == 0)
+        return -FI_EINVAL;
+    aio_mr *m = d->mr;
+    int64_t deadline = now_ns() + budget_ns;
+    aio_op_desc it;
+    memset(&it, 0, sizeof(it));
+    it.mr = m;
+    it.length = d->page_size;
+    it.data = d->data;
+    it.op = AIO_OP_WRITE;
+    it.flags = d->flags & AIO_F_DATA;
+    /* pages whose destinations follow each other go as one request gathering their
+     * sources (up to the rail's iov limit); such a request carries the credit of all its
+     * pages as one weight, so it is only formed when the weight can travel */
+    int64_t k = start;
+    int rc = 0;
+    uint64_t gather[AIO_MAX_GATHER];
+    int64_t req = 0; /* requests posted by this call: the route of the next one */
+    uint32_t mask = 0; /* the rails posted to: their pollers are kicked */
+    rail_hold h = {0};
+    while (k < n) {
+        const aio_route *rt = &d->routes[(uint64_t)(d->first_route + start + req) % (uint64_t)d->nroutes];
+        aio_rail *r = (rt->rail >= 0 && rt->rail < e->nrails) ? e->rails[rt->rail] : NULL;
+        int limit = 1;
+        if (r && d->gather && !rt->direct) {
+            limit = (int)r->iov_limit;
+            if ((d->flags & AIO_F_DATA) && r->cq_data_size < 8) limit = 1;
+        }
+        int cnt = 0;
+        uint64_t dst0 = 0;
+        for (; cnt < limit && k + cnt < n; cnt++) {
+            int64_t si = d->src_pages[k + cnt], di = d->dst_pages[k + cnt];
+            if (si < 0 || di < 0 ||
+                !fits((uint64_t)si, d->src_stride, d->src_offset + d->page_size, m->len) ||
+                !fits((uint64_t)di, d->dst_stride, d->dst_offset + d->page_size, d->remote_len)) {
+                if (cnt == 0) rc = -FI_EINVAL;
+                break;
+            }
+            uint64_t dst = d->dst_offset + (uint64_t)di * d->dst_stride;
+            if (cnt == 0) dst0 = dst;
+            else if (dst != dst0 + (uint64_t)cnt * d->page_size) break;
+            gather[cnt] = d->src_offset + (uint64_t)si * d->src_stride;
+        }
+        if (cnt == 0) break;
+        it.offset = gather[0];
+        it.rail = rt->rail;
+        it.peer = rt->peer;
+        it.rkey = rt->rkey;
+        it.direct = rt->direct;
+        it.raddr = rt->rbase + dst0;
+        it.data = d->data;
+        if ((d->flags & AIO_F_DATA) && cnt > 1) it.data = (d->data & 0xffffffffULL) | (((uint64_t)cnt * AIO_CREDIT_UNIT) << 32);
+        rc = post_item_g(e, g, &it, gather, cnt, deadline, &h);
+        if (rc <= 0) break;
+        mask |= 1u << it.rail;
+        k += cnt;
+        req++;
+    }
+    release_rail(&h);
+    if (k > start) aio__kick_rails(e, mask);
+    if (k == start && rc < 0) return rc;
+    return k - start;
+}
+
+int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *head, uint64_t hlen,
+                   const void *body, uint64_t blen, int64_t budget_ns) {
+    if (rail < 0 || rail >= e->nrails || !aio__group_postable(e, g)) return -FI_EINVAL;
+    aio_rail *r = e->rails[rail];
+    uint64_t len = hlen + blen;
+    if (hlen > r->slot_size || blen > r->slot_size || len > r->slot_size) return -FI_EMSGSIZE;
+    int64_t deadline = now_ns() + budget_ns;
+    pthread_mutex_lock(&r->mu);
+    aio_op *op = NULL;
+    for (;;) {
+        if (r->send_nfree > 0 && (op = aio__op_get(r))) break;
+        aio__progress_locked(e, r);
+        if (now_ns() >= deadline) break;
+    }
+    if (!op) {
+        pthread_mutex_unlock(&r->mu);
+        aio__kick_rails(e, 1u << rail);
+        return 0;
+    }
+    uint32_t slot = r->send_free[--r->send_nfree];
+    char *sbuf = r->send_buf + (uint64_t)slot * r->slot_size;
+    /* the slot and the op are ours alone now: copy without the rail's lock, so the poller
+     * drives the rail meanwhile (a large message is a long copy) */
+    pthread_mutex_unlock(&r->mu);
+    if (hlen) memcpy(sbuf, head, hlen);
+    if (blen) memcpy(sbuf + hlen, body, blen);
+    op->kind = OPK_SEND;
+    op->rail = rail;
+    op->group = g;
+    op->mr = NULL;
+    op->slot = slot;
+    atomic_fetch_add(&e->groups[g].posted, 1);
+    atomic_fetch_add(&e->groups[g].outstanding, 1);
+    inflight_add(e, r, 1);
+    pthread_mutex_lock(&r->mu);
+    ssize_t ret;
+    for (;;) {
+        ret = fi_send(r->ep, sbuf, len, r->send_desc, peer, &op->ctx);
+        if (r->is_shm) aio__shm_wake(r, peer);
+        if (ret != -FI_EAGAIN) break;
+        aio__progress_locked(e, r);
+        if (now_ns() >= deadline) break;
+    }
+    if (!ret) aio__posted_to(e, r, peer);
+    if (ret) {
+        atomic_fetch_sub(&e->groups[g].posted, 1);
+        atomic_fetch_sub(&e->groups[g].outstanding, 1);
+        inflight_add(e, r, -1);
+        r->send_free[r->send_nfree++] = slot;
+        aio__op_put(r, op);
+        pthread_mutex_unlock(&r->mu);
+        aio__kick_rails(e, 1u << rail);
+        return ret == -FI_EAGAIN ? 0 : (int)ret;
+    }
+    pthread_mutex_unlock(&r->mu);
+    aio__kick_rails(e, 1u << rail);
+    return 1;
+}
+
+int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *buf, uint64_t len,
+                  int64_t budget_ns) {
+    return aio_post_sendv(e, g, rail, peer, buf, len, NULL, 0, budget_ns);
+}
+
+void *aio_recv_slot(aio_engine *e, int rail, uint32_t slot) {
+    if (rail < 0 || rail >= e->nrails) return NULL;
+    aio_rail *r = e->rails[rail];
+    if (slot >= r->nslots) return NULL;
+    return r->recv_buf + (uint64_t)slot * r->slot_size;
+}
+
+int aio_recv_repost(aio_engine *e, int rail, uint32_t slot) {
+    if (rail < 0 || rail >= e->nrails) return -FI_EINVAL;
+    aio_rail *r = e->rails[rail];
+    if (slot >= r->nslots) return -FI_EINVAL;
+    pthread_mutex_lock(&r->mu);
+    int ret = aio__post_recv_locked(r, slot);
+    pthread_mutex_unlock(&r->mu);
+    aio__kick_rails(e, 1u << rail);
+    return ret;
+}

@@ -1,0 +1,21 @@
+/* shm endpoints: owned names and wake-ups (shm_wake.c). */
+#ifndef AIOTE_CORE_SHM_WAKE_H
+#define AIOTE_CORE_SHM_WAKE_H
+
+#include "internal.h"
+
+/* Removes the files of aiote processes that are gone. Once per process, before its first
+ * shm endpoint. */
+AIO_INTERNAL void aio__shm_sweep_stale(void);
+/* Names a new shm endpoint (before fi_enable) and creates its wake word and fifo. 0, or a
+ * negative error (nothing left behind). */
+AIO_INTERNAL int aio__shm_own_endpoint(aio_rail *r);
+/* Forgets how to wake one peer (its address was removed or reused). Caller holds r->mu. */
+AIO_INTERNAL void aio__shm_wpeer_forget(shm_wpeer *w);
+/* Our own endpoint's and our peers' wake-up objects, at aio__rail_free. */
+AIO_INTERNAL void aio__shm_own_release(aio_rail *r);
+/* After a request to `fa` went to (or was refused by) an shm rail's provider: wakes the
+ * target's poller if it sleeps. Caller holds r->mu. */
+AIO_INTERNAL void aio__shm_wake(aio_rail *r, uint64_t fa);
+
+#endif
