@@ -12,7 +12,7 @@ from ._wire import _REC_COUNTER, _REC_GROUP
 
 
 class Completions(Rails):
-    """Completion handling: the records the native poller pushes (ring + eventfd), drained"""
+    """Completion handling: the poller's records, drained on the loop thread or spun for."""
 
     # ------------------------------------------------------------------ completion dispatch
 

@@ -12,6 +12,9 @@ from ._errors import InvalidArgument, ProviderError
 from ._records import RailInfo, _log
 from ._wire import _strerror
 
+# libfabric probes every provider it knows at start-up; the C core restricts that first probe to
+# the providers aiote can use (unless FI_PROVIDER is set) without changing os.environ (fab_init).
+
 KNOWN_PROVIDERS = ("tcp", "shm", "verbs", "efa")
 
 
@@ -81,41 +84,9 @@ def _open_native(
         raise InvalidArgument(f"pollers: {pollers} not accepted")
     try:
         for prov, nic, required in wanted:
-            rc = lib.aio_engine_add_rail(
-                h, prov.encode(), nic.encode() if nic else ffi.NULL, slots, slot_size, err, 1024
-            )
-            if rc < 0:
-                why = ffi.string(err).decode(errors="replace") or _strerror(-rc)
-                if not required:
-                    _log.info(
-                        "same-host provider unavailable; same-host peers use the main provider",
-                        provider=prov,
-                        reason=why,
-                    )
-                    continue
-                if "offers no provider" in why:
-                    have = available_providers()
-                    why += (
-                        f"; available here: {', '.join(have)}" if have else "; no provider is usable here"
-                    ) + " (`aiote info` lists them with their NICs)"
-                raise ProviderError(why)
-            info = ffi.new("aio_rail_info*")
-            lib.aio_rail_get_info(h, rc, info)
-            rails.append(
-                RailInfo(
-                    index=rc,
-                    provider=ffi.string(info.provider).decode(),
-                    domain=ffi.string(info.domain).decode(),
-                    fabric=ffi.string(info.fabric).decode(),
-                    address=bytes(ffi.buffer(info.addr, info.addr_len)),
-                    mr_mode=int(info.mr_mode),
-                    cq_data_size=int(info.cq_data_size),
-                    max_msg_size=int(info.max_msg_size),
-                    inject_size=int(info.inject_size),
-                    has_wait_fd=bool(info.has_wait_fd),
-                    max_message_size=int(info.slot_size),
-                )
-            )
+            rail = _add_rail(h, prov, nic, required, slots, slot_size)
+            if rail is not None:
+                rails.append(rail)
         host_arena: Arena | None = None
         if direct and any(r.provider == "shm" for r in rails):
             rc = lib.aio_engine_enable_direct(h, err, 1024)
@@ -133,6 +104,46 @@ def _open_native(
         lib.aio_engine_destroy(h)
         raise
     return h, rails, host_arena
+
+
+def _add_rail(
+    h: Any, prov: str, nic: str | None, required: bool, slots: int, slot_size: int
+) -> RailInfo | None:
+    """Adds one rail to the native engine ``h``; None when an optional one (the same-host
+    provider) is not available here (logged), ProviderError when a required one is not."""
+    err = ffi.new("char[1024]")
+    name = nic.encode() if nic else ffi.NULL
+    rc = lib.aio_engine_add_rail(h, prov.encode(), name, slots, slot_size, err, 1024)
+    if rc < 0:
+        why = ffi.string(err).decode(errors="replace") or _strerror(-rc)
+        if not required:
+            _log.info(
+                "same-host provider unavailable; same-host peers use the main provider",
+                provider=prov,
+                reason=why,
+            )
+            return None
+        if "offers no provider" in why:
+            have = available_providers()
+            why += (
+                f"; available here: {', '.join(have)}" if have else "; no provider is usable here"
+            ) + " (`aiote info` lists them with their NICs)"
+        raise ProviderError(why)
+    info = ffi.new("aio_rail_info*")
+    lib.aio_rail_get_info(h, rc, info)
+    return RailInfo(
+        index=rc,
+        provider=ffi.string(info.provider).decode(),
+        domain=ffi.string(info.domain).decode(),
+        fabric=ffi.string(info.fabric).decode(),
+        address=bytes(ffi.buffer(info.addr, info.addr_len)),
+        mr_mode=int(info.mr_mode),
+        cq_data_size=int(info.cq_data_size),
+        max_msg_size=int(info.max_msg_size),
+        inject_size=int(info.inject_size),
+        has_wait_fd=bool(info.has_wait_fd),
+        max_message_size=int(info.slot_size),
+    )
 
 
 def _open_arena(h: Any, size: int) -> Arena | None:

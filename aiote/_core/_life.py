@@ -20,7 +20,7 @@ from ._wire import _CLOSED_STATUS, _STALLED, _completion_error, _post_error
 
 
 class OpLife(Completions):
-    """The life of an operation: groups of rows posted per NIC, their completions, retries after"""
+    """The life of an operation: groups, posting, completion, retries, deadline, cancellation."""
 
     async def _attempts(
         self,
@@ -280,6 +280,8 @@ class OpLife(Completions):
     ) -> bool:
         """The rest of a group's life after :meth:`_begin`: a free group slot, posting what is
         left, sealing, the completion and its status (see :meth:`_run_group`)."""
+        # (about 80 lines: the hot path of every operation, kept in one frame; its slow paths
+        # are _wait_group_slot and _stalled)
         if self._closed:  # begun by post_write, finished by a background task: too late
             raise EngineClosed(f"{what}: the engine closed before the operation was posted")
         op, token, g, first = st.op, st.token, st.g, st.first

@@ -34,7 +34,7 @@ from ._wire import (
 
 
 class Messages(OpLife):
-    """Messages: send/recv, the message slots, and the engine's internal messages (credits of"""
+    """Messages: send/recv, message slots, and the engine's internal credit messages."""
 
     def _on_message(self, rail: int, slot: int, length: int, status: int) -> None:
         """A message arrived in ``slot``. Handed to a waiting receiver (copied out now), or

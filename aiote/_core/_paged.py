@@ -106,7 +106,7 @@ def _page_indices(v: Any, name: str) -> np.ndarray:
 
 
 class Collective(Transfers):
-    """Paged writes (page tables), scatter and barrier."""
+    """Paged writes, scatter, barrier and batches."""
 
     async def write_paged(
         self,

@@ -20,7 +20,7 @@ from ._wire import _DIRECT_SLOTS, _ELSEWHERE, _NO_DIRECT, _strerror
 
 
 class Rails(Registration):
-    """Rails and routes: the peers this engine resolved (PeerBook), the route of a descriptor"""
+    """Rails and routes: peers, the routes of a descriptor, links down and back, failover."""
 
     @contextmanager
     def _collect_stranded(self, into: list[Any]) -> Iterator[None]:

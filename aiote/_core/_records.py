@@ -19,9 +19,6 @@ from ._log import get_logger
 from ._retry import RetryPolicy
 from ._util import check_timeout, now
 
-# libfabric probes every provider it knows at start-up; the C core restricts that first probe to
-# the providers aiote can use (unless FI_PROVIDER is set) without changing os.environ (fab_init).
-
 _log = get_logger(component="engine")
 # where a caller collects the groups its operations left on a failed link (see collect_stranded)
 _STRANDED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("aiote_stranded", default=None)

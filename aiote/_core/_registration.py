@@ -30,7 +30,7 @@ from ._wire import _FI_EBUSY, _strerror
 
 
 class Registration(EngineState):
-    """Memory registration: host buffers, the host arena, GPU regions (through GpuSupport)."""
+    """Memory registration: host buffers, the host arena, GPU regions."""
 
     # ------------------------------------------------------------------ memory
 

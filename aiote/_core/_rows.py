@@ -19,7 +19,7 @@ from ._wire import _F_DATA, _NO_DIRECT, _OP_READ, _OP_WRITE, _U32, _Credits
 
 
 class Rows(Messages):
-    """Building rows (aio_op_desc) for writes and reads over a descriptor's routes, and opening"""
+    """Rows of writes and reads over a descriptor's routes, and opening those routes."""
 
     async def connect(self, remote: MemoryDescriptor | bytes, *, timeout: float | None = None) -> None:
         """Opens every connection to the owner of ``remote`` (a descriptor of one of its
@@ -148,6 +148,7 @@ class Rows(Messages):
         rows would be the same built later (every route was open, and over one NIC's streams
         the transfer is below ``stripe_min``), False when they depend on what was in flight or
         open (see :meth:`TransferBatch._place`)."""
+        # (longer than 80 lines: the hot path of every write and read, kept in one frame)
         mr, rdesc, length, loc_off, rem_off, data, flags = self._span(
             mr, remote, length, src_offset, dst_offset, imm, op
         )

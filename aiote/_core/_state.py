@@ -24,6 +24,7 @@ from ._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._errors import EngineClosed, InvalidArgument
 from ._gpu import GpuSupport
 from ._memory import MemoryRegion
+from ._options import GpuOptions, PollerOptions, SameHostOptions, TransportOptions
 from ._peers import PeerBook
 from ._records import _PARSED_ADDRESSES, _POLICY, RailInfo, _as_bytes, _Held, _host_id, _log, _Op, _RecvWaiter
 from ._retry import RetryPolicy
@@ -32,37 +33,38 @@ from ._wire import _GPU_COUNTS, _OP_DTYPE, _OP_STRUCT, _strerror
 
 
 class EngineState:
-    """EngineState: every field of an engine and the checks every layer uses (open? which"""
+    """The state of an engine: every field (each layer's), and the checks every layer uses."""
 
     def __init__(
         self,
         handle: Any,
         rails: list[RailInfo],
         *,
-        cancel_grace: float,
-        post_budget_ns: int,
-        max_message_size: int,
-        loop_spin_ns: int = 0,
-        same_host: str | None = None,
-        stripe_min: int = 1 << 20,
+        transport: TransportOptions,
+        poller: PollerOptions,
+        local: SameHostOptions,
+        gpu: GpuOptions,
         retry: RetryPolicy | None = None,
-        gpu_backend: str = "cuda",
-        stage_chunk: int = 4 << 20,
-        gpu_ipc: bool = True,
-        gpu_direct: bool | None = None,
-        streams: int = 1,
-        same_host_direct: bool = True,
         arena: Arena | None = None,
-        message_slots: int = 16,
-        max_peers: int = 1024,
     ) -> None:
+        """The Python side of the native engine ``handle`` over ``rails``, with the options
+        open_engine checked (``transport.streams`` resolved) and its host arena, if any."""
+        # (over 80 lines: the one place that lists every field of an engine, the state of each
+        # layer above, so that a reader finds them all together)
+        assert transport.streams is not None  # resolved by check_options
+        streams = transport.streams
+        max_message_size = transport.max_message_size
+        message_slots = transport.message_slots
+        same_host = local.same_host
+        same_host_direct = bool(local.same_host_direct)
+        gpu_direct = None if gpu.gpu_direct is None else bool(gpu.gpu_direct)
         self._h = handle
         self._arena = arena
         self._arena_full_logged = False
         self._gpu: GpuSupport | None = None
-        self._gpu_cfg = (gpu_backend, stage_chunk, gpu_ipc, gpu_direct)
+        self._gpu_cfg = (gpu.gpu_backend, gpu.stage_chunk, bool(gpu.gpu_ipc), gpu_direct)
         self._retry = retry if retry is not None else RetryPolicy()
-        self._stripe_min = stripe_min
+        self._stripe_min = transport.stripe_min
         # streams > 1: the main provider's rails come in runs of `streams` on one NIC; a
         # transfer that is not striped takes one of them like a single-NIC engine (see _rows)
         self._streams = streams
@@ -75,12 +77,12 @@ class EngineState:
         # in _routes_open may only have been taken by the first transfer, still to be posted)
         self._routes_made: set[tuple[int, int]] = set()
         self._paths_open: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
-        self._loop_spin_ns = loop_spin_ns
+        self._loop_spin_ns = int(poller.loop_spin_us * 1000)
         self._rails = rails
         self._closed = False
         self._closing = False
-        self._cancel_grace = cancel_grace
-        self._budget_ns = post_budget_ns
+        self._cancel_grace = transport.cancel_grace
+        self._budget_ns = int(transport.post_budget_us * 1000)
         self._failovers = 0
         self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
         self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (a cache)
@@ -92,7 +94,7 @@ class EngineState:
         self._opening = 0  # transfers in _run: seen by _rows before their groups open
         self._counters: dict[int, ImmCounter] = {}
         self._regions: set[MemoryRegion] = set()
-        self._book = PeerBook(max_peers)  # resolved peer addresses, forgotten by _sweep
+        self._book = PeerBook(transport.max_peers)  # resolved peer addresses, forgotten by _sweep
         self._busy = 0  # operations in _attempts (their rows may be posted again after a pause)
         # the live TransferBatch objects (a layer above): the peers their rows name are kept
         self._batches: weakref.WeakSet[Any] = weakref.WeakSet()

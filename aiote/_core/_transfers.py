@@ -21,7 +21,7 @@ from ._wire import _Credits
 
 
 class Transfers(Rows):
-    """One-sided writes and reads, write_imm and the posted (non-awaited) writes, with the"""
+    """Writes, reads and write_imm, awaited or posted, with the memoized fast path."""
 
     async def write(
         self,
