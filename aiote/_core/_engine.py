@@ -1,6 +1,33 @@
 """The engine: rails (NICs) over the C core, memory registration, one-sided and two-sided
-operations, all awaitable under asyncio and trio. ``Engine`` is the facade over the layers
-below (see _state.py); ``open_engine`` opens one."""
+operations, all awaitable under asyncio and trio. ``open_engine`` opens one.
+
+The core, top down; a module imports only modules below it:
+
+    _engine        Engine (its start and close) and open_engine
+    _paged         paged writes, scatter, barrier, batch()             class Collective
+    _batch         TransferBatch
+    _transfers     write, read, write_imm, post_write(_imm)            class Transfers
+    _rows          the rows of a transfer; opening routes, connect()   class Rows
+    _messages      send/recv, internal messages, deferred credits      class Messages
+    _posted        Transfer (a posted write)
+    _life          an operation's life: groups, posting, completion,   class OpLife
+                   retries, deadline, stalls, cancellation, stranded groups
+    _completions   the poller's records, on the event-loop thread      class Completions
+    _rails         peers, routes, links down and up, failover          class Rails
+    _registration  memory registration, the host arena, GPU regions    class Registration
+    _state         every field of an engine, the common checks         class EngineState
+    _options       open_engine's option objects and their checks
+    _fabric        opening the native engine (providers, rails, pollers)
+    _gpu, _counter, _memory, _bridge, _routing, _peers, _arena, _device
+    _records, _wire: small records, native constants, error mapping
+    _credits, _rules: sans-I/O rules of an operation's life (credits counted once, re-posting,
+                   stalls), unit-tested without an engine
+    _descriptor, _retry, _util, _log, _errors
+
+``Engine`` is the classes above stacked, each layer a class over the one below it (its MRO
+is the list): a step on the way to objects that each own their state. A layer calls down
+freely; the two calls up are declared below as such (``Completions._on_message``, answered
+by the messages layer, and the GPU side's ``GpuOwner``, which only the whole Engine is)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from ._completions import Completions
 from ._errors import EngineClosed, PeerUnreachable, TransferStalled, TransferTimeout
 from ._records import _GROUPS, _POLICY, _STRANDED, _check_retry, _end, _Group, _left, _Op
 from ._retry import RetryPolicy
+from ._rules import GroupWatch, RetryPlan
 from ._util import deadline_at, now, timeout_error, wait_until
 from ._wire import _CLOSED_STATUS, _STALLED, _completion_error, _post_error
 
@@ -62,17 +63,12 @@ class OpLife(Completions):
         ``connect_timeout`` (in :meth:`_run_group`), so a dead peer is reported within about
         ``connect_timeout`` plus the pauses; an attempt that is moving data has the
         operation's whole remaining time."""
-        peer_end = now() + policy.connect_timeout
-        n = 0
+        plan = RetryPlan(policy, end, now())
         while True:
-            if getattr(exc, "_final", False) or n >= policy.attempts:
+            pause = plan.next_pause(getattr(exc, "_final", False), now())
+            if pause is None:
                 raise exc
-            n += 1
-            pause = policy.delay(n)
-            t = now()
-            if t + pause >= peer_end or (end is not None and t + pause >= end):
-                raise exc
-            self._log.info("posting again after a broken connection", op=what, attempt=n, error=str(exc))
+            self._log.info("posting again after a broken connection", op=what, attempt=plan.n, error=str(exc))
             await self._pause(pause)
             try:
                 await attempt(_left(end))
@@ -422,23 +418,19 @@ class OpLife(Completions):
         if stall is None and not self._router.down:
             return await wait_until(op.event, end)
         h = self._h
-        last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
-        moved = now()
+        pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+        watch = GroupWatch(end, stall, policy.connect_timeout, pending, now())
         while True:
-            marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]
-            if self._router.down:
-                marks.append(now() + 0.25)  # are all the peer's NICs down, and for how long?
-            if await wait_until(op.event, min(marks) if marks else None):
+            # while a link is down: are all the peer's NICs down, and for how long?
+            if await wait_until(op.event, watch.wake_at(bool(self._router.down), now())):
                 return True
             t = now()
-            if end is not None and t >= end:
-                return False
             pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
-            if op.event.is_set() or pending != last:
-                last, moved = pending, t
-                continue
             gone = self._all_down_for(op, t)
-            if gone > policy.connect_timeout:
+            verdict = watch.on_wake(t, op.event.is_set(), pending, gone)
+            if verdict == "timeout":
+                return False
+            if verdict == "unreachable":
                 exc = PeerUnreachable(
                     f"{what}: every NIC that reaches the peer ({self._peer_names(op)}) has been down for "
                     f"{gone:.1f} s (connect_timeout={policy.connect_timeout:g} s); {pending} of its requests "
@@ -448,7 +440,7 @@ class OpLife(Completions):
                 )
                 exc._final = True  # type: ignore[attr-defined]  # not posted again
                 raise exc
-            if stall is not None and t - moved >= stall:
+            if verdict == "stalled":
                 raise TransferStalled(
                     f"{what}: no request of it completed for stall_timeout={stall:g} s "
                     f"({pending} of its requests still in flight to the peer through "

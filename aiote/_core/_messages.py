@@ -3,7 +3,7 @@ deferred immediates)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -11,6 +11,7 @@ import anyio
 
 from .._native import ffi, lib
 from ._counter import ImmCounter
+from ._credits import GroupView, SendAfterTimeout, SendWhenLanded, after_data, all_landed
 from ._descriptor import EngineAddress
 from ._errors import EngineClosed, InvalidArgument, TransferTimeout
 from ._life import OpLife
@@ -21,7 +22,6 @@ from ._util import as_index, check_timeout, timeout_error, wait_until
 from ._wire import (
     _CREDIT,
     _CREDIT_MSG,
-    _CREDITS_SEEN_MAX,
     _INTERNAL,
     _K_CREDIT,
     _K_CREDIT_BYTE,
@@ -125,33 +125,35 @@ class Messages(OpLife):
             await data
         except BaseException as exc:
             _GROUPS.reset(token)  # (before a background task copies this context)
+            # cancelled: after the groups did what they could (a request that failed raises
+            # an error instead: its data is not all in place, never counted)
             if isinstance(exc, TransferTimeout):
-                if exc._waiter is not None:
-                    self._credit_later(exc, dict(credits), what)
+                outcome, posted_any = "timeout", exc._waiter is not None
             elif isinstance(exc, anyio.get_cancelled_exc_class()):
-                # cancelled after the groups did what they could (a request that failed
-                # raises an error instead: its data is not all in place, never counted)
-                self._credit_after_cancel(groups, rows, dict(credits), what)
+                outcome, posted_any = "cancelled", True
+            else:
+                outcome, posted_any = "failed", True
+            decision = after_data(outcome, groups, rows, closed=self._closed, posted_any=posted_any)
+            if isinstance(decision, SendAfterTimeout):
+                assert isinstance(exc, TransferTimeout)
+                self._credit_later(exc, dict(credits), what)
+            elif isinstance(decision, SendWhenLanded):
+                self._credit_after_cancel(decision.groups, dict(credits), what)
             raise
         _GROUPS.reset(token)
         await self._send_credits(credits, end, what)
 
-    def _credit_after_cancel(
-        self, groups: list[_Op], rows: int, credits: _Credits, what: str
-    ) -> None:
-        """After a cancellation: when the groups of the operation (those not moved to other
-        NICs by a failover) had posted all its ``rows`` requests, a background task sends its
-        ``credits`` once every group completed without error, so the cancelled operation is
-        counted once, as over a single route where the immediate travels with the data. Not
-        all posted: never counted (only part of the data may land)."""
-        live = [op for op in groups if not op.failover]
-        if not live or sum(op.posted for op in live) != rows or self._closed:
-            return
+    def _credit_after_cancel(self, live: Sequence[GroupView], credits: _Credits, what: str) -> None:
+        """After a cancellation that left every request of the operation posted on ``live``
+        (the groups not moved by a failover: see :func:`after_data`), a background task sends
+        its ``credits`` once every one of them completed without error, so the cancelled
+        operation is counted once, as over a single route where the immediate travels with the
+        data."""
 
         async def landed() -> bool:
             for op in live:
-                await self._settle(op)
-            return all(op.done and op.status == 0 for op in live)
+                await self._settle(op)  # type: ignore[arg-type]  # the engine's groups are _Op
+            return all_landed(live)
 
         self._credits_later(credits, what, "cancellation", landed)
 
@@ -198,13 +200,9 @@ class Messages(OpLife):
             self._log.warning("malformed credit message dropped", length=len(payload))
             return
         _, seq, imm, units = _CREDIT_MSG.unpack(payload)
-        key = (sender, seq)
-        if key in self._credits_seen:
+        if not self._credits_seen.first(sender, seq):
             self._log.info("a credit posted twice was counted once", imm=imm)
             return
-        self._credits_seen[key] = None
-        if len(self._credits_seen) > _CREDITS_SEEN_MAX:
-            self._credits_seen.popitem(last=False)
         lib.aio_counter_add(self._h, imm, units)
 
     def _credits_later(

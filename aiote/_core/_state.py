@@ -5,7 +5,6 @@ _transfers, _paged, and _engine's Engine on top."""
 
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import weakref
@@ -20,6 +19,7 @@ from .._native import ffi, lib
 from ._arena import Arena
 from ._bridge import LoopBridge
 from ._counter import ImmCounter
+from ._credits import CreditsSeen
 from ._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._errors import EngineClosed, InvalidArgument
 from ._gpu import GpuSupport
@@ -29,7 +29,7 @@ from ._peers import PeerBook
 from ._records import _PARSED_ADDRESSES, _POLICY, RailInfo, _as_bytes, _Held, _host_id, _log, _Op, _RecvWaiter
 from ._retry import RetryPolicy
 from ._routing import DomainGroup, Router
-from ._wire import _GPU_COUNTS, _OP_DTYPE, _OP_STRUCT, _strerror
+from ._wire import _CREDITS_SEEN_MAX, _GPU_COUNTS, _OP_DTYPE, _OP_STRUCT, _strerror
 
 
 class EngineState:
@@ -87,7 +87,7 @@ class EngineState:
         self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
         self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (a cache)
         self._credit_seq = itertools.count(int.from_bytes(os.urandom(6), "little") << 16)
-        self._credits_seen: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
+        self._credits_seen = CreditsSeen(_CREDITS_SEEN_MAX)  # credit messages counted (_on_credit)
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
         self._pending: dict[int, _Op] = {}
