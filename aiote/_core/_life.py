@@ -15,7 +15,7 @@ from ._completions import Completions
 from ._errors import EngineClosed, PeerUnreachable, TransferStalled, TransferTimeout
 from ._records import _GROUPS, _POLICY, _STRANDED, _check_retry, _end, _Group, _left, _Op
 from ._retry import RetryPolicy
-from ._rules import GroupWatch, RetryPlan
+from ._rules import LINK_POLL, GroupWatch, RetryPlan
 from ._util import deadline_at, now, timeout_error, wait_until
 from ._wire import _CLOSED_STATUS, _STALLED, _completion_error, _post_error
 
@@ -418,12 +418,17 @@ class OpLife(Completions):
         if stall is None and not self._router.down:
             return await wait_until(op.event, end)
         h = self._h
-        pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
-        watch = GroupWatch(end, stall, policy.connect_timeout, pending, now())
+        last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+        moved = now()
+        # the first wait is GroupWatch.wake_at inlined (every awaited operation under a stall
+        # bound comes here: no object until it wakes without its completion)
+        marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]
+        if self._router.down:
+            marks.append(moved + LINK_POLL)  # are all the peer's NICs down, and for how long?
+        if await wait_until(op.event, min(marks) if marks else None):
+            return True
+        watch = GroupWatch(end, stall, policy.connect_timeout, last, moved)
         while True:
-            # while a link is down: are all the peer's NICs down, and for how long?
-            if await wait_until(op.event, watch.wake_at(bool(self._router.down), now())):
-                return True
             t = now()
             pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
             gone = self._all_down_for(op, t)
@@ -446,6 +451,8 @@ class OpLife(Completions):
                     f"({pending} of its requests still in flight to the peer through "
                     f"{self._peer_names(op)}); the peer is stopped, wedged or too slow for the bound",
                 )
+            if await wait_until(op.event, watch.wake_at(bool(self._router.down), now())):
+                return True
 
     async def _settle_cancelled(self, op: _Op) -> None:
         """A posted request cannot be taken back: keeps its buffers until the NIC is done
