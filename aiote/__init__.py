@@ -40,6 +40,7 @@ from ._core._errors import (
 )
 from ._core._gpu import UvmWatcher
 from ._core._memory import MemoryRegion
+from ._core._options import GpuOptions, PollerOptions, SameHostOptions, TransportOptions
 from ._core._retry import RetryPolicy
 from ._core._routing import DomainGroup, Route
 
@@ -53,12 +54,14 @@ __all__ = [
     "Engine",
     "EngineAddress",
     "EngineClosed",
+    "GpuOptions",
     "GpuUnavailable",
     "ImmCounter",
     "InvalidArgument",
     "MemoryDescriptor",
     "MemoryRegion",
     "PeerUnreachable",
+    "PollerOptions",
     "ProviderError",
     "RailAddress",
     "RailInfo",
@@ -67,12 +70,14 @@ __all__ = [
     "RemoteAccessError",
     "RetryPolicy",
     "Route",
+    "SameHostOptions",
     "ScatterTarget",
     "Transfer",
     "TransferBatch",
     "TransferError",
     "TransferStalled",
     "TransferTimeout",
+    "TransportOptions",
     "UvmWatcher",
     "default_streams",
     "kv",

@@ -403,7 +403,7 @@ async def test_release_forgets_a_counter(aiote_engine_pair) -> None:
 async def test_a_credit_message_posted_twice_counts_once() -> None:
     """A multi-NIC operation's deferred credit travels as a numbered internal message; one
     that arrives twice (stranded on a failed link, then sent again on another) counts once."""
-    from aiote._core._engine import _CREDIT, _CREDIT_MSG, _K_CREDIT
+    from aiote._core._wire import _CREDIT, _CREDIT_MSG, _K_CREDIT
 
     async with aiote.testing.engine_pair(same_host=None) as (a, b):
         msg = _CREDIT_MSG.pack(_K_CREDIT, 12345, 88, 3 * _CREDIT)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import anyio
 
@@ -12,12 +13,25 @@ from .._native import lib
 from ._errors import EngineClosed, InvalidArgument
 from ._util import check_timeout, now, timeout_error, wait_until
 
-if TYPE_CHECKING:
-    from ._engine import Engine
-
-__all__ = ["CREDIT_UNIT", "ImmCounter"]
+__all__ = ["CREDIT_UNIT", "CounterOwner", "ImmCounter"]
 
 CREDIT_UNIT: int = int(lib.AIO_CREDIT_UNIT)
+
+
+class CounterOwner(Protocol):
+    """What a counter needs of its engine (the engine satisfies it; this module never imports
+    the engine, which sits above it)."""
+
+    _closed: bool
+    _loop_spin_ns: int
+    _checkpoint_if_cancelled: Callable[[], Awaitable[None]]
+    _event: Any
+
+    def _handle(self) -> Any: ...
+
+    def _forget_counter(self, imm: int) -> bool: ...
+
+    def _spin_until(self, done: Any) -> None: ...
 
 
 class _Waiter:
@@ -40,7 +54,7 @@ class ImmCounter:
     :class:`~aiote.EngineClosed` once the engine closed.
     """
 
-    def __init__(self, engine: Engine, imm: int) -> None:
+    def __init__(self, engine: CounterOwner, imm: int) -> None:
         self._engine = engine
         self.imm = imm
         self._waiters: deque[_Waiter] = deque()

@@ -26,29 +26,92 @@ import secrets
 import struct
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import numpy as np
 
 from .._native import ffi, lib
-from ._descriptor import (
-    DEVICE_CUDA,
-    GPU_BACKEND_CUDA,
-    GPU_BACKEND_HOST,
-    GpuExtent,
-    MemoryDescriptor,
-)
+from ._descriptor import DEVICE_CUDA, GPU_BACKEND_CUDA, GPU_BACKEND_HOST, GpuExtent, MemoryDescriptor
 from ._device import _Backend, device_backend
 from ._errors import AioteError, EngineClosed, InvalidArgument
 from ._log import get_logger
 from ._util import check_timeout, deadline, first_error, now, timeout_error, wait_until
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from ._descriptor import EngineAddress, GpuExtent
     from ._memory import MemoryRegion
+    from ._retry import RetryPolicy
 
-__all__ = ["GpuSupport", "UvmWatcher"]
+__all__ = ["GpuOwner", "GpuSupport", "UvmWatcher"]
+
+
+class GpuOwner(Protocol):
+    """What the GPU side needs of its engine (the engine satisfies it; this module never
+    imports the engine, which sits above it)."""
+
+    _h: Any
+    _closed: bool
+    _address: EngineAddress
+    _max_message: int
+    _event: Any
+
+    async def _register_native(
+        self,
+        host: Any,
+        owner: Any,
+        nbytes: int,
+        remote_write: bool,
+        remote_read: bool,
+        device_kind: int,
+        device_id: int,
+        gpu: GpuExtent | None,
+        dev: tuple[int, int] | None = None,
+    ) -> MemoryRegion: ...
+
+    async def _send_msg(
+        self,
+        peer: Any,
+        payload: Any,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        *,
+        internal: bool = False,
+    ) -> None: ...
+
+    async def _read_host(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor,
+        length: int | None,
+        src_offset: int,
+        dst_offset: int,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+    ) -> None: ...
+
+    async def _write_host(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor,
+        length: int | None,
+        src_offset: int,
+        dst_offset: int,
+        imm: int | None,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        key: Any = None,
+    ) -> None: ...
+
+    async def write_imm(
+        self,
+        remote: MemoryDescriptor | bytes,
+        imm: int,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        stream: Any = None,
+    ) -> None: ...
 
 _log = get_logger(component="gpu")
 
@@ -71,7 +134,7 @@ class _Watch:
 
     __slots__ = ("addr", "engine", "id", "token")
 
-    def __init__(self, engine: Engine, addr: int, token: int) -> None:
+    def __init__(self, engine: GpuOwner, addr: int, token: int) -> None:
         self.engine = engine
         self.addr = addr
         self.token = token
@@ -263,7 +326,7 @@ class UvmWatcher:
 class GpuSupport:
     """The GPU side of one engine (created on first use)."""
 
-    def __init__(self, engine: Engine, backend: str, *, chunk: int, ipc: bool, direct: bool) -> None:
+    def __init__(self, engine: GpuOwner, backend: str, *, chunk: int, ipc: bool, direct: bool) -> None:
         self.e = engine
         self.b: _Backend = device_backend(backend)
         self.code = GPU_BACKEND_CUDA if self.b.kind == "cuda" else GPU_BACKEND_HOST

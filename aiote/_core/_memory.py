@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._descriptor import DEVICE_HOST, MemoryDescriptor
 from ._errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from ._engine import Engine
+__all__ = ["MemoryRegion", "RegionOwner"]
 
-__all__ = ["MemoryRegion"]
+
+class RegionOwner(Protocol):
+    """What a region needs of its engine (the engine satisfies it; this module never imports
+    the engine, which sits above it)."""
+
+    _closed: bool
 
 
 def host_buffer(obj: Any, *, writable: bool) -> tuple[Any, int]:
@@ -67,7 +71,7 @@ class MemoryRegion:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: RegionOwner,
         obj: Any,
         cbuf: Any,
         handle: Any,

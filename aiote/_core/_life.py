@@ -1,0 +1,478 @@
+"""The life of an operation: groups of rows posted per NIC, their completions, retries after
+a broken connection, deadlines, cancellation (settle) and stranded rows after a failover."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .._native import ffi, lib
+from ._completions import Completions
+from ._errors import EngineClosed, PeerUnreachable, TransferStalled, TransferTimeout
+from ._records import _GROUPS, _POLICY, _STRANDED, _check_retry, _end, _Group, _left, _Op
+from ._retry import RetryPolicy
+from ._rules import LINK_POLL, GroupWatch, RetryPlan
+from ._util import deadline_at, now, timeout_error, wait_until
+from ._wire import _CLOSED_STATUS, _STALLED, _completion_error, _post_error
+
+
+class OpLife(Completions):
+    """The life of an operation: groups, posting, completion, retries, deadline, cancellation."""
+
+    async def _attempts(
+        self,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        what: str,
+    ) -> None:
+        """Runs ``attempt(time_left)``, re-running it after a broken connection as the retry
+        policy says (see :class:`RetryPolicy`). The policy is checked before anything is
+        posted, and is in force (``connect_timeout`` included) for every group it posts."""
+        _check_retry(retry)
+        end = _end(timeout)
+        token = _POLICY.set(retry) if retry is not None else None
+        self._busy += 1
+        try:
+            try:
+                await attempt(timeout)
+            except PeerUnreachable as exc:
+                await self._retry_after(exc, attempt, end, retry or self._retry, what)
+        finally:
+            self._busy -= 1
+            if token is not None:
+                _POLICY.reset(token)
+            if self._book.due:
+                self._maybe_sweep()
+
+    async def _retry_after(
+        self,
+        exc: PeerUnreachable,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        end: float | None,
+        policy: RetryPolicy,
+        what: str,
+    ) -> None:
+        """Re-posts after a broken connection: up to ``attempts`` times, within the
+        operation's deadline. A new attempt is started only within ``connect_timeout`` of the
+        first failure, and an attempt towards a peer that does not answer gives up after
+        ``connect_timeout`` (in :meth:`_run_group`), so a dead peer is reported within about
+        ``connect_timeout`` plus the pauses; an attempt that is moving data has the
+        operation's whole remaining time."""
+        plan = RetryPlan(policy, end, now())
+        while True:
+            pause = plan.next_pause(getattr(exc, "_final", False), now())
+            if pause is None:
+                raise exc
+            self._log.info("posting again after a broken connection", op=what, attempt=plan.n, error=str(exc))
+            await self._pause(pause)
+            try:
+                await attempt(_left(end))
+                return
+            except PeerUnreachable as again:
+                exc = again
+
+    async def _settle_all(self, ops: list[Any]) -> None:
+        for op in ops:
+            await self._settle(op)
+
+    async def wait_stranded(self) -> None:
+        """Waits until no request that a failover left on a failed link is still owned by the
+        transport (``stats()["stranded"]`` is 0): after it, none of them can land any more.
+        Returns at once when there is none (or the engine is closed); waits as long as the link
+        stays down. Raises nothing of its own; cancellable. Costs an O(pending) scan per stranded
+        group, no native call; the task sleeps until each one's completion wakes it."""
+        while True:
+            op = next((o for o in self._pending.values() if o.failover and not o.done), None)
+            if op is None or self._closed:
+                return
+            await self._settle(op)
+
+    async def _wait_space(self, fallback: float, end: float | None = None) -> Any:
+        """Waits until half of this engine's requests in flight completed (room in the
+        queues) or ``fallback`` seconds pass, or the deadline ``end``; returns the handle
+        (EngineClosed if closing meanwhile)."""
+        t = now()
+        when = t + fallback if end is None else min(t + fallback, end)
+        inflight = int(lib.aio_ops_in_flight(self._h))
+        if inflight == 0:  # nothing will complete (a peer still connecting): the timer only
+            return await self._pause(max(0.0, when - t))
+        ev = self._space
+        lib.aio_want_space(self._h, inflight // 2)
+        await wait_until(ev, when)
+        return self._check_open()
+
+    # ------------------------------------------------------------------ posting
+
+    async def _run(
+        self, table: np.ndarray, refs: Any, timeout: float | None, what: str, path: Any = None
+    ) -> None:
+        """:meth:`_run_routes`, counted in ``_opening`` from its first step (before its groups
+        open, so a transfer another task builds meanwhile sees it: see :meth:`_rows`)."""
+        self._opening += 1
+        try:
+            await self._run_routes(table, refs, timeout, what, path)
+        finally:
+            self._opening -= 1
+
+    async def _run_routes(
+        self, table: np.ndarray, refs: Any, timeout: float | None, what: str, path: Any = None
+    ) -> None:
+        """Posts the rows of ``table`` and waits for all of them.
+
+        ``path``: the full route set of the one peer region every row addresses (single-peer
+        operations). With it, rows on several NICs go as one group per NIC, and when a NIC's
+        link goes down the rows of its group are posted again over the remaining NICs (the
+        original requests stay owned until the transport lets go of them). Without it (scatter,
+        batches), one group; a failed link leaves its rows to the operation's deadline."""
+        if path is None or len(path) == 1:  # no failover possible: one group
+            await self._run_table(table, refs, timeout, what)
+            return
+        rails = table["rail"]
+        end = _end(timeout)
+        if len(table) == 1 or bool((rails == rails[0]).all()):
+            if await self._run_table(table, refs, timeout, what, {int(rails[0])}, path):
+                await self._run_routes(self._reroute(table, path), refs, _left(end), what, path)
+            return
+        errors: list[BaseException] = []
+
+        async def one(sub: np.ndarray, rail: int) -> None:
+            try:
+                if await self._run_table(sub, refs, _left(end), what, {rail}, path):
+                    await self._run_routes(self._reroute(sub, path), refs, _left(end), what, path)
+            except Exception as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for rail in np.unique(rails).tolist():
+                tg.start_soon(one, table[rails == rail], int(rail))
+        if errors:
+            timed_out = [e for e in errors if isinstance(e, TransferTimeout)]
+            if not timed_out:
+                raise errors[0]
+            # a group still posted somewhere: raise the timeout (so the caller can settle it),
+            # carrying every NIC's waiter, with any other error as its cause
+            waiters = [e._waiter for e in timed_out if e._waiter is not None]
+
+            async def all_settled() -> None:
+                for w in waiters:
+                    await w()
+
+            first = timed_out[0]
+            first._waiter = all_settled
+            others = [e for e in errors if not isinstance(e, TransferTimeout)]
+            landed = [e._landed for e in timed_out]
+            first._landed = lambda: not others and all(f is not None and f() for f in landed)
+            raise first from (others[0] if others else None)
+
+    async def _run_table(
+        self,
+        table: np.ndarray,
+        refs: Any,
+        timeout: float | None,
+        what: str,
+        rails: set[int] | None = None,
+        path: Any = None,
+        names: frozenset[tuple[int, int]] | None = None,
+    ) -> bool:
+        ptr = ffi.from_buffer("aio_op_desc[]", table)
+        post = self._poster(ptr, len(table))
+        return await self._run_group(post, len(table), (refs, table), timeout, what, rails, path, ptr, names)
+
+    def _poster(self, ptr: Any, n: int) -> Callable[[Any, int, int], int]:
+        """The ``post`` of :meth:`_run_group` for the ``n`` rows at ``ptr``."""
+        budget = self._budget_ns
+
+        def post(h: Any, g: int, posted: int) -> int:
+            return int(lib.aio_post(h, g, ptr + posted, n - posted, budget))
+
+        return post
+
+    async def _run_group(
+        self,
+        post: Callable[[Any, int, int], int],
+        n: int,
+        refs: Any,
+        timeout: float | None,
+        what: str,
+        rails: set[int] | None = None,
+        path: Any = None,
+        items: Any = None,
+        names: frozenset[tuple[int, int]] | None = None,
+    ) -> bool:
+        """The life of one group of ``n`` work requests: open it (waiting while every group
+        slot is in flight), post through ``post(handle, group, posted_so_far)`` (returns how
+        many it posted, or a negative error) with back-off while the transport pushes back,
+        seal, wait for the completion record, and map its status to an exception.
+        ``items``: the rows as an ``aio_op_desc`` array, when ``post`` posts them with
+        ``aio_post``: opening, the first post and sealing then take one native call.
+
+        On cancellation what was posted cannot be taken back: ``refs`` (buffers, tables) stay
+        owned until the completion, with a bounded shielded wait before the cancellation
+        propagates. On timeout it raises at once and the completion releases ``refs`` later.
+
+        ``rails``: the local rails the group posts on. Returns True when one of them lost its
+        link before the group finished: the caller re-posts the work elsewhere, and the group
+        keeps ``refs`` until the transport lets go of its requests."""
+        # the deadline scope (a cancel scope and a timer: several microseconds) is entered only
+        # around the awaits this makes, at the absolute deadline `end`
+        end = _end(timeout)
+        begun = self._begin(n, refs, rails, path, items, names=names)
+        return await self._finish(begun, post, n, end, timeout, what)
+
+    def _begin(
+        self,
+        n: int,
+        refs: Any,
+        rails: set[int] | None,
+        path: Any,
+        items: Any,
+        quiet: bool = False,
+        names: frozenset[tuple[int, int]] | None = None,
+    ) -> _Group:
+        """The synchronous start of a group's life (see :meth:`_run_group`): opens the group
+        and, with ``items``, posts what the transport takes at once and seals the group if
+        that was everything (one native call, ``aio_submit``). The group is in ``_pending``
+        (its completion record will find it) unless no group slot was free (``g < 0``).
+        ``quiet`` (with ``items``): its completion record wakes nobody (``aio_submit_quiet``);
+        who waits for it counts itself in with ``aio_quiet_waiters``."""
+        h = self._check_open()
+        op = _Op(refs, self._event())
+        op.rails = rails
+        op.names = names
+        if path is not None:
+            op.alts = frozenset(hop[0] for hop in path)
+        token = next(self._tokens)
+        groups = _GROUPS.get()
+        if groups is not None:
+            groups.append(op)
+        first: int | None = None  # what aio_submit posted (it opened, posted, sealed if all went)
+        if items is not None and not self._router.down:
+            submit = lib.aio_submit_quiet if quiet else lib.aio_submit
+            k = int(submit(h, token, items, n, self._budget_ns, self._gout))
+            g = int(self._gout[0])
+            if g >= 0:
+                first = k
+                op.posted = max(k, 0)
+        else:
+            g = int(lib.aio_group_open(h, token))
+        if g >= 0:
+            self._pending[token] = op
+        op.g = g
+        return _Group(op, token, g, first)
+
+    async def _finish(
+        self,
+        st: _Group,
+        post: Callable[[Any, int, int], int],
+        n: int,
+        end: float | None,
+        timeout: float | None,
+        what: str,
+    ) -> bool:
+        """The rest of a group's life after :meth:`_begin`: a free group slot, posting what is
+        left, sealing, the completion and its status (see :meth:`_run_group`)."""
+        # (about 80 lines: the hot path of every operation, kept in one frame; its slow paths
+        # are _wait_group_slot and _stalled)
+        if self._closed:  # begun by post_write, finished by a background task: too late
+            raise EngineClosed(f"{what}: the engine closed before the operation was posted")
+        op, token, g, first = st.op, st.token, st.g, st.first
+        if first == n:  # aio_submit posted every request and sealed the group: only the wait is left
+            return await self._await_group(op, end, timeout, what)
+        rails = op.rails
+        if g < 0:  # every group slot in flight: backpressure
+            g = await self._wait_group_slot(op, token, end, timeout, what)
+        h = self._h
+        down = self._router.down
+        if rails and down and rails & down and op.alts - down:
+            # a link went down before this group posted anything (while it waited for a slot,
+            # or since its rows were built): move it at once instead of posting to that NIC
+            op.failover = True
+            self._seal(g)
+            return True
+        posted = 0
+        sealed = first == n  # aio_submit posted everything and sealed the group
+        error = 0
+        stalled_since = -1.0
+        try:
+            attempt = 0
+            while posted < n:
+                if first is not None:  # aio_submit's post
+                    k, first = first, None
+                else:
+                    k = post(h, g, posted)
+                if k < 0:
+                    error = k
+                    break
+                posted += k
+                op.posted = posted
+                if posted < n:
+                    # queue or slots full, or peer still connecting: wait for the next
+                    # completion (a timer alone would cost a full millisecond under
+                    # asyncio), with a back-off timer as the fallback
+                    attempt = attempt + 1 if k == 0 else 0
+                    if posted == 0:  # nothing goes out: is the peer answering at all?
+                        t = now()
+                        if stalled_since < 0:
+                            stalled_since = t
+                        elif t - stalled_since > self._connect_timeout():
+                            error = _STALLED
+                            break
+                    h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01), end)
+                    if end is not None and now() >= end:
+                        assert timeout is not None
+                        raise timeout_error(what, timeout)
+            if not sealed:
+                self._seal(g)
+                sealed = True
+        except TransferTimeout as timed_out:  # while posting: not everything went out
+            if not sealed:
+                self._seal(g)
+            if posted == 0:
+                raise TransferTimeout(f"{what}: nothing could be posted before the deadline") from None
+            timed_out._waiter = partial(self._settle, op)
+            timed_out._landed = lambda: False  # a part was never posted
+            raise
+        except BaseException:
+            if not sealed:
+                self._seal(g)
+            if posted and not op.done:
+                await self._settle_cancelled(op)
+            raise
+        if error == _STALLED:
+            raise self._stalled(what)
+        if error:
+            raise _post_error(error, what, posted)
+        return await self._await_group(op, end, timeout, what)
+
+    async def _wait_group_slot(
+        self, op: _Op, token: int, end: float | None, timeout: float | None, what: str
+    ) -> int:
+        """Waits for a free native group slot for ``op`` (every slot is in flight), opens it and
+        marks ``op`` pending; returns the group. The slow path of :meth:`_finish`."""
+        g = -1
+        attempt = 0
+        try:
+            with deadline_at(end, timeout, what):
+                while g < 0:
+                    attempt += 1
+                    h = await self._pause(min(0.0001 * attempt, 0.005))
+                    g = op.g = lib.aio_group_open(h, token)
+        except BaseException:
+            if g >= 0:
+                self._seal(g)
+            raise
+        self._pending[token] = op
+        return g
+
+    def _stalled(self, what: str) -> PeerUnreachable:
+        """Posting made no progress for connect_timeout: the peer is not answering (final: that
+        wait was the retry)."""
+        stalled = PeerUnreachable(
+            f"{what}: the peer did not answer within connect_timeout={self._connect_timeout():g} s "
+            "(nothing listening at its address, or it is gone)",
+            111,
+            0,
+        )
+        stalled._final = True  # type: ignore[attr-defined]  # that wait was the retry
+        return stalled
+
+    async def _await_group(self, op: _Op, end: float | None, timeout: float | None, what: str) -> bool:
+        """The end of a group's life once every request of it was posted and it was sealed:
+        waits for its completion record until ``end`` and returns :meth:`_outcome`. On
+        timeout raises TransferTimeout at once (the completion releases the buffers later;
+        its ``_landed`` says whether everything landed); on cancellation waits, shielded,
+        up to ``cancel_grace`` for the completion first (see :meth:`_run_group`)."""
+        try:
+            if self._loop_spin_ns:
+                self._spin_until(op.event.is_set)
+            if not op.event.is_set() and not await self._wait_moving(op, end, what):
+                assert timeout is not None
+                raise timeout_error(what, timeout)
+        except TransferTimeout as timed_out:
+            timed_out._waiter = partial(self._settle, op)
+            # every request posted: all land unless one fails
+            timed_out._landed = lambda: op.done is True and op.status == 0 and not op.failover
+            raise
+        except BaseException as exc:
+            if not op.done and not getattr(exc, "_final", False):  # see _wait_moving
+                await self._settle_cancelled(op)
+            raise
+        return self._outcome(op, what)
+
+    async def _wait_moving(self, op: _Op, end: float | None, what: str) -> bool:
+        """Waits for ``op``'s completion until ``end``: True once it came, False at ``end``.
+        Raises :class:`TransferStalled` when none of its requests completed for the policy's
+        ``stall_timeout`` (a request completing is progress: a slow peer that keeps taking
+        bytes never trips it; a peer that takes nothing, stopped or wedged, does), and
+        :class:`PeerUnreachable` once every NIC that reaches its peer has been down for
+        ``connect_timeout`` (its requests stay owned by the transport, and land if a link
+        comes back: it is not posted again)."""
+        p = _POLICY.get()
+        policy = p if p is not None else self._retry
+        stall = policy.stall_timeout
+        if stall is None and not self._router.down:
+            return await wait_until(op.event, end)
+        h = self._h
+        last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+        moved = now()
+        # the first wait is GroupWatch.wake_at inlined (every awaited operation under a stall
+        # bound comes here: no object until it wakes without its completion)
+        marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]
+        if self._router.down:
+            marks.append(moved + LINK_POLL)  # are all the peer's NICs down, and for how long?
+        if await wait_until(op.event, min(marks) if marks else None):
+            return True
+        watch = GroupWatch(end, stall, policy.connect_timeout, last, moved)
+        while True:
+            t = now()
+            pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+            gone = self._all_down_for(op, t)
+            verdict = watch.on_wake(t, op.event.is_set(), pending, gone)
+            if verdict == "timeout":
+                return False
+            if verdict == "unreachable":
+                exc = PeerUnreachable(
+                    f"{what}: every NIC that reaches the peer ({self._peer_names(op)}) has been down for "
+                    f"{gone:.1f} s (connect_timeout={policy.connect_timeout:g} s); {pending} of its requests "
+                    "stay with the transport and land if a link comes back",
+                    101,
+                    0,
+                )
+                exc._final = True  # type: ignore[attr-defined]  # not posted again
+                raise exc
+            if verdict == "stalled":
+                raise TransferStalled(
+                    f"{what}: no request of it completed for stall_timeout={stall:g} s "
+                    f"({pending} of its requests still in flight to the peer through "
+                    f"{self._peer_names(op)}); the peer is stopped, wedged or too slow for the bound",
+                )
+            if await wait_until(op.event, watch.wake_at(bool(self._router.down), now())):
+                return True
+
+    async def _settle_cancelled(self, op: _Op) -> None:
+        """A posted request cannot be taken back: keeps its buffers until the NIC is done
+        (a failover wake-up is not the completion: :meth:`_settle` waits for that), for at
+        most ``cancel_grace``, shielded from the cancellation being raised."""
+        with anyio.move_on_after(self._cancel_grace, shield=True):
+            await self._settle(op)
+
+    @staticmethod
+    def _outcome(op: _Op, what: str) -> bool:
+        """What the completed (or failover-woken) group ``op`` means: True when its work must
+        be re-posted on other NICs (the group stays owned until the transport lets go),
+        False when it succeeded; raises its error."""
+        if op.failover and op.done is False:
+            stranded = _STRANDED.get()
+            if stranded is not None:
+                stranded.append(op)
+            return True
+        if op.status == _CLOSED_STATUS:
+            raise EngineClosed(f"{what}: the engine closed before the operation completed")
+        if op.status:
+            raise _completion_error(op.status, op.prov_errno, what)
+        return False

@@ -1,0 +1,387 @@
+"""One-sided writes and reads, write_imm and the posted (non-awaited) writes, with the
+memoized fast path of repeated single-route writes."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from .._native import ffi, lib
+from ._descriptor import DEVICE_CUDA, MemoryDescriptor
+from ._errors import InvalidArgument
+from ._memory import MemoryRegion
+from ._posted import Transfer
+from ._records import _MEMO_MAX, _check_retry, _end, _plain, _staged
+from ._retry import RetryPolicy
+from ._rows import Rows
+from ._wire import _Credits
+
+
+class Transfers(Rows):
+    """Writes, reads and write_imm, awaited or posted, with the memoized fast path."""
+
+    async def write(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor | bytes,
+        *,
+        length: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        stream: Any = None,
+    ) -> None:
+        """One-sided write of ``length`` bytes from ``mr[src_offset:]`` to the peer's region
+        ``remote`` at ``dst_offset`` (``length`` defaults to what fits in both).
+
+        Returns when the source buffer may be reused (the transport is done with it). With
+        ``imm`` (32-bit), the peer's ``imm_counter(imm)`` gains one credit once the data has
+        landed; without it the peer is not told.
+
+        Raises :class:`InvalidArgument` before posting anything for bad input (unregistered
+        region, ranges past either region, bad imm); :class:`TransferTimeout` after ``timeout``;
+        :class:`TransferError` subclasses when the transport reports an error. Cancelled: the
+        write may or may not have landed; the cancellation propagates once the transport let
+        go of the buffer (bounded by ``cancel_grace``). Cost: one work request, no copy.
+
+        GPU memory on either side (see :meth:`register`): the same call and the same counter
+        semantics (the peer is credited once the bytes are in its GPU memory); staged through
+        pinned host memory in ``stage_chunk`` pieces, or a device-to-device copy (CUDA IPC)
+        for a peer on this host. ``stream`` (a CuPy/torch CUDA stream): the write starts only
+        after the work submitted to it so far, without blocking the loop.
+        """
+        key = (id(remote), length, src_offset, dst_offset, imm)
+        m = self._kept_write(mr, remote, key, stream)
+        if m is not None:
+            await self._memo_post(m, mr, timeout, retry, "write")
+            return
+        rdesc = self._remote(remote)
+        if self._via_gpu(mr, rdesc, stream):
+            mr, rdesc, length, src_offset, dst_offset, _, _ = self._span(
+                mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE
+            )
+            gpu = self._gpu_support()
+            await gpu.write(mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, stream)
+            return
+        await self._write_host(
+            mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, key if rdesc is remote else None
+        )
+
+    def _kept_write(self, mr: Any, remote: Any, key: tuple[Any, ...], stream: Any) -> tuple[Any, ...] | None:
+        """The request kept for a write made before from ``mr`` with the same arguments
+        ``key`` to the same descriptor object (a loop re-sending its slots, a ping-pong), if
+        it may be posted again (see :meth:`_memo_post`), else None. Plain ints only: hashable,
+        and no True or 1.0 standing in for 1."""
+        if type(mr) is MemoryRegion and stream is None and _plain(key) and (m := mr._memos.get(key)):
+            live = mr._engine is self and mr._handle is not None and not self._router.down
+            if m[0] is remote and live:
+                return m  # type: ignore[no-any-return]
+        return None
+
+    def _kept_imm(self, remote: Any, imm: Any, stream: Any) -> tuple[Any, ...] | None:
+        """The request kept for a ``write_imm`` of ``imm`` to the same descriptor object, if
+        it may be posted again, else None."""
+        m = self._imm_memos.get((id(remote), imm)) if type(imm) is int else None
+        if m is not None and m[0] is remote and stream is None and not self._router.down:
+            return m  # type: ignore[no-any-return]
+        return None
+
+    @staticmethod
+    def _via_gpu(mr: Any, rdesc: MemoryDescriptor, stream: Any) -> bool:
+        """Whether a write goes through the GPU support (a stream, or GPU memory either side)."""
+        return stream is not None or rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None
+
+    def _memo(
+        self, memos: dict[Any, Any], key: Any, rdesc: MemoryDescriptor, table: np.ndarray
+    ) -> tuple[Any, ...] | None:
+        """Keeps in ``memos`` under ``key`` (the arguments, the descriptor's ``id`` first) what
+        :meth:`_memo_post` needs to post ``table`` again: (rdesc, key, table, post, items).
+        The entry holds ``rdesc``, so its ``id`` names no other object while it lives. At most
+        ``_MEMO_MAX`` entries: a full dict starts again empty. None (nothing kept) for
+        arguments that are not plain ints."""
+        if not _plain(key):
+            return None
+        ptr = ffi.from_buffer("aio_op_desc[]", table)
+        m = (rdesc, key, table, self._poster(ptr, len(table)), ptr)
+        if len(memos) >= _MEMO_MAX:
+            memos.clear()
+        memos[key] = m
+        return m
+
+    async def _memo_post(
+        self, m: tuple[Any, ...], refs: Any, timeout: float | None, retry: Any, what: str
+    ) -> None:
+        """Posts a memoized single-route request again. Memos are made only for host regions
+        over one route, from arguments that passed validation, and used only while the region
+        is registered, the descriptor is the same object and no link is down: the request is
+        the one the full path would build (it saves ~10 us of validation and packing)."""
+        _, _, table, post, items = m
+        await self._attempts(
+            lambda t: self._run_group(post, len(table), (refs, table), t, what, None, None, items),
+            timeout,
+            retry,
+            what,
+        )
+
+    async def _write_host(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor,
+        length: int | None,
+        src_offset: int,
+        dst_offset: int,
+        imm: int | None,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        key: Any = None,
+    ) -> None:
+        """A write between the NIC-registered memories (a GPU region's shadow included).
+        ``key``: the caller's arguments, to memoize a host write over one route."""
+        credits: _Credits = {}
+        rows, full = self._rows(
+            mr, remote, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits, gpu_ok=True
+        )
+        table = self._table(rows)
+        if key is not None and len(full) == 1 and mr._dev is None and not self._router.down:
+            self._memo(mr._memos, key, remote, table)
+        end = _end(timeout)
+
+        async def attempt(t: float | None) -> None:
+            if len(full) == 1:  # one NIC each side: the common, fast case
+                await self._run_table(table, mr, t, "write")
+                return
+            await self._then_credit(self._run(table, mr, t, "write", full), credits, end, "write", len(table))
+
+        await self._attempts(attempt, timeout, retry, "write")
+
+    async def write_imm(
+        self,
+        remote: MemoryDescriptor | bytes,
+        imm: int,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        stream: Any = None,
+    ) -> None:
+        """Zero-byte write carrying ``imm`` to the owner of ``remote``: its
+        ``imm_counter(imm)`` gains one credit. For a GPU region the credit comes after the
+        owner's copies of earlier writes into GPU memory; ``stream``: sent only after the work
+        submitted to that CUDA stream so far (e.g. the kernel that produced the data). Raises
+        as :meth:`write`. Cost: one zero-byte work request, no payload (a repeat to the same
+        descriptor object reuses the kept request, skipping validation); to a staged GPU region,
+        one internal message to its owner instead."""
+        m = self._kept_imm(remote, imm, stream)
+        if m is not None:
+            await self._memo_post(m, None, timeout, retry, "write_imm")
+            return
+        if imm is None:
+            raise InvalidArgument("write_imm needs an immediate")
+        rdesc = self._remote(remote)
+        if stream is not None or _staged(rdesc):
+            assert self._scratch is not None
+            self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
+            await self._gpu_support().write(self._scratch, rdesc, 0, 0, 0, imm, timeout, retry, stream)
+            return
+        assert self._scratch is not None
+        rows, full = self._rows(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE, gpu_ok=True)
+        table = self._table(rows)
+        if len(full) == 1:  # one NIC each side: no failover to arrange
+            keep = rdesc is remote and not self._router.down
+            m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if keep else None
+            if m is None:  # bytes, a link down, or an imm that is not a plain int: no memo
+                await self._attempts(
+                    lambda t: self._run_table(table, None, t, "write_imm"), timeout, retry, "write_imm"
+                )
+                return
+            await self._memo_post(m, None, timeout, retry, "write_imm")
+            return
+        await self._attempts(
+            lambda t: self._run(table, None, t, "write_imm", full), timeout, retry, "write_imm"
+        )
+
+    def post_write(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor | bytes,
+        *,
+        length: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        retry: RetryPolicy | None = None,
+        stream: Any = None,
+    ) -> Transfer:
+        """:meth:`write`, posted now and awaited later: returns a :class:`Transfer` to await
+        when the source buffer's reuse (or the error) matters, so that a task can post a
+        write and go on (wait for the peer's answer, post the next) without an event-loop
+        round trip for the write's own completion.
+
+        Guarantees: arguments are validated before this returns (raises :class:`InvalidArgument`,
+        :class:`DescriptorError` or :class:`EngineClosed`; nothing posted). Host memory over
+        one NIC to the peer (the common case) is handed to the transport before this returns;
+        GPU memory, a ``stream``, several NICs to the peer, or a transport pushing back (full
+        queues, a peer still connecting) continue in a background task of the engine, started
+        at once. Either way the write proceeds
+        whether or not the :class:`Transfer` is awaited, and the engine keeps the source
+        region's request alive until the transport's completion. Errors (and the retries of
+        ``retry``, as :meth:`write` does them) surface when the :class:`Transfer` is awaited;
+        one never awaited that failed is logged when it is dropped. Must be called in the
+        event-loop thread (like every engine method). Cost: as :meth:`write` minus its
+        awaits (a kept request: ~5 us of Python here)."""
+        self._check_open()
+        _check_retry(retry)
+        key = (id(remote), length, src_offset, dst_offset, imm)
+        m = self._kept_write(mr, remote, key, stream)
+        if m is not None:
+            return self._post_now(m[2], mr, "write", retry, m)
+        rdesc = self._remote(remote)
+        if self._via_gpu(mr, rdesc, stream):
+            self._span(mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
+            return self._background(
+                lambda: self.write(
+                    mr, rdesc, length=length, src_offset=src_offset, dst_offset=dst_offset, imm=imm,
+                    retry=retry, stream=stream,
+                ),
+                "write",
+            )
+        credits: _Credits = {}
+        rows, full = self._rows(
+            mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE, credits, gpu_ok=True
+        )
+        if len(full) != 1 or self._router.down:  # several NICs: striping, failover, credits
+            # the rows above only validated the call: the task builds them again when it
+            # starts, so that the transfers posted before it count as in flight (see _rows)
+            return self._background(
+                lambda: self._write_host(mr, rdesc, length, src_offset, dst_offset, imm, None, retry),
+                "write",
+            )
+        table = self._table(rows)
+        m = self._memo(mr._memos, key, remote, table) if rdesc is remote else None
+        return self._post_now(table, mr, "write", retry, m)
+
+    def post_write_imm(
+        self,
+        remote: MemoryDescriptor | bytes,
+        imm: int,
+        *,
+        retry: RetryPolicy | None = None,
+        stream: Any = None,
+    ) -> Transfer:
+        """:meth:`write_imm`, posted now and awaited later (see :meth:`post_write`): the
+        immediate is handed to the transport before this returns (one NIC to the peer, no
+        ``stream``, room in the queues; otherwise a background task of the engine posts it at
+        once). Raises :class:`InvalidArgument` (or :class:`DescriptorError`) at once for a bad
+        immediate or descriptor, :class:`EngineClosed`. Cost: as :meth:`write_imm` minus its
+        awaits; when posted in this call, its completion is quiet (read at the loop's next
+        wake-up)."""
+        self._check_open()
+        _check_retry(retry)
+        m = self._kept_imm(remote, imm, stream)
+        if m is not None:
+            return self._post_now(m[2], None, "write_imm", retry, m)
+        if imm is None:
+            raise InvalidArgument("write_imm needs an immediate")
+        rdesc = self._remote(remote)
+        assert self._scratch is not None
+        gpu = stream is not None or _staged(rdesc)
+        if gpu:
+            self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)  # validation only
+        else:
+            rows, full = self._rows(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE, gpu_ok=True)
+        if gpu or len(full) != 1 or self._router.down:  # GPU staging, several NICs: as write_imm
+            again = partial(self.write_imm, rdesc, imm, retry=retry, stream=stream)
+            return self._background(again, "write_imm")
+        table = self._table(rows)
+        m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if rdesc is remote else None
+        return self._post_now(table, None, "write_imm", retry, m)
+
+    def _post_now(
+        self, table: np.ndarray, refs: Any, what: str, retry: RetryPolicy | None, kept: Any = None
+    ) -> Transfer:
+        """Begins the group of ``table`` (one route, no failover) in this call; when the
+        transport did not take all of it at once, a background task finishes it exactly as
+        :meth:`_run_group` would (waiting for room, back-off, the stalled-peer check, retries).
+        ``kept``: the memo of ``table`` (see :meth:`_memo`), whose poster it reuses."""
+        if kept is not None:
+            post, items = kept[3], kept[4]
+        else:
+            items = ffi.from_buffer("aio_op_desc[]", table)
+            post = self._poster(items, len(table))
+        n = len(table)
+        own = (refs, table)
+
+        def again(t: float | None) -> Awaitable[bool]:
+            return self._run_group(post, n, own, t, what, None, None, items)
+
+        st = self._begin(n, own, None, None, items, quiet=True)
+        if st.first == n:  # posted and sealed: only the completion is left (a quiet one)
+            return Transfer(self, what, st.op, again, retry)
+        if st.g >= 0:  # not sealed: the task finishing it waits as usual, woken as usual
+            lib.aio_group_quiet(self._h, st.g, 0)
+        begun = [st]
+
+        async def attempt(t: float | None) -> None:
+            if begun:
+                await self._finish(begun.pop(), post, n, _end(t), t, what)
+            else:
+                await again(t)
+
+        return self._background(lambda: self._attempts(attempt, None, retry, what), what)
+
+    def _background(self, run: Callable[[], Awaitable[Any]], what: str) -> Transfer:
+        """A :class:`Transfer` whose work ``run()`` goes on in a background task of the engine."""
+        t = Transfer(self, what)
+        t._go(run)
+        return t
+
+    async def read(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor | bytes,
+        *,
+        length: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        """One-sided READ of ``length`` bytes from the peer's region at ``src_offset`` into
+        ``mr[dst_offset:]``. Returns when the bytes are in ``mr``. The peer's region must have
+        been registered with ``remote_read``. Raises as :meth:`write`.
+
+        Into a GPU region: read into its shadow, then copied to GPU memory before this
+        returns. From a peer's GPU region: only from a peer on this host (CUDA IPC) into a GPU
+        region; otherwise :class:`InvalidArgument` (its owner must write it).
+
+        Cost: one work request (one per NIC when at least ``stripe_min`` bytes are striped over
+        several), no copy; into a staged GPU region, one more host-to-GPU copy; from a GPU
+        region on this host, one device-to-device copy and no work request."""
+        rdesc = self._remote(remote)
+        if rdesc.device_kind == DEVICE_CUDA or getattr(mr, "_dev", None) is not None:
+            mr, rdesc, length, dst_offset, src_offset, _, _ = self._span(
+                mr, rdesc, length, src_offset, dst_offset, None, lib.AIO_OP_READ
+            )
+            await self._gpu_support().read(mr, rdesc, length, src_offset, dst_offset, timeout, retry)
+            return
+        await self._read_host(mr, rdesc, length, src_offset, dst_offset, timeout, retry)
+
+    async def _read_host(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor,
+        length: int | None,
+        src_offset: int,
+        dst_offset: int,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+    ) -> None:
+        rows, full = self._rows(
+            mr, remote, length, src_offset, dst_offset, None, lib.AIO_OP_READ, gpu_ok=True
+        )
+        table = self._table(rows)
+        await self._attempts(lambda t: self._run(table, mr, t, "read", full), timeout, retry, "read")
