@@ -100,7 +100,6 @@ def child_args(args: argparse.Namespace) -> list[str]:
         out.append("--no-torch")
     if args.engine_opts:
         out += ["--engine-opts", args.engine_opts]
-    out += ["--protocol", args.protocol]
     return out
 
 
@@ -226,11 +225,7 @@ async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: lis
     for si, shape in enumerate(args.shapes):
         t = SHAPES[shape] if shape == "decode" else args.prefill_tokens
         iters = args.iters if shape == "decode" else args.prefill_iters
-        # CPU prefill: uniform routing sends ~T*K rows per rank, so a capacity of that plus a margin
-        # saves memory; on GPUs the default (the worst case) lets the tokens go with the counts
-        cap = None if shape == "decode" or args.gpu else int(t * K * 1.25) + 1024
-        if args.gpu and args.protocol == "exchange":  # one row short of the worst case: counts first
-            cap = world * t * min(K, -(-E // world)) - 1
+        cap = None if shape == "decode" else int(t * K * 1.25) + 1024  # uniform routing: ~T*K per rank
         a2a = await moe.AllToAll.create(
             engine, group, num_experts=E, experts_per_token=K, hidden=H, max_tokens=t,
             in_dtype="bfloat16", out_dtype="bfloat16", max_recv_tokens=cap, imm_tag=0x60 + si, timeout=120,
@@ -471,9 +466,6 @@ def main() -> None:
                    help="per-phase times of aiote's calls (AIOTE_MOE_TRACE; sync: GPU work in its phase)")
     p.add_argument("--engine-opts", default="", help="JSON of open_engine() keyword arguments, e.g. "
                    '\'{"watch_interval_us": 20}\'')
-    p.add_argument("--protocol", default="fused", choices=["fused", "exchange"],
-                   help="GPU: fused (the default capacity: tokens go with the counts) or exchange "
-                        "(max_recv_tokens one row short of it: the counts are exchanged first)")
     p.add_argument("--machine", default=None, help="how to name the machine in the output")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -82,9 +82,11 @@ class AllToAll:
     flight: dispatch ``s`` makes handle ``s - 2`` stale.
 
     Costs (registered, per rank): dispatch regions ``2 x max_recv_tokens`` rows of
-    ``round16(H x in) + 16`` bytes, a send region of ``max_tokens x K`` such rows, combine
-    regions ``2 x max_tokens x K`` rows and a send region of ``max_recv_tokens`` rows of
-    ``round16(H x out)`` bytes, and the route rows (``2 x W x E`` int32).
+    ``round16(H x in) + 16`` bytes, a send region of ``max_tokens x K`` such rows (two on the
+    GPU, one per parity: the unpack reads a rank's own rows there), combine regions ``2 x
+    max_tokens x K`` rows and a send region of ``max_recv_tokens`` rows of ``round16(H x out)``
+    bytes, and the route rows (``2 x W x E`` int32); on the GPU also per-parity layout buffers
+    (``O(E + max_tokens x K + max_recv_tokens)`` integers) and a few KiB of pinned memory.
     """
 
     def __init__(self, engine: Engine, group: Group, geo: Geometry, cfg: dict[str, Any], xp: Any) -> None:
@@ -112,13 +114,6 @@ class AllToAll:
         self._yrow = self.hidden * self.out_dtype.itemsize
         self._cstride = round16(self._yrow)  # == the row when H x out is a multiple of 16
         self._send_cap = self.max_tokens * self.experts_per_token
-        # GPU: rows one source can send one rank in a call; with room for W such blocks the
-        # tokens go with the counts (fused: no count exchange before the data), see _send_gpu
-        self._blk = self.max_tokens * min(self.experts_per_token, geo.per_rank)
-        self._fused = self._gpu and self.max_recv_tokens >= self.world * self._blk
-        self._rslots = 4 if self._fused else 2  # route rows and dispatch regions, by seq % this
-        self._route_max = [-1] * self.world  # the latest route row taken from each peer (fused)
-        self._route_got: set[tuple[int, int]] = set()  # (call, peer) route rows taken (fused)
         self._seq = 0
         self._stale: set[int] = set()
         self._handles: dict[int, DispatchHandle] = {}
@@ -201,8 +196,8 @@ class AllToAll:
 
     def _alloc(self) -> None:
         xp, w = self.xp, self.world
-        # the route rows by slot (call % 2, or % 4 when fused), then 4 bytes that probes write
-        ns = self._rslots
+        # the route rows of both parities, then 4 bytes that probes write (no immediate)
+        ns = 2
         self._route_raw = np.zeros(ns * w * self.num_experts + 4, dtype=np.int32)
         self._route = self._route_raw[:-4].reshape(ns, w, self.num_experts)
         self._myroute = np.zeros((ns, self.num_experts), dtype=np.int32)
@@ -429,16 +424,15 @@ class AllToAll:
         self._stale = {s for s in self._stale if s > seq - 64}
 
     def _post_route(self, seq: int, route: np.ndarray, posted: list[Transfer]) -> None:
-        slot, e4 = seq % self._rslots, self.num_experts * 4
-        self._myroute[slot] = route
-        self._route[slot, self.rank] = route
+        p, e4 = seq & 1, self.num_experts * 4
+        self._myroute[p] = route
+        self._route[p, self.rank] = route
         imm = imm_of(self.imm_tag, ROUTE, seq, self.rank)
-        p = seq & 1
         for r, peer in enumerate(self._peers):
             if r != self.rank:
                 t = self.engine.post_write(
-                    self._myroute_mr, peer["route"], length=e4, src_offset=slot * e4,
-                    dst_offset=(slot * self.world + self.rank) * e4, imm=imm,
+                    self._myroute_mr, peer["route"], length=e4, src_offset=p * e4,
+                    dst_offset=(p * self.world + self.rank) * e4, imm=imm,
                 )
                 posted.append(t)
                 self._inflight[p].append(t)
@@ -808,17 +802,12 @@ class AllToAll:
         what: str,
     ) -> DispatchPending:
         """The send half on the GPU: the layout (rows per expert, each slot's send row) and the
-        packing are kernels on the caller's stream; only the route row (``4E`` bytes) comes to
-        the host, through pinned memory, polled without blocking the loop. Fused (the default
-        capacity): the route rows and the tokens are posted together, each source's tokens
-        into its own block of the peer's region ``seq % 4``; otherwise the tokens wait for the
-        count exchange, as on the CPU."""
-        xp, p, me, k, e = self.xp, seq & 1, self.rank, self.experts_per_token, self.num_experts
-        slot = seq % self._rslots
+        packing are one kernel each on the caller's stream; only the route row (``4E`` bytes,
+        and the input checks) comes to the host, through pinned memory, polled without
+        blocking the loop; then the count exchange and one write per peer, as on the CPU."""
+        xp, p, k, e = self.xp, seq & 1, self.experts_per_token, self.num_experts
         await self._settle(self._inflight[p], end, what, quiet=True)
         await self._wait_fence(p)
-        if self._fused:
-            await self._routes_since(seq - 2, end, what)
         mark("d.settle_old")
         stream = xp.cuda.get_current_stream()
         idx = idx_dev if m == idx_dev.shape[0] else idx_dev[:m]
@@ -854,17 +843,14 @@ class AllToAll:
         sstart = np.cumsum(n_me) - n_me
         posted: list[Transfer] = []
         self._post_route(seq, route, posted)
-        plan = None
-        if self._fused:
-            at = slot * self.max_recv_tokens + me * self._blk
-            self._post_data(seq, n_me, sstart, [at] * self.world, posted)
-        else:
-            await self._wait_credits(ROUTE, seq, end, what, posted)
-            c = self._route[slot].copy()
-            self._release_old(seq)
-            plan = self._plan_gpu(c)
-            self._post_data(seq, n_me, sstart, (p * self.max_recv_tokens + plan.dst_row).tolist(), posted)
-        mark("d.post")
+        mark("d.post_route")
+        await self._wait_credits(ROUTE, seq, end, what, posted)
+        mark("d.wait_route")
+        c = self._route[p].copy()
+        self._release_old(seq)
+        plan = self._plan_gpu(c)
+        self._post_data(seq, n_me, sstart, (p * self.max_recv_tokens + plan.dst_row).tolist(), posted)
+        mark("d.post_rows")
         return DispatchPending(self, seq, plan, pos[:n_slots].reshape(m, k), w, posted, m, out_x)
 
     def _post_data(
@@ -900,60 +886,18 @@ class AllToAll:
                 return
             await anyio.lowlevel.checkpoint()
 
-    async def _routes_since(self, seq: int, end: float | None, what: str) -> None:
-        """Fused: a route row of call ``seq`` or later from every peer. A peer posts its route
-        row of call ``s`` only after the reads of its regions of calls up to ``s - 2`` are
-        done, so once it has posted ``seq`` (= this call - 2) its regions of this call's slot
-        (``seq % 4``, last used by this call - 4) are free to write."""
-        if seq < 0:
-            return
-        for r in range(self.world):
-            if r == self.rank or self._route_max[r] >= seq:
-                continue
-            counters = [self.engine.imm_counter(imm_of(self.imm_tag, ROUTE, s, r)) for s in (seq, seq + 1)]
-            t0 = anyio.current_time()
-            while self._route_max[r] < seq:
-                for s, c in zip((seq, seq + 1), counters, strict=True):
-                    if (s, r) not in self._route_got and c.available >= 1:
-                        await c.wait(1)
-                        self._took_route(s, r)
-                if self._route_max[r] >= seq:
-                    break
-                now = anyio.current_time()
-                if end is not None and now >= end:
-                    raise TransferTimeout(f"{what}: rank {r}'s route row of call {seq} came too late")
-                if now - t0 > self.probe_interval:
-                    await self._probe(end, what)
-                    t0 = anyio.current_time()
-                await anyio.sleep(20e-6)
-
-    async def _take_routes(self, seq: int, end: float | None, what: str, posted: list[Transfer]) -> None:
-        """Fused: the route row of call ``seq`` from every peer (one credit each, once)."""
-        for r in range(self.world):
-            if r != self.rank and (seq, r) not in self._route_got:
-                counter = self.engine.imm_counter(imm_of(self.imm_tag, ROUTE, seq, r))
-                await self._wait_one(counter, end, what, posted)
-                self._took_route(seq, r)
-
-    def _took_route(self, seq: int, r: int) -> None:
-        self._route_got.add((seq, r))
-        self._route_max[r] = max(self._route_max[r], seq)
-        if len(self._route_got) > 16 * self.world:
-            self._route_got = {g for g in self._route_got if g[0] > seq - 8}
-
     def _plan_gpu(self, c: np.ndarray) -> GpuPlan:
         """The receive layout from the count matrix ``c[W, E]``: small arrays only (O(W E));
         the rows are placed by the unpack kernel. Raises InvalidArgument past the capacity
-        (count exchange first: every rank raises it before any token moves)."""
+        (every rank holds the same matrix, so every rank raises it, before any token moves)."""
         geo, me, w = self.geometry, self.rank, self.world
         n = geo.rank_sums(c)  # [W src, W dst]
-        if not self._fused:
-            worst = int(n.sum(0).max())
-            if worst > self.max_recv_tokens:
-                raise InvalidArgument(
-                    f"rank {int(n.sum(0).argmax())} would receive {worst} rows, past "
-                    f"max_recv_tokens={self.max_recv_tokens}"
-                )
+        worst = int(n.sum(0).max())
+        if worst > self.max_recv_tokens:
+            raise InvalidArgument(
+                f"rank {int(n.sum(0).argmax())} would receive {worst} rows, past "
+                f"max_recv_tokens={self.max_recv_tokens}"
+            )
         first, last = geo.local_range(me)
         cd = c[:, first:last].astype(np.int64)  # [W, L]
         ll = last - first
@@ -963,7 +907,7 @@ class AllToAll:
         cum = np.zeros((ll, w + 1), dtype=np.int64)
         np.cumsum(cd.T, axis=1, out=cum[:, 1:])
         within = np.cumsum(cd, axis=1) - cd  # rows of lower experts in source r's block
-        rstart = np.arange(w, dtype=np.int64) * self._blk if self._fused else np.cumsum(n[:, me]) - n[:, me]
+        rstart = np.cumsum(n[:, me]) - n[:, me]  # source r's block in this rank's regions
         start = rstart[:, None] + within
         start[me] = (np.cumsum(n[me]) - n[me])[me] + within[me]  # this rank's own send rows
         tab = np.concatenate([offsets, counts, cum.ravel(), start.ravel()])
@@ -973,12 +917,6 @@ class AllToAll:
     async def _recv_gpu(self, pending: DispatchPending, end: float | None) -> DispatchHandle:
         seq, xp = pending.seq, self.xp
         what = f"dispatch {seq}"
-        if self._fused:
-            await self._take_routes(seq, end, what, pending._posted)
-            c = self._route[seq % self._rslots].copy()
-            self._release_old(seq)
-            pending._plan = self._plan_gpu(c)
-        mark("dr.wait_route")
         await self._wait_credits(DISPATCH, seq, end, what, pending._posted)
         mark("dr.wait_rows")
         await self._settle(pending._posted, end, what)
@@ -991,7 +929,7 @@ class AllToAll:
         """One kernel over the output rows: each takes its row from the dispatch region (a
         peer's token) or from the send region (one of this rank's own), in canonical order."""
         xp, plan, seq, me = self.xp, pending._plan, pending.seq, self.rank
-        p, slot = seq & 1, seq % self._rslots
+        p = seq & 1
         rows = int(plan.offsets[-1])
         if pending._out_x is None:
             ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
@@ -1012,7 +950,7 @@ class AllToAll:
             sb = exb if scale is None else scale.view(xp.uint8)
             self._kern.unpack(
                 (rows,), (128,),
-                (dtab, np.int32(len(plan.counts)), np.int32(self.world), np.int32(me), self._drecv_v[slot],
+                (dtab, np.int32(len(plan.counts)), np.int32(self.world), np.int32(me), self._drecv_v[p],
                  self._dsend_v[p], np.int64(self._dstride), np.int32(self._xrow),
                  np.int32(self._fields[1][0]),
                  np.int32(4 * self._nscale), np.int32(self._toff), exb, np.int64(self._xrow), sb,
@@ -1045,7 +983,7 @@ class GpuPlan:
     """The receive layout of a GPU call (see :meth:`AllToAll._plan_gpu`): ``n[r, d]`` rows
     from r to d, ``rstart[r]`` where source r's rows start in this rank's regions, ``counts``
     and ``offsets`` of the local experts, ``tab`` (the unpack kernel's table), ``dst_row[d]``
-    (where this rank's block lands at d, without fusion)."""
+    (where this rank's block lands at d)."""
 
     n: np.ndarray
     rstart: np.ndarray
