@@ -10,7 +10,6 @@ import numpy as np
 from .._core._descriptor import EngineAddress
 from .._core._engine import Transfer
 from .._core._errors import InvalidArgument
-from ._layout import RecvPlan
 from ._trace import mark
 from ._util import COMBINE, DISPATCH, MAX_RANKS
 
@@ -73,7 +72,7 @@ class DispatchHandle:
     src_token: Any
     num_tokens: int
     _a2a: AllToAll = field(repr=False)
-    _plan: RecvPlan = field(repr=False)
+    _plan: Any = field(repr=False)  # a RecvPlan (CPU) or a GpuPlan
     _dest: Any = field(repr=False)
     _pos: Any = field(repr=False)
     _weights: Any = field(repr=False)
