@@ -61,6 +61,8 @@ def free_port() -> int:
 def run_group(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Starts ``world`` rank processes, hands them the group, returns their results."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if args.trace:
+        env["AIOTE_MOE_TRACE"] = args.trace
     cmd = [sys.executable, __file__, "--child", "--world-size", str(world), *child_args(args)]
     procs = [
         subprocess.Popen([*cmd, "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
@@ -96,6 +98,8 @@ def child_args(args: argparse.Namespace) -> list[str]:
         out.append("--gpu")
     if args.no_torch:
         out.append("--no-torch")
+    if args.engine_opts:
+        out += ["--engine-opts", args.engine_opts]
     return out
 
 
@@ -111,6 +115,8 @@ def summarize(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
         sent = [r["shapes"][shape]["bytes_sent"] for r in results]
         entry["bytes_sent_per_rank"] = statistics.mean(sent)
         entry["tokens"] = results[0]["shapes"][shape]["tokens"]
+        if "phases" in results[0]["shapes"][shape]:
+            entry["phases"] = [r["shapes"][shape]["phases"] for r in results]
         summary["shapes"][shape] = entry
     return summary
 
@@ -127,6 +133,9 @@ def print_summary(s: dict[str, Any], machine: str) -> None:
                 continue
             rate = e["bytes_sent_per_rank"] / (v["p50_us"] / 1e6) / 1e9 if v["p50_us"] else 0.0
             print(f"   {method:<28}{v['p50_us']:>12.0f}{v['p99_us']:>12.0f}{rate:>10.2f}{rate / link:>9.2f}")
+        for r, ph in enumerate(e.get("phases", [])):
+            print(f"   rank {r} phases, p50 us (time since the previous mark): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()))
 
 
 def parent(args: argparse.Namespace) -> None:
@@ -174,11 +183,23 @@ AIOTE = ("aiote dispatch", "aiote combine", "aiote dispatch+combine", "aiote dis
          "aiote dispatch recv half", "aiote combine send half", "aiote combine recv half")
 
 
+def phase_times(marks: list[tuple[str, float]], t0: float, into: dict[str, list[float]]) -> None:
+    """Per mark of aiote.moe's trace: the time since the previous mark (the first: since t0)."""
+    prev = t0
+    for name, t in marks:
+        into.setdefault(name, []).append(t - prev)
+        prev = t
+
+
 async def aiote_step(a2a: Any, inp: Inputs, idx: Any, w: Any, xp: Any, out_x: Any) -> tuple[float, ...]:
     """One aiote dispatch + combine with the identity expert, into the reused ``out_x`` (as a
     model layer would); the times of AIOTE's lines."""
     sync(xp)
+    from aiote.moe import _trace
+
+    _trace.take()
     t0 = time.perf_counter()
+    aiote_step.t0 = t0  # type: ignore[attr-defined]
     pending = await a2a.dispatch_send(inp.x, idx, w, out_x=out_x)
     sync(xp)
     ts = time.perf_counter()
@@ -214,10 +235,15 @@ async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: lis
         baseline = None if args.no_torch else TorchBaselines(args, rank, world, xp, t, inp.x)
         times: dict[str, list[float]] = {m: [] for m in AIOTE}
         sent = []
+        phases: dict[str, list[float]] = {}
         out_x = xp.zeros((a2a.max_expert_rows, H), dtype=xp.uint16)
         for i in range(iters + args.warmup):
             idx, w = inp.draw()
             got = dict(zip(AIOTE, await aiote_step(a2a, inp, idx, w, xp, out_x), strict=True))
+            if os.environ.get("AIOTE_MOE_TRACE") and i >= args.warmup:
+                from aiote.moe import _trace
+
+                phase_times(_trace.take(), aiote_step.t0, phases)  # type: ignore[attr-defined]
             if baseline is not None:
                 got.update(baseline.step(idx.get() if xp is not np else idx, w))
             if i >= args.warmup:
@@ -225,6 +251,8 @@ async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: lis
                     times.setdefault(name, []).append(v)
                 sent.append(bytes_sent(a2a, idx, xp))
         res["shapes"][shape] = {"times": times, "bytes_sent": statistics.mean(sent), "tokens": t}
+        if phases:
+            res["shapes"][shape]["phases"] = {k: pct(v, 50) * 1e6 for k, v in phases.items()}
         del baseline
         await a2a.aclose()
     # after every create: no group message can be in flight now (create takes the messages)
@@ -407,6 +435,7 @@ def child(args: argparse.Namespace) -> None:
 
     async def run() -> None:
         kw: dict[str, Any] = {"same_host": None} if args.route == "tcp" else {}
+        kw.update(json.loads(args.engine_opts or "{}"))
         async with aiote.open_engine(**kw) as engine:
             print("ADDR " + engine.address.hex(), flush=True)
             line = await anyio.to_thread.run_sync(sys.stdin.readline)
@@ -433,6 +462,10 @@ def main() -> None:
                    help="default: open_engine() defaults (same host: shm, or CUDA IPC for GPU memory)")
     p.add_argument("--gpu", action="store_true", help="CuPy arrays, one GPU per rank, NCCL baseline")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    p.add_argument("--trace", default="", choices=["", "1", "sync"],
+                   help="per-phase times of aiote's calls (AIOTE_MOE_TRACE; sync: GPU work in its phase)")
+    p.add_argument("--engine-opts", default="", help="JSON of open_engine() keyword arguments, e.g. "
+                   '\'{"watch_interval_us": 20}\'')
     p.add_argument("--machine", default=None, help="how to name the machine in the output")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

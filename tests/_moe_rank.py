@@ -85,7 +85,7 @@ class Rank:
         self.out_x: dict[tuple[int, int], Any] = {}
 
     async def get(self, case: dict[str, Any]) -> moe.AllToAll:
-        key = json.dumps([case.get(k) for k in ("E", "K", "H", "T", "dtype", "pad", "out", "scale")])
+        key = json.dumps([case.get(k) for k in ("E", "K", "H", "T", "dtype", "pad", "out", "scale", "cap")])
         a = self.a2a.get(key)
         if a is None:
             assert self.group is not None
@@ -94,7 +94,7 @@ class Rank:
                 hidden=case["H"], max_tokens=case["T"], in_dtype=case["dtype"],
                 out_dtype=case.get("out", case["dtype"]), scale_block=case.get("scale"),
                 expert_padding=case["pad"], imm_tag=0x40 + len(self.a2a), timeout=30, probe_interval=0.25,
-                xp=self.xp,
+                max_recv_tokens=case.get("cap"), xp=self.xp,
             )
         return a
 

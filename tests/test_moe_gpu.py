@@ -56,6 +56,22 @@ async def test_gpu_back_to_back_calls(gpu2: Ranks) -> None:
     assert all(r["checks"] >= 600 for r in replies), replies
 
 
+async def test_gpu_two_micro_batches_in_flight(gpu2: Ranks) -> None:
+    """dispatch_send A, dispatch_send B, then the receives and combines, 20 times: both parities'
+    regions and per-parity kernel buffers in use at once."""
+    replies = await gpu2.all(op="overlap", timeout=120, **case(E=6, K=2, H=8, T=8, tokens=[8, 5], seed=43,
+                                                               calls=20))
+    assert all(r["checks"] >= 40 for r in replies), replies
+
+
+async def test_gpu_receive_capacity_below_the_worst_case(gpu2: Ranks) -> None:
+    """max_recv_tokens below the worst case (smaller regions; the capacity check on the GPU
+    layout); 6 calls, whole and split."""
+    spec = case(E=8, K=2, H=32, T=16, tokens=[16, 16], seed=5, cap=50, calls=6)
+    replies = await gpu2.all(op="case", **spec)
+    assert all(r["checks"] >= 36 for r in replies), replies
+
+
 async def test_gpu_one_rank_in_process() -> None:
     async with aiote.open_engine() as e:
         a = await moe.AllToAll.create(

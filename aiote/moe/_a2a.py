@@ -28,9 +28,12 @@ reading its ``[p]`` regions of ``s - 2`` before posting its route row for ``s`` 
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 from .._core._counter import ImmCounter
@@ -41,7 +44,8 @@ from .._core._log import get_logger
 from .._core._memory import MemoryRegion
 from ._dtypes import DType
 from ._handles import CombinePending, DispatchHandle, DispatchPending, Group
-from ._layout import Geometry, RecvPlan, SendPlan, plan_recv, plan_send
+from ._layout import Geometry, RecvPlan, SendPlan, plan_recv, plan_send, round_up
+from ._trace import mark
 from ._util import (
     COMBINE,
     DISPATCH,
@@ -78,9 +82,11 @@ class AllToAll:
     flight: dispatch ``s`` makes handle ``s - 2`` stale.
 
     Costs (registered, per rank): dispatch regions ``2 x max_recv_tokens`` rows of
-    ``round16(H x in) + 16`` bytes, a send region of ``max_tokens x K`` such rows, combine
-    regions ``2 x max_tokens x K`` rows and a send region of ``max_recv_tokens`` rows of
-    ``round16(H x out)`` bytes, and the route rows (``2 x W x E`` int32).
+    ``round16(H x in) + 16`` bytes, a send region of ``max_tokens x K`` such rows (two on the
+    GPU, one per parity: the unpack reads a rank's own rows there), combine regions ``2 x
+    max_tokens x K`` rows and a send region of ``max_recv_tokens`` rows of ``round16(H x out)``
+    bytes, and the route rows (``2 x W x E`` int32); on the GPU also per-parity layout buffers
+    (``O(E + max_tokens x K + max_recv_tokens)`` integers) and a few KiB of pinned memory.
     """
 
     def __init__(self, engine: Engine, group: Group, geo: Geometry, cfg: dict[str, Any], xp: Any) -> None:
@@ -191,16 +197,43 @@ class AllToAll:
     def _alloc(self) -> None:
         xp, w = self.xp, self.world
         # the route rows of both parities, then 4 bytes that probes write (no immediate)
-        self._route_raw = np.zeros(2 * w * self.num_experts + 4, dtype=np.int32)
-        self._route = self._route_raw[:-4].reshape(2, w, self.num_experts)
-        self._myroute = np.zeros((2, self.num_experts), dtype=np.int32)
+        ns = 2
+        self._route_raw = np.zeros(ns * w * self.num_experts + 4, dtype=np.int32)
+        self._route = self._route_raw[:-4].reshape(ns, w, self.num_experts)
+        self._myroute = np.zeros((ns, self.num_experts), dtype=np.int32)
         # host receive regions come from the engine's host arena: a same-host peer's write
         # into them is one memcpy by the writer's poller (GPU regions: CUDA IPC instead)
         zeros = xp.zeros if self._gpu else self.engine.alloc_host
-        self._drecv = zeros((2, self.max_recv_tokens, self._dstride), dtype=xp.uint8)
-        self._dsend = xp.zeros((self._send_cap, self._dstride), dtype=xp.uint8)
+        self._drecv = zeros((ns, self.max_recv_tokens, self._dstride), dtype=xp.uint8)
+        if self._gpu:  # one send region per parity: the unpack reads this rank's own rows there
+            self._dsend = xp.zeros((2, self._send_cap, self._dstride), dtype=xp.uint8)
+            from ._gpu import Kernels
+
+            self._kern = Kernels(xp)
+            pm = xp.cuda.alloc_pinned_memory
+            e1 = self.num_experts + 1
+            self._hcount = np.frombuffer(pm(2 * 4 * e1), np.int32, 2 * e1).reshape(2, e1)
+            lr = self.geometry.per_rank
+            self._tabmax = (lr + 1) + lr + lr * (w + 1) + w * lr
+            self._htab = np.frombuffer(pm(2 * 8 * self._tabmax), np.int64, 2 * self._tabmax).reshape(2, -1)
+            # per parity, reused: call s's are free again once s - 2's reads are fenced
+            e1, sc = self.num_experts + 1, max(self._send_cap, 1)
+            self._gcounts = xp.empty((2, e1), dtype=xp.int32)
+            self._geoff = xp.empty((2, e1), dtype=xp.int64)
+            self._gpos = xp.empty((2, sc), dtype=xp.int64)
+            self._grow = xp.empty((2, sc), dtype=xp.int32)
+            self._gtab = xp.empty((2, self._tabmax), dtype=xp.int64)
+            self._gback = xp.empty((2, max(self.max_expert_rows, 1)), dtype=xp.int64)
+        else:
+            self._dsend = xp.zeros((self._send_cap, self._dstride), dtype=xp.uint8)
         self._crecv = zeros((2, self._send_cap, self._cstride), dtype=xp.uint8)
         self._csend = xp.zeros((self.max_recv_tokens, self._cstride), dtype=xp.uint8)
+        if self._gpu:  # views made once (each costs microseconds of Python per call)
+            self._dsend_v = [self._dsend[i] for i in range(2)]
+            self._drecv_v = [self._drecv[i] for i in range(ns)]
+            self._crecv_v = [self._crecv[i] for i in range(2)]
+            self._gbufs = [(self._gcounts[i], self._geoff[i], self._gpos[i], self._grow[i], self._gtab[i],
+                            self._gback[i]) for i in range(2)]
 
     async def _register(self) -> None:
         e = self.engine
@@ -297,6 +330,7 @@ class AllToAll:
         rank still reads call ``s - 2`` (its unpack or combine running), before anything is
         posted; :class:`~aiote.TransferTimeout` after ``timeout``; :class:`~aiote.PeerUnreachable`
         for a dead peer; what the writes raise. Costs as :meth:`dispatch` up to the posts."""
+        mark("d.start")
         seq = self._seq
         self._seq += 1  # every call is a step of the group, whatever happens below
         self._unreleased.add(seq)
@@ -308,21 +342,36 @@ class AllToAll:
         what = f"dispatch {seq}"
         p = seq & 1
         with deadline_at(end, timeout if timeout is not None else self.timeout, what):
+            mark("d.check")
+            if self._gpu:
+                pending = await self._send_gpu(seq, m, idx_dev, w, srcs, out_x, end, what)
+                self._pending[seq] = pending
+                return pending
             idx = await self._host(idx_dev)
+            mark("d.idx_to_host")
             send = plan_send(idx, m, self.num_experts)
+            mark("d.plan_send")
             await self._settle(self._inflight[p], end, what, quiet=True)
             await self._wait_fence(p)
+            mark("d.settle_old")
             posted: list[Transfer] = []
-            self._post_route(seq, send, posted)
+            self._post_route(seq, send.route, posted)
+            mark("d.post_route")
             await self._wait_credits(ROUTE, seq, end, what, posted)
+            mark("d.wait_route")
             counts = self._route[p].copy()
             self._release_old(seq)
             plan = plan_recv(counts, self.geometry, self.rank, self.expert_padding, self.max_recv_tokens)
+            mark("d.plan_recv")
             await self._settle(self._dsend_busy, end, what, quiet=True)
             self._pack(srcs, send, plan)
+            mark("d.pack", self.xp)
             data = self._post_rows(seq, plan, posted)
+            mark("d.post_rows")
             self._dsend_busy = data
-        pending = DispatchPending(self, seq, plan, send, srcs, w, posted, m, out_x)
+        pending = DispatchPending(self, seq, plan, send.pos, w, posted, m, out_x)
+        self._unpack_local(pending, srcs, send)
+        mark("d.unpack_local", self.xp)
         self._pending[seq] = pending
         return pending
 
@@ -361,7 +410,8 @@ class AllToAll:
         old = self._handles.get(self._seq - 3)
         if old is not None and old._state == "combining":
             raise InvalidArgument(f"combine {old.seq} is still in flight: at most two calls in flight")
-        return int(m), indices, xp.ascontiguousarray(weights[: int(m)])
+        w = weights if m == t else weights[: int(m)]
+        return int(m), indices, w if w.flags.c_contiguous else xp.ascontiguousarray(w)
 
     def _retire(self, seq: int) -> None:
         """Makes call ``seq - 2``'s handle and pending dispatch stale (they share parity)."""
@@ -373,10 +423,10 @@ class AllToAll:
             self._stale.add(old)
         self._stale = {s for s in self._stale if s > seq - 64}
 
-    def _post_route(self, seq: int, send: SendPlan, posted: list[Transfer]) -> None:
+    def _post_route(self, seq: int, route: np.ndarray, posted: list[Transfer]) -> None:
         p, e4 = seq & 1, self.num_experts * 4
-        self._myroute[p] = send.route
-        self._route[p, self.rank] = send.route
+        self._myroute[p] = route
+        self._route[p, self.rank] = route
         imm = imm_of(self.imm_tag, ROUTE, seq, self.rank)
         for r, peer in enumerate(self._peers):
             if r != self.rank:
@@ -445,7 +495,7 @@ class AllToAll:
             if d == me:
                 continue  # the local block is unpacked from x directly
             src = int(plan.sstart[d]) * st if n else 0
-            dst = (p * self.max_recv_tokens + int(plan.dst_row[d])) * st if n else 0
+            dst = (p * self.max_recv_tokens + int(plan.dst_row[d])) * st if n else 0  # CPU: p == seq % 2
             if n:
                 t = self.engine.post_write(
                     self._dsend_mr, peer["drecv"], length=n * st, src_offset=src, dst_offset=dst, imm=imm,
@@ -555,11 +605,18 @@ class AllToAll:
         what = f"combine {handle.seq}"
         handle._state = "combine_sent"
         with deadline_at(end, timeout if timeout is not None else self.timeout, what):
+            mark("c.start")
             await self._settle(self._csend_busy, end, what, quiet=True)
+            mark("c.settle_old")
             plan = handle._plan
             yb = xp.ascontiguousarray(expert_out).view(xp.uint8).reshape(expert_out.shape[0], self._yrow)
-            self._pack_back(handle, yb)
+            if self._gpu:
+                self._pack_back_gpu(handle, yb)
+            else:
+                self._pack_back(handle, yb)
+            mark("c.pack", xp)
             posted = self._post_back(handle.seq, plan)
+            mark("c.post")
             self._csend_busy = list(posted)
         return CombinePending(self, handle, posted)
 
@@ -737,3 +794,200 @@ class AllToAll:
             await anyio.to_thread.run_sync(ev.synchronize)
         self._fence[p] = None
 
+
+    # ------------------------------------------------------------------ the GPU flow
+
+    async def _send_gpu(
+        self, seq: int, m: int, idx_dev: Any, w: Any, srcs: list[Any], out_x: Any, end: float | None,
+        what: str,
+    ) -> DispatchPending:
+        """The send half on the GPU: the layout (rows per expert, each slot's send row) and the
+        packing are one kernel each on the caller's stream; only the route row (``4E`` bytes,
+        and the input checks) comes to the host, through pinned memory, polled without
+        blocking the loop; then the count exchange and one write per peer, as on the CPU."""
+        xp, p, k, e = self.xp, seq & 1, self.experts_per_token, self.num_experts
+        await self._settle(self._inflight[p], end, what, quiet=True)
+        await self._wait_fence(p)
+        mark("d.settle_old")
+        stream = xp.cuda.get_current_stream()
+        idx = idx_dev if m == idx_dev.shape[0] else idx_dev[:m]
+        if idx.dtype != xp.int64 or not idx.flags.c_contiguous:
+            idx = xp.ascontiguousarray(idx, dtype=xp.int64)
+        n_slots = m * k
+        counts, eoff, pos, row_token = self._gbufs[p][:4]
+        kern = self._kern
+        kern.layout(idx, k, e, counts, eoff, pos, row_token)
+        host = self._hcount[p]
+        xp.cuda.runtime.memcpyAsync(host.ctypes.data, counts.data.ptr, counts.nbytes, 2, stream.ptr)
+        ev = xp.cuda.Event(disable_timing=True)
+        ev.record(stream)
+        dsend = self._dsend_v[p]
+        if n_slots:
+            x0 = srcs[0]
+            sc = srcs[1] if len(srcs) > 1 else x0
+            kern.pack(
+                (n_slots,), (128,),
+                (x0, np.int64(self._xrow), sc, np.int64(4 * self._nscale), np.int32(self._xrow),
+                 np.int32(self._fields[1][0]), np.int32(4 * self._nscale), row_token, eoff, np.int32(e),
+                 dsend, np.int64(self._dstride), np.int32(self._toff)),
+            )
+        mark("d.layout")
+        await self._until(ev)
+        mark("d.counts")
+        route = host[:e].copy()
+        bad = int(host[e])
+        if bad:
+            dup = "an expert appears twice in one token's indices"
+            raise InvalidArgument(f"indices must be in [-1, {e})" if bad & 1 else dup)
+        n_me = self.geometry.rank_sums(route[None, :])[0]  # rows to each rank
+        sstart = np.cumsum(n_me) - n_me
+        posted: list[Transfer] = []
+        self._post_route(seq, route, posted)
+        mark("d.post_route")
+        await self._wait_credits(ROUTE, seq, end, what, posted)
+        mark("d.wait_route")
+        c = self._route[p].copy()
+        self._release_old(seq)
+        plan = self._plan_gpu(c)
+        self._post_data(seq, n_me, sstart, (p * self.max_recv_tokens + plan.dst_row).tolist(), posted)
+        mark("d.post_rows")
+        return DispatchPending(self, seq, plan, pos[:n_slots].reshape(m, k), w, posted, m, out_x)
+
+    def _post_data(
+        self, seq: int, n_me: np.ndarray, sstart: np.ndarray, at: list[int], posted: list[Transfer]
+    ) -> None:
+        """One write per peer of its block of the send region ``seq % 2`` (the immediate alone
+        when empty), to row ``at[d]`` of its dispatch region."""
+        p, st, me = seq & 1, self._dstride, self.rank
+        imm = imm_of(self.imm_tag, DISPATCH, seq, me)
+        stream = self._stream()
+        base = p * self._send_cap
+        for d, peer in enumerate(self._peers):
+            if d == me:
+                continue
+            n = int(n_me[d])
+            if n:
+                t = self.engine.post_write(
+                    self._dsend_mr, peer["drecv"], length=n * st, src_offset=(base + int(sstart[d])) * st,
+                    dst_offset=int(at[d]) * st, imm=imm, stream=stream,
+                )
+            else:
+                t = self.engine.post_write_imm(peer["drecv"], imm, stream=stream)
+            posted.append(t)
+            self._inflight[p].append(t)
+
+    async def _until(self, ev: Any) -> None:
+        """Until the CUDA event ``ev`` has happened, without blocking the loop: polled between
+        checkpoints for 1 ms (a small copy takes microseconds), then waited in a thread."""
+        t0 = time.perf_counter()
+        while not ev.done:
+            if time.perf_counter() - t0 > 1e-3:
+                await anyio.to_thread.run_sync(ev.synchronize)
+                return
+            await anyio.lowlevel.checkpoint()
+
+    def _plan_gpu(self, c: np.ndarray) -> GpuPlan:
+        """The receive layout from the count matrix ``c[W, E]``: small arrays only (O(W E));
+        the rows are placed by the unpack kernel. Raises InvalidArgument past the capacity
+        (every rank holds the same matrix, so every rank raises it, before any token moves)."""
+        geo, me, w = self.geometry, self.rank, self.world
+        n = geo.rank_sums(c)  # [W src, W dst]
+        worst = int(n.sum(0).max())
+        if worst > self.max_recv_tokens:
+            raise InvalidArgument(
+                f"rank {int(n.sum(0).argmax())} would receive {worst} rows, past "
+                f"max_recv_tokens={self.max_recv_tokens}"
+            )
+        first, last = geo.local_range(me)
+        cd = c[:, first:last].astype(np.int64)  # [W, L]
+        ll = last - first
+        counts = cd.sum(0)
+        offsets = np.zeros(ll + 1, dtype=np.int64)
+        np.cumsum(round_up(counts, self.expert_padding), out=offsets[1:])
+        cum = np.zeros((ll, w + 1), dtype=np.int64)
+        np.cumsum(cd.T, axis=1, out=cum[:, 1:])
+        within = np.cumsum(cd, axis=1) - cd  # rows of lower experts in source r's block
+        rstart = np.cumsum(n[:, me]) - n[:, me]  # source r's block in this rank's regions
+        start = rstart[:, None] + within
+        start[me] = (np.cumsum(n[me]) - n[me])[me] + within[me]  # this rank's own send rows
+        tab = np.concatenate([offsets, counts, cum.ravel(), start.ravel()])
+        return GpuPlan(n=n, rstart=rstart, counts=counts.astype(np.int32), offsets=offsets, tab=tab,
+                       dst_row=(np.cumsum(n, axis=0) - n)[me])
+
+    async def _recv_gpu(self, pending: DispatchPending, end: float | None) -> DispatchHandle:
+        seq, xp = pending.seq, self.xp
+        what = f"dispatch {seq}"
+        await self._wait_credits(DISPATCH, seq, end, what, pending._posted)
+        mark("dr.wait_rows")
+        await self._settle(pending._posted, end, what)
+        mark("dr.own_writes")
+        h = self._unpack_gpu(pending)
+        mark("dr.unpack", xp)
+        return h
+
+    def _unpack_gpu(self, pending: DispatchPending) -> DispatchHandle:
+        """One kernel over the output rows: each takes its row from the dispatch region (a
+        peer's token) or from the send region (one of this rank's own), in canonical order."""
+        xp, plan, seq, me = self.xp, pending._plan, pending.seq, self.rank
+        p = seq & 1
+        rows = int(plan.offsets[-1])
+        if pending._out_x is None:
+            ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
+        else:
+            ex = pending._out_x[:rows]
+        scale = None if self.scale_block is None else xp.zeros((rows, self._nscale), xp.float32)
+        src_rank = xp.empty(rows, dtype=xp.int32)
+        src_token = xp.empty(rows, dtype=xp.int32)
+        back = self._gbufs[p][5][:rows]
+        if rows:
+            stream = xp.cuda.get_current_stream()
+            tab = plan.tab
+            hbuf = self._htab[p][: tab.size]
+            hbuf[...] = tab
+            dtab = self._gbufs[p][4]
+            xp.cuda.runtime.memcpyAsync(dtab.data.ptr, hbuf.ctypes.data, tab.nbytes, 1, stream.ptr)
+            exb = ex.view(xp.uint8)
+            sb = exb if scale is None else scale.view(xp.uint8)
+            self._kern.unpack(
+                (rows,), (128,),
+                (dtab, np.int32(len(plan.counts)), np.int32(self.world), np.int32(me), self._drecv_v[p],
+                 self._dsend_v[p], np.int64(self._dstride), np.int32(self._xrow),
+                 np.int32(self._fields[1][0]),
+                 np.int32(4 * self._nscale), np.int32(self._toff), exb, np.int64(self._xrow), sb,
+                 np.int64(4 * self._nscale), src_rank, src_token, back),
+            )
+        self._record_fence(p)
+        h = DispatchHandle(
+            seq=seq, expert_x=ex, expert_x_scale=scale, counts=plan.counts, offsets=plan.offsets,
+            src_rank=src_rank, src_token=src_token, num_tokens=pending._m, _a2a=self, _plan=plan,
+            _dest=back, _pos=pending._pos, _weights=pending._weights,
+        )
+        self._pending.pop(seq, None)
+        self._handles[seq] = h
+        return h
+
+    def _pack_back_gpu(self, h: DispatchHandle, yb: Any) -> None:
+        """One kernel over the output rows: the peers' rows into the send region at the rows
+        they came in at, this rank's own rows straight into its combine region."""
+        rows = int(h.offsets[-1])
+        if rows:
+            self._kern.back(
+                (rows,), (128,),
+                (h.src_rank, h._dest, np.int32(self.rank), yb, np.int64(self._yrow), np.int32(self._yrow),
+                 self._csend, self._crecv_v[h.seq & 1], np.int64(self._cstride)),
+            )
+
+
+@dataclass
+class GpuPlan:
+    """The receive layout of a GPU call (see :meth:`AllToAll._plan_gpu`): ``n[r, d]`` rows
+    from r to d, ``rstart[r]`` where source r's rows start in this rank's regions, ``counts``
+    and ``offsets`` of the local experts, ``tab`` (the unpack kernel's table), ``dst_row[d]``
+    (where this rank's block lands at d)."""
+
+    n: np.ndarray
+    rstart: np.ndarray
+    counts: np.ndarray
+    offsets: np.ndarray
+    tab: np.ndarray
+    dst_row: np.ndarray

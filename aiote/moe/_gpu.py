@@ -1,4 +1,5 @@
-"""GPU kernels of the MoE flow (CuPy ``RawKernel``): the combine reduction in one kernel.
+"""GPU kernels of the MoE flow (CuPy ``RawKernel``): the send layout, the packing, the
+unpacking, the combine packing and the combine reduction, one kernel each.
 
 One thread per output element: ``acc = +0.0``; for each top-k slot in order, ``acc = acc +
 w * y`` with ``__fmul_rn``/``__fadd_rn`` (never contracted into an FMA, so the result is the
@@ -10,13 +11,13 @@ for ``xp=cupy``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ._dtypes import DType
 
-__all__ = ["reduce_gpu"]
+__all__ = ["Kernels", "reduce_gpu"]
 
 _LOAD_STORE = {
     "float32": ("float", "v", "a"),
@@ -82,3 +83,168 @@ def reduce_gpu(cupy: Any, rows: Any, pos: Any, weights: Any, dt: DType, dest: An
         (rows, pos, weights, dest if prev is None else prev, dest, np.int64(m), np.int32(k), np.int64(h),
          np.int32(prev is not None)),
     )
+
+
+# ---------------------------------------------------------------------------------- layout
+
+_LAYOUT_SOURCE = r"""
+typedef long long i64;
+typedef unsigned char u8;
+
+// all threads of the block copy n bytes (16 at a time when everything is 16-byte aligned)
+__device__ __forceinline__ void copy_row(u8* d, const u8* s, i64 n) {
+    unsigned long long a = (unsigned long long)d | (unsigned long long)s | (unsigned long long)n;
+    if ((a & 15) == 0) {
+        uint4* d4 = (uint4*)d; const uint4* s4 = (const uint4*)s;
+        for (i64 i = threadIdx.x; i < (n >> 4); i += blockDim.x) d4[i] = s4[i];
+    } else if ((a & 3) == 0) {
+        unsigned int* d1 = (unsigned int*)d; const unsigned int* s1 = (const unsigned int*)s;
+        for (i64 i = threadIdx.x; i < (n >> 2); i += blockDim.x) d1[i] = s1[i];
+    } else {
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
+    }
+}
+
+// the largest i in [0, n) with a[i] <= v (a non-decreasing, a[0] <= v)
+__device__ __forceinline__ int last_le(const i64* a, int n, i64 v) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) { int mid = (lo + hi + 1) >> 1; if (a[mid] <= v) lo = mid; else hi = mid - 1; }
+    return lo;
+}
+
+// one block per expert e (256 threads): eoff[e] = the valid slots of lower experts, counts[e] =
+// the slots of e; then e's slots, in (token, slot) order, get the send rows eoff[e], +1, ...
+// (the stable order of the reference: rows sorted by expert, then token). Block 0 also checks
+// the input, counts[E] = 1 (an index out of [-1, E)) | 2 (an expert twice in a token), and
+// gives skipped slots pos = -1. eoff[E] = all valid slots.
+extern "C" __global__ void moe_layout(const i64* idx, i64 n, int k, int E, int* counts, i64* eoff, i64* pos,
+                                      int* row_token) {
+    __shared__ unsigned long long red_lo, red_eq;
+    __shared__ int flags;
+    __shared__ int wsum[32];
+    int e = blockIdx.x;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (threadIdx.x == 0) { red_lo = 0; red_eq = 0; flags = 0; }
+    __syncthreads();
+    unsigned long long lo = 0, eq = 0;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        i64 v = idx[i];
+        lo += (v >= 0 && v < e);
+        eq += (v == e);
+    }
+    atomicAdd(&red_lo, lo);
+    atomicAdd(&red_eq, eq);
+    if (e == 0) {
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+            i64 v = idx[i];
+            if (v < -1 || v >= E) { atomicOr(&flags, 1); pos[i] = -1; continue; }
+            if (v < 0) { pos[i] = -1; continue; }
+            for (i64 j = (i / k) * k; j < i; ++j) if (idx[j] == v) atomicOr(&flags, 2);
+        }
+    }
+    __syncthreads();
+    i64 base = (i64)red_lo;
+    int cnt = (int)red_eq;
+    if (threadIdx.x == 0) {
+        counts[e] = cnt;
+        eoff[e] = base;
+        if (e == E - 1) eoff[E] = base + cnt;
+        if (e == 0) counts[E] = flags;
+    }
+    if (cnt == 0) return;
+    i64 run = base;
+    for (i64 c = 0; c < n; c += blockDim.x) {
+        i64 i = c + threadIdx.x;
+        bool hit = i < n && idx[i] == e;
+        unsigned b = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) wsum[warp] = __popc(b);
+        __syncthreads();
+        int before = 0, tot = 0;
+        for (int w = 0; w < nw; ++w) { int x = wsum[w]; if (w < warp) before += x; tot += x; }
+        if (hit) {
+            i64 row = run + before + __popc(b & ((1u << lane) - 1u));
+            pos[i] = row;
+            row_token[row] = (int)(i / k);
+        }
+        run += tot;
+        __syncthreads();
+    }
+}
+
+// one block per send row i < eoff[E]: x's row (and its scales), then the token number
+extern "C" __global__ void moe_pack(const u8* x, i64 xstride, const u8* sc, i64 sstride, int xrow,
+                                    int soff, int swidth, const int* row_token, const i64* eoff, int E,
+                                    u8* out, i64 ostride, int toff) {
+    i64 i = blockIdx.x;
+    if (i >= eoff[E]) return;
+    int t = row_token[i];
+    u8* o = out + i * ostride;
+    copy_row(o, x + (i64)t * xstride, xrow);
+    if (swidth) copy_row(o + soff, sc + (i64)t * sstride, swidth);
+    if (threadIdx.x == 0) *(int*)(o + toff) = t;
+}
+
+// one block per output row o: tab = offsets[L + 1] | counts[L] | cum[L][W + 1] (rows of lower
+// sources in expert l's block) | start[W][L] (the row of chunk (source r, expert l) in r's
+// region: this rank's send rows for r == me, the receive region otherwise)
+extern "C" __global__ void moe_unpack(const i64* tab, int L, int W, int me, const u8* recv, const u8* own,
+                                      i64 dstride, int xrow, int soff, int swidth, int toff, u8* ex,
+                                      i64 exstride, u8* exs, i64 exsstride, int* src_rank, int* src_token,
+                                      i64* back) {
+    i64 o = blockIdx.x;
+    const i64* offsets = tab;
+    const i64* counts = tab + (L + 1);
+    const i64* cum = counts + L;
+    const i64* start = cum + (i64)L * (W + 1);
+    int l = last_le(offsets, L, o);
+    i64 j = o - offsets[l];
+    if (j >= counts[l]) {  // padding
+        if (threadIdx.x == 0) { src_rank[o] = -1; src_token[o] = -1; back[o] = -1; }
+        return;
+    }
+    int r = last_le(cum + (i64)l * (W + 1), W, j);
+    i64 q = start[(i64)r * L + l] + (j - cum[(i64)l * (W + 1) + r]);
+    const u8* s = (r == me ? own : recv) + q * dstride;
+    copy_row(ex + o * exstride, s, xrow);
+    if (swidth) copy_row(exs + o * exsstride, s + soff, swidth);
+    if (threadIdx.x == 0) { src_rank[o] = r; src_token[o] = *(const int*)(s + toff); back[o] = q; }
+}
+
+// one block per output row o of a source: its expert output back to that source's row (this
+// rank's own combine region for its own rows, the send region for the others)
+extern "C" __global__ void moe_back(const int* src_rank, const i64* back, int me, const u8* y, i64 ystride,
+                                    int yrow, u8* csend, u8* own, i64 cstride) {
+    i64 o = blockIdx.x;
+    int r = src_rank[o];
+    if (r < 0) return;
+    copy_row((r == me ? own : csend) + back[o] * cstride, y + o * ystride, yrow);
+}
+"""
+
+_THREADS = 128
+
+
+class Kernels:
+    """The layout and row-moving kernels of one device (compiled on first use, cached)."""
+
+    _mods: ClassVar[dict[int, Any]] = {}
+
+    def __init__(self, cupy: Any) -> None:
+        self.cp = cupy
+        dev = cupy.cuda.Device().id
+        mod = self._mods.get(dev)
+        if mod is None:
+            mod = self._mods[dev] = cupy.RawModule(code=_LAYOUT_SOURCE)
+        self.layout_k = mod.get_function("moe_layout")
+        self.pack = mod.get_function("moe_pack")
+        self.unpack = mod.get_function("moe_unpack")
+        self.back = mod.get_function("moe_back")
+
+    def layout(
+        self, idx: Any, k: int, num_experts: int, counts: Any, eoff: Any, pos: Any, row_token: Any
+    ) -> None:
+        """``idx[m * k]`` int64 -> ``counts[E + 1]`` (the last: bad-input flags), ``eoff[E + 1]``,
+        ``pos[m * k]`` (the send row of each slot, -1 skipped), ``row_token`` (the token of
+        each send row): one kernel on the current stream."""
+        args = (idx, np.int64(idx.size), np.int32(k), np.int32(num_experts), counts, eoff, pos, row_token)
+        self.layout_k((num_experts,), (256,), args)

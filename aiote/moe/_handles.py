@@ -10,7 +10,7 @@ import numpy as np
 from .._core._descriptor import EngineAddress
 from .._core._engine import Transfer
 from .._core._errors import InvalidArgument
-from ._layout import RecvPlan, SendPlan
+from ._trace import mark
 from ._util import COMBINE, DISPATCH, MAX_RANKS
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class DispatchHandle:
     src_token: Any
     num_tokens: int
     _a2a: AllToAll = field(repr=False)
-    _plan: RecvPlan = field(repr=False)
+    _plan: Any = field(repr=False)  # a RecvPlan (CPU) or a GpuPlan
     _dest: Any = field(repr=False)
     _pos: Any = field(repr=False)
     _weights: Any = field(repr=False)
@@ -96,16 +96,15 @@ class DispatchPending:
     """The receive half of a dispatch whose send half has run (:meth:`AllToAll.dispatch_send`).
     ``await pending.recv()`` completes it; do other work in between."""
 
-    def __init__(self, a2a: AllToAll, seq: int, plan: RecvPlan, send: SendPlan, srcs: list[Any],
-                 weights: Any, posted: list[Transfer], m: int, out_x: Any = None) -> None:
-        self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, a2a._dev(send.pos)
+    def __init__(self, a2a: AllToAll, seq: int, plan: Any, pos: Any, weights: Any, posted: list[Transfer],
+                 m: int, out_x: Any = None) -> None:
+        self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, pos
         self._weights, self._posted, self._m = weights, posted, m
         self._out_x = out_x
         self._ex: Any = None
         self._scale: Any = None
         self._src_token: Any = None
         self._dest: Any = None
-        a2a._unpack_local(self, srcs, send)
         self._done = False
 
     async def recv(self, *, timeout: float | None = None) -> DispatchHandle:
@@ -125,9 +124,16 @@ class DispatchPending:
         end = a._end(timeout)
         a._receiving = self.seq
         try:
+            mark("dr.start")
+            if a._gpu:
+                return await a._recv_gpu(self, end)
             await a._wait_credits(DISPATCH, self.seq, end, f"dispatch {self.seq}", self._posted)
+            mark("dr.wait_rows")
             await a._settle(self._posted, end, f"dispatch {self.seq}")
-            return a._unpack(self)
+            mark("dr.own_writes")
+            h = a._unpack(self)
+            mark("dr.unpack", a.xp)
+            return h
         finally:
             a._receiving = None
 
@@ -154,9 +160,14 @@ class CombinePending:
         end = a._end(timeout)
         h._state = "combining"
         try:
+            mark("cr.start")
             await a._wait_credits(COMBINE, h.seq, end, f"combine {h.seq}", self._posted)
+            mark("cr.wait_rows")
             await a._settle(self._posted, end, f"combine {h.seq}")
-            return a._reduce(h, out, accumulate)
+            mark("cr.own_writes")
+            out = a._reduce(h, out, accumulate)
+            mark("cr.reduce", a.xp)
+            return out
         finally:
             h._state = "combined"
 
