@@ -270,16 +270,17 @@ async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | Non
     """Messages to a peer killed meanwhile: PeerUnreachable within connect_timeout + 3 s on the
     same-host route (shm takes nothing from a dead peer: its death is seen by its lock file)
     and over tcp; the route each ran on is the one named."""
-    import subprocess
     import sys
     import time
 
     policy = aiote.RetryPolicy(connect_timeout=2.0)
     kw = {} if same_host else {"same_host": None}
-    proc = subprocess.Popen([sys.executable, "-c", _SILENT, str(same_host)], stdout=subprocess.PIPE)
-    try:
+    async with await anyio.open_process([sys.executable, "-c", _SILENT, str(same_host)]) as proc:
         assert proc.stdout is not None
-        addr = bytes.fromhex((await anyio.to_thread.run_sync(proc.stdout.readline)).decode().strip())
+        line = b""
+        while not line.endswith(b"\n"):
+            line += await proc.stdout.receive()
+        addr = bytes.fromhex(line.decode().strip())
         async with aiote.open_engine(retry=policy, **kw) as e:
             route = e.route(addr)
             assert route.provider == ("shm" if same_host else "tcp;ofi_rxm"), route
@@ -302,6 +303,3 @@ async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | Non
                 proc.kill()
             assert isinstance(outcome["error"], aiote.PeerUnreachable), outcome
             assert outcome["after_kill"] < policy.connect_timeout + 3.0, outcome
-    finally:
-        proc.kill()
-        proc.wait()

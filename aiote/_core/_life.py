@@ -16,7 +16,7 @@ from ._errors import EngineClosed, PeerUnreachable, TransferStalled, TransferTim
 from ._records import _GROUPS, _POLICY, _STRANDED, _check_retry, _end, _Group, _left, _Op
 from ._retry import RetryPolicy
 from ._rules import LINK_POLL, GroupWatch, RetryPlan
-from ._util import deadline_at, now, timeout_error, wait_until
+from ._util import deadline_at, now, shm_peer_gone, timeout_error, wait_until
 from ._wire import _CLOSED_STATUS, _STALLED, _completion_error, _post_error
 
 
@@ -244,6 +244,7 @@ class OpLife(Completions):
         op = _Op(refs, self._event())
         op.rails = rails
         op.names = names
+        op.path = path
         if path is not None:
             op.alts = frozenset(hop[0] for hop in path)
         token = next(self._tokens)
@@ -415,7 +416,7 @@ class OpLife(Completions):
         p = _POLICY.get()
         policy = p if p is not None else self._retry
         stall = policy.stall_timeout
-        if stall is None and not self._router.down:
+        if stall is None and not self._router.down and not (self._shm_rails and self._shm_peers(op)):
             return await wait_until(op.event, end)
         h = self._h
         last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
@@ -423,14 +424,25 @@ class OpLife(Completions):
         # the first wait is GroupWatch.wake_at inlined (every awaited operation under a stall
         # bound comes here: no object until it wakes without its completion)
         marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]
-        if self._router.down:
-            marks.append(moved + LINK_POLL)  # are all the peer's NICs down, and for how long?
+        if self._router.down or self._shm_rails:
+            # are all the peer's NICs down, and for how long? has a same-host peer gone?
+            marks.append(moved + LINK_POLL)
         if await wait_until(op.event, min(marks) if marks else None):
             return True
         watch = GroupWatch(end, stall, policy.connect_timeout, last, moved)
+        shm = self._shm_peers(op) if self._shm_rails else []  # its same-host peer's shm addresses
         while True:
             t = now()
             pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
+            if shm and not op.event.is_set() and pending == watch.last and any(shm_peer_gone(a) for a in shm):
+                exc = PeerUnreachable(
+                    f"{what}: the same-host peer ({self._peer_names(op)}) is gone (its process "
+                    f"exited or its engine closed); {pending} of its requests stay with the transport",
+                    101,
+                    0,
+                )
+                exc._final = True  # type: ignore[attr-defined]  # not posted again
+                raise exc
             gone = self._all_down_for(op, t)
             verdict = watch.on_wake(t, op.event.is_set(), pending, gone)
             if verdict == "timeout":
@@ -451,7 +463,7 @@ class OpLife(Completions):
                     f"({pending} of its requests still in flight to the peer through "
                     f"{self._peer_names(op)}); the peer is stopped, wedged or too slow for the bound",
                 )
-            if await wait_until(op.event, watch.wake_at(bool(self._router.down), now())):
+            if await wait_until(op.event, watch.wake_at(bool(self._router.down or shm), now())):
                 return True
 
     async def _settle_cancelled(self, op: _Op) -> None:

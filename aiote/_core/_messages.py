@@ -343,9 +343,10 @@ class Messages(OpLife):
             return int(lib.aio_post_sendv(h, g, rail, fa, head, len(head), body, data.nbytes, budget))
 
         self._sends[key] = n + 1
+        names = frozenset({key})
         try:
             await self._attempts(
-                lambda t: self._run_group(post, 1, None, t, "send"), _left(end), retry, "send"
+                lambda t: self._run_group(post, 1, None, t, "send", names=names), _left(end), retry, "send"
             )
         finally:
             left = self._sends[key] - 1

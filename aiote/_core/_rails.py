@@ -12,7 +12,7 @@ import numpy as np
 from .._native import ffi, lib
 from ._descriptor import DEVICE_HOST, EngineAddress, MemoryDescriptor
 from ._errors import InvalidArgument
-from ._records import _STRANDED, _Op, _rails_of
+from ._records import _STRANDED, _Op, _pairs_of, _rails_of
 from ._registration import Registration
 from ._routing import Route, addr_ends
 from ._util import now
@@ -257,6 +257,12 @@ class Rails(Registration):
         self._log.warning("rows moved to other NICs after a link failure", rows=len(out))
         self._failovers += len(out)
         return out
+
+    def _shm_peers(self, op: _Op) -> list[bytes]:
+        """The shm addresses ``op``'s requests go to (a same-host peer reached through the shm
+        provider: messages, bare immediates, staged GPU parts), from the pairs it names; empty
+        when none (see shm_peer_gone)."""
+        return [a for r, fa in _pairs_of(op) if r in self._shm_rails and (a := self._book.address(r, fa))]
 
     def _all_down_for(self, op: _Op, t: float) -> float:
         """How long every NIC of ``op``'s peer has been down (0 while one is up)."""

@@ -86,7 +86,8 @@ class ScatterTarget:
 
 class _Op:
     __slots__ = (
-        "alts", "done", "event", "failover", "g", "names", "posted", "prov_errno", "rails", "refs", "status"
+        "alts", "done", "event", "failover", "g", "names", "path", "posted", "prov_errno", "rails", "refs",
+        "status",
     )
 
     def __init__(self, refs: Any, event: Any) -> None:
@@ -103,6 +104,7 @@ class _Op:
         # the (rail, fi_addr) pairs its rows name, where known (a connection's opening): the
         # engine may forget other peers while it is pending (see _maybe_sweep)
         self.names: frozenset[tuple[int, int]] | None = None
+        self.path: Any = None  # the routes of its one peer, where known (see Rails._shm_peers)
 
 
 class _Group:
@@ -213,6 +215,21 @@ def _direct_hop(full: Any, dkey: int, shm: frozenset[int]) -> Any:
     """The route of ``full`` to the owner's first shm NIC (the one whose key ``dkey`` its
     region table publishes), which direct copies take whatever the streams; None if absent."""
     return next((h for h in full if h[3] == dkey and h[0] in shm), None)
+
+
+def _pairs_of(op: _Op) -> frozenset[tuple[int, int]]:
+    """The (rail, fi_addr) pairs an operation's requests name: given when it began (a send,
+    a connection's opening), from its peer's routes, or read from its table of rows (its refs
+    hold it); empty when not known. For the slow paths (a stall, a gone peer)."""
+    if op.names is not None:
+        return op.names
+    if op.path:
+        return frozenset((h[0], h[1]) for h in op.path)
+    r = op.refs
+    table = r[1] if isinstance(r, tuple) and len(r) == 2 else None
+    if isinstance(table, np.ndarray) and "peer" in (table.dtype.names or ()):
+        return frozenset(zip(table["rail"].tolist(), table["peer"].tolist(), strict=True))
+    return frozenset()
 
 
 def _rails_of(op: _Op) -> frozenset[int]:

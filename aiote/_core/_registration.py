@@ -172,7 +172,8 @@ class Registration(EngineState):
     async def unregister(self, mr: MemoryRegion, *, timeout: float | None = None) -> None:
         """Unregisters a region. Waits while work requests that touch it are in flight (they
         keep the buffer alive); raises :class:`RegionBusy` if they are still in flight after
-        ``timeout`` seconds (``timeout=0``: raise at once), :class:`InvalidArgument` if it is not
+        ``timeout`` seconds (``timeout=0``: raise at once; without a timeout, once they made no
+        progress for the retry policy's ``stall_timeout``), :class:`InvalidArgument` if it is not
         a registered region of this engine, :class:`EngineClosed`. Peers' later accesses fail at
         their side. Costs one native call that closes the provider registration on each NIC
         (O(NICs)); while the region is busy it polls with back-off from 0.5 ms to 20 ms.
@@ -187,7 +188,8 @@ class Registration(EngineState):
             raise InvalidArgument("not a memory region of this engine")
         if mr._handle is None:
             raise InvalidArgument("the region is already unregistered (unregister each region once)")
-        start = now()
+        start = moved = now()
+        last: tuple[int, int] | None = None
         delay = 0.0005
         try:
             while True:
@@ -201,6 +203,16 @@ class Registration(EngineState):
                         raise RegionBusy(f"unregister failed: {_strerror(-rc)}")
                     # a same-host peer is copying into or out of it directly (new copies are
                     # refused from now on): wait like for our own requests
+                busy = (int(lib.aio_mr_inflight(mr._handle)), mr._dev_pending)
+                if busy != last:
+                    last, moved = busy, now()
+                stall = self._retry.stall_timeout
+                if timeout is None and stall is not None and now() - moved >= stall:
+                    raise RegionBusy(
+                        f"{busy[0]} work requests and {busy[1]} GPU copies on the region made no "
+                        f"progress for stall_timeout={stall:g} s (a peer stopped or gone that the "
+                        "transport still owns them for); the region stays registered and usable"
+                    )
                 if timeout is not None and now() - start >= timeout:
                     raise RegionBusy(
                         f"{int(lib.aio_mr_inflight(mr._handle))} work requests and {mr._dev_pending} GPU "
