@@ -48,19 +48,15 @@ class Completions(Rails):
     def _drain(self) -> None:
         h = self._h
         recs = self._recs
-        pending = self._pending
+        table = self._ops
         while True:
             n = lib.aio_drain(h, recs, 256)
             for i in range(n):
                 r = recs[i]
                 kind = r.kind
                 if kind == _REC_GROUP:
-                    op = pending.pop(r.token, None)
+                    op = table.complete(r.token, r.status, r.prov_errno)
                     if op is not None:
-                        op.done = True
-                        op.status = r.status
-                        op.prov_errno = r.prov_errno
-                        op.refs = None
                         op.event.set()
                 elif kind == _REC_COUNTER:
                     c = self._counters.get(r.token)

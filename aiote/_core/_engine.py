@@ -61,7 +61,6 @@ from ._posted import Transfer
 from ._records import RailInfo, ScatterTarget, _checkpoint_if_cancelled_fn
 from ._retry import RetryPolicy
 from ._util import now
-from ._wire import _CLOSED_STATUS
 
 # the names of the layers below that callers import from here (aiote/__init__.py, aiote/cli, aiote/weights)
 __all__ = [
@@ -115,14 +114,14 @@ class Engine(Collective):
                 lib.aio_quiet_waiters(self._h, 1)  # posted transfers' completions wake it too
                 self._drain()
                 try:
-                    for op in list(self._pending.values()):
+                    for op in list(self._ops):
                         await op.event.wait()
                 finally:
                     lib.aio_quiet_waiters(self._h, -1)
                 while any(mr._dev_pending for mr in self._regions):  # noqa: ASYNC110 - GPU copies
                     await anyio.sleep(0.001)
-            if self._pending:
-                self._log.warning("closing with operations in flight", pending=len(self._pending))
+            if self._ops:
+                self._log.warning("closing with operations in flight", pending=len(self._ops))
             if self._gpu is not None:
                 self._gpu.close()
             if self._bridge is not None:
@@ -130,10 +129,8 @@ class Engine(Collective):
             h = self._h
             self._closed = True
             await anyio.to_thread.run_sync(lib.aio_engine_destroy, h)
-        for op in self._pending.values():
-            op.status = _CLOSED_STATUS
+        for op in self._ops.close():
             op.event.set()
-        self._pending.clear()
         for c in self._counters.values():
             c._fail_all()
         while self._recv_waiters:

@@ -13,11 +13,12 @@ import numpy as np
 from .._native import ffi, lib
 from ._completions import Completions
 from ._errors import EngineClosed, PeerUnreachable, TransferStalled, TransferTimeout
-from ._records import _GROUPS, _POLICY, _STRANDED, _check_retry, _end, _Group, _left, _Op
+from ._optable import Posting, _Op, merge_nic_failures
+from ._records import _GROUPS, _POLICY, _STRANDED, _check_retry, _end, _Group, _left
 from ._retry import RetryPolicy
 from ._rules import LINK_POLL, GroupWatch, RetryPlan
 from ._util import deadline_at, now, shm_peer_gone, timeout_error, wait_until
-from ._wire import _CLOSED_STATUS, _STALLED, _completion_error, _post_error
+from ._wire import _completion_error, _post_error
 
 
 class OpLife(Completions):
@@ -87,10 +88,10 @@ class OpLife(Completions):
         stays down. Raises nothing of its own; cancellable. Costs an O(pending) scan per stranded
         group, no native call; the task sleeps until each one's completion wakes it."""
         while True:
-            op = next((o for o in self._pending.values() if o.failover and not o.done), None)
-            if op is None or self._closed:
+            stranded = self._ops.stranded()
+            if not stranded or self._closed:
                 return
-            await self._settle(op)
+            await self._settle(stranded[0])
 
     async def _wait_space(self, fallback: float, end: float | None = None) -> Any:
         """Waits until half of this engine's requests in flight completed (room in the
@@ -151,23 +152,9 @@ class OpLife(Completions):
             for rail in np.unique(rails).tolist():
                 tg.start_soon(one, table[rails == rail], int(rail))
         if errors:
-            timed_out = [e for e in errors if isinstance(e, TransferTimeout)]
-            if not timed_out:
-                raise errors[0]
-            # a group still posted somewhere: raise the timeout (so the caller can settle it),
-            # carrying every NIC's waiter, with any other error as its cause
-            waiters = [e._waiter for e in timed_out if e._waiter is not None]
-
-            async def all_settled() -> None:
-                for w in waiters:
-                    await w()
-
-            first = timed_out[0]
-            first._waiter = all_settled
-            others = [e for e in errors if not isinstance(e, TransferTimeout)]
-            landed = [e._landed for e in timed_out]
-            first._landed = lambda: not others and all(f is not None and f() for f in landed)
-            raise first from (others[0] if others else None)
+            # a group still posted somewhere: the timeout (so the caller can settle it), with
+            # every NIC's waiter; otherwise the first error
+            raise merge_nic_failures(errors)
 
     async def _run_table(
         self,
@@ -262,7 +249,7 @@ class OpLife(Completions):
         else:
             g = int(lib.aio_group_open(h, token))
         if g >= 0:
-            self._pending[token] = op
+            self._ops.add(token, op)
         op.g = g
         return _Group(op, token, g, first)
 
@@ -276,64 +263,66 @@ class OpLife(Completions):
         what: str,
     ) -> bool:
         """The rest of a group's life after :meth:`_begin`: a free group slot, posting what is
-        left, sealing, the completion and its status (see :meth:`_run_group`)."""
-        # (about 80 lines: the hot path of every operation, kept in one frame; its slow paths
-        # are _wait_group_slot and _stalled)
+        left (as :class:`Posting` says), sealing, the completion and its status (see
+        :meth:`_run_group`)."""
         if self._closed:  # begun by post_write, finished by a background task: too late
             raise EngineClosed(f"{what}: the engine closed before the operation was posted")
-        op, token, g, first = st.op, st.token, st.g, st.first
+        op, first = st.op, st.first
         if first == n:  # aio_submit posted every request and sealed the group: only the wait is left
             return await self._await_group(op, end, timeout, what)
-        rails = op.rails
-        if g < 0:  # every group slot in flight: backpressure
-            g = await self._wait_group_slot(op, token, end, timeout, what)
-        h = self._h
-        down = self._router.down
-        if rails and down and rails & down and op.alts - down:
+        g = st.g if st.g >= 0 else await self._wait_group_slot(op, st.token, end, timeout, what)
+        if op.move_before_posting(self._router.down):
             # a link went down before this group posted anything (while it waited for a slot,
             # or since its rows were built): move it at once instead of posting to that NIC
-            op.failover = True
             self._seal(g)
             return True
-        posted = 0
-        sealed = first == n  # aio_submit posted everything and sealed the group
-        error = 0
-        stalled_since = -1.0
+        op.posted = 0  # what aio_submit posted is counted by its first step below
+        posting = Posting(op, n, self._connect_timeout())
+        step = await self._post_all(posting, post, g, first, end, timeout, what)
+        if step == "stalled":
+            raise self._stalled(what)
+        if step == "error":
+            raise _post_error(posting.error, what, op.posted)
+        return await self._await_group(op, end, timeout, what)
+
+    async def _post_all(
+        self,
+        posting: Posting,
+        post: Callable[[Any, int, int], int],
+        g: int,
+        first: int | None,
+        end: float | None,
+        timeout: float | None,
+        what: str,
+    ) -> str:
+        """Posts group ``g``'s requests until :class:`Posting` says to stop (``first``: what
+        ``aio_submit`` already posted), then seals the group; returns the last step. Waits
+        for room between tries (the next completion, with a back-off timer as the fallback:
+        a timer alone would cost a full millisecond under asyncio). A deadline while posting
+        raises TransferTimeout (nothing posted: no waiter); a cancellation waits, shielded, for
+        what was posted (see :meth:`_run_group`)."""
+        op = posting.op
+        h = self._h
+        sealed = False
         try:
-            attempt = 0
-            while posted < n:
+            while True:
                 if first is not None:  # aio_submit's post
                     k, first = first, None
                 else:
-                    k = post(h, g, posted)
-                if k < 0:
-                    error = k
+                    k = post(h, g, op.posted)
+                step = posting.on_post(k, now())
+                if step != "wait":
                     break
-                posted += k
-                op.posted = posted
-                if posted < n:
-                    # queue or slots full, or peer still connecting: wait for the next
-                    # completion (a timer alone would cost a full millisecond under
-                    # asyncio), with a back-off timer as the fallback
-                    attempt = attempt + 1 if k == 0 else 0
-                    if posted == 0:  # nothing goes out: is the peer answering at all?
-                        t = now()
-                        if stalled_since < 0:
-                            stalled_since = t
-                        elif t - stalled_since > self._connect_timeout():
-                            error = _STALLED
-                            break
-                    h = await self._wait_space(min(0.00005 * (1 << min(attempt, 8)), 0.01), end)
-                    if end is not None and now() >= end:
-                        assert timeout is not None
-                        raise timeout_error(what, timeout)
-            if not sealed:
-                self._seal(g)
-                sealed = True
+                h = await self._wait_space(posting.pause, end)
+                if end is not None and now() >= end:
+                    assert timeout is not None
+                    raise timeout_error(what, timeout)
+            self._seal(g)
+            sealed = True
         except TransferTimeout as timed_out:  # while posting: not everything went out
             if not sealed:
                 self._seal(g)
-            if posted == 0:
+            if op.posted == 0:
                 raise TransferTimeout(f"{what}: nothing could be posted before the deadline") from None
             timed_out._waiter = partial(self._settle, op)
             timed_out._landed = lambda: False  # a part was never posted
@@ -341,14 +330,10 @@ class OpLife(Completions):
         except BaseException:
             if not sealed:
                 self._seal(g)
-            if posted and not op.done:
+            if op.must_settle():
                 await self._settle_cancelled(op)
             raise
-        if error == _STALLED:
-            raise self._stalled(what)
-        if error:
-            raise _post_error(error, what, posted)
-        return await self._await_group(op, end, timeout, what)
+        return step
 
     async def _wait_group_slot(
         self, op: _Op, token: int, end: float | None, timeout: float | None, what: str
@@ -367,7 +352,7 @@ class OpLife(Completions):
             if g >= 0:
                 self._seal(g)
             raise
-        self._pending[token] = op
+        self._ops.add(token, op)
         return g
 
     def _stalled(self, what: str) -> PeerUnreachable:
@@ -397,10 +382,12 @@ class OpLife(Completions):
         except TransferTimeout as timed_out:
             timed_out._waiter = partial(self._settle, op)
             # every request posted: all land unless one fails
-            timed_out._landed = lambda: op.done is True and op.status == 0 and not op.failover
+            timed_out._landed = op.landed
             raise
         except BaseException as exc:
-            if not op.done and not getattr(exc, "_final", False):  # see _wait_moving
+            # a posted request cannot be taken back (unless the failure says nothing will
+            # come: see _wait_moving); op.posted is 0 only for a group that never posted
+            if not op.done and not getattr(exc, "_final", False):
                 await self._settle_cancelled(op)
             raise
         return self._outcome(op, what)
@@ -475,16 +462,18 @@ class OpLife(Completions):
 
     @staticmethod
     def _outcome(op: _Op, what: str) -> bool:
-        """What the completed (or failover-woken) group ``op`` means: True when its work must
-        be re-posted on other NICs (the group stays owned until the transport lets go),
-        False when it succeeded; raises its error."""
-        if op.failover and op.done is False:
+        """What the completed (or failover-woken) group ``op`` means (:meth:`_Op.outcome`):
+        True when its work must be re-posted on other NICs (the group stays owned until the
+        transport lets go: collected as stranded where a caller asked), False when it landed;
+        raises its error."""
+        outcome = op.outcome()
+        if outcome == "landed":
+            return False
+        if outcome == "moved":
             stranded = _STRANDED.get()
             if stranded is not None:
                 stranded.append(op)
             return True
-        if op.status == _CLOSED_STATUS:
+        if outcome == "closed":
             raise EngineClosed(f"{what}: the engine closed before the operation completed")
-        if op.status:
-            raise _completion_error(op.status, op.prov_errno, what)
-        return False
+        raise _completion_error(op.status, op.prov_errno, what)

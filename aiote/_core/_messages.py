@@ -15,7 +15,8 @@ from ._credits import GroupView, SendAfterTimeout, SendWhenLanded, after_data, a
 from ._descriptor import EngineAddress
 from ._errors import EngineClosed, InvalidArgument, TransferTimeout
 from ._life import OpLife
-from ._records import _GROUPS, _end, _Held, _left, _Op, _RecvWaiter
+from ._optable import _Op
+from ._records import _GROUPS, _end, _Held, _left, _RecvWaiter
 from ._retry import RetryPolicy
 from ._routing import addr_ends
 from ._util import as_index, check_timeout, timeout_error, wait_until

@@ -8,7 +8,8 @@ from typing import Any
 from .._native import lib
 from ._errors import PeerUnreachable
 from ._life import OpLife
-from ._records import _POLICY, _end, _log, _Op
+from ._optable import _Op
+from ._records import _POLICY, _end, _log
 from ._retry import RetryPolicy
 from ._util import timeout_error, wait_until
 

@@ -12,7 +12,8 @@ import numpy as np
 from .._native import ffi, lib
 from ._descriptor import DEVICE_HOST, EngineAddress, MemoryDescriptor
 from ._errors import InvalidArgument
-from ._records import _STRANDED, _Op, _pairs_of, _rails_of
+from ._optable import _Op, reroute
+from ._records import _STRANDED, _pairs_of, _rails_of
 from ._registration import Registration
 from ._routing import Route, addr_ends
 from ._util import now
@@ -44,17 +45,12 @@ class Rails(Registration):
             return
         self._router.down.add(rail)
         self._down_since.setdefault(rail, now())
-        woken = 0
-        down = self._router.down
-        for op in self._pending.values():
-            if op.rails is None or rail not in op.rails or op.event.is_set():
-                continue
-            if op.alts - down:  # another NIC still reaches the peer: move the work there
-                op.failover = True
-                op.event.set()
-                woken += 1
-            # else: nothing to move to; the requests wait in the transport for a link
-        self._log.warning("link down: NIC out of rotation", nic=name, operations_moved=woken)
+        # groups whose peer another NIC still reaches move their work there; the others'
+        # requests wait in the transport for a link
+        moved = self._ops.link_down(rail, self._router.down)
+        for op in moved:
+            op.event.set()
+        self._log.warning("link down: NIC out of rotation", nic=name, operations_moved=len(moved))
 
     def forget_peer(self, peer: bytes | EngineAddress | MemoryDescriptor) -> None:
         """Lets go of what this engine keeps for a peer engine that left (its addresses in
@@ -90,7 +86,7 @@ class Rails(Registration):
         if self._opening or self._busy or self._sends:
             return None
         busy = set(self._routes_opening)
-        for op in self._pending.values():
+        for op in self._ops:
             if op.names is None:
                 return None
             busy |= op.names
@@ -243,17 +239,7 @@ class Rails(Registration):
     def _reroute(self, table: np.ndarray, full: Any) -> np.ndarray:
         """The rows of ``table`` moved to the live routes of ``full`` (same remote region:
         the remote offset is kept, the address base and key are the new NIC's)."""
-        live = self._router.live(full)
-        out = table.copy()
-        by_hop = {(h[0], h[1]): h for h in full}
-        start = self._router.start(full)
-        for i in range(len(out)):
-            r = out[i]
-            old = by_hop[(int(r["rail"]), int(r["peer"]))]
-            rail, fa, base, key = live[(start + i) % len(live)]
-            r["raddr"] = base + (int(r["raddr"]) - old[2])
-            r["rail"], r["peer"], r["rkey"] = rail, fa, key
-            r["direct"] = 0
+        out = reroute(table, full, self._router.live(full), self._router.start(full))
         self._log.warning("rows moved to other NICs after a link failure", rows=len(out))
         self._failovers += len(out)
         return out

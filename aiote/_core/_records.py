@@ -16,6 +16,7 @@ import numpy as np
 from ._descriptor import DEVICE_CUDA, EngineAddress, MemoryDescriptor
 from ._errors import InvalidArgument
 from ._log import get_logger
+from ._optable import _Op
 from ._retry import RetryPolicy
 from ._util import check_timeout, now
 
@@ -82,29 +83,6 @@ class ScatterTarget:
     length: int | None
     src_offset: int = 0
     dst_offset: int = 0
-
-
-class _Op:
-    __slots__ = (
-        "alts", "done", "event", "failover", "g", "names", "path", "posted", "prov_errno", "rails", "refs",
-        "status",
-    )
-
-    def __init__(self, refs: Any, event: Any) -> None:
-        self.event = event
-        self.g = -1  # its native group, once one was opened (the stall watch reads its progress)
-        self.posted = 0  # requests of the group handed to the transport so far
-        self.status = 0
-        self.prov_errno = 0
-        self.refs = refs
-        self.done = False  # the group's completion record arrived
-        self.rails: set[int] | None = None
-        self.alts: frozenset[int] = frozenset()  # every rail of its peer's path
-        self.failover = False  # woken because a rail of it lost its link
-        # the (rail, fi_addr) pairs its rows name, where known (a connection's opening): the
-        # engine may forget other peers while it is pending (see _maybe_sweep)
-        self.names: frozenset[tuple[int, int]] | None = None
-        self.path: Any = None  # the routes of its one peer, where known (see Rails._shm_peers)
 
 
 class _Group:

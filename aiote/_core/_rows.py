@@ -183,7 +183,7 @@ class Rows(Messages):
             and (
                 opened is not path
                 or length < self._stripe_min
-                or max(len(self._pending), self._opening) + load >= n
+                or max(len(self._ops), self._opening) + load >= n
             )
             and self._on_one_nic(path)
         ):

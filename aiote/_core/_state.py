@@ -24,9 +24,10 @@ from ._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._errors import EngineClosed, InvalidArgument
 from ._gpu import GpuSupport
 from ._memory import MemoryRegion
+from ._optable import OpTable, _Op
 from ._options import GpuOptions, PollerOptions, SameHostOptions, TransportOptions
 from ._peers import PeerBook
-from ._records import _PARSED_ADDRESSES, _POLICY, RailInfo, _as_bytes, _Held, _host_id, _log, _Op, _RecvWaiter
+from ._records import _PARSED_ADDRESSES, _POLICY, RailInfo, _as_bytes, _Held, _host_id, _log, _RecvWaiter
 from ._retry import RetryPolicy
 from ._routing import DomainGroup, Router
 from ._wire import _CREDITS_SEEN_MAX, _GPU_COUNTS, _OP_DTYPE, _OP_STRUCT, _strerror
@@ -90,7 +91,7 @@ class EngineState:
         self._credits_seen = CreditsSeen(_CREDITS_SEEN_MAX)  # credit messages counted (_on_credit)
         self._max_message = max_message_size
         self._tokens = itertools.count(1)
-        self._pending: dict[int, _Op] = {}
+        self._ops = OpTable()  # every group posted and not completed (its completion finds it)
         self._opening = 0  # transfers in _run: seen by _rows before their groups open
         self._counters: dict[int, ImmCounter] = {}
         self._regions: set[MemoryRegion] = set()
@@ -231,14 +232,14 @@ class EngineState:
             "pollers": int(lib.aio_engine_num_pollers(self._h)),
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
-            "pending": len(self._pending),
+            "pending": len(self._ops),
             "regions": len(self._regions),
             "peers": len(self._book),
             "peers_forgotten": self._book.forgotten,
             "routes_open": len(self._routes_open),
             "routes_opening": len(self._routes_opening),
             "failovers": self._failovers,
-            "stranded": sum(1 for op in self._pending.values() if op.failover),
+            "stranded": len(self._ops.stranded()),
             **(self._gpu.counts if self._gpu is not None else dict.fromkeys(_GPU_COUNTS, 0)),
         }
 

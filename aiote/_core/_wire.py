@@ -49,8 +49,6 @@ _ELSEWHERE = bytes(16)  # a host id no engine has: routes a same-host peer as a 
 _DIRECT_SLOTS = int(lib.AIO_DIRECT_SLOTS)
 _FI_ECANCELED = 125
 _ENOENT = 2
-_STALLED = -(1 << 29)  # posting made no progress for connect_timeout
-_CLOSED_STATUS = -(1 << 30)  # an operation failed because the engine closed under it
 
 
 def _strerror(code: int) -> str:
