@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -19,6 +20,7 @@ __all__ = [
     "anyio_backend_with_uvloop",
     "digest",
     "eventually",
+    "fails_after_kill",
     "kernel_sndbuf",
     "landed",
     "nothing_posted",
@@ -84,6 +86,38 @@ async def eventually(pred: Callable[[], bool], what: str, timeout: float = 20.0)
             await anyio.sleep(0.002)
         return
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def fails_after_kill(
+    op: Callable[[], Awaitable[object]],
+    kill: Callable[[], object],
+    *,
+    after: float,
+    beside: Sequence[Callable[[], Any]] = (),
+) -> tuple[BaseException, float]:
+    """Runs ``op`` over and over (the peer alive: it succeeds) while ``beside`` run, kills the
+    peer after ``after`` seconds, and returns the AioteError that ended the loop and how long
+    after the kill it came (the loop gives up after 60 s: no error at all fails the test)."""
+    killed = [0.0]
+    outcome: list[tuple[BaseException, float]] = []
+
+    async def loop() -> None:
+        try:
+            with anyio.fail_after(60):
+                while True:  # until the peer's death shows
+                    await op()
+        except aiote.AioteError as exc:
+            outcome.append((exc, time.monotonic() - killed[0]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop)
+        for other in beside:
+            tg.start_soon(other)
+        await anyio.sleep(after)
+        killed[0] = time.monotonic()
+        kill()
+    assert outcome, "the operations to the killed peer never failed"
+    return outcome[0]
 
 
 async def landed(engine: aiote.Engine, expected: dict[int, int], timeout: float = 20.0) -> None:

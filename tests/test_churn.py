@@ -1,5 +1,5 @@
-"""Peer churn: an engine that sees 1,000 peer engines come and go (short-lived peers, a few at
-a time) keeps what it holds per peer bounded: its address vectors, route caches and same-host
+"""Peer churn: an engine that sees 1,000 peer engines come and go (400 under trio; short-lived
+peers, a few at a time) keeps what it holds per peer bounded: its address vectors, route caches and same-host
 table attachments (PeerBook, Engine.forget_peer), and its RSS and open descriptors come back
 to within 5% of where they stood once warm. The last peers' large tcp writes still go through
 the poller hand-over (no cliff at 256 peer addresses). The PeerBook's decisions are also
@@ -41,7 +41,11 @@ async def main():
 anyio.run(main)
 """
 
-PEERS = 1000
+PEERS = 1000  # under asyncio: past the default max_peers (1,024 addresses) over tcp
+# under trio the same churn with fewer peers, past the 255 same-host attachments and the 256
+# addresses of the old hand-over cliff, not past max_peers (the engine's logic is the same
+# under both loops; forgetting past max_peers is checked under asyncio and in PeerBook's tests)
+TRIO_PEERS = 400
 PER_PROCESS = 50
 AT_ONCE = 2
 WARM = 50  # peers served before the starting figures are taken (libfabric's pools, caches)
@@ -56,8 +60,9 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-async def _churn(route: str) -> None:
+async def _churn(route: str, peers: int) -> None:
     kw = {} if route == "same-host" else {"same_host": None}
+    bound = 1024  # max_peers' default
     async with aiote.open_engine(**kw) as e:
         src = np.full(1 << 20, 7, np.uint8)
         mr = await e.register(src)
@@ -68,7 +73,7 @@ async def _churn(route: str) -> None:
 
         async def serve() -> None:
             nonlocal served, start, high
-            while served < PEERS:
+            while served < peers:
                 _, msg = await e.recv(timeout=120)
                 if msg == b"ok":
                     served += 1
@@ -95,7 +100,7 @@ async def _churn(route: str) -> None:
         with anyio.fail_after(600):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(serve)
-                for _ in range(PEERS // PER_PROCESS):
+                for _ in range(peers // PER_PROCESS):
                     tg.start_soon(one, PER_PROCESS)
         st = e.stats()
         assert start is not None
@@ -105,17 +110,17 @@ async def _churn(route: str) -> None:
         # tcp writes handed to the poller (each peer's second write: its connection has
         # carried a request), at peer addresses past the old 256 cliff
         if route == "same-host":
-            assert last["direct"] == 2 and st["direct_copies"] == 2 * PEERS
+            assert last["direct"] == 2 and st["direct_copies"] == 2 * peers
             assert high <= 8, high  # gone peers are forgotten as new ones arrive
         else:
             assert st["direct_copies"] == 0
             assert last["handed"] >= 1, last
-            assert st["posts_handed"] >= PEERS
+            assert st["posts_handed"] >= peers
             assert max(book.fa.values()) >= 256
-            # past max_peers (1,024 addresses) those unused since the last sweep go
-            assert st["peers_forgotten"] > 0
-            assert high <= 1024 + 1024 // 4 + 16, high
-        assert len(book) <= 1024 + 1024 // 4
+            if peers == PEERS:  # past max_peers addresses those unused since the last sweep go
+                assert st["peers_forgotten"] > 0
+            assert high <= bound + bound // 4 + 16, high
+        assert len(book) <= bound + bound // 4
         assert rss <= start[0] * 1.05, (start, rss)
         assert fds <= max(start[1] * 1.05, start[1] + 2), (start, fds)
 
@@ -123,8 +128,8 @@ async def _churn(route: str) -> None:
 @pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("route", ["same-host", "tcp"])
-async def test_a_thousand_peers_come_and_go(route: str) -> None:
-    await _churn(route)
+async def test_a_thousand_peers_come_and_go(route: str, anyio_backend: str) -> None:
+    await _churn(route, TRIO_PEERS if anyio_backend == "trio" else PEERS)
 
 
 @pytest.mark.anyio

@@ -18,6 +18,7 @@ import time
 import anyio
 import numpy as np
 import pytest
+from _util import fails_after_kill
 
 import aiote
 from aiote.testing import HostDeviceArray, HostStream, digest, pattern, spawn_peer
@@ -412,25 +413,11 @@ async def test_killed_gpu_peer_fails_pending_work_within_the_bound(route: str) -
         await e.write(mr, dst, imm=1)
         await peer.wait(imm=1, n=1, timeout=20)
         assert e.stats()["gpu_ipc" if route == "ipc" else "gpu_staged"] == 1
-        killed = 0.0
-        outcome: dict[str, object] = {}
-
-        async def writes() -> None:
-            try:
-                with anyio.fail_after(60):
-                    while True:
-                        await e.write(mr, dst, imm=2)
-            except aiote.AioteError as exc:
-                outcome["error"] = exc
-                outcome["after_kill"] = time.monotonic() - killed
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(writes)
-            await anyio.sleep(0.3)
-            killed = time.monotonic()
-            os.kill(peer.pid, signal.SIGKILL)
-        assert isinstance(outcome["error"], aiote.PeerUnreachable), outcome
-        assert outcome["after_kill"] < policy.connect_timeout + 3.0, outcome
+        error, after_kill = await fails_after_kill(
+            lambda: e.write(mr, dst, imm=2), lambda: os.kill(peer.pid, signal.SIGKILL), after=0.3
+        )
+        assert isinstance(error, aiote.PeerUnreachable), error
+        assert after_kill < policy.connect_timeout + 3.0, (after_kill, error)
         # the requests the dead peer's transport still owns keep the region registered, and
         # unregister (no timeout) says so after stall_timeout instead of waiting forever
         if e.stats()["ops_in_flight"]:

@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 import pytest
 from _routes import ROUTES, SAME_HOST, rig, second_peer
-from _util import digest, eventually, pattern
+from _util import digest, eventually, fails_after_kill, pattern
 
 import aiote
 
@@ -112,16 +112,6 @@ async def test_killed_peer_fails_pending_work_and_others_go_on(route: str) -> No
         await e.write(ms, dv, length=1 << 20, imm=1, timeout=30)
         await victim.wait(imm=1)
         outcome: dict[str, object] = {}
-        killed = [0.0]
-
-        async def to_victim() -> None:
-            try:
-                with anyio.fail_after(60):
-                    while True:  # writes until the peer's death shows
-                        await e.write(ms, dv, imm=2)
-            except aiote.AioteError as exc:
-                outcome["victim"] = exc
-                outcome["after_kill"] = time.monotonic() - killed[0]
 
         async def to_other() -> None:
             for i in range(16):
@@ -129,14 +119,12 @@ async def test_killed_peer_fails_pending_work_and_others_go_on(route: str) -> No
                 await e.write(ms, do, length=1 << 20, src_offset=off, dst_offset=off, imm=3, timeout=60)
             outcome["other"] = "completed"
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(to_victim)
-            tg.start_soon(to_other)
-            await anyio.sleep(0.3)
-            killed[0] = time.monotonic()
-            os.kill(victim.pid, signal.SIGKILL)
-        assert isinstance(outcome["victim"], aiote.PeerUnreachable), outcome
-        assert outcome["after_kill"] < policy.connect_timeout + 3.0, outcome
+        error, after_kill = await fails_after_kill(
+            lambda: e.write(ms, dv, imm=2), lambda: os.kill(victim.pid, signal.SIGKILL), after=0.3,
+            beside=[to_other],
+        )
+        assert isinstance(error, aiote.PeerUnreachable), error
+        assert after_kill < policy.connect_timeout + 3.0, (after_kill, error)
         assert outcome["other"] == "completed"
         await other.wait(imm=3, n=16)
         assert await other.digest("buf") == digest(src[: 16 << 20])

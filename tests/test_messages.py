@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
-from _util import eventually, nothing_posted, pattern
+from _util import eventually, fails_after_kill, nothing_posted, pattern
 
 import aiote
 
@@ -271,7 +271,6 @@ async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | Non
     same-host route (shm takes nothing from a dead peer: its death is seen by its lock file)
     and over tcp; the route each ran on is the one named."""
     import sys
-    import time
 
     policy = aiote.RetryPolicy(connect_timeout=2.0)
     kw = {} if same_host else {"same_host": None}
@@ -284,22 +283,8 @@ async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | Non
         async with aiote.open_engine(retry=policy, **kw) as e:
             route = e.route(addr)
             assert route.provider == ("shm" if same_host else "tcp;ofi_rxm"), route
-            killed = 0.0
-            outcome: dict[str, object] = {}
-
-            async def sends() -> None:
-                try:
-                    with anyio.fail_after(60):
-                        while True:
-                            await e.send(addr, b"x" * 4096)
-                except aiote.AioteError as exc:
-                    outcome["error"] = exc
-                    outcome["after_kill"] = time.monotonic() - killed
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sends)
-                await anyio.sleep(0.5)
-                killed = time.monotonic()
-                proc.kill()
-            assert isinstance(outcome["error"], aiote.PeerUnreachable), outcome
-            assert outcome["after_kill"] < policy.connect_timeout + 3.0, outcome
+            error, after_kill = await fails_after_kill(
+                lambda: e.send(addr, b"x" * 4096), proc.kill, after=0.5
+            )
+            assert isinstance(error, aiote.PeerUnreachable), error
+            assert after_kill < policy.connect_timeout + 3.0, (after_kill, error)

@@ -101,8 +101,9 @@ class Engine(Collective):
 
     async def aclose(self, *, timeout: float = 10.0) -> None:
         """Closes the engine: refuses new work, waits up to ``timeout`` seconds for work in
-        flight, then stops the poller and closes the endpoints before any region (so the
-        transport never touches freed memory). Operations still pending fail with
+        flight (not for work to a same-host peer whose process exited or whose engine closed:
+        none of it can land), then stops the poller and closes the endpoints before any region
+        (so the transport never touches freed memory). Operations still pending fail with
         :class:`EngineClosed`. Idempotent; raises nothing of its own, and is shielded (a
         cancellation does not interrupt it). Costs up to ``timeout`` seconds of waiting for work
         in flight, then the native teardown, run in a worker thread so the loop is not blocked."""
@@ -114,8 +115,8 @@ class Engine(Collective):
                 lib.aio_quiet_waiters(self._h, 1)  # posted transfers' completions wake it too
                 self._drain()
                 try:
-                    for op in list(self._ops):
-                        await op.event.wait()
+                    for op in list(self._ops):  # (not those to a same-host peer that is gone)
+                        await self._wake_or_gone(op, op.event)
                 finally:
                     lib.aio_quiet_waiters(self._h, -1)
                 while any(mr._dev_pending for mr in self._regions):  # noqa: ASYNC110 - GPU copies

@@ -77,6 +77,33 @@ class OpLife(Completions):
             except PeerUnreachable as again:
                 exc = again
 
+    async def _settle(self, op: _Op) -> None:
+        """Waits until the group of ``op`` has completed (its completion record arrived), the
+        engine closed, or its same-host peer is gone (see :meth:`_wake_or_gone`)."""
+        while not op.done and not self._closed:
+            ev = op.event
+            if ev.is_set():  # set by a failover wake-up, not by the completion
+                ev = op.event = self._event()
+            if not await self._wake_or_gone(op, ev):
+                return
+
+    async def _wake_or_gone(self, op: _Op, ev: Any) -> bool:
+        """Waits for ``ev`` (``op``'s wake-up): True once set; False when ``op``'s same-host
+        peer is gone first (its process exited or its engine closed: nothing will complete
+        its requests, and nothing reads their buffers any more). Looks every LINK_POLL
+        seconds on an engine with shm rails (a stat and a flock per look); a plain wait
+        otherwise."""
+        if not self._shm_rails:
+            await ev.wait()
+            return True
+        shm: list[bytes] | None = None
+        while not await wait_until(ev, now() + LINK_POLL):
+            if shm is None:
+                shm = self._shm_peers(op)
+            if shm and all(shm_peer_gone(a) for a in shm):
+                return False
+        return True
+
     async def _settle_all(self, ops: list[Any]) -> None:
         for op in ops:
             await self._settle(op)
@@ -403,7 +430,10 @@ class OpLife(Completions):
         p = _POLICY.get()
         policy = p if p is not None else self._retry
         stall = policy.stall_timeout
-        if stall is None and not self._router.down and not (self._shm_rails and self._shm_peers(op)):
+        # a same-host peer's death shows only by looking (shm takes nothing from a dead
+        # peer): ops that may go to one are watched; the rails alone tell, where known
+        shm_rails = self._shm_rails if op.rails is None or op.rails & self._shm_rails else None
+        if stall is None and not self._router.down and not shm_rails:
             return await wait_until(op.event, end)
         h = self._h
         last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
@@ -411,13 +441,13 @@ class OpLife(Completions):
         # the first wait is GroupWatch.wake_at inlined (every awaited operation under a stall
         # bound comes here: no object until it wakes without its completion)
         marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]
-        if self._router.down or self._shm_rails:
+        if self._router.down or shm_rails:
             # are all the peer's NICs down, and for how long? has a same-host peer gone?
             marks.append(moved + LINK_POLL)
         if await wait_until(op.event, min(marks) if marks else None):
             return True
         watch = GroupWatch(end, stall, policy.connect_timeout, last, moved)
-        shm = self._shm_peers(op) if self._shm_rails else []  # its same-host peer's shm addresses
+        shm = self._shm_peers(op) if shm_rails else []  # its same-host peer's shm addresses (O(rows))
         while True:
             t = now()
             pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1

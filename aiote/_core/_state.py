@@ -24,7 +24,7 @@ from ._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._errors import EngineClosed, InvalidArgument
 from ._gpu import GpuSupport
 from ._memory import MemoryRegion
-from ._optable import OpTable, _Op
+from ._optable import OpTable
 from ._options import GpuOptions, PollerOptions, SameHostOptions, TransportOptions
 from ._peers import PeerBook
 from ._records import _PARSED_ADDRESSES, _POLICY, RailInfo, _as_bytes, _Held, _host_id, _log, _RecvWaiter
@@ -258,14 +258,6 @@ class EngineState:
         """The connect_timeout in force: the operation's policy, else the engine's."""
         p = _POLICY.get()
         return (p if p is not None else self._retry).connect_timeout
-
-    async def _settle(self, op: _Op) -> None:
-        """Waits until the group of ``op`` has completed (its completion record arrived)."""
-        while not op.done and not self._closed:
-            ev = op.event
-            if ev.is_set():  # set by a failover wake-up, not by the completion
-                ev = op.event = self._event()
-            await ev.wait()
 
     def _seal(self, g: int) -> None:
         if not self._closed:
