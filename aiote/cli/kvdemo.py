@@ -73,6 +73,12 @@ def _nics(args: argparse.Namespace) -> list[str] | None:
     return [n for n in v.split(",") if n] if v else None
 
 
+async def _engine(stack: AsyncExitStack, args: argparse.Namespace) -> aiote.Engine:
+    """The process's engine (``--provider``, ``--nics``, ``--same-host``), entered on ``stack``."""
+    engine = aiote.open_engine(args.provider, _nics(args), same_host=_same_host(args))
+    return await stack.enter_async_context(engine)
+
+
 async def _members(stack: AsyncExitStack, args: argparse.Namespace) -> membership.Membership:
     """The etcd membership of ``--etcd``, entered on ``stack``."""
     return await stack.enter_async_context(membership.connect(args.etcd))
@@ -96,9 +102,7 @@ async def decode_main(args: argparse.Namespace) -> None:
     prefill = bytes.fromhex(args.prefill) if args.prefill else None
     done = {"verified": 0, "bad": 0, "failed": 0, "requests": 0}
     async with AsyncExitStack() as stack:
-        engine = await stack.enter_async_context(
-            aiote.open_engine(args.provider, _nics(args), same_host=_same_host(args))
-        )
+        engine = await _engine(stack, args)
         registry = (await _members(stack, args)).group(args.group, ttl=args.ttl) if args.etcd else None
         leave = anyio.Event()
 
@@ -266,6 +270,19 @@ class Progress:
         sys.stderr.flush()
 
 
+async def _prefill_server(
+    stack: AsyncExitStack, args: argparse.Namespace, layout: kv.KVLayout
+) -> kv.PrefillServer:
+    """The demo's prefill server (and its engine, and with ``--etcd`` its watch of the
+    decoders' group), entered on ``stack``."""
+    engine = await _engine(stack, args)
+    watch = None
+    if args.etcd:
+        watch = await stack.enter_async_context((await _members(stack, args)).watch(args.group))
+    server = kv.PrefillServer(engine, layout, policy=kv.LeastLoaded(), decoders=watch)
+    return await stack.enter_async_context(server)
+
+
 async def prefill_main(args: argparse.Namespace) -> int:
     layout = _layout(args)
     block = _block(layout)
@@ -275,15 +292,8 @@ async def prefill_main(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     failed = 0
     async with AsyncExitStack() as stack:
-        engine = await stack.enter_async_context(
-            aiote.open_engine(args.provider, _nics(args), same_host=_same_host(args))
-        )
-        watch = None
-        if args.etcd:
-            watch = await stack.enter_async_context((await _members(stack, args)).watch(args.group))
-        prefill = await stack.enter_async_context(
-            kv.PrefillServer(engine, layout, policy=kv.LeastLoaded(), decoders=watch)
-        )
+        prefill = await _prefill_server(stack, args, layout)
+        engine = prefill.engine
         decoders = [await spawn_decoder(args, engine.address, f"decoder-{i + 1}") for i in range(2)]
         await prefill.wait_for_decoders(2, timeout=60)
         routes = sorted({engine.route(a).provider for a in prefill.decoders})
@@ -349,7 +359,17 @@ async def prefill_main(args: argparse.Namespace) -> int:
         wall = time.monotonic() - t0
         for d in decoders[1:]:
             await d.leave()
-        summaries = [await d.finish() for d in decoders]
+        for d in decoders:
+            await d.finish()
+    return _report(args, layout, decoders, records, failed, wall, progress.events)
+
+
+def _report(
+    args: argparse.Namespace, layout: kv.KVLayout, decoders: list[Decoder], records: list[dict[str, Any]],
+    failed: int, wall: float, events: list[str],
+) -> int:
+    """Prints the summary (stderr) and the JSON result (stdout); the exit status."""
+    summaries = [d.summary or {} for d in decoders]
     verified_requests = sum(s.get("verified", 0) for s in summaries)
     bad = sum(s.get("bad", 0) for s in summaries)
     kv_bytes = sum(r["bytes"] for r in records)
@@ -390,7 +410,7 @@ async def prefill_main(args: argparse.Namespace) -> int:
         "layers": layout.layers,
         "page_bytes": layout.page_bytes,
         "decoders": [d.summary for d in decoders],
-        "events": progress.events,
+        "events": events,
         "provider": args.provider,
         "same_host": _same_host(args),
         "backend": args.backend,
