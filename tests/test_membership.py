@@ -151,12 +151,18 @@ async def test_etcd_unreachable_at_start_names_the_endpoint(anyio_backend: str, 
             pass
     assert exc.value.endpoints == (refused, silent)
     assert anyio.current_time() - t0 < 2
+    # a decode worker whose registry cannot be reached fails to enter, naming the endpoint
+    m = membership.Membership(silent, timeout=0.5)
+    async with m.etcd:
+        with pytest.raises(membership.EtcdUnavailable, match=silent):
+            async with kv.DecodeWorker(engine, LAYOUT, registry=m.group("kv/decode")):
+                pass
 
 
 def test_aiote_imports_and_runs_without_httpx() -> None:
     code = (
         "import sys; sys.modules['httpx'] = None\n"
-        "import aiote, aiote.kv, aiote.membership as m\n"
+        "import aiote, aiote.kv, aiote.cli, aiote.membership as m\n"
         "try:\n    m.connect('http://127.0.0.1:1')\nexcept m.MembershipError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
