@@ -222,6 +222,25 @@ async def requests(prefill: kv.PrefillServer, stop: anyio.Event, done: dict[str,
         await anyio.sleep(0.01)
 
 
+async def test_a_registered_decoder_serves_two_prefill_servers(anyio_backend: str, etcd: EtcdCluster) -> None:
+    group = f"kv/two-{anyio_backend}"
+    verified: list[bool] = []
+    async with kv_flow(etcd.url, group) as (p1, _), kv_flow(etcd.url, group) as (p2, _), \
+            decoder(etcd.url, group, verified) as worker:
+        await p1.wait_for_decoders(1, timeout=10)
+        await p2.wait_for_decoders(1, timeout=10)
+        stop = anyio.Event()
+        done = [{"ok": 0, "failed": 0}, {"ok": 0, "failed": 0}]
+        async with anyio.create_task_group() as tg:  # both number their requests from 1
+            tg.start_soon(requests, p1, stop, done[0])
+            tg.start_soon(requests, p2, stop, done[1])
+            await eventually(lambda: min(d["ok"] for d in done) >= 5, "requests from both")
+            stop.set()
+    # the decoder has handed out (and its consumer verified) every request before it left
+    assert worker.completed == len(verified) == done[0]["ok"] + done[1]["ok"]
+    assert all(verified) and done[0]["failed"] == done[1]["failed"] == 0
+
+
 async def test_etcd_restarted_mid_run_the_watch_recovers_and_no_transfer_fails(anyio_backend: str) -> None:
     group = "kv/decode"
     done = {"ok": 0, "failed": 0}
