@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what aiote needs on a Debian/Ubuntu machine that has only Python:
-# libfabric's development files and a C compiler (apt, when missing), a virtualenv in
-# .venv, and the package with its test, bench and docs extras. Idempotent; prints what it does.
+# libfabric's development files and a C compiler (apt, when missing), etcd (the membership
+# tests start their own servers), a virtualenv in .venv, and the package with its test, bench
+# and docs extras. Idempotent; prints what it does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,7 @@ command -v fi_info >/dev/null 2>&1 || need_apt+=(libfabric-bin)
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 [ -e "$inc/Python.h" ] || need_apt+=(python3-dev)
 "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
@@ -25,6 +27,11 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  # the package enables a system etcd on localhost:2379 where systemd runs; the tests start
+  # their own on free ports, so the one we installed is stopped and left disabled
+  if [[ " ${need_apt[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
+  fi
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["Hosts", "netns_unavailable", "two_hosts"]
+__all__ = ["Hosts", "Lan", "lan", "netns_unavailable", "two_hosts"]
 
 
 @dataclass
@@ -65,3 +65,61 @@ def two_hosts(nlinks: int = 2, subnet: int = 213) -> Iterator[Hosts]:
         for a in local:
             subprocess.run(["ip", "link", "del", a], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@dataclass
+class Lan:
+    """Hosts on one switched network: each host a namespace with one NIC (``eth0``, address
+    ``10.{subnet}.0.{10 + i}``), the switch a bridge in a namespace of its own that also has
+    an address (``10.{subnet}.0.1``) for a service every host reaches. Nothing of it is in
+    this namespace."""
+
+    switch: str  # the bridge's namespace
+    hosts: list[str]  # the hosts' namespaces
+    subnet: int
+
+    def prefix(self, ns: str) -> list[str]:
+        """Runs a command in namespace ``ns``."""
+        return ["ip", "netns", "exec", ns]
+
+    def addr(self, i: int) -> str:
+        """The address of host ``i``."""
+        return f"10.{self.subnet}.0.{10 + i}"
+
+    @property
+    def switch_addr(self) -> str:
+        return f"10.{self.subnet}.0.1"
+
+
+@contextmanager
+def lan(nhosts: int, subnet: int) -> Iterator[Lan]:
+    """``nhosts`` hosts and a switch (see :class:`Lan`); every namespace (and with it every
+    link) is deleted at the end, also on failure."""
+    tag = f"{os.getpid() % 100000}"
+    sw = f"aiote-{tag}-sw"
+    hosts = [f"aiote-{tag}-h{i}" for i in range(nhosts)]
+    made: list[str] = []
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    try:
+        for ns in (sw, *hosts):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            ip("netns", "add", ns)
+            made.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        ip("-n", sw, "addr", "add", f"10.{subnet}.0.1/24", "dev", "br0")
+        ip("-n", sw, "link", "set", "br0", "up")
+        for i, ns in enumerate(hosts):
+            ip("link", "add", "name", f"p{i}", "netns", sw, "type", "veth",
+               "peer", "name", "eth0", "netns", ns)
+            ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
+            ip("-n", sw, "link", "set", f"p{i}", "up")
+            ip("-n", ns, "addr", "add", f"10.{subnet}.0.{10 + i}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+        yield Lan(sw, hosts, subnet)
+    finally:
+        for ns in reversed(made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

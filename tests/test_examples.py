@@ -70,6 +70,25 @@ def test_kv_demo_verifies_every_page(backend: str) -> None:
     assert "every page verified" in out.stderr
 
 
+def test_kv_demo_with_decoders_discovered_through_etcd() -> None:
+    from _etcd import etcd_cluster, etcd_unavailable
+
+    why = etcd_unavailable()
+    if why:
+        pytest.skip(why)
+    with etcd_cluster(1) as etcd:
+        out = subprocess.run(
+            [sys.executable, "-m", "aiote", "demo", "--etcd", etcd.url, "--ttl", "2", "--requests", "12",
+             "--layers", "4", "--max-tokens", "512", "--backend", "trio"],
+            capture_output=True, text=True, timeout=300,
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["etcd"] == etcd.url and result["verified"] is True and result["failed"] == 0
+    assert result["finished"] == 12 and sum(d["verified"] for d in result["decoders"]) == 12
+    assert f"decoders discovered through etcd at {etcd.url}" in out.stderr
+
+
 def test_aiote_info_reports_providers_and_the_default_choice() -> None:
     out = subprocess.run([sys.executable, "-m", "aiote", "info", "--json"], capture_output=True, text=True,
                          timeout=60)

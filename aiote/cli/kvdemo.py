@@ -6,6 +6,10 @@ model computes each layer with NumPy, filling the request's KV pages with bytes 
 computed. Halfway, one decoder leaves and a new one joins. Every decoder verifies every page
 of every request it receives. Prints a progress bar and a summary on stderr, and one JSON
 object as the last line of stdout; exits non-zero unless every finished request verified.
+
+With ``--etcd URL`` the decoders are not told the prefill address: each registers itself in
+the group ``--group`` (``kv/decode``) of that etcd cluster, and the prefill server takes its
+decoders from a watch of the group (``aiote.membership``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -25,7 +30,7 @@ import anyio.lowlevel
 import numpy as np
 
 import aiote
-from aiote import kv
+from aiote import kv, membership
 from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line
 
@@ -63,6 +68,22 @@ def _same_host(args: argparse.Namespace) -> str | None:
     return None if v in (None, "none") else str(v)
 
 
+def _nics(args: argparse.Namespace) -> list[str] | None:
+    v = getattr(args, "nics", None)
+    return [n for n in v.split(",") if n] if v else None
+
+
+async def _engine(stack: AsyncExitStack, args: argparse.Namespace) -> aiote.Engine:
+    """The process's engine (``--provider``, ``--nics``, ``--same-host``), entered on ``stack``."""
+    engine = aiote.open_engine(args.provider, _nics(args), same_host=_same_host(args))
+    return await stack.enter_async_context(engine)
+
+
+async def _members(stack: AsyncExitStack, args: argparse.Namespace) -> membership.Membership:
+    """The etcd membership of ``--etcd``, entered on ``stack``."""
+    return await stack.enter_async_context(membership.connect(args.etcd))
+
+
 def _layout(args: argparse.Namespace) -> kv.KVLayout:
     return kv.KVLayout(
         layers=args.layers,
@@ -78,9 +99,11 @@ def _layout(args: argparse.Namespace) -> kv.KVLayout:
 async def decode_main(args: argparse.Namespace) -> None:
     layout = _layout(args)
     block = _block(layout)
-    prefill = bytes.fromhex(args.prefill)
+    prefill = bytes.fromhex(args.prefill) if args.prefill else None
     done = {"verified": 0, "bad": 0, "failed": 0, "requests": 0}
-    async with aiote.open_engine(args.provider, same_host=_same_host(args)) as engine:
+    async with AsyncExitStack() as stack:
+        engine = await _engine(stack, args)
+        registry = (await _members(stack, args)).group(args.group, ttl=args.ttl) if args.etcd else None
         leave = anyio.Event()
 
         async def watch_stdin() -> None:
@@ -90,8 +113,9 @@ async def decode_main(args: argparse.Namespace) -> None:
                     break
             leave.set()
 
-        async with kv.DecodeWorker(engine, layout, prefill, kv_timeout=args.kv_timeout) as worker:
-            sys.stdout.write("AIOTE_KV_DECODER\n")
+        worker = kv.DecodeWorker(engine, layout, prefill, registry=registry, kv_timeout=args.kv_timeout)
+        async with worker:
+            sys.stdout.write(f"AIOTE_KV_DECODER {engine.address.hex()}\n")
             sys.stdout.flush()
 
             async def leave_on_request() -> None:
@@ -100,12 +124,14 @@ async def decode_main(args: argparse.Namespace) -> None:
 
             async def check(req: kv.DecodeRequest) -> None:
                 done["requests"] += 1
-                if not args.verify:
-                    done["verified"] += 1  # not checked (benchmarks): counted as received
-                elif verify(req, layout, block):
-                    done["verified"] += 1
-                else:
+                ok = verify(req, layout, block) if args.verify else None
+                if ok is False:
                     done["bad"] += 1
+                else:
+                    done["verified"] += 1  # without --verify (benchmarks): counted as received
+                if args.report:  # one line per request, as it is checked
+                    sys.stdout.write(json.dumps({"rid": req.rid, "verified": ok}) + "\n")
+                    sys.stdout.flush()
                 await req.release()
 
             async def cancel_some() -> None:
@@ -175,13 +201,18 @@ class Decoder:
 
 
 async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> Decoder:
+    etcd = getattr(args, "etcd", None)
+    join = ["--prefill", prefill.hex()]
+    if etcd:  # no address: it registers in etcd, the prefill server watches
+        join = ["--etcd", etcd, "--group", args.group, "--ttl", str(args.ttl)]
+    if getattr(args, "nics", None):
+        join += ["--nics", args.nics]
     cmd = [
         *python_module("aiote"),
         "demo",
         "--role",
         "decode",
-        "--prefill",
-        prefill.hex(),
+        *join,
         "--provider",
         args.provider,
         "--same-host",
@@ -239,6 +270,19 @@ class Progress:
         sys.stderr.flush()
 
 
+async def _prefill_server(
+    stack: AsyncExitStack, args: argparse.Namespace, layout: kv.KVLayout
+) -> kv.PrefillServer:
+    """The demo's prefill server (and its engine, and with ``--etcd`` its watch of the
+    decoders' group), entered on ``stack``."""
+    engine = await _engine(stack, args)
+    watch = None
+    if args.etcd:
+        watch = await stack.enter_async_context((await _members(stack, args)).watch(args.group))
+    server = kv.PrefillServer(engine, layout, policy=kv.LeastLoaded(), decoders=watch)
+    return await stack.enter_async_context(server)
+
+
 async def prefill_main(args: argparse.Namespace) -> int:
     layout = _layout(args)
     block = _block(layout)
@@ -247,14 +291,14 @@ async def prefill_main(args: argparse.Namespace) -> int:
     progress = Progress(args.requests)
     records: list[dict[str, Any]] = []
     failed = 0
-    async with (
-        aiote.open_engine(args.provider, same_host=_same_host(args)) as engine,
-        kv.PrefillServer(engine, layout, policy=kv.LeastLoaded()) as prefill,
-    ):
+    async with AsyncExitStack() as stack:
+        prefill = await _prefill_server(stack, args, layout)
+        engine = prefill.engine
         decoders = [await spawn_decoder(args, engine.address, f"decoder-{i + 1}") for i in range(2)]
         await prefill.wait_for_decoders(2, timeout=60)
         routes = sorted({engine.route(a).provider for a in prefill.decoders})
-        progress.note(f"prefill and {len(decoders)} decode workers up (route: {', '.join(routes)})")
+        how = f", decoders discovered through etcd at {args.etcd}" if args.etcd else ""
+        progress.note(f"prefill and {len(decoders)} decode workers up (route: {', '.join(routes)}{how})")
         sem = anyio.Semaphore(args.concurrency)
         t0 = time.monotonic()
 
@@ -315,7 +359,17 @@ async def prefill_main(args: argparse.Namespace) -> int:
         wall = time.monotonic() - t0
         for d in decoders[1:]:
             await d.leave()
-        summaries = [await d.finish() for d in decoders]
+        for d in decoders:
+            await d.finish()
+    return _report(args, layout, decoders, records, failed, wall, progress.events)
+
+
+def _report(
+    args: argparse.Namespace, layout: kv.KVLayout, decoders: list[Decoder], records: list[dict[str, Any]],
+    failed: int, wall: float, events: list[str],
+) -> int:
+    """Prints the summary (stderr) and the JSON result (stdout); the exit status."""
+    summaries = [d.summary or {} for d in decoders]
     verified_requests = sum(s.get("verified", 0) for s in summaries)
     bad = sum(s.get("bad", 0) for s in summaries)
     kv_bytes = sum(r["bytes"] for r in records)
@@ -356,10 +410,11 @@ async def prefill_main(args: argparse.Namespace) -> int:
         "layers": layout.layers,
         "page_bytes": layout.page_bytes,
         "decoders": [d.summary for d in decoders],
-        "events": progress.events,
+        "events": events,
         "provider": args.provider,
         "same_host": _same_host(args),
         "backend": args.backend,
+        "etcd": args.etcd,
     }
     print(json.dumps(result))
     return 0 if ok else 1
@@ -389,7 +444,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "route, direct copies checked against the owner's table) or 'none' (every peer over --provider)",
     )
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    ap.add_argument("--nics", help="comma-separated NICs of every process (default: lo)")
+    ap.add_argument(
+        "--etcd", metavar="URL",
+        help="decoders register in etcd at URL (comma-separated client URLs) and the prefill server "
+        "discovers them through a watch (aiote.membership; needs the etcd extra: httpx)",
+    )
+    ap.add_argument("--group", default="kv/decode", help="the decoders' membership group (with --etcd)")
+    ap.add_argument("--ttl", type=float, default=5.0, help="the decoders' lease TTL in seconds (with --etcd)")
     ap.add_argument("--role", default="prefill", choices=["prefill", "decode"], help=argparse.SUPPRESS)
+    ap.add_argument("--report", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prefill", help=argparse.SUPPRESS)
     ap.add_argument("--no-verify", dest="verify", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--cancel-every", type=int, default=0, help=argparse.SUPPRESS)

@@ -19,6 +19,10 @@ it, as one paged write per layer; decode workers join and leave at run time::
         ...                                             # decode from req.page(layer, kv, i)
         await req.release()
 
+Or decoders are discovered across hosts through etcd (``aiote.membership``): the prefill
+server takes ``decoders=members.watch("kv/decode")`` and each decode worker
+``registry=members.group("kv/decode")`` instead of the prefill address.
+
 How a page is never reused while a write to it may still land: the decode side frees a
 request's pages only when the prefill side has told it that every write it posted for the
 request has completed (on tcp a completed write has been placed; a posted write cannot be
@@ -30,12 +34,28 @@ carries ``seq << 8 | l``, so a late write of an old request is never counted for
 
 from ._decode import DecodeRequest, DecodeWorker, RequestFailed
 from ._layout import KVLayout, PageAllocator
+from ._members import (
+    LAYOUT_META,
+    POOL_DESCRIPTOR,
+    DecoderEvent,
+    DecoderRecord,
+    DecoderRegistration,
+    DecoderRegistry,
+    DecoderSource,
+)
 from ._prefill import DecoderInfo, LeastLoaded, PrefillRequest, PrefillServer, RoundRobin, RoutingPolicy
 
 __all__ = [
+    "LAYOUT_META",
+    "POOL_DESCRIPTOR",
     "DecodeRequest",
     "DecodeWorker",
+    "DecoderEvent",
     "DecoderInfo",
+    "DecoderRecord",
+    "DecoderRegistration",
+    "DecoderRegistry",
+    "DecoderSource",
     "KVLayout",
     "LeastLoaded",
     "PageAllocator",

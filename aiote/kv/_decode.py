@@ -22,6 +22,7 @@ from .._core._memory import MemoryRegion
 from .._core._util import deadline
 from . import _proto
 from ._layout import KVLayout, PageAllocator
+from ._members import LAYOUT_META, POOL_DESCRIPTOR, DecoderRegistration, DecoderRegistry
 
 __all__ = ["DecodeRequest", "DecodeWorker", "RequestFailed"]
 
@@ -38,8 +39,11 @@ class DecodeRequest:
     arrived (or from :meth:`DecodeWorker.admitted` to start layer by layer). Holding one costs
     an event per layer; what its methods raise and cost is stated on each."""
 
-    def __init__(self, worker: DecodeWorker, rid: int, seq: int, tokens: int, pages: np.ndarray) -> None:
+    def __init__(
+        self, worker: DecodeWorker, prefill: bytes, rid: int, seq: int, tokens: int, pages: np.ndarray
+    ) -> None:
         self._w = worker
+        self.prefill = prefill  # the prefill engine that routed it here
         self.rid = rid
         self.seq = seq
         self.tokens = tokens
@@ -104,7 +108,7 @@ class DecodeRequest:
             self.error = RequestFailed("cancelled by the decode side")
         self._done_by_user = True
         self._wake_all()
-        await self._w._tell_prefill(_proto.encode("cancel", rid=self.rid))
+        await self._w._tell(self.prefill, _proto.encode("cancel", rid=self.rid))
         self._w._maybe_free(self)
 
     def _wake_all(self) -> None:
@@ -118,6 +122,15 @@ class DecodeWorker:
     """A decode worker: joins a prefill server, admits the requests it routes here into
     pages of this worker's pool, and yields them once their KV has fully arrived.
 
+    It joins either the prefill server at ``prefill`` (that engine's address: it sends it its
+    pool and layout), or, with ``registry`` (an ``aiote.membership`` group, such as
+    ``members.group("kv/decode")``), every prefill server watching that group: it registers
+    its engine address, its pool's descriptor (``"kv.pool"``) and its layout (meta
+    ``"kv.layout"``), and serves whichever prefill server admits a request here. Leaving
+    announces it in the registry (and to each prefill server it served), and the registration
+    ends once the requests in flight are done; a worker that dies is dropped by the prefill
+    side when its lease expires.
+
     ``pool``: a NumPy or GPU (CuPy) array of ``layout.pool_bytes`` bytes (registered here; a
     layer of a GPU pool is ready once its pages are in GPU memory), or None for a
     new one. ``kv_timeout``: how long a request's KV may take from admission; after that the
@@ -129,27 +142,35 @@ class DecodeWorker:
     ``async with``) tells the prefill side, which routes no new request here; requests in
     flight are finished first (bounded by ``drain_timeout``).
 
-    Building one raises :class:`~aiote.DescriptorError` for a bad ``prefill`` address and
-    :class:`~aiote.InvalidArgument` for a ``pool`` of the wrong size (no I/O; a new pool costs
-    ``layout.pool_bytes``). Entering registers the pool (:meth:`~aiote.Engine.register`'s
-    cost and errors) and sends one message to the prefill side.
+    Building one raises :class:`~aiote.DescriptorError` for a bad ``prefill`` address,
+    :class:`~aiote.InvalidArgument` for a ``pool`` of the wrong size or when neither
+    ``prefill`` nor ``registry`` is given (no I/O; a new pool costs ``layout.pool_bytes``).
+    Entering registers the pool (:meth:`~aiote.Engine.register`'s cost and errors) and sends
+    one message to the prefill side, or registers in ``registry`` (what its registration
+    raises, e.g. ``aiote.membership.EtcdUnavailable``).
     """
 
     def __init__(
         self,
         engine: Engine,
         layout: KVLayout,
-        prefill: bytes,
+        prefill: bytes | None = None,
         *,
+        registry: DecoderRegistry | None = None,
         pool: Any = None,
         kv_timeout: float = 60.0,
         capacity: int = 1 << 20,
         drain_timeout: float = 60.0,
     ) -> None:
-        EngineAddress.from_bytes(prefill)  # DescriptorError early
+        if prefill is None and registry is None:
+            raise InvalidArgument("a DecodeWorker needs a prefill address or a registry")
+        if prefill is not None:
+            EngineAddress.from_bytes(prefill)  # DescriptorError early
         self.engine = engine
         self.layout = layout
         self.prefill = prefill
+        self.registry = registry
+        self.registration: DecoderRegistration | None = None
         self.pool = layout.pool_for(pool)
         self.kv_timeout = kv_timeout
         self.capacity = capacity
@@ -157,15 +178,17 @@ class DecodeWorker:
         self._alloc = PageAllocator(layout.pool_pages)
         self._seq = itertools.count(1)
         self._active_seqs: set[int] = set()
-        self._requests: dict[int, DecodeRequest] = {}
+        self._requests: dict[tuple[bytes, int], DecodeRequest] = {}  # by (prefill, rid)
         self._admitted: deque[DecodeRequest] = deque()
         self._admitted_ev = anyio.Event()
         self._ready: deque[DecodeRequest] = deque()
         self._ready_ev = anyio.Event()
         self._mr: MemoryRegion | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._prefill_gone = False
+        self._prefills: set[bytes] = set() if prefill is None else {prefill}  # those we serve
+        self._gone: set[bytes] = set()  # prefill engines found unreachable
         self._leaving = False
+        self._left = anyio.Event()
         self._drained = anyio.Event()
         self.completed = 0
         self.failed = 0
@@ -177,9 +200,24 @@ class DecodeWorker:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._serve)
-        await self._tell_prefill(
-            _proto.encode("hello", pool=bytes(self._mr.descriptor).hex(), layout=self.layout.to_dict())
-        )
+        if self.prefill is not None:
+            await self._tell(
+                self.prefill,
+                _proto.encode("hello", pool=bytes(self._mr.descriptor).hex(), layout=self.layout.to_dict()),
+            )
+        if self.registry is not None:
+            reg = self.registry.register(
+                self.engine.address,
+                {POOL_DESCRIPTOR: self._mr.descriptor},
+                {LAYOUT_META: self.layout.to_dict()},
+            )
+            try:
+                await reg.__aenter__()
+            except BaseException:
+                self._tg.cancel_scope.cancel()
+                await self._tg.__aexit__(None, None, None)
+                raise
+            self.registration = reg
         return self
 
     async def __aexit__(
@@ -194,8 +232,12 @@ class DecodeWorker:
                         ev = self._drained = anyio.Event()
                         await ev.wait()
         finally:
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
+            try:
+                if self.registration is not None:
+                    await self.registration.__aexit__(None, None, None)
+            finally:
+                self._tg.cancel_scope.cancel()
+                await self._tg.__aexit__(None, None, None)
         return None
 
     # ------------------------------------------------------------------ the application side
@@ -217,6 +259,7 @@ class DecodeWorker:
         while True:
             while not self._ready:
                 if self._leaving and not any(not r._ready.is_set() for r in self._requests.values()):
+                    await self._left.wait()  # the prefill sides and the registry were told
                     return
                 ev = self._ready_ev
                 await ev.wait()
@@ -225,13 +268,29 @@ class DecodeWorker:
     async def leave(self) -> None:
         """Tells the prefill side that this worker takes no new request (requests already
         admitted still arrive and are handed out). Leaving the ``async with`` does it too.
-        Idempotent; raises nothing (a prefill side that cannot be reached counts as gone).
-        Costs one message the first time (up to 30 s when the prefill side does not answer)."""
-        if not self._leaving:
-            self._leaving = True
-            self._ready_ev.set()
-            self._ready_ev = anyio.Event()
-            await self._tell_prefill(_proto.encode("bye"))
+        Idempotent; raises nothing (a prefill side that cannot be reached counts as gone; a
+        registry that cannot be reached is logged, the registration still ends with the
+        block). Costs one message to each prefill side served the first time (up to 30 s when
+        one does not answer), plus the registry's announcement (bounded by its timeout)."""
+        if self._leaving:
+            await self._left.wait()  # announced (or given up) before the registration may end
+            return
+        self._leaving = True
+        self._ready_ev.set()
+        self._ready_ev = anyio.Event()
+        try:
+            if self.registration is not None:
+                # shielded (its put is bounded by the registry's timeout): a cancelled leave
+                # must not let the registration end before watchers learnt it was clean
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.registration.leave()
+                    except AioteError as exc:
+                        _log.warning("could not announce leaving in the registry", error=str(exc))
+            for prefill in list(self._prefills):
+                await self._tell(prefill, _proto.encode("bye"))
+        finally:
+            self._left.set()
 
     async def admitted(self, *, timeout: float | None = None) -> DecodeRequest:
         """The next admitted request, as soon as it is admitted (to start layer by layer with
@@ -256,24 +315,27 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ internals
 
-    async def _tell_prefill(self, payload: bytes) -> None:
-        if self._prefill_gone:
+    async def _tell(self, prefill: bytes, payload: bytes) -> None:
+        if prefill in self._gone:
             return
         try:
-            await self.engine.send(self.prefill, payload, timeout=30)
+            await self.engine.send(prefill, payload, timeout=30)
         except (PeerUnreachable, TransferTimeout) as exc:
-            self._on_prefill_gone(exc)
+            self._on_prefill_gone(prefill, exc)
         except EngineClosed:
             pass
 
-    def _on_prefill_gone(self, exc: BaseException) -> None:
-        """The prefill process is gone: its connections are reset, so none of its writes can
-        land any more; every request still waiting fails and its pages are free again."""
-        if self._prefill_gone:
+    def _on_prefill_gone(self, prefill: bytes, exc: BaseException) -> None:
+        """A prefill process is gone: its connections are reset, so none of its writes can
+        land any more; every request of it still waiting fails and its pages are free again."""
+        if prefill in self._gone:
             return
-        self._prefill_gone = True
+        self._gone.add(prefill)
+        self._prefills.discard(prefill)
         _log.warning("prefill side unreachable; failing its requests", error=str(exc))
         for r in list(self._requests.values()):
+            if r.prefill != prefill:
+                continue
             if not r._ready.is_set():
                 r.error = RequestFailed(f"the prefill side is gone: {exc}")
                 r._wake_all()
@@ -300,7 +362,7 @@ class DecodeWorker:
         self._active_seqs.discard(r.seq)
         if r in self._admitted:
             self._admitted.remove(r)
-        self._requests.pop(r.rid, None)
+        self._requests.pop((r.prefill, r.rid), None)
         if not self._requests:
             self._drained.set()
         self._wake_readers()
@@ -308,13 +370,15 @@ class DecodeWorker:
     async def _serve(self) -> None:
         assert self._tg is not None
         async for sender, msg in _proto.messages(self.engine):
-            if sender != self.prefill:
-                continue
+            if sender != self.prefill and self.registry is None:
+                continue  # joined one prefill server: only it routes requests here
             t = msg["t"]
             if t == "admit":
-                await self._admit(int(msg["rid"]), int(msg["tokens"]))
+                if sender not in self._gone:
+                    self._prefills.add(sender)
+                await self._admit(sender, int(msg["rid"]), int(msg["tokens"]))
             elif t == "released":
-                r = self._requests.get(int(msg["rid"]))
+                r = self._requests.get((sender, int(msg["rid"])))
                 if r is not None:
                     r._released_by_prefill = True
                     if not msg.get("ok", True) and not r._ready.is_set():
@@ -323,34 +387,34 @@ class DecodeWorker:
                         r._wake_all()
                     self._maybe_free(r)
             elif t == "cancel":
-                r = self._requests.get(int(msg["rid"]))
+                r = self._requests.get((sender, int(msg["rid"])))
                 if r is not None and not r._ready.is_set():
                     r.error = RequestFailed("cancelled by the prefill side")
                     r._done_by_user = True
                     r._wake_all()
                     self._maybe_free(r)
 
-    async def _admit(self, rid: int, tokens: int) -> None:
+    async def _admit(self, prefill: bytes, rid: int, tokens: int) -> None:
         assert self._tg is not None
         n = self.layout.pages_for(tokens)
         if self._leaving:
-            await self._tell_prefill(_proto.encode("reject", rid=rid, why="leaving"))
+            await self._tell(prefill, _proto.encode("reject", rid=rid, why="leaving"))
             return
         pages = self._alloc.take(n) if self.in_flight < self.capacity else None
         if pages is None:
-            await self._tell_prefill(_proto.encode("reject", rid=rid, why=f"no room for {n} pages"))
+            await self._tell(prefill, _proto.encode("reject", rid=rid, why=f"no room for {n} pages"))
             return
         seq = next(self._seq) & 0xFFFFFF
         while seq == 0 or seq in self._active_seqs:  # 24 bits wrap: skip what is still in use
             seq = next(self._seq) & 0xFFFFFF
         self._active_seqs.add(seq)
-        r = DecodeRequest(self, rid, seq, tokens, pages)
-        self._requests[rid] = r
+        r = DecodeRequest(self, prefill, rid, seq, tokens, pages)
+        self._requests[(prefill, rid)] = r
         self._admitted.append(r)
         self._admitted_ev.set()
         self._admitted_ev = anyio.Event()
         self._tg.start_soon(self._watch_scoped, r)
-        await self._tell_prefill(_proto.encode("pages", rid=rid, imm=seq, pages=pages.tolist()))
+        await self._tell(prefill, _proto.encode("pages", rid=rid, imm=seq, pages=pages.tolist()))
 
     async def _watch_scoped(self, r: DecodeRequest) -> None:
         with r._watch_scope:
@@ -377,7 +441,7 @@ class DecodeWorker:
                 r.error = RequestFailed(f"request {r.rid}: {exc}")
                 r._wake_all()
                 r._done_by_user = True
-                await self._tell_prefill(_proto.encode("cancel", rid=r.rid))
+                await self._tell(r.prefill, _proto.encode("cancel", rid=r.rid))
                 self._maybe_free(r)
             return
         finally:
@@ -389,7 +453,7 @@ class DecodeWorker:
             return
         r.ready_at = time.monotonic()
         # report first: once handed out, the request may be released and the worker leave
-        await self._tell_prefill(_proto.encode("ready", rid=r.rid, at=r.ready_at))
+        await self._tell(r.prefill, _proto.encode("ready", rid=r.rid, at=r.ready_at))
         if r.error is not None:  # the prefill side went away meanwhile: the request failed
             self.failed += 1
             return

@@ -24,15 +24,23 @@ from .._core._util import deadline
 from . import _proto
 from ._decode import RequestFailed
 from ._layout import KVLayout, PageAllocator
+from ._members import LAYOUT_META, POOL_DESCRIPTOR, DecoderEvent, DecoderSource
 
 __all__ = ["DecoderInfo", "LeastLoaded", "PrefillRequest", "PrefillServer", "RoundRobin", "RoutingPolicy"]
 
 _log = get_logger(component="kv.prefill")
 
 
+class _Expired(RequestFailed):
+    """The decoder left the membership without notice."""
+
+
 @dataclass
 class DecoderInfo:
-    """A decode worker as the prefill side sees it. A plain record: O(1), raises nothing."""
+    """A decode worker as the prefill side sees it: ``leaving`` once it announced it leaves
+    (its requests in flight finish), ``dead`` once it is found unreachable or dropped from
+    the membership without notice (``expired``; its requests in flight fail). A plain
+    record: O(1), raises nothing."""
 
     address: bytes
     desc: MemoryDescriptor
@@ -41,6 +49,7 @@ class DecoderInfo:
     leaving: bool = False
     dead: bool = False
     served: int = 0
+    expired: bool = False
 
     @property
     def live(self) -> bool:
@@ -242,6 +251,14 @@ class PrefillServer:
     server's ``engine.address``), and :meth:`start` routes each new request to a live one
     with ``policy`` (:class:`RoundRobin` by default, or :class:`LeastLoaded`, or any callable).
 
+    Decoders join by message (a ``DecodeWorker`` given this server's address), or, with
+    ``decoders``, from a membership watch (``aiote.membership``: ``members.watch("kv/decode")``,
+    or any :data:`DecoderSource`): a decoder that joins the group starts receiving requests;
+    one that announces it leaves gets no new request and finishes those in flight; one that
+    vanishes from the group without notice (its lease expired: it crashed or lost etcd for
+    longer than its TTL) is never chosen again and its requests in flight fail, as an
+    unreachable decoder's do. The watch's own outages change nothing here.
+
     ``pool``: a NumPy or GPU (CuPy) array of ``layout.pool_bytes`` bytes holding the
     prefill-side KV (registered here), or None for a new host one. ``write_timeout``: the
     deadline of each layer's paged write; ``admit_timeout``: how long a decoder may take to
@@ -264,8 +281,10 @@ class PrefillServer:
         policy: RoutingPolicy | None = None,
         write_timeout: float = 60.0,
         admit_timeout: float = 10.0,
+        decoders: DecoderSource | None = None,
     ) -> None:
         self.engine = engine
+        self.source = decoders
         self.admit_timeout = admit_timeout
         self.layout = layout
         self.pool = layout.pool_for(pool)
@@ -287,6 +306,8 @@ class PrefillServer:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._serve)
+        if self.source is not None:
+            self._tg.start_soon(self._follow, self.source)
         return self
 
     async def __aexit__(
@@ -376,6 +397,8 @@ class PrefillServer:
                     # is then freed by _forget); the caller gives the pages back once
                     self._requests.pop(rid, None)
                     d.in_flight.discard(rid)
+                    if d.leaving and not d.in_flight:
+                        self.decoders.pop(d.address, None)
             if isinstance(r.error, RequestFailed) and "no room" in str(r.error):
                 await anyio.sleep(0.005)
 
@@ -419,7 +442,8 @@ class PrefillServer:
             return
         r._released = True
         r.decoder.in_flight.discard(r.rid)
-        if r.dst_pages is not None and not r.decoder.dead and self._tg is not None:
+        # a decoder dropped by the membership may live on: tell it, so its pages go back
+        if r.dst_pages is not None and (r.decoder.expired or not r.decoder.dead) and self._tg is not None:
             why = "" if ok else str(r.error)
             self._tg.start_soon(self._tell, r.decoder, _proto.encode("released", rid=r.rid, ok=ok, why=why))
         if r.decoder.leaving and not r.decoder.in_flight:
@@ -446,6 +470,7 @@ class PrefillServer:
         if d.dead:
             return
         d.dead = True
+        d.expired = isinstance(exc, _Expired)
         _log.warning("decoder unreachable; failing its requests", error=str(exc), in_flight=len(d.in_flight))
         for r in list(self._requests.values()):
             if r.decoder is not d:
@@ -456,20 +481,60 @@ class PrefillServer:
             r.kv_complete.set()
         self.decoders.pop(d.address, None)
 
+    def _add_decoder(self, address: bytes, desc: MemoryDescriptor, layout: KVLayout) -> None:
+        if layout != self.layout:
+            _log.warning("decoder with another layout refused", layout=str(layout))
+            return
+        known = self.decoders.get(address)
+        if known is not None and known.live and known.desc == desc:
+            return  # joined twice (by message and by membership)
+        self.decoders[address] = DecoderInfo(address, desc, time.monotonic())
+        _log.info("decoder joined", decoders=len(self.live_decoders))
+        self._joined.set()
+        self._joined = anyio.Event()
+
+    def _decoder_leaving(self, d: DecoderInfo) -> None:
+        d.leaving = True
+        _log.info("decoder leaving", in_flight=len(d.in_flight))
+        for rid in list(d.in_flight):  # admissions it has not answered: route elsewhere
+            r = self._requests.get(rid)
+            if r is not None and r.dst_pages is None and r.error is None:
+                r.error = RequestFailed("decoder leaving")
+                r._granted.set()
+        if not d.in_flight:
+            self.decoders.pop(d.address, None)
+
+    async def _follow(self, source: DecoderSource) -> None:
+        """Decoders from a membership watch: joins, announced leaves, and vanished ones."""
+        async for ev in source:
+            try:
+                self._on_member(ev)
+            except (KeyError, TypeError, ValueError, AioteError) as exc:  # a bad record: not a decoder
+                _log.warning("membership record of a decoder refused", error=f"{type(exc).__name__}: {exc}")
+
+    def _on_member(self, ev: DecoderEvent) -> None:
+        m = ev.member
+        if ev.joined:
+            desc = m.descriptors[POOL_DESCRIPTOR]
+            if not isinstance(desc, MemoryDescriptor):
+                raise TypeError(f"{POOL_DESCRIPTOR} is not a MemoryDescriptor")
+            self._add_decoder(bytes(m.address), desc, KVLayout.from_dict(m.meta[LAYOUT_META]))
+            return
+        d = self.decoders.get(bytes(m.address))
+        if d is None:
+            return
+        if ev.clean:
+            self._decoder_leaving(d)
+        else:
+            self._decoder_dead(d, _Expired("it left the membership without notice (its lease expired)"))
+
     async def _serve(self) -> None:
         async for sender, msg in _proto.messages(self.engine):
             t = msg["t"]
             d = self.decoders.get(sender)
             if t == "hello":
-                layout = KVLayout.from_dict(msg["layout"])
-                if layout != self.layout:
-                    _log.warning("decoder with another layout refused", layout=str(layout))
-                    continue
                 desc = MemoryDescriptor.from_bytes(bytes.fromhex(msg["pool"]))
-                self.decoders[sender] = DecoderInfo(sender, desc, time.monotonic())
-                _log.info("decoder joined", decoders=len(self.live_decoders))
-                self._joined.set()
-                self._joined = anyio.Event()
+                self._add_decoder(sender, desc, KVLayout.from_dict(msg["layout"]))
             elif t == "ready":  # also from a decoder already gone from the table (it left)
                 r = self._requests.get(int(msg["rid"]))
                 if r is not None and r.decoder.address == sender:
@@ -481,15 +546,7 @@ class PrefillServer:
             elif d is None:
                 continue
             elif t == "bye":
-                d.leaving = True
-                _log.info("decoder leaving", in_flight=len(d.in_flight))
-                for rid in list(d.in_flight):  # admissions it has not answered: route elsewhere
-                    r = self._requests.get(rid)
-                    if r is not None and r.dst_pages is None and r.error is None:
-                        r.error = RequestFailed("decoder leaving")
-                        r._granted.set()
-                if not d.in_flight:
-                    self.decoders.pop(sender, None)
+                self._decoder_leaving(d)
             elif t in ("pages", "reject"):
                 r = self._requests.get(int(msg["rid"]))
                 if r is None:
@@ -501,6 +558,8 @@ class PrefillServer:
                     r.seq = int(msg["imm"])
                 else:
                     r.error = RequestFailed(f"decoder refused: {msg.get('why')}")
+                    if msg.get("why") == "leaving" and not d.leaving:  # its announcement is late
+                        self._decoder_leaving(d)
                 r._granted.set()
             elif t == "cancel":
                 r = self._requests.get(int(msg["rid"]))
