@@ -13,6 +13,7 @@ tolerance of the float64 truth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -82,7 +83,22 @@ class Rank:
         self.engine, self.mode, self.xp = engine, mode, xp
         self.group: moe.Group | None = None
         self.a2a: dict[str, moe.AllToAll] = {}
+        self.held = contextlib.AsyncExitStack()  # a membership and its registration, once joined
         self.out_x: dict[tuple[int, int], Any] = {}
+
+    async def join(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Joins the group through etcd (aiote.membership): registers this engine with its rank,
+        waits for every rank, and takes the group in rank order from what etcd holds."""
+        from aiote import membership
+
+        members = await self.held.enter_async_context(membership.connect(cmd["url"]))
+        grp = members.group(cmd["group"], ttl=5)
+        await self.held.enter_async_context(grp.register(self.engine.address, meta={"rank": cmd["rank"]}))
+        ranked = await grp.ranks(cmd["world"], timeout=30)
+        self.group = moe.Group([m.address for m in ranked], cmd["rank"])
+        peers = [a for a in self.group.addresses if a != self.engine.address]
+        return {"ok": True, "routes": [self.engine.route(p).provider for p in peers],
+                "addrs": [a.hex() for a in self.group.addresses]}
 
     async def get(self, case: dict[str, Any]) -> moe.AllToAll:
         key = json.dumps([case.get(k) for k in ("E", "K", "H", "T", "dtype", "pad", "out", "scale", "cap")])
@@ -298,6 +314,8 @@ async def serve(rank: Rank) -> None:
                 rank.group = moe.Group([bytes.fromhex(a) for a in cmd["addrs"]], cmd["rank"])
                 peers = [a for a in rank.group.addresses if a != rank.engine.address]
                 reply: dict[str, Any] = {"ok": True, "routes": [rank.engine.route(p).provider for p in peers]}
+            elif op == "join":
+                reply = await rank.join(cmd)
             elif op == "case":
                 reply = await rank.run_case(cmd)
             elif op == "overlap":
@@ -332,6 +350,8 @@ async def main(args: argparse.Namespace) -> None:
         for a in rank.a2a.values():
             with anyio.move_on_after(5):
                 await a.aclose()
+        with anyio.move_on_after(10):
+            await rank.held.aclose()
 
 
 if __name__ == "__main__":

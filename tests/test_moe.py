@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import anyio
 import anyio.abc
 import numpy as np
 import pytest
+from _etcd import etcd_cluster, etcd_unavailable
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aiote
@@ -62,8 +63,11 @@ class Ranks:
         return replies
 
 
-async def start_ranks(world: int, backend: str, mode: str, gpus: list[int] | None = None) -> Ranks:
-    """``world`` rank processes (``gpus``: the GPU of each, CuPy arrays), given their group."""
+async def start_ranks(
+    world: int, backend: str, mode: str, gpus: list[int] | None = None, *, given: bool = True
+) -> Ranks:
+    """``world`` rank processes (``gpus``: the GPU of each, CuPy arrays), given their group
+    (``given``; otherwise they are to find it: see the etcd test)."""
     procs: list[anyio.abc.Process] = []
     addrs: list[str] = []
     for r in range(world):
@@ -76,6 +80,8 @@ async def start_ranks(world: int, backend: str, mode: str, gpus: list[int] | Non
         line = await ready_line(proc, "MOE_RANK", 60)
         addrs.append(line.split()[1])
     ranks = Ranks(procs, addrs)
+    if not given:
+        return ranks
     for r in range(world):
         await ranks.send(r, op="group", addrs=addrs, rank=r)
     ranks.routes = [(await ranks.reply(r))["routes"] for r in range(world)]
@@ -213,6 +219,34 @@ async def test_same_host_back_to_back_overlap_and_cancel(host2: Ranks, need_shm:
     assert [r["outcome"] for r in replies] == ["cancelled", "ok"], replies
     after = await host2.all(op="case", **{**spec, "seed": 14, "calls": 2})
     assert all(r["checks"] >= 12 for r in after), after
+
+
+@pytest.fixture(scope="module")
+def etcd_url() -> Iterator[str]:
+    why = etcd_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    with etcd_cluster(1) as c:
+        yield c.url
+
+
+async def test_ranks_find_their_group_through_etcd(anyio_backend: str, etcd_url: str) -> None:
+    """Three ranks that know only etcd's address (aiote.membership): each registers its
+    engine with its rank, waits for the others (Group.ranks) and forms the group in rank
+    order; every rank agrees on it, and a dispatch/combine over it matches the reference."""
+    ranks = await start_ranks(3, anyio_backend, "tcp", given=False)
+    try:
+        group = f"moe/ep-{anyio_backend}"
+        for r in (2, 0, 1):  # in any order: each waits for the rest
+            await ranks.send(r, op="join", url=etcd_url, group=group, rank=r, world=3)
+        joined = [await ranks.reply(r) for r in range(3)]
+        assert all(j.get("ok") for j in joined), joined
+        assert all(j["addrs"] == ranks.addrs for j in joined), (joined, ranks.addrs)
+        assert all(j["routes"] == ["tcp;ofi_rxm"] * 2 for j in joined), joined
+        replies = await ranks.all(op="case", **case(tokens=[12, 5, 9], seed=7, calls=2))
+        assert all(r["checks"] >= 12 for r in replies), replies
+    finally:
+        await stop_ranks(ranks)
 
 
 async def test_one_rank_in_process_against_reference() -> None:

@@ -6,6 +6,7 @@ process, what a sender refuses before posting anything."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -18,6 +19,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from _etcd import etcd_cluster, etcd_unavailable
 from _util import nothing_posted
 from _weights_util import e4m3_reference
 
@@ -550,3 +552,52 @@ async def test_register_targets_and_typed_views(anyio_backend: str) -> None:
         assert np.array_equal(mem.view("qk"), np.concatenate([q[:4], k[:2]]).astype(np.float16))
         assert np.array_equal(mem.view("o"), o[:, 2:6])
         assert np.array_equal(mem.view("mixed"), np.concatenate([q[0], o[0]]))
+
+
+async def test_a_controller_takes_the_receivers_descriptors_from_etcd(anyio_backend: str) -> None:
+    """Inference ranks that know only etcd's address register their engine, their region's
+    descriptor and their rank (aiote.membership); the controller waits for every rank
+    (Group.ranks), plans with the descriptors etcd holds, and the trainers' push lands byte
+    for byte in each rank's region."""
+    why = etcd_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    from aiote import membership
+
+    sources, specs = model_2x2()
+    layouts = [W.pack_targets(r, specs(r, 2), sources) for r in range(2)]
+    with etcd_cluster(1) as etcd:
+        async with contextlib.AsyncExitStack() as stack:
+            members = await stack.enter_async_context(membership.connect(etcd.url))
+            grp = members.group(f"weights/inference-{anyio_backend}", ttl=5)
+            trainers = [await stack.enter_async_context(aiote.open_engine(same_host=None)) for _ in range(2)]
+            regions = []
+            for r in (1, 0):  # the ranks join in any order
+                e = await stack.enter_async_context(aiote.open_engine(same_host=None))
+                dst = np.zeros(layouts[r][1], np.uint8)
+                mr = await e.register(dst)
+                regions.append((r, e, dst, mr))
+                await stack.enter_async_context(
+                    grp.register(e.address, descriptors={"weights": mr.descriptor}, meta={"rank": r})
+                )
+            ranked = await grp.ranks(2, timeout=20)  # the controller's view, in rank order
+            assert [m.meta["rank"] for m in ranked] == [0, 1]
+            targets = [t for r, m in enumerate(ranked)
+                       for t in W.with_desc(layouts[r][0], bytes(m.descriptors["weights"]))]
+            plan = W.plan(sources, targets)
+            rx = {r: W.WeightReceiver(e, plan.receiver(r)) for r, e, _, _ in regions}
+            tensors = [
+                {s.name: source_tensor(s.name, s.shape, s.dtype, 1)[s.rows[0] : s.rows[1]] for s in sources
+                 if s.rank == t}
+                for t in range(2)
+            ]
+            async with W.WeightSender(trainers[0], plan.sender(0)) as t0, \
+                    W.WeightSender(trainers[1], plan.sender(1)) as t1, anyio.create_task_group() as tg:
+                tg.start_soon(lambda: t0.push(tensors[0], version=1, timeout=30))
+                tg.start_soon(lambda: t1.push(tensors[1], version=1, timeout=30))
+            shapes = {s.name: (s.shape, s.dtype) for s in sources}
+            for r, _, dst, _ in regions:
+                await rx[r].wait_version(1, timeout=30)
+                for t in layouts[r][0]:
+                    want = reference(t, shapes, 1)
+                    assert dst[t.offset : t.offset + len(want)].tobytes() == want, (r, t.name)

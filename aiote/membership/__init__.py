@@ -23,7 +23,7 @@ docs/membership.md.
 """
 
 from ._etcd import EtcdClient, EtcdError, EtcdUnavailable, MembershipError
-from ._membership import DEFAULT_TTL, Group, Membership, connect
+from ._membership import DEFAULT_TTL, Group, Membership, by_rank, connect
 from ._records import DEFAULT_PREFIX, MAX_VALUE, CorruptEntry, GroupView, Member, MemberEvent
 from ._registration import MemberExists, Registration
 from ._watch import GroupWatch
@@ -45,5 +45,6 @@ __all__ = [
     "Membership",
     "MembershipError",
     "Registration",
+    "by_rank",
     "connect",
 ]

@@ -6,18 +6,20 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+import anyio
+
 from aiote import InvalidArgument, MemoryDescriptor
 
-from ._etcd import EtcdClient
+from ._etcd import EtcdClient, MembershipError
 from ._records import DEFAULT_PREFIX, GroupView, Member, validate_group, validate_name
 from ._registration import Registration
 from ._watch import GroupWatch, _log_corrupt
 
-__all__ = ["DEFAULT_TTL", "Group", "Membership", "connect"]
+__all__ = ["DEFAULT_TTL", "Group", "Membership", "by_rank", "connect"]
 
 DEFAULT_TTL = 5.0
 
@@ -134,6 +136,45 @@ class Group:
     async def snapshot(self, *, timeout: float | None = None) -> list[Member]:
         """:meth:`~aiote.membership.Membership.snapshot` of this group."""
         return await self.membership.snapshot(self.name, timeout=timeout)
+
+    async def ranks(self, world: int, *, timeout: float | None = 60.0) -> list[Member]:
+        """Waits until ranks ``0 .. world-1`` are in the group, one live member each (its
+        ``meta["rank"]``), and returns them in rank order: how the weight-update and MoE flows
+        form their groups (``aiote.moe.Group([m.address for m in ms], rank)``; each inference
+        rank's descriptors for the plan). Members leaving, or with no rank in range, are not
+        counted; while two live members claim one rank (a restarted rank whose old lease has
+        not expired yet) it waits. Raises :class:`~aiote.InvalidArgument` for a bad ``world``,
+        :class:`~aiote.membership.MembershipError` when the ranks are not all there within
+        ``timeout`` seconds (naming those missing), and the watch's errors. Costs a watch of
+        the group while it waits (one read, then its events)."""
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise InvalidArgument(f"world must be an int >= 1, not {world!r}")
+        async with self.watch() as watch:
+            try:
+                with anyio.fail_after(timeout):
+                    while (got := by_rank(watch.members.values(), world)) is None:
+                        await watch.next()
+            except TimeoutError:
+                have = {m.meta.get("rank") for m in watch.members.values() if not m.leaving}
+                missing = [r for r in range(world) if r not in have]
+                raise MembershipError(
+                    f"group {self.name!r}: ranks {missing} of {world} not there within {timeout} s"
+                ) from None
+        return got
+
+
+def by_rank(members: Iterable[Member], world: int) -> list[Member] | None:
+    """``members`` in rank order when ranks ``0 .. world-1`` each have exactly one live member
+    (``meta["rank"]``, an int; members leaving are not counted), else None. O(members); pure."""
+    slots: list[list[Member]] = [[] for _ in range(world)]
+    for m in members:
+        r = m.meta.get("rank") if isinstance(m.meta, Mapping) else None
+        if m.leaving or isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+            continue
+        slots[r].append(m)
+    if any(len(s) != 1 for s in slots):
+        return None
+    return [s[0] for s in slots]
 
 
 def connect(
