@@ -338,7 +338,8 @@ def print_summary(s: dict[str, Any]) -> None:
     link, bound, ceil = cp.get("link_gbps"), cp.get("bound_s"), cp.get("wall_s")
     if link:
         print(f"link B: one cudaMemcpyPeerAsync trainer 0 -> inference 0 alone: {link:.1f} GB/s; plan bound "
-              f"max(max out, max in) / B = {bound * 1e3:.1f} ms")
+              f"max(max out, max in) / B = {bound * 1e3:.1f} ms; ceiling per trainer (median): "
+              + ", ".join(f"{x * 1e3:.1f} ms" for x in cp.get("per_trainer_s", [])))
     else:
         print("no ceiling and no bound (no GPUs, or not measured)")
     print(f"   {'path':<48}{'wall ms':>9}{'GB/s':>8}{'of ceiling':>11}{'of bound':>9}  walls ms")
@@ -368,10 +369,11 @@ def print_summary(s: dict[str, Any]) -> None:
               + ", ".join(f"{x * 1e3:.1f} ms" for x in ai["recv_s"]))
     for key, label in labels[2:]:
         r = paths.get(key)
-        if r:
-            print(f"   {label}: per stage, slowest rank: "
-                  + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["stages"].items())
-                  + f"; staging {r['staging_bytes'] / 2**20:.0f} MiB per rank")
+        if r:  # a stage's time on a rank includes its waits for the other ranks' stages
+            ranks = "; ".join(f"rank {i}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in st.items())
+                              for i, st in enumerate(r["stages"]))
+            print(f"   {label}, per stage on each rank (ms, the median version): {ranks}; staging "
+                  f"{r['staging_bytes'] / 2**20:.0f} MiB per rank")
     if "check" in s or "reference" in s:
         print(f"   check: aiote and the {be} plan path left the same bytes in every inference region: "
               f"{s.get('check', 'not run')}"
@@ -924,7 +926,8 @@ def ceiling_summary(report: Any, trainers: list[dict[str, Any]]) -> dict[str, An
     link = trainers[0]["link_one_bytes"] / one / GB
     most = max(max(report.out_bytes.values()), max(report.in_bytes.values()))
     w, walls = _median_of_max([r["ceiling_walls"] for r in trainers])
-    return {"wall_s": w, "walls": walls, "link_gbps": link, "bound_s": most / (link * GB)}
+    return {"wall_s": w, "walls": walls, "link_gbps": link, "bound_s": most / (link * GB),
+            "per_trainer_s": [statistics.median(r["ceiling_walls"]) for r in trainers]}
 
 
 def aiote_summary(ctx: Ctx, every: list[dict[str, Any]]) -> dict[str, Any]:
@@ -937,9 +940,7 @@ def aiote_summary(ctx: Ctx, every: list[dict[str, Any]]) -> dict[str, Any]:
 def nccl_summary(every: list[dict[str, Any]]) -> dict[str, Any]:
     w, walls = _median_of_max([r["walls"] for r in every])
     k = walls.index(w)
-    names = {n for r in every for st in r["stages"] for n in st}
-    return {"wall_s": w, "walls": walls,
-            "stages": {n: max(r["stages"][k].get(n, 0.0) for r in every) for n in sorted(names)},
+    return {"wall_s": w, "walls": walls, "stages": [r["stages"][k] for r in every],
             "staging_bytes": max(r["staging_bytes"] for r in every)}
 
 
