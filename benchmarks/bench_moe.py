@@ -4,24 +4,31 @@ the same run, one process per rank.
     python benchmarks/bench_moe.py                      # CPU: 2 and 4 processes, gloo baseline
     python benchmarks/bench_moe.py --world 2 --shapes decode --iters 100
     python benchmarks/bench_moe.py --gpu                # 2 GPUs of one host, NCCL baseline
+    python benchmarks/bench_moe.py --gpu --world 2 4 8  # 2, then 4, then 8 GPUs (one process each)
 
 Shape: DeepSeek-V3 (hidden 7168, 256 experts, top-8), decode 128 tokens per rank and prefill
 4096 tokens per rank on GPUs (on the CPU 2048 for 2 ranks, 1024 for 4, so that the ranks and
-the baselines' buffers fit in memory; ``--prefill-tokens``), bfloat16 dispatch and combine (CPU), routing
-redrawn every iteration (uniform top-8 without repetition, random weights). The "expert" is
-the identity (no GEMM: on 2 CPU cores it would only add noise to every line alike).
+the baselines' buffers fit in memory; ``--prefill-tokens``), routing redrawn every iteration
+(uniform top-8 without repetition, random weights). Dispatch in FP8 (e4m3, stored as bytes)
+with one float32 scale per 128 elements (56 a token), combine in bfloat16 (``--dispatch-dtype
+bfloat16``: bfloat16 both ways). No GEMM runs: with bfloat16 dispatch the "expert" is the
+identity; with FP8 its output is a fixed bfloat16 array of the received rows' count (as if an
+expert had written it), the same for every path.
 
 Per rank and call, timed (host wall time; on the GPU after synchronizing the stream, so
 each call's kernels are included):
-- aiote: ``dispatch`` (counts exchange + tokens + unpack into per-expert padded blocks in
-  canonical order) and ``combine`` (pack + write back + float32 reduction in k order).
+- aiote: ``dispatch`` (counts exchange + tokens and their scales + unpack into per-expert
+  padded blocks in canonical order) and ``combine`` (pack + write back + float32 reduction in
+  k order).
 - torch exact: the same exchange with ``all_to_all_single``: counts first (per expert), then
   the tokens with split sizes, then the same local permutation; combine mirrors it and does
   the same reduction (the same NumPy/CuPy code as aiote's).
 - torch padded: a fixed-size ``all_to_all_single`` of ``T x min(K, E/W)`` rows per rank pair,
   no count exchange, no permutation: a floor for the data movement alone.
+Rows carry the same bytes on every path: the token (and its scales) and its number.
 Each iteration's time is the slowest rank's; p50 and p99 over the iterations are printed,
-with the bytes a rank sends to other ranks per call and the resulting rate as a fraction of
+with the bytes a rank sends to other ranks per call (dispatch, combine) and the resulting rate
+as a fraction of
 the link's bandwidth measured in the same run (one aiote write of 64 MiB, rank 0 -> 1, over
 the same route).
 """
@@ -42,6 +49,8 @@ import numpy as np
 
 SHAPES = {"decode": 128, "prefill": 4096}
 E, K, H = 256, 8, 7168
+SCALE_BLOCK = 128  # FP8 dispatch: one float32 scale per 128 elements of a token (DeepSeek-V3's)
+NSCALE = -(-H // SCALE_BLOCK)
 
 
 def pct(v: list[float], q: float) -> float:
@@ -93,7 +102,8 @@ def run_group(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def child_args(args: argparse.Namespace) -> list[str]:
     out = ["--iters", str(args.iters), "--prefill-iters", str(args.prefill_iters),
-           "--prefill-tokens", str(args.prefill_tokens), "--shapes", *args.shapes, "--route", args.route]
+           "--prefill-tokens", str(args.prefill_tokens), "--shapes", *args.shapes, "--route", args.route,
+           "--dispatch-dtype", args.dispatch_dtype, "--warmup", str(args.warmup)]
     if args.gpu:
         out.append("--gpu")
     if args.no_torch:
@@ -105,15 +115,17 @@ def child_args(args: argparse.Namespace) -> list[str]:
 
 def summarize(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per shape and method: the slowest rank per iteration, then p50/p99 (microseconds)."""
-    summary: dict[str, Any] = {"world": world, "link_gbps": results[0].get("link_gbps"), "shapes": {}}
+    summary: dict[str, Any] = {"world": world, "link_gbps": results[0].get("link_gbps"),
+                               "dispatch_dtype": results[0].get("dispatch_dtype"), "shapes": {}}
     for shape in results[0]["shapes"]:
         entry: dict[str, Any] = {}
         for method, per_rank in results[0]["shapes"][shape]["times"].items():
             n = len(per_rank)
             worst = [max(r["shapes"][shape]["times"][method][i] for r in results) for i in range(n)]
             entry[method] = {"p50_us": pct(worst, 50) * 1e6, "p99_us": pct(worst, 99) * 1e6, "n": n}
-        sent = [r["shapes"][shape]["bytes_sent"] for r in results]
-        entry["bytes_sent_per_rank"] = statistics.mean(sent)
+        for way in ("dispatch", "combine"):
+            sent = [r["shapes"][shape][f"{way}_bytes"] for r in results]
+            entry[f"{way}_bytes_per_rank"] = statistics.mean(sent)
         entry["tokens"] = results[0]["shapes"][shape]["tokens"]
         if "phases" in results[0]["shapes"][shape]:
             entry["phases"] = [r["shapes"][shape]["phases"] for r in results]
@@ -121,18 +133,31 @@ def summarize(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def method_bytes(method: str, e: dict[str, Any]) -> float:
+    """The bytes a rank sends off-rank in what ``method`` times: dispatch, combine or both."""
+    d, c = e["dispatch_bytes_per_rank"], e["combine_bytes_per_rank"]
+    return d + c if "+" in method else d if "dispatch" in method else c
+
+
 def print_summary(s: dict[str, Any], machine: str) -> None:
     link = s["link_gbps"]
-    print(f"\n== {s['world']} ranks ({machine}); link (aiote 64 MiB write, rank 0 -> 1): {link:.2f} GB/s")
+    print(f"\n== {s['world']} ranks ({machine}); dispatch {s['dispatch_dtype']}, combine bfloat16; "
+          f"link (aiote 64 MiB write, rank 0 -> 1): {link:.2f} GB/s")
     for shape, e in s["shapes"].items():
-        mb = e["bytes_sent_per_rank"] / 1e6
-        print(f"-- {shape}: {e['tokens']} tokens/rank, {mb:.1f} MB sent per rank per call each way")
+        print(f"-- {shape}: {e['tokens']} tokens/rank; sent per rank per call: dispatch "
+              f"{e['dispatch_bytes_per_rank'] / 1e6:.1f} MB, combine "
+              f"{e['combine_bytes_per_rank'] / 1e6:.1f} MB")
         print(f"   {'method':<28}{'p50 us':>12}{'p99 us':>12}{'GB/s p50':>10}{'of link':>9}")
         for method, v in e.items():
             if not isinstance(v, dict):
                 continue
-            rate = e["bytes_sent_per_rank"] / (v["p50_us"] / 1e6) / 1e9 if v["p50_us"] else 0.0
+            rate = method_bytes(method, e) / (v["p50_us"] / 1e6) / 1e9 if v["p50_us"] else 0.0
             print(f"   {method:<28}{v['p50_us']:>12.0f}{v['p99_us']:>12.0f}{rate:>10.2f}{rate / link:>9.2f}")
+        ex = e.get("torch exact dispatch+combine")
+        if ex:
+            a = e["aiote dispatch+combine"]
+            print(f"   torch exact / aiote, dispatch+combine: p50 {ex['p50_us'] / a['p50_us']:.2f}x, "
+                  f"p99 {ex['p99_us'] / a['p99_us']:.2f}x faster (>1: aiote faster)")
         for r, ph in enumerate(e.get("phases", [])):
             print(f"   rank {r} phases, p50 us (time since the previous mark): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()))
@@ -158,11 +183,17 @@ def parent(args: argparse.Namespace) -> None:
 
 
 class Inputs:
-    """One iteration's routing (redrawn per iteration) and the fixed tokens of a rank."""
+    """One iteration's routing (redrawn per iteration) and the fixed tokens of a rank: bfloat16
+    bit patterns, or FP8 bytes (no NaN code) with their float32 block scales in ``scale``."""
 
-    def __init__(self, rank: int, tokens: int, xp: Any) -> None:
+    def __init__(self, rank: int, tokens: int, xp: Any, fp8: bool) -> None:
         self.rng = np.random.default_rng(1000 + rank)
         self.tokens, self.xp = tokens, xp
+        self.scale: Any = None
+        if fp8:
+            self.x = xp.asarray(self.rng.integers(0, 0x7F, (tokens, H), dtype=np.uint8))
+            self.scale = xp.asarray(self.rng.random((tokens, NSCALE), dtype=np.float32) + 0.5)
+            return
         x = self.rng.standard_normal((tokens, H)).astype(np.float32)
         from aiote import moe
 
@@ -191,22 +222,24 @@ def phase_times(marks: list[tuple[str, float]], t0: float, into: dict[str, list[
         prev = t
 
 
-async def aiote_step(a2a: Any, inp: Inputs, idx: Any, w: Any, xp: Any, out_x: Any) -> tuple[float, ...]:
-    """One aiote dispatch + combine with the identity expert, into the reused ``out_x`` (as a
-    model layer would); the times of AIOTE's lines."""
+async def aiote_step(
+    a2a: Any, inp: Inputs, idx: Any, w: Any, xp: Any, out_x: Any, y: Any
+) -> tuple[float, ...]:
+    """One aiote dispatch + combine into the reused ``out_x`` (as a model layer would), the
+    expert's output ``y`` (None: the identity, ``expert_x``); the times of AIOTE's lines."""
     sync(xp)
     from aiote.moe import _trace
 
     _trace.take()
     t0 = time.perf_counter()
     aiote_step.t0 = t0  # type: ignore[attr-defined]
-    pending = await a2a.dispatch_send(inp.x, idx, w, out_x=out_x)
+    pending = await a2a.dispatch_send(inp.x, idx, w, x_scale=inp.scale, out_x=out_x)
     sync(xp)
     ts = time.perf_counter()
     h = await pending.recv()
     sync(xp)
     t1 = time.perf_counter()
-    cp = await a2a.combine_send(h, h.expert_x)
+    cp = await a2a.combine_send(h, h.expert_x if y is None else y)
     sync(xp)
     tc = time.perf_counter()
     await cp.recv()
@@ -222,24 +255,34 @@ async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: lis
     from aiote import moe
 
     group = moe.Group(addrs, rank)
+    fp8 = args.dispatch_dtype != "bfloat16"
+    res["dispatch_dtype"] = args.dispatch_dtype
     for si, shape in enumerate(args.shapes):
         t = SHAPES[shape] if shape == "decode" else args.prefill_tokens
         iters = args.iters if shape == "decode" else args.prefill_iters
         cap = None if shape == "decode" else int(t * K * 1.25) + 1024  # uniform routing: ~T*K per rank
         a2a = await moe.AllToAll.create(
             engine, group, num_experts=E, experts_per_token=K, hidden=H, max_tokens=t,
-            in_dtype="bfloat16", out_dtype="bfloat16", max_recv_tokens=cap, imm_tag=0x60 + si, timeout=120,
-            xp=xp,
+            in_dtype=args.dispatch_dtype, out_dtype="bfloat16", max_recv_tokens=cap, imm_tag=0x60 + si,
+            timeout=120, scale_block=SCALE_BLOCK if fp8 else None, xp=xp,
         )
-        inp = Inputs(rank, t, xp)
-        baseline = None if args.no_torch else TorchBaselines(args, rank, world, xp, t, inp.x)
+        inp = Inputs(rank, t, xp, fp8)
+        # FP8: the expert's bfloat16 output, fixed (as if written by the expert), for every path
+        y = None
+        if fp8:
+            rows = (a2a.max_expert_rows, H)
+            rand = inp.rng.random if xp is np else xp.random.random
+            f = rand(rows, dtype=np.float32)
+            y = moe.f32_to_bf16(f - np.float32(0.5), xp)
+            del f
+        baseline = None if args.no_torch else TorchBaselines(args, rank, world, xp, t, inp, y)
         times: dict[str, list[float]] = {m: [] for m in AIOTE}
-        sent = []
+        sent: list[tuple[float, float]] = []
         phases: dict[str, list[float]] = {}
-        out_x = xp.zeros((a2a.max_expert_rows, H), dtype=xp.uint16)
+        out_x = xp.zeros((a2a.max_expert_rows, H), dtype=a2a.in_dtype.storage)
         for i in range(iters + args.warmup):
             idx, w = inp.draw()
-            got = dict(zip(AIOTE, await aiote_step(a2a, inp, idx, w, xp, out_x), strict=True))
+            got = dict(zip(AIOTE, await aiote_step(a2a, inp, idx, w, xp, out_x, y), strict=True))
             if os.environ.get("AIOTE_MOE_TRACE") and i >= args.warmup:
                 from aiote.moe import _trace
 
@@ -250,22 +293,26 @@ async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: lis
                 for name, v in got.items():
                     times.setdefault(name, []).append(v)
                 sent.append(bytes_sent(a2a, idx, xp))
-        res["shapes"][shape] = {"times": times, "bytes_sent": statistics.mean(sent), "tokens": t}
+        res["shapes"][shape] = {"times": times, "tokens": t,
+                                "dispatch_bytes": statistics.mean(d for d, _ in sent),
+                                "combine_bytes": statistics.mean(c for _, c in sent)}
         if phases:
             res["shapes"][shape]["phases"] = {k: pct(v, 50) * 1e6 for k, v in phases.items()}
-        del baseline
+        del baseline, y, out_x
         await a2a.aclose()
     # after every create: no group message can be in flight now (create takes the messages)
     res["link_gbps"] = await link_bandwidth(engine, rank, addrs, xp)
 
 
-def bytes_sent(a2a: Any, idx: Any, xp: Any) -> float:
-    """Bytes of token payload this rank sends to other ranks in one dispatch (and receives
-    back in combine): rows for experts not on this rank x H x 2."""
+def bytes_sent(a2a: Any, idx: Any, xp: Any) -> tuple[float, float]:
+    """Bytes of payload this rank sends to other ranks in one dispatch (rows for experts not on
+    this rank x (H x the input's itemsize + its scales)) and receives back in combine (the same
+    rows x H x 2, bfloat16)."""
     host = idx.get() if xp is not np else idx
     per = -(-E // a2a.world)
-    owner = host // per
-    return float((owner != a2a.rank).sum() * H * 2)
+    rows = float(((host // per) != a2a.rank).sum())
+    scales = 4 * NSCALE if a2a.scale_block else 0
+    return rows * (H * a2a.in_dtype.itemsize + scales), rows * H * 2
 
 
 async def link_bandwidth(engine: Any, rank: int, addrs: list[bytes], xp: Any) -> float:
@@ -300,9 +347,12 @@ async def link_bandwidth(engine: Any, rank: int, addrs: list[bytes], xp: Any) ->
 
 class TorchExact:
     """The exact exchange over torch.distributed: counts, then tokens with split sizes, then the
-    same local permutation as aiote's; combine mirrored, with aiote's reduction code."""
+    same local permutation as aiote's; combine mirrored, with aiote's reduction code. A row
+    carries the same bytes as aiote's: the token (and its block scales) and its number (16
+    bytes), as bytes (gloo has no 16-bit integers, NCCL no FP8 in every version)."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, world: int, xp: Any, t: int, x: Any) -> None:
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, xp: Any, t: int, inp: Inputs,
+                 y: Any) -> None:
         import torch
         import torch.distributed as dist
 
@@ -313,13 +363,22 @@ class TorchExact:
         self.dev = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
         self.geo = Geometry(world, E)
         self.bf = _dtypes.dtype_of("bfloat16", "dtype")
-        self.xrow = xp.zeros((t, H + 8), dtype=xp.int16)  # tokens + their ids (16 bytes, as aiote's rows)
-        self.xrow[:, :H] = x.view(xp.int16)
-        self.xrow[:, H : H + 2] = xp.arange(t, dtype=xp.int32)[:, None].view(xp.int16)
+        self.x_dtype = inp.x.dtype
+        self.xb = H * inp.x.dtype.itemsize  # bytes of a token
+        self.sb = 0 if inp.scale is None else 4 * NSCALE  # bytes of its scales
+        self.drow = self.xb + self.sb + 16  # + its number, padded to 16 bytes
+        self.xrow = xp.zeros((t, self.drow), dtype=xp.uint8)
+        self.xrow[:, : self.xb] = inp.x.view(xp.uint8).reshape(t, self.xb)
+        if inp.scale is not None:
+            self.xrow[:, self.xb : self.xb + self.sb] = inp.scale.view(xp.uint8).reshape(t, self.sb)
+        tail = self.xb + self.sb
+        self.xrow[:, tail : tail + 4] = xp.arange(t, dtype=xp.int32).view(xp.uint8).reshape(t, 4)
+        self.y = y  # the expert's output (None: the identity)
         self.ex: Any = None
+        self.exs: Any = None
 
     def tt(self, a: Any) -> Any:
-        """A zero-copy torch view of a NumPy/CuPy array (bytes: gloo has no 16-bit integers)."""
+        """A zero-copy torch view of a NumPy/CuPy array."""
         return self.torch.from_numpy(a) if self.xp is np else self.torch.as_tensor(a, device=self.dev)
 
     def from_torch(self, a: Any) -> Any:
@@ -345,20 +404,25 @@ class TorchExact:
         in_split = geo.rank_sums(send.route[None, :])[0].tolist()
         out_split = c_local.sum(1).tolist()
         rows_out = self.xrow[xp.asarray(send.row_token)] if len(send.row_token) else self.xrow[:0]
-        recv = torch.empty((sum(out_split), 2 * (H + 8)), dtype=torch.uint8, device=self.dev)
-        dist.all_to_all_single(recv, self.tt(rows_out.view(xp.uint8)), out_split, in_split)
+        recv = torch.empty((sum(out_split), self.drow), dtype=torch.uint8, device=self.dev)
+        dist.all_to_all_single(recv, self.tt(rows_out), out_split, in_split)
         rows = int(plan.offsets[-1])
         if self.ex is None or self.ex.shape[0] < rows:  # reused, as aiote's out_x
-            self.ex = xp.zeros((rows + rows // 4 + 64, H), dtype=xp.uint16)
-        ex = self.ex[:rows]
+            self.ex = xp.zeros((rows + rows // 4 + 64, H), dtype=self.x_dtype)
+            self.exs = xp.zeros((self.ex.shape[0], max(1, self.sb // 4)), dtype=xp.float32)
+        ex = self.ex[:rows].view(xp.uint8)
         src_token = xp.full(rows, -1, dtype=xp.int32)
-        r_arr = self.from_torch(recv).view(xp.int16)
+        r_arr = self.from_torch(recv)
         dest = xp.asarray(plan.dest)
-        ex[dest] = r_arr[:, :H].view(xp.uint16)
-        src_token[dest] = xp.ascontiguousarray(r_arr[:, H : H + 2]).view(xp.int32).ravel()
+        ex[dest] = r_arr[:, : self.xb]
+        if self.sb:
+            self.exs[:rows].view(xp.uint8)[dest] = r_arr[:, self.xb : self.xb + self.sb]
+        tail = self.xb + self.sb
+        src_token[dest] = xp.ascontiguousarray(r_arr[:, tail : tail + 4]).view(xp.int32).ravel()
         sync(xp)
         t1 = time.perf_counter()
-        yb = ex[dest].view(xp.uint8)  # the identity expert, rows back in received order
+        out = self.ex if self.y is None else self.y  # the expert's output rows
+        yb = out[dest].view(xp.uint8)  # back in received order
         back = torch.empty((len(send.row_token), 2 * H), dtype=torch.uint8, device=self.dev)
         dist.all_to_all_single(back, self.tt(xp.ascontiguousarray(yb)), in_split, out_split)
         back_x = self.from_torch(back).view(xp.uint16)
@@ -375,16 +439,17 @@ class TorchBaselines:
     NAMES = ("torch exact dispatch", "torch exact combine", "torch exact dispatch+combine",
              "torch padded dispatch", "torch padded combine")
 
-    def __init__(self, args: argparse.Namespace, rank: int, world: int, xp: Any, t: int, x: Any) -> None:
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, xp: Any, t: int, inp: Inputs,
+                 y: Any) -> None:
         import torch
 
-        self.exact = TorchExact(args, rank, world, xp, t, x)
+        self.exact = TorchExact(args, rank, world, xp, t, inp, y)
         self.gpu = args.gpu
         pair = t * min(K, self.exact.geo.per_rank)
         dev = self.exact.dev
-        self.pad_in = torch.zeros((world * pair, 2 * (H + 8)), dtype=torch.uint8, device=dev)
+        self.pad_in = torch.ones((world * pair, self.exact.drow), dtype=torch.uint8, device=dev)
         self.pad_out = torch.empty_like(self.pad_in)
-        self.pad_cin = torch.zeros((world * pair, 2 * H), dtype=torch.uint8, device=dev)
+        self.pad_cin = torch.ones((world * pair, 2 * H), dtype=torch.uint8, device=dev)
         self.pad_cout = torch.empty_like(self.pad_cin)
 
     def _sync(self) -> None:
@@ -428,9 +493,11 @@ def child(args: argparse.Namespace) -> None:
             print("torch is not installed: baselines skipped", file=sys.stderr)
             args.no_torch = True
         else:
+            kw: dict[str, Any] = {}
             if args.gpu:
                 torch.cuda.set_device(rank)
-            dist.init_process_group("nccl" if args.gpu else "gloo", rank=rank, world_size=world)
+                kw["device_id"] = torch.device("cuda", rank)
+            dist.init_process_group("nccl" if args.gpu else "gloo", rank=rank, world_size=world, **kw)
     res: dict[str, Any] = {"rank": rank, "shapes": {}}
 
     async def run() -> None:
@@ -450,7 +517,8 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world", type=int, nargs="+", default=None, help="ranks per run (CPU: 2 4; GPU: 2)")
+    p.add_argument("--world", type=int, nargs="+", default=None,
+                   help="ranks per run, one after the other (CPU: 2 4; GPU: 2; at most the GPU count)")
     p.add_argument("--shapes", nargs="+", default=["decode", "prefill"], choices=list(SHAPES))
     p.add_argument("--iters", type=int, default=None, help="decode iterations (CPU 50, GPU 1000)")
     p.add_argument("--prefill-iters", type=int, default=None, help="prefill iterations (CPU 5, GPU 100)")
@@ -461,6 +529,9 @@ def main() -> None:
     p.add_argument("--route", default="default", choices=["default", "tcp"],
                    help="default: open_engine() defaults (same host: shm, or CUDA IPC for GPU memory)")
     p.add_argument("--gpu", action="store_true", help="CuPy arrays, one GPU per rank, NCCL baseline")
+    p.add_argument("--dispatch-dtype", default="float8_e4m3fn", choices=["float8_e4m3fn", "bfloat16"],
+                   help="dispatch rows: FP8 with a float32 scale per 128 elements (default), or bfloat16; "
+                        "combine is bfloat16 either way")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     p.add_argument("--trace", default="", choices=["", "1", "sync"],
                    help="per-phase times of aiote's calls (AIOTE_MOE_TRACE; sync: GPU work in its phase)")

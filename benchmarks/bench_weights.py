@@ -4,6 +4,8 @@
     python benchmarks/bench_weights.py --size 0.5      # a quick run
     python benchmarks/bench_weights.py --kimi-only     # only the 1T-parameter plan (computed, not run)
     python benchmarks/bench_weights.py --gpu           # 2 GPUs of one host (see below)
+    python benchmarks/bench_weights.py --gpu --trainers 2 --inference 2   # 4 GPUs: DeepSeek-V3 shapes
+    python benchmarks/bench_weights.py --trainers 2 --inference 2 --tiny --layers 2   # its CPU check
 
 CPU: 2 trainer + 2 inference worker processes on this host. A synthetic model with
 Llama-3-8B's layer shapes (hidden 4096, 32 q / 8 kv heads of 128, MLP 14336), as many layers as
@@ -30,7 +32,16 @@ write; NCCL broadcast of the same bytes (torch.distributed, 2 ranks); one aiote 
 the bytes.
 Baselines whose library is missing are skipped with a line saying so.
 
-Kimi-K2 plan (always printed unless ``--no-kimi``): 1T parameters, 256 trainer ranks -> 128
+Trainer GPUs -> inference GPUs (``--gpu --trainers N --inference M``, N + M GPUs): DeepSeek-V3's
+MoE layer shapes, as many layers as fit in 60% of a trainer's memory (``--layers``), trainers
+holding bfloat16 dim-0 shards and quantizing them to FP8 with 128 x 128 block scales, the
+inference GPUs one tensor-parallel replica (fused qkv_a and gate_up, FP8 with scales); aiote's
+plan against NCCL all-gather + broadcast, the same plan over NCCL ``batch_isend_irecv`` and
+concurrent ``cudaMemcpyPeerAsync`` of every pair's bytes (the ceiling). See
+``benchmarks/weights_multi.py``; without ``--gpu`` the same code runs on the CPU (NumPy, gloo,
+the same-host route; no ceiling), for checking it.
+
+Kimi-K2 plan (printed unless ``--no-kimi`` or ``--trainers``): 1T parameters, 256 trainer ranks -> 128
 inference ranks, computed and validated (not run), with its planning time and the bound at
 50 GB/s per rank, beside the 1.3 s Perplexity reported.
 """
@@ -666,6 +677,16 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, gloo_s: float | Non
 async def main(a: argparse.Namespace) -> None:
     cores = os.cpu_count()
     print(f"bench_weights: {cores} cores; load {os.getloadavg()[0]:.2f} (other agents share this machine)")
+    if a.trainers or a.inference:
+        import weights_multi
+
+        a.trainers, a.inference = a.trainers or 2, a.inference or 2
+        a.chunk_mib = a.chunk_mib or 256
+        a.max_tmp_mib = a.max_tmp_mib or 2048
+        await anyio.to_thread.run_sync(weights_multi.run, a)
+        return
+    a.chunk_mib = a.chunk_mib or 16
+    a.max_tmp_mib = a.max_tmp_mib or 256
     if not a.kimi_only and not a.gpu:
         routes = a.routes.split(",")
         providers = ["tcp" if r == "tcp" else "shm" for r in routes]
@@ -719,12 +740,25 @@ if __name__ == "__main__":
     ap.add_argument("--size", type=float, default=2.0, help="model size in GB of bf16 (default 2)")
     ap.add_argument("--routes", default="tcp,default", help="tcp, default (shm), or both")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-tmp-mib", type=int, default=256, help="each sender's staging pool")
-    ap.add_argument("--chunk-mib", type=int, default=16, help="the plan's chunk_bytes")
+    ap.add_argument("--max-tmp-mib", type=int, default=None,
+                    help="each sender's staging pool (default 256; 2048 with --trainers)")
+    ap.add_argument("--chunk-mib", type=int, default=None,
+                    help="the plan's chunk_bytes (default 16; 256 with --trainers)")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--no-kimi", action="store_true")
     ap.add_argument("--kimi-only", action="store_true")
     ap.add_argument("--gpu", action="store_true", help="the 2-GPU benchmark instead of the CPU one")
+    ap.add_argument("--trainers", type=int, default=None,
+                    help="trainer ranks -> --inference ranks, DeepSeek-V3 shapes (with --gpu: one GPU each)")
+    ap.add_argument("--inference", type=int, default=None, help="inference ranks (one TP replica)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="with --trainers: MoE layers (default: as many as fit in --trainer-fraction)")
+    ap.add_argument("--trainer-fraction", type=float, default=0.6,
+                    help="with --trainers: the share of a trainer GPU's memory its bfloat16 shards may take")
+    ap.add_argument("--tiny", action="store_true", help="with --trainers: every dimension shrunk (CPU check)")
+    ap.add_argument("--bucket-mib", type=int, default=1024,
+                    help="with --trainers: the NCCL paths' bucket per trainer (all-gather, p2p batches)")
+    ap.add_argument("--timeout", type=float, default=540, help="with --trainers: seconds for the whole run")
     ap.add_argument("--gloo-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--gloo-world", type=int, default=4, help=argparse.SUPPRESS)
     ap.add_argument("--gloo-trainers", type=int, default=2, help=argparse.SUPPRESS)

@@ -18,7 +18,7 @@ from _cuda import require_cuda
 
 cupy, NGPU = require_cuda()
 
-from test_moe import Ranks, case, start_ranks, stop_ranks  # noqa: E402
+from test_moe import MATRIX, Ranks, case, start_ranks, stop_ranks  # noqa: E402
 
 import aiote  # noqa: E402
 from aiote import moe  # noqa: E402
@@ -41,6 +41,8 @@ GPU_CASES = [
     ("float32 E not divisible, zero tokens on one rank", case(E=5, K=2, H=32, T=24, tokens=[0, 24])),
     ("all tokens to one expert, bound_m, accumulate", case(one_expert=0, bound=[7, 12], tokens=[12, 12],
                                                            accumulate=True)),
+    ("float8 with block scales, bfloat16 combine", case(dtype="float8_e4m3fn", out="bfloat16", scale=16, H=48,
+                                                        K=8, E=16, pad=16, tokens=[12, 5])),
 ]
 
 
@@ -48,6 +50,27 @@ GPU_CASES = [
 async def test_gpu_two_ranks_against_reference(gpu2: Ranks, name: str, spec: dict[str, Any]) -> None:
     replies = await gpu2.all(op="case", **{**spec, "calls": 2})
     assert all(r["checks"] >= 12 for r in replies), replies
+
+
+GPU4_CASES = [m for m in MATRIX if m[0].startswith(("float8", "E not divisible", "-1 indices", "some ranks"))]
+
+
+@pytest.mark.skipif(NGPU < 4, reason="fewer than 4 GPUs")
+async def test_gpu_four_ranks_against_reference(anyio_backend: str) -> None:
+    """4 ranks on 4 GPUs (the group size of bench_moe.py --world 4): cases of the 4-rank matrix
+    (FP8 with block scales, E not divisible by W, -1 indices, ranks without tokens), whole and
+    split, then 20 back-to-back calls."""
+    ranks = await start_ranks(4, anyio_backend, "default", gpus=[0, 1, 2, 3])
+    try:
+        assert len(GPU4_CASES) == 4
+        for name, spec in GPU4_CASES:
+            replies = await ranks.all(op="case", **{**spec, "calls": 2}, timeout=120)
+            assert all(r["checks"] >= 12 for r in replies), (name, replies)
+        replies = await ranks.all(op="case", timeout=300, **case(E=8, K=2, H=32, T=16, tokens=[16, 9, 16, 3],
+                                                                 seed=7, calls=20))
+        assert all(r["checks"] >= 120 for r in replies), replies
+    finally:
+        await stop_ranks(ranks)
 
 
 async def test_gpu_back_to_back_calls(gpu2: Ranks) -> None:
