@@ -7,11 +7,6 @@ immediates, counters and messages over libfabric), under asyncio and trio.
         await engine.imm_counter(7).wait(1)
 """
 
-from . import (
-    kv,  # the KV-cache flow (prefill/decode), built on the core
-    moe,  # MoE dispatch/combine: all-to-all over one-sided writes
-    weights,  # RL weight updates: trainer ranks push versions into inference ranks
-)
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._core._device import GpuUnavailable
@@ -43,6 +38,14 @@ from ._core._memory import MemoryRegion
 from ._core._options import GpuOptions, PollerOptions, SameHostOptions, TransportOptions
 from ._core._retry import RetryPolicy
 from ._core._routing import DomainGroup, Route
+
+# isort: split
+# the flows last: they import the public names above from this package (aiote.moe does)
+from . import (
+    kv,  # the KV-cache flow (prefill/decode), built on the core
+    moe,  # MoE dispatch/combine: all-to-all over one-sided writes
+    weights,  # RL weight updates: trainer ranks push versions into inference ranks
+)
 
 __version__ = "0.1.0"
 

@@ -592,6 +592,9 @@ def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> 
     return None
 
 
+ByRepeat = dict[tuple[Any, ...], dict[int, float]]  # a figure per repeat, by (config, case, key)
+
+
 def main(args: argparse.Namespace) -> int:
     """Runs ``aiote bench``; returns the exit status."""
     providers, loops = _split(args.provider), _split(args.loop)
@@ -618,97 +621,14 @@ def main(args: argparse.Namespace) -> int:
     why_no_c = build_cbench()
     if why_no_c:
         sys.stderr.write(f"no C baseline: {why_no_c}\n")
-    # figures by repeat: the ratio pairs each aiote figure with the C core's of the same repeat
-    py: dict[tuple[Config, Case, int], dict[int, float]] = {}
-    cc: dict[tuple[str, Any, Case, int], dict[int, float]] = {}
-    sk: dict[tuple[str, Any, Case, int], list[float]] = {}
     n_bare = sum(sockets_args(args, case) is not None for case in cases) if "tcp" in providers else 0
     per_c = (len(cases) * len(providers) + n_bare) * len(nic_sets)  # C core runs, bare-socket runs
     per_run = len(cases) * len(configs) + (0 if why_no_c else per_c)
     progress = _benchout.Progress(per_run * args.repeats)
     during = _OthersCpu()
-    try:
-        for rep in range(args.repeats):
-            for config in configs:
-                provider, nics, loop = config
-                backend, options = loop, {}
-                if loop == "uvloop":
-                    backend, options = "asyncio", {"use_uvloop": True}
-                with_c = not why_no_c and loop == loops[0]
-                got_py, got_c, got_sk = anyio.run(
-                    run_config, args, config, cases, with_c, progress, rep % 2 == 0,
-                    backend=backend, backend_options=options,
-                )
-                for (case, k), v in got_py.items():
-                    py.setdefault((config, case, k), {})[rep] = v
-                for (case, k), v in got_c.items():
-                    cc.setdefault((provider, nics, case, k), {})[rep] = v
-                for (case, k), v in got_sk.items():
-                    sk.setdefault((provider, nics, case, k), []).append(v)
-    finally:
-        progress.close()
-    rows = []
-    for config in configs:
-        provider, nics, loop = config
-        for case in cases:
-            mode, size, window = case
-            keys = [50, 99] if mode in LATENCY else [size]
-            for k in keys:
-                p_runs = py.get((config, case, k))
-                if not p_runs:
-                    continue
-                c_runs = cc.get((provider, nics, case, k), {})
-                p, c = list(p_runs.values()), list(c_runs.values())
-                pairs = [v / c_runs[i] for i, v in p_runs.items() if c_runs.get(i)]
-                reps = range(args.repeats)
-                bare = sk.get((provider, nics, case, k), [])
-                # figures in the row's unit, named by it: py_us / c_us (one-way microseconds) on
-                # latency rows, py_gbps / c_gbps (and the bare sockets') on throughput rows
-                unit = "us" if mode in LATENCY else "gbps"
-                row: dict[str, Any] = {
-                    "mode": mode,
-                    "size": k,
-                    "unit": "us" if mode in LATENCY else "GB/s",
-                    "provider": provider,
-                    "nics": list(nics) if nics else None,
-                    "loop": loop,
-                    "setting": "low-latency" if args.low_latency else "default",
-                    "streams": config_streams(args, (provider, nics, loop)),
-                    "pollers": args.pollers,
-                    "tcp_send_buffer": args.tcp_send_buffer,
-                    "memory": "arena" if args.arena and mode in TRANSFERS else "numpy",
-                    "window": window or None,
-                    f"py_{unit}": statistics.median(p),
-                    "py_spread": [min(p), max(p)],
-                    f"c_{unit}": statistics.median(c) if c else None,
-                    "c_spread": [min(c), max(c)] if c else None,
-                }
-                if unit == "gbps":
-                    row["sockets_gbps"] = statistics.median(bare) if bare else None
-                    row["sockets_spread"] = [min(bare), max(bare)] if bare else None
-                # the ratio: the median over the repeats of each repeat's aiote / C core (run
-                # back to back), which the machine's drift between repeats does not move as it
-                # moves the medians; the ratio of the medians beside it. The runs are listed by
-                # repeat (None where that repeat has no figure), so they pair index by index
-                row["py_runs"] = [p_runs.get(i) for i in reps]
-                row["c_runs"] = [c_runs.get(i) for i in reps] if c_runs else None
-                row["ratio"] = statistics.median(pairs) if pairs else None
-                row["ratio_ci90"] = _benchout.median_ci(pairs)  # None below 5 repeats
-                row["ratio_of_medians"] = row[f"py_{unit}"] / row[f"c_{unit}"] if row[f"c_{unit}"] else None
-                if mode == "write":  # the writer's CPU seconds per GB, medians over the repeats
-                    row["py_cpu_s_per_gb"] = _cpu_medians(py, (config, case))
-                    row["c_cpu_s_per_gb"] = _cpu_medians(cc, (provider, nics, case))
-                rows.append(row)
-    others, steal = during.shares()
-    if others > 0.10:
-        sys.stderr.write(f"warning: other processes used {others:.0%} of the CPU during the run: "
-                         "figures are noisy\n")
-    if steal > 0.10:
-        sys.stderr.write(f"warning: the hypervisor took {steal:.0%} of the CPU (steal) during the run: "
-                         "figures are noisy\n")
-    after = cpu_busy()
-    if after > 0.10:
-        sys.stderr.write(f"warning: the CPU was {after:.0%} busy after the run: figures may be noisy\n")
+    py, cc, sk = _measure(args, configs, cases, loops, why_no_c, progress)
+    rows = [row for config in configs for row in _rows(args, config, cases, py, cc, sk)]
+    others, steal, after = _noise_after(during)
     result = {
         "provider": providers[0] if len(providers) == 1 else providers,
         "window": windows[0] if len(windows) == 1 else windows,
@@ -739,3 +659,111 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"plot: {args.plot_file}\n")
     print(json.dumps(result))
     return 0
+
+
+def _measure(
+    args: argparse.Namespace, configs: list[Config], cases: list[Case], loops: list[str],
+    why_no_c: str | None, progress: _benchout.Progress,
+) -> tuple[ByRepeat, ByRepeat, dict[tuple[Any, ...], list[float]]]:
+    """Every repeat of every config, each in its own event loop: the figures of aiote and of
+    the C core by repeat (the ratio pairs each aiote figure with the C core's of the same
+    repeat), and the bare sockets' figures."""
+    py: ByRepeat = {}
+    cc: ByRepeat = {}
+    sk: dict[tuple[Any, ...], list[float]] = {}
+    try:
+        for rep in range(args.repeats):
+            for config in configs:
+                provider, nics, loop = config
+                backend, options = loop, {}
+                if loop == "uvloop":
+                    backend, options = "asyncio", {"use_uvloop": True}
+                with_c = not why_no_c and loop == loops[0]
+                got_py, got_c, got_sk = anyio.run(
+                    run_config, args, config, cases, with_c, progress, rep % 2 == 0,
+                    backend=backend, backend_options=options,
+                )
+                for (case, k), v in got_py.items():
+                    py.setdefault((config, case, k), {})[rep] = v
+                for (case, k), v in got_c.items():
+                    cc.setdefault((provider, nics, case, k), {})[rep] = v
+                for (case, k), v in got_sk.items():
+                    sk.setdefault((provider, nics, case, k), []).append(v)
+    finally:
+        progress.close()
+    return py, cc, sk
+
+
+def _rows(
+    args: argparse.Namespace, config: Config, cases: list[Case], py: ByRepeat, cc: ByRepeat,
+    sk: dict[tuple[Any, ...], list[float]],
+) -> list[dict[str, Any]]:
+    """The result rows of one config: one per case and figure (p50 and p99 on latency rows)."""
+    provider, nics, loop = config
+    rows = []
+    for case in cases:
+        mode, size, window = case
+        keys = [50, 99] if mode in LATENCY else [size]
+        for k in keys:
+            p_runs = py.get((config, case, k))
+            if not p_runs:
+                continue
+            c_runs = cc.get((provider, nics, case, k), {})
+            p, c = list(p_runs.values()), list(c_runs.values())
+            pairs = [v / c_runs[i] for i, v in p_runs.items() if c_runs.get(i)]
+            reps = range(args.repeats)
+            bare = sk.get((provider, nics, case, k), [])
+            # figures in the row's unit, named by it: py_us / c_us (one-way microseconds) on
+            # latency rows, py_gbps / c_gbps (and the bare sockets') on throughput rows
+            unit = "us" if mode in LATENCY else "gbps"
+            row: dict[str, Any] = {
+                "mode": mode,
+                "size": k,
+                "unit": "us" if mode in LATENCY else "GB/s",
+                "provider": provider,
+                "nics": list(nics) if nics else None,
+                "loop": loop,
+                "setting": "low-latency" if args.low_latency else "default",
+                "streams": config_streams(args, (provider, nics, loop)),
+                "pollers": args.pollers,
+                "tcp_send_buffer": args.tcp_send_buffer,
+                "memory": "arena" if args.arena and mode in TRANSFERS else "numpy",
+                "window": window or None,
+                f"py_{unit}": statistics.median(p),
+                "py_spread": [min(p), max(p)],
+                f"c_{unit}": statistics.median(c) if c else None,
+                "c_spread": [min(c), max(c)] if c else None,
+            }
+            if unit == "gbps":
+                row["sockets_gbps"] = statistics.median(bare) if bare else None
+                row["sockets_spread"] = [min(bare), max(bare)] if bare else None
+            # the ratio: the median over the repeats of each repeat's aiote / C core (run
+            # back to back), which the machine's drift between repeats does not move as it
+            # moves the medians; the ratio of the medians beside it. The runs are listed by
+            # repeat (None where that repeat has no figure), so they pair index by index
+            row["py_runs"] = [p_runs.get(i) for i in reps]
+            row["c_runs"] = [c_runs.get(i) for i in reps] if c_runs else None
+            row["ratio"] = statistics.median(pairs) if pairs else None
+            row["ratio_ci90"] = _benchout.median_ci(pairs)  # None below 5 repeats
+            row["ratio_of_medians"] = row[f"py_{unit}"] / row[f"c_{unit}"] if row[f"c_{unit}"] else None
+            if mode == "write":  # the writer's CPU seconds per GB, medians over the repeats
+                row["py_cpu_s_per_gb"] = _cpu_medians(py, (config, case))
+                row["c_cpu_s_per_gb"] = _cpu_medians(cc, (provider, nics, case))
+            rows.append(row)
+    return rows
+
+
+def _noise_after(during: _OthersCpu) -> tuple[float, float, float]:
+    """Warns of what made the run's figures noisy; (others' CPU share during the run, the
+    hypervisor's steal share, how busy the CPU was after it)."""
+    others, steal = during.shares()
+    if others > 0.10:
+        sys.stderr.write(f"warning: other processes used {others:.0%} of the CPU during the run: "
+                         "figures are noisy\n")
+    if steal > 0.10:
+        sys.stderr.write(f"warning: the hypervisor took {steal:.0%} of the CPU (steal) during the run: "
+                         "figures are noisy\n")
+    after = cpu_busy()
+    if after > 0.10:
+        sys.stderr.write(f"warning: the CPU was {after:.0%} busy after the run: figures may be noisy\n")
+    return others, steal, after

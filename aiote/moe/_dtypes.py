@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core._errors import InvalidArgument
+from .. import InvalidArgument
 
 __all__ = ["DType", "bf16_to_f32", "dtype_of", "f32_to_bf16"]
 

@@ -1,22 +1,34 @@
-"""The public objects of a call: the group, the dispatch handle, the pending halves."""
+"""The public objects of a call: the group, the dispatch handle, the pending halves.
+
+The pending halves hold their all-to-all only through the two small protocols below (its
+receive halves, in :mod:`._dispatch` and :mod:`._combine`), so that this module, which the
+all-to-all's own modules import, imports none of them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from .._core._descriptor import EngineAddress
-from .._core._engine import Transfer
-from .._core._errors import InvalidArgument
-from ._trace import mark
-from ._util import COMBINE, DISPATCH, MAX_RANKS
-
-if TYPE_CHECKING:
-    from ._a2a import AllToAll
+from .. import EngineAddress, InvalidArgument, Transfer
+from ._util import MAX_RANKS
 
 __all__ = ["CombinePending", "DispatchHandle", "DispatchPending", "Group"]
+
+
+class _Dispatcher(Protocol):
+    """What a :class:`DispatchPending` calls: the all-to-all's dispatch receive half."""
+
+    async def _recv_dispatch(self, pending: DispatchPending, timeout: float | None) -> DispatchHandle: ...
+
+
+class _Combiner(Protocol):
+    """What a :class:`CombinePending` calls: the all-to-all's combine receive half."""
+
+    async def _recv_combine(
+        self, pending: CombinePending, out: Any, accumulate: bool, timeout: float | None
+    ) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,7 @@ class DispatchHandle:
     src_rank: Any
     src_token: Any
     num_tokens: int
-    _a2a: AllToAll = field(repr=False)
+    _a2a: object = field(repr=False)  # the AllToAll that made it (combine checks it is its own)
     _plan: Any = field(repr=False)  # a RecvPlan (CPU) or a GpuPlan
     _dest: Any = field(repr=False)
     _pos: Any = field(repr=False)
@@ -96,8 +108,8 @@ class DispatchPending:
     """The receive half of a dispatch whose send half has run (:meth:`AllToAll.dispatch_send`).
     ``await pending.recv()`` completes it; do other work in between."""
 
-    def __init__(self, a2a: AllToAll, seq: int, plan: Any, pos: Any, weights: Any, posted: list[Transfer],
-                 m: int, out_x: Any = None) -> None:
+    def __init__(self, a2a: _Dispatcher, seq: int, plan: Any, pos: Any, weights: Any,
+                 posted: list[Transfer], m: int, out_x: Any = None) -> None:
         self._a2a, self.seq, self._plan, self._pos = a2a, seq, plan, pos
         self._weights, self._posted, self._m = weights, posted, m
         self._out_x = out_x
@@ -117,31 +129,13 @@ class DispatchPending:
         longer than that), what the writes raised, :class:`~aiote.InvalidArgument` when called
         twice or after a later call made it stale. Costs one counter wait and an unpack of the
         received rows (one gather: O(rows x row bytes))."""
-        a = self._a2a
-        if self._done or self.seq in a._stale:
-            raise InvalidArgument(f"dispatch {self.seq} was received already or is stale")
-        self._done = True
-        end = a._end(timeout)
-        a._receiving = self.seq
-        try:
-            mark("dr.start")
-            if a._gpu:
-                return await a._recv_gpu(self, end)
-            await a._wait_credits(DISPATCH, self.seq, end, f"dispatch {self.seq}", self._posted)
-            mark("dr.wait_rows")
-            await a._settle(self._posted, end, f"dispatch {self.seq}")
-            mark("dr.own_writes")
-            h = a._unpack(self)
-            mark("dr.unpack", a.xp)
-            return h
-        finally:
-            a._receiving = None
+        return await self._a2a._recv_dispatch(self, timeout)
 
 
 class CombinePending:
     """The receive half of a combine whose send half has run (:meth:`AllToAll.combine_send`)."""
 
-    def __init__(self, a2a: AllToAll, handle: DispatchHandle, posted: list[Transfer]) -> None:
+    def __init__(self, a2a: _Combiner, handle: DispatchHandle, posted: list[Transfer]) -> None:
         self._a2a, self._h, self._posted = a2a, handle, posted
 
     async def recv(self, *, out: Any = None, accumulate: bool = False, timeout: float | None = None) -> Any:
@@ -153,22 +147,4 @@ class CombinePending:
         Raises :class:`~aiote.InvalidArgument` (called twice, ``accumulate`` without ``out``, a
         bad ``out``), otherwise as :meth:`DispatchPending.recv`. Costs one counter wait and the
         reduction (K gathers of ``num_tokens`` rows, float32)."""
-        a, h = self._a2a, self._h
-        if h._state != "combine_sent":
-            raise InvalidArgument(f"combine {h.seq} was received already or is stale")
-        a._check_out(out, accumulate, h.num_tokens)
-        end = a._end(timeout)
-        h._state = "combining"
-        try:
-            mark("cr.start")
-            await a._wait_credits(COMBINE, h.seq, end, f"combine {h.seq}", self._posted)
-            mark("cr.wait_rows")
-            await a._settle(self._posted, end, f"combine {h.seq}")
-            mark("cr.own_writes")
-            out = a._reduce(h, out, accumulate)
-            mark("cr.reduce", a.xp)
-            return out
-        finally:
-            h._state = "combined"
-
-
+        return await self._a2a._recv_combine(self, out, accumulate, timeout)

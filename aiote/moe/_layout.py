@@ -21,7 +21,7 @@ from typing import cast
 
 import numpy as np
 
-from .._core._errors import InvalidArgument
+from .. import InvalidArgument
 
 __all__ = ["Geometry", "RecvPlan", "SendPlan", "plan_recv", "plan_send", "round_up"]
 

@@ -9,7 +9,11 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .._core._errors import InvalidArgument, TransferTimeout
+from .. import InvalidArgument, TransferTimeout
+
+# internal: the core's structured logger (not public API), so that the application's one
+# configuration of the stdlib "aiote" logger covers the flow's records too
+from .._core._log import get_logger
 from ._dtypes import DType, dtype_of, from_f32, to_f32
 
 TAG = "aiote.moe/1"
@@ -17,6 +21,8 @@ ROUTE, DISPATCH, COMBINE = 1, 2, 3
 SEQ_MASK = (1 << 15) - 1
 MAX_RANKS = 128
 TAIL = 16  # per dispatch row: the source token (int32), padded to 16 bytes
+
+log = get_logger(component="moe")
 
 
 def imm_of(tag: int, kind: int, seq: int, src: int) -> int:

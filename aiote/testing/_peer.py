@@ -45,89 +45,110 @@ async def _serve(engine: Engine) -> None:
     while True:
         sender, payload = await engine.recv()
         cmd: dict[str, Any] = json.loads(payload)
-        op = cmd.get("op")
-        reply: dict[str, Any] = {"ok": True}
+        if cmd.get("op") == "exit":
+            return
         try:
-            if op == "exit":
-                return
-            if op == "register":
-                name = cmd["name"]
-                if name in regions:
-                    await engine.unregister(regions.pop(name))
-                if cmd.get("fill") == "pattern":
-                    arr = np.random.default_rng(cmd.get("seed", 0)).integers(
-                        0, 256, size=cmd["size"], dtype=np.uint8
-                    )
-                else:
-                    arr = np.zeros(cmd["size"], np.uint8)
-                if cmd.get("device") == "arena":  # the engine's host arena (alloc_host)
-                    arena = engine.alloc_host(cmd["size"])
-                    arena[:] = arr
-                    arr = arena
-                elif cmd.get("device"):
-                    arr, _ = _device_array(cmd["device"], cmd["size"], cmd.get("gpu", 0), arr)
-                arrays[name] = arr
-                regions[name] = await engine.register(
-                    arr, remote_write=cmd.get("remote_write", True), remote_read=cmd.get("remote_read", True)
-                )
-                reply["desc"] = bytes(regions[name].descriptor).hex()
-            elif op == "wait":
-                await engine.imm_counter(cmd["imm"]).wait(cmd["n"], timeout=cmd.get("wait_timeout"))
-            elif op == "unregister":  # the region goes, its memory stays (digest still reads it)
-                await engine.unregister(regions.pop(cmd["name"]), timeout=cmd.get("wait_timeout", 30))
-            elif op == "counter":
-                reply["available"] = engine.imm_counter(cmd["imm"]).available
-            elif op == "digest":
-                arr = _host_bytes(arrays[cmd["name"]])
-                off = cmd.get("offset") or 0
-                length = cmd.get("length")
-                view = arr[off:] if length is None else arr[off : off + length]
-                reply["digest"] = hashlib.blake2b(view.tobytes(), digest_size=16).hexdigest()
-            elif op == "write":
-                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
-                for _ in range(cmd.get("count", 1)):
-                    await engine.write(
-                        regions[cmd["name"]], remote, length=cmd.get("length"),
-                        src_offset=cmd.get("src_offset", 0), dst_offset=cmd.get("dst_offset", 0),
-                        imm=cmd.get("imm"),
-                    )
-            elif op == "paged":
-                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
-                await engine.write_paged(
-                    regions[cmd["name"]], remote, page_size=cmd["page_size"], src_pages=cmd["src_pages"],
-                    dst_pages=cmd["dst_pages"], src_stride=cmd.get("src_stride"),
-                    dst_stride=cmd.get("dst_stride"), imm=cmd.get("imm"),
-                )
-            elif op == "pong":  # answers each ping immediate with a pong immediate
-                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
-                await answer_pings(engine, remote, cmd["ping"], cmd["pong"], cmd["iters"])
-            elif op == "route":
-                r = engine.route(bytes.fromhex(cmd["peer"]))
-                reply["provider"] = r.provider
-                reply["pairs"] = [list(p) for p in r.pairs]
-            elif op == "imm":
-                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
-                for _ in range(cmd.get("count", 1)):
-                    await engine.write_imm(remote, cmd["imm"])
-            elif op == "stats":
-                reply["stats"] = engine.stats()
-            elif op == "echo":
-                reply["payload"] = cmd.get("payload")
-            elif op == "send_raw":  # raw payloads of these sizes (pattern bytes) to the caller
-                for size, seed in zip(cmd["sizes"], cmd["seeds"], strict=True):
-                    await engine.send(sender, pattern(size, seed).tobytes())
-            elif op == "recv_raw":  # the next `count` messages are raw: their sizes and digests
-                got = []
-                for _ in range(cmd["count"]):
-                    _, raw = await engine.recv()
-                    got.append([len(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()])
-                reply["got"] = got
-            else:
-                reply = {"error": f"unknown op {op!r}"}
+            reply = await _command(engine, sender, cmd, regions, arrays)
         except Exception as exc:  # reported to the caller, who fails its test
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         reply["id"] = cmd.get("id")
         await engine.send(sender, json.dumps(reply).encode())
+
+
+async def _command(
+    engine: Engine, sender: bytes, cmd: dict[str, Any], regions: dict[str, MemoryRegion],
+    arrays: dict[str, Any],
+) -> dict[str, Any]:
+    """Carries out one command (all but ``exit``); its reply, less its ``id``."""
+    op = cmd.get("op")
+    reply: dict[str, Any] = {"ok": True}
+    if op == "register":
+        reply["desc"] = await _register(engine, cmd, regions, arrays)
+    elif op in ("write", "paged", "pong", "imm"):
+        await _transfer(engine, op, cmd, regions)
+    elif op == "wait":
+        await engine.imm_counter(cmd["imm"]).wait(cmd["n"], timeout=cmd.get("wait_timeout"))
+    elif op == "unregister":  # the region goes, its memory stays (digest still reads it)
+        await engine.unregister(regions.pop(cmd["name"]), timeout=cmd.get("wait_timeout", 30))
+    elif op == "counter":
+        reply["available"] = engine.imm_counter(cmd["imm"]).available
+    elif op == "digest":
+        arr = _host_bytes(arrays[cmd["name"]])
+        off = cmd.get("offset") or 0
+        length = cmd.get("length")
+        view = arr[off:] if length is None else arr[off : off + length]
+        reply["digest"] = hashlib.blake2b(view.tobytes(), digest_size=16).hexdigest()
+    elif op == "route":
+        r = engine.route(bytes.fromhex(cmd["peer"]))
+        reply["provider"] = r.provider
+        reply["pairs"] = [list(p) for p in r.pairs]
+    elif op == "stats":
+        reply["stats"] = engine.stats()
+    elif op == "echo":
+        reply["payload"] = cmd.get("payload")
+    elif op == "send_raw":  # raw payloads of these sizes (pattern bytes) to the caller
+        for size, seed in zip(cmd["sizes"], cmd["seeds"], strict=True):
+            await engine.send(sender, pattern(size, seed).tobytes())
+    elif op == "recv_raw":  # the next `count` messages are raw: their sizes and digests
+        got = []
+        for _ in range(cmd["count"]):
+            _, raw = await engine.recv()
+            got.append([len(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()])
+        reply["got"] = got
+    else:
+        reply = {"error": f"unknown op {op!r}"}
+    return reply
+
+
+async def _register(
+    engine: Engine, cmd: dict[str, Any], regions: dict[str, MemoryRegion], arrays: dict[str, Any]
+) -> str:
+    """``register``: a new region named ``cmd["name"]`` (replacing one of that name); its
+    descriptor in hex."""
+    name = cmd["name"]
+    if name in regions:
+        await engine.unregister(regions.pop(name))
+    if cmd.get("fill") == "pattern":
+        arr = np.random.default_rng(cmd.get("seed", 0)).integers(
+            0, 256, size=cmd["size"], dtype=np.uint8
+        )
+    else:
+        arr = np.zeros(cmd["size"], np.uint8)
+    if cmd.get("device") == "arena":  # the engine's host arena (alloc_host)
+        arena = engine.alloc_host(cmd["size"])
+        arena[:] = arr
+        arr = arena
+    elif cmd.get("device"):
+        arr, _ = _device_array(cmd["device"], cmd["size"], cmd.get("gpu", 0), arr)
+    arrays[name] = arr
+    regions[name] = await engine.register(
+        arr, remote_write=cmd.get("remote_write", True), remote_read=cmd.get("remote_read", True)
+    )
+    return bytes(regions[name].descriptor).hex()
+
+
+async def _transfer(engine: Engine, op: str, cmd: dict[str, Any], regions: dict[str, MemoryRegion]) -> None:
+    """``write``, ``paged``, ``pong`` (answers each ping immediate with a pong immediate) and
+    ``imm``, to the remote region ``cmd["remote"]``."""
+    remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))
+    if op == "write":
+        for _ in range(cmd.get("count", 1)):
+            await engine.write(
+                regions[cmd["name"]], remote, length=cmd.get("length"),
+                src_offset=cmd.get("src_offset", 0), dst_offset=cmd.get("dst_offset", 0),
+                imm=cmd.get("imm"),
+            )
+    elif op == "paged":
+        await engine.write_paged(
+            regions[cmd["name"]], remote, page_size=cmd["page_size"], src_pages=cmd["src_pages"],
+            dst_pages=cmd["dst_pages"], src_stride=cmd.get("src_stride"),
+            dst_stride=cmd.get("dst_stride"), imm=cmd.get("imm"),
+        )
+    elif op == "pong":
+        await answer_pings(engine, remote, cmd["ping"], cmd["pong"], cmd["iters"])
+    else:  # imm
+        for _ in range(cmd.get("count", 1)):
+            await engine.write_imm(remote, cmd["imm"])
 
 
 async def _main(

@@ -583,8 +583,22 @@ def plan(
             tasks.append(t._replace(target=i))
             if t.src in index:
                 load[index[t.src]] += t.nbytes
-    work: list[tuple[int, int, int, int, int, int, tuple[int, ...]]] = []
-    widths = {n: s.width for n, s in ref.items()}
+    work = _chunks(targets, kept, {n: s.width for n, s in ref.items()}, holders, chunk_bytes)
+    _assign(work, load, ranks, targets, tasks)
+    return WeightPlan(sources, targets, tuple(tasks), tag, chunk_bytes)
+
+
+# a chunk: bytes, target, piece, rows [r0, r1), offset in the target, holders
+_Chunk = tuple[int, int, int, int, int, int, tuple[int, ...]]
+
+
+def _chunks(
+    targets: tuple[TargetShard, ...], kept: dict[tuple[str, int], list[Task]], widths: dict[str, int],
+    holders: dict[str, _Holders], chunk_bytes: int,
+) -> list[_Chunk]:
+    """The chunks of every target not ``kept``, largest first (stable on ties): each piece cut
+    where its holders change and into at most ``chunk_bytes`` (one row at least)."""
+    work: list[_Chunk] = []
     sizes = {d: itemsize(d) for d in {t.dtype for t in targets}}
     add = work.append
     for i, tgt in enumerate(targets):
@@ -610,6 +624,14 @@ def plan(
                     work.append(((r1 - r0) * rb, i, j, r0, r1, base + (r0 - a) * rb, cands))
             base += (b - a) * rb
     work.sort(key=operator.itemgetter(0), reverse=True)  # largest first; stable on ties
+    return work
+
+
+def _assign(
+    work: list[_Chunk], load: list[int], ranks: list[int], targets: tuple[TargetShard, ...], tasks: list[Task]
+) -> None:
+    """Appends a task per chunk to ``tasks``, each to its least-loaded holder (``load``: bytes
+    by rank index, updated)."""
     new = tuple.__new__  # a Task without its Python-level __new__ (a third of the time here)
     dst = [t.rank for t in targets]
     for nbytes, i, j, r0, r1, off, cands in work:
@@ -623,7 +645,6 @@ def plan(
             c = min(cands, key=load.__getitem__)
         load[c] += nbytes
         tasks.append(new(Task, (ranks[c], dst[i], i, j, r0, r1, off, nbytes)))
-    return WeightPlan(sources, targets, tuple(tasks), tag, chunk_bytes)
 
 
 class _Holders(NamedTuple):

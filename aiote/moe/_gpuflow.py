@@ -1,0 +1,209 @@
+"""The GPU path of a call (``xp=cupy``): the send layout and the packing as one kernel each
+on the caller's stream, the receive layout from the count matrix, the unpack and the
+combine packing as one kernel each (the kernels: :mod:`._gpu`, imported only on the GPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import InvalidArgument, Transfer
+from ._credits import Credits
+from ._handles import DispatchHandle, DispatchPending
+from ._layout import round_up
+from ._trace import mark
+from ._util import DISPATCH, ROUTE, imm_of
+
+__all__ = ["GpuFlow", "GpuPlan"]
+
+
+class GpuFlow(Credits):
+    """The GPU halves of dispatch and combine (the CPU ones: :mod:`._dispatch`, :mod:`._combine`)."""
+
+    async def _send_gpu(
+        self, seq: int, m: int, idx_dev: Any, srcs: list[Any], end: float | None, what: str,
+    ) -> tuple[GpuPlan, Any, list[Transfer]]:
+        """The send half on the GPU: the layout (rows per expert, each slot's send row) and the
+        packing are one kernel each on the caller's stream; only the route row (``4E`` bytes,
+        and the input checks) comes to the host, through pinned memory, polled without
+        blocking the loop; then the count exchange and one write per peer, as on the CPU.
+        Returns the call's receive plan, each (token, slot)'s row ``pos[m, K]``, its writes."""
+        xp, p, k, e = self.xp, seq & 1, self.experts_per_token, self.num_experts
+        await self._settle(self._inflight[p], end, what, quiet=True)
+        await self._wait_fence(p)
+        mark("d.settle_old")
+        stream = xp.cuda.get_current_stream()
+        idx = idx_dev if m == idx_dev.shape[0] else idx_dev[:m]
+        if idx.dtype != xp.int64 or not idx.flags.c_contiguous:
+            idx = xp.ascontiguousarray(idx, dtype=xp.int64)
+        n_slots = m * k
+        counts, eoff, pos, row_token = self._gbufs[p][:4]
+        kern = self._kern
+        kern.layout(idx, k, e, counts, eoff, pos, row_token)
+        host = self._hcount[p]
+        xp.cuda.runtime.memcpyAsync(host.ctypes.data, counts.data.ptr, counts.nbytes, 2, stream.ptr)
+        ev = xp.cuda.Event(disable_timing=True)
+        ev.record(stream)
+        dsend = self._dsend_v[p]
+        if n_slots:
+            x0 = srcs[0]
+            sc = srcs[1] if len(srcs) > 1 else x0
+            kern.pack(
+                (n_slots,), (128,),
+                (x0, np.int64(self._xrow), sc, np.int64(4 * self._nscale), np.int32(self._xrow),
+                 np.int32(self._fields[1][0]), np.int32(4 * self._nscale), row_token, eoff, np.int32(e),
+                 dsend, np.int64(self._dstride), np.int32(self._toff)),
+            )
+        mark("d.layout")
+        await self._until(ev)
+        mark("d.counts")
+        route = host[:e].copy()
+        bad = int(host[e])
+        if bad:
+            dup = "an expert appears twice in one token's indices"
+            raise InvalidArgument(f"indices must be in [-1, {e})" if bad & 1 else dup)
+        n_me = self.geometry.rank_sums(route[None, :])[0]  # rows to each rank
+        sstart = np.cumsum(n_me) - n_me
+        posted: list[Transfer] = []
+        self._post_route(seq, route, posted)
+        mark("d.post_route")
+        await self._wait_credits(ROUTE, seq, end, what, posted)
+        mark("d.wait_route")
+        c = self._route[p].copy()
+        self._release_old(seq)
+        plan = self._plan_gpu(c)
+        self._post_data(seq, n_me, sstart, (p * self.max_recv_tokens + plan.dst_row).tolist(), posted)
+        mark("d.post_rows")
+        return plan, pos[:n_slots].reshape(m, k), posted
+
+    def _post_data(
+        self, seq: int, n_me: np.ndarray, sstart: np.ndarray, at: list[int], posted: list[Transfer]
+    ) -> None:
+        """One write per peer of its block of the send region ``seq % 2`` (the immediate alone
+        when empty), to row ``at[d]`` of its dispatch region."""
+        p, st, me = seq & 1, self._dstride, self.rank
+        imm = imm_of(self.imm_tag, DISPATCH, seq, me)
+        stream = self._stream()
+        base = p * self._send_cap
+        for d, peer in enumerate(self._peers):
+            if d == me:
+                continue
+            n = int(n_me[d])
+            if n:
+                t = self.engine.post_write(
+                    self._dsend_mr, peer["drecv"], length=n * st, src_offset=(base + int(sstart[d])) * st,
+                    dst_offset=int(at[d]) * st, imm=imm, stream=stream,
+                )
+            else:
+                t = self.engine.post_write_imm(peer["drecv"], imm, stream=stream)
+            posted.append(t)
+            self._inflight[p].append(t)
+
+
+    def _plan_gpu(self, c: np.ndarray) -> GpuPlan:
+        """The receive layout from the count matrix ``c[W, E]``: small arrays only (O(W E));
+        the rows are placed by the unpack kernel. Raises InvalidArgument past the capacity
+        (every rank holds the same matrix, so every rank raises it, before any token moves)."""
+        geo, me, w = self.geometry, self.rank, self.world
+        n = geo.rank_sums(c)  # [W src, W dst]
+        worst = int(n.sum(0).max())
+        if worst > self.max_recv_tokens:
+            raise InvalidArgument(
+                f"rank {int(n.sum(0).argmax())} would receive {worst} rows, past "
+                f"max_recv_tokens={self.max_recv_tokens}"
+            )
+        first, last = geo.local_range(me)
+        cd = c[:, first:last].astype(np.int64)  # [W, L]
+        ll = last - first
+        counts = cd.sum(0)
+        offsets = np.zeros(ll + 1, dtype=np.int64)
+        np.cumsum(round_up(counts, self.expert_padding), out=offsets[1:])
+        cum = np.zeros((ll, w + 1), dtype=np.int64)
+        np.cumsum(cd.T, axis=1, out=cum[:, 1:])
+        within = np.cumsum(cd, axis=1) - cd  # rows of lower experts in source r's block
+        rstart = np.cumsum(n[:, me]) - n[:, me]  # source r's block in this rank's regions
+        start = rstart[:, None] + within
+        start[me] = (np.cumsum(n[me]) - n[me])[me] + within[me]  # this rank's own send rows
+        tab = np.concatenate([offsets, counts, cum.ravel(), start.ravel()])
+        return GpuPlan(n=n, rstart=rstart, counts=counts.astype(np.int32), offsets=offsets, tab=tab,
+                       dst_row=(np.cumsum(n, axis=0) - n)[me])
+
+    async def _recv_gpu(self, pending: DispatchPending, end: float | None) -> DispatchHandle:
+        seq, xp = pending.seq, self.xp
+        what = f"dispatch {seq}"
+        await self._wait_credits(DISPATCH, seq, end, what, pending._posted)
+        mark("dr.wait_rows")
+        await self._settle(pending._posted, end, what)
+        mark("dr.own_writes")
+        h = self._unpack_gpu(pending)
+        mark("dr.unpack", xp)
+        return h
+
+    def _unpack_gpu(self, pending: DispatchPending) -> DispatchHandle:
+        """One kernel over the output rows: each takes its row from the dispatch region (a
+        peer's token) or from the send region (one of this rank's own), in canonical order."""
+        xp, plan, seq, me = self.xp, pending._plan, pending.seq, self.rank
+        p = seq & 1
+        rows = int(plan.offsets[-1])
+        if pending._out_x is None:
+            ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
+        else:
+            ex = pending._out_x[:rows]
+        scale = None if self.scale_block is None else xp.zeros((rows, self._nscale), xp.float32)
+        src_rank = xp.empty(rows, dtype=xp.int32)
+        src_token = xp.empty(rows, dtype=xp.int32)
+        back = self._gbufs[p][5][:rows]
+        if rows:
+            stream = xp.cuda.get_current_stream()
+            tab = plan.tab
+            hbuf = self._htab[p][: tab.size]
+            hbuf[...] = tab
+            dtab = self._gbufs[p][4]
+            xp.cuda.runtime.memcpyAsync(dtab.data.ptr, hbuf.ctypes.data, tab.nbytes, 1, stream.ptr)
+            exb = ex.view(xp.uint8)
+            sb = exb if scale is None else scale.view(xp.uint8)
+            self._kern.unpack(
+                (rows,), (128,),
+                (dtab, np.int32(len(plan.counts)), np.int32(self.world), np.int32(me), self._drecv_v[p],
+                 self._dsend_v[p], np.int64(self._dstride), np.int32(self._xrow),
+                 np.int32(self._fields[1][0]),
+                 np.int32(4 * self._nscale), np.int32(self._toff), exb, np.int64(self._xrow), sb,
+                 np.int64(4 * self._nscale), src_rank, src_token, back),
+            )
+        self._record_fence(p)
+        h = DispatchHandle(
+            seq=seq, expert_x=ex, expert_x_scale=scale, counts=plan.counts, offsets=plan.offsets,
+            src_rank=src_rank, src_token=src_token, num_tokens=pending._m, _a2a=self, _plan=plan,
+            _dest=back, _pos=pending._pos, _weights=pending._weights,
+        )
+        self._pending.pop(seq, None)
+        self._handles[seq] = h
+        return h
+
+    def _pack_back_gpu(self, h: DispatchHandle, yb: Any) -> None:
+        """One kernel over the output rows: the peers' rows into the send region at the rows
+        they came in at, this rank's own rows straight into its combine region."""
+        rows = int(h.offsets[-1])
+        if rows:
+            self._kern.back(
+                (rows,), (128,),
+                (h.src_rank, h._dest, np.int32(self.rank), yb, np.int64(self._yrow), np.int32(self._yrow),
+                 self._csend, self._crecv_v[h.seq & 1], np.int64(self._cstride)),
+            )
+
+
+@dataclass
+class GpuPlan:
+    """The receive layout of a GPU call (see :meth:`AllToAll._plan_gpu`): ``n[r, d]`` rows
+    from r to d, ``rstart[r]`` where source r's rows start in this rank's regions, ``counts``
+    and ``offsets`` of the local experts, ``tab`` (the unpack kernel's table), ``dst_row[d]``
+    (where this rank's block lands at d)."""
+
+    n: np.ndarray
+    rstart: np.ndarray
+    counts: np.ndarray
+    offsets: np.ndarray
+    tab: np.ndarray
+    dst_row: np.ndarray
