@@ -3,6 +3,7 @@ and across processes. Skipped when libfabric offers no usable shm provider here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -86,3 +87,20 @@ async def test_shm_across_processes(shm_pair) -> None:
         # the peer wrote the head of its pattern over the head of our source buffer
         assert np.array_equal(src[:4096], pattern(size, seed=43)[:4096])
         assert np.array_equal(src[4096:], pattern(size, seed=42)[4096:])
+
+
+async def test_a_same_host_peer_is_gone_once_its_engine_closed_not_when_its_endpoint_file_goes() -> None:
+    """What close, settled() and the stall watch take for a dead same-host peer: its process
+    exited (no one holds its lock: tests/test_messages.py kills one) or its engine closed (its
+    wake-up file went). libfabric's SIGINT handler removes the endpoint's own file while the
+    process may go on serving: that alone is not gone (its buffers may still be read)."""
+    from aiote._core._util import shm_peer_gone
+
+    async with aiote.open_engine() as e:
+        addr = next(r.address for r in e._rails if r.provider == "shm")
+        name = addr.rstrip(b"\0").decode()
+        assert not shm_peer_gone(addr)
+        os.unlink(f"/dev/shm/{name}")  # as libfabric's signal handler does
+        assert not shm_peer_gone(addr)
+        assert e.route(e.address).provider == "shm"
+    assert shm_peer_gone(addr)

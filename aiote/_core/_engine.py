@@ -115,8 +115,9 @@ class Engine(Collective):
                 lib.aio_quiet_waiters(self._h, 1)  # posted transfers' completions wake it too
                 self._drain()
                 try:
+                    seen: dict[bytes, bool] = {}  # same-host peers judged gone or not, once each
                     for op in list(self._ops):  # (not those to a same-host peer that is gone)
-                        await self._wake_or_gone(op, op.event)
+                        await self._wake_or_gone(op, op.event, seen)
                 finally:
                     lib.aio_quiet_waiters(self._h, -1)
                 while any(mr._dev_pending for mr in self._regions):  # noqa: ASYNC110 - GPU copies

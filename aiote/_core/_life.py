@@ -17,7 +17,7 @@ from ._optable import Posting, _Op, merge_nic_failures
 from ._records import _GROUPS, _POLICY, _STRANDED, _check_retry, _end, _Group, _left
 from ._retry import RetryPolicy
 from ._rules import LINK_POLL, GroupWatch, RetryPlan
-from ._util import deadline_at, now, shm_peer_gone, timeout_error, wait_until
+from ._util import deadline_at, now, timeout_error, wait_until
 from ._wire import _completion_error, _post_error
 
 
@@ -87,21 +87,19 @@ class OpLife(Completions):
             if not await self._wake_or_gone(op, ev):
                 return
 
-    async def _wake_or_gone(self, op: _Op, ev: Any) -> bool:
-        """Waits for ``ev`` (``op``'s wake-up): True once set; False when ``op``'s same-host
-        peer is gone first (its process exited or its engine closed: nothing will complete
-        its requests, and nothing reads their buffers any more). Looks every LINK_POLL
-        seconds on an engine with shm rails (a stat and a flock per look); a plain wait
-        otherwise."""
-        if not self._shm_rails:
+    async def _wake_or_gone(self, op: _Op, ev: Any, seen: dict[bytes, bool] | None = None) -> bool:
+        """Waits for ``ev`` (``op``'s wake-up): True once set; False when every request of
+        ``op`` goes to a same-host peer that is gone (:meth:`_gone_peer`), looked at before
+        waiting and every LINK_POLL seconds while it waits, on an engine with shm rails; a
+        plain wait otherwise. ``seen``: as for :meth:`_gone_peer`."""
+        if not self._shm_rails or (op.rails is not None and not op.rails & self._shm_rails):
             await ev.wait()
             return True
-        shm: list[bytes] | None = None
-        while not await wait_until(ev, now() + LINK_POLL):
-            if shm is None:
-                shm = self._shm_peers(op)
-            if shm and all(shm_peer_gone(a) for a in shm):
+        while not ev.is_set():
+            if self._gone_peer(op, seen):
                 return False
+            if await wait_until(ev, now() + LINK_POLL):
+                break
         return True
 
     async def _settle_all(self, ops: list[Any]) -> None:
@@ -114,11 +112,14 @@ class OpLife(Completions):
         Returns at once when there is none (or the engine is closed); waits as long as the link
         stays down. Raises nothing of its own; cancellable. Costs an O(pending) scan per stranded
         group, no native call; the task sleeps until each one's completion wakes it."""
+        gone: set[int] = set()  # ops whose same-host peer is gone: nothing to wait for
         while True:
-            stranded = self._ops.stranded()
-            if not stranded or self._closed:
+            op = next((o for o in self._ops.stranded() if id(o) not in gone), None)
+            if op is None or self._closed:
                 return
-            await self._settle(stranded[0])
+            await self._settle(op)
+            if not op.done:
+                gone.add(id(op))
 
     async def _wait_space(self, fallback: float, end: float | None = None) -> Any:
         """Waits until half of this engine's requests in flight completed (room in the
@@ -447,11 +448,11 @@ class OpLife(Completions):
         if await wait_until(op.event, min(marks) if marks else None):
             return True
         watch = GroupWatch(end, stall, policy.connect_timeout, last, moved)
-        shm = self._shm_peers(op) if shm_rails else []  # its same-host peer's shm addresses (O(rows))
+        shm = bool(shm_rails and self._shm_peers(op))  # does it go to a same-host peer? (O(rows))
         while True:
             t = now()
             pending = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
-            if shm and not op.event.is_set() and pending == watch.last and any(shm_peer_gone(a) for a in shm):
+            if shm and not op.event.is_set() and pending == watch.last and self._gone_peer(op):
                 exc = PeerUnreachable(
                     f"{what}: the same-host peer ({self._peer_names(op)}) is gone (its process "
                     f"exited or its engine closed); {pending} of its requests stay with the transport",

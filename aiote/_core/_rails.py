@@ -16,7 +16,7 @@ from ._optable import _Op, reroute
 from ._records import _STRANDED, _pairs_of, _rails_of
 from ._registration import Registration
 from ._routing import Route, addr_ends
-from ._util import now
+from ._util import now, shm_peer_gone
 from ._wire import _DIRECT_SLOTS, _ELSEWHERE, _NO_DIRECT, _strerror
 
 
@@ -247,8 +247,34 @@ class Rails(Registration):
     def _shm_peers(self, op: _Op) -> list[bytes]:
         """The shm addresses ``op``'s requests go to (a same-host peer reached through the shm
         provider: messages, bare immediates, staged GPU parts), from the pairs it names; empty
-        when none (see shm_peer_gone)."""
+        when none (see :meth:`_gone_peer`)."""
         return [a for r, fa in _pairs_of(op) if r in self._shm_rails and (a := self._book.address(r, fa))]
+
+    def _gone_peer(self, op: _Op, seen: dict[bytes, bool] | None = None) -> bool:
+        """True when every request of ``op`` goes to a same-host peer over an shm rail and each
+        of those peers is gone (:func:`shm_peer_gone`: its process exited or its engine
+        closed): nothing will complete them, and nothing reads their buffers any more. False
+        when any request goes elsewhere (a tcp row of a batch, a read from another host) or
+        its peer is not known. ``seen``: answers already taken, by address (a close asks
+        once per peer). O(rows of op) and a stat and a flock per peer not in ``seen``."""
+        pairs = _pairs_of(op)
+        if not pairs or not self._shm_rails:
+            return False
+        addrs = []
+        for rail, fa in pairs:
+            a = self._book.address(rail, fa) if rail in self._shm_rails else None
+            if a is None:
+                return False
+            addrs.append(a)
+        for a in addrs:
+            gone = seen.get(a) if seen is not None else None
+            if gone is None:
+                gone = shm_peer_gone(a)
+                if seen is not None:
+                    seen[a] = gone
+            if not gone:
+                return False
+        return True
 
     def _all_down_for(self, op: _Op, t: float) -> float:
         """How long every NIC of ``op``'s peer has been down (0 while one is up)."""

@@ -403,27 +403,28 @@ _SHM_NAME = re.compile(rb"aiote-([0-9a-f]{16})-[0-9]+")
 
 
 def shm_peer_gone(address: bytes) -> bool:
-    """Whether the engine behind a same-host (shm) peer address is gone: its endpoint's file
-    in /dev/shm was removed (the engine closed) or no process holds its owner's lock file
-    (aiote-<token>.lock, locked for the owning process's life: see cdeps, "Owned shm names").
-    A false answer for names aiote did not give (nothing is known of them). Costs a stat, and
-    an open + non-blocking shared flock + close of the lock file; touches nothing else."""
+    """Whether the engine behind a same-host (shm) peer address is gone: no process holds its
+    owner's lock file (aiote-<token>.lock, locked for the owning process's life: see cdeps,
+    "Owned shm names"), or the process lives but that engine closed (aiote's own wake-up file
+    of the endpoint, <name>.w, is removed when the endpoint is freed; libfabric's endpoint
+    file is not evidence: libfabric's signal handler removes it on SIGINT while the process
+    may go on). A false answer for names aiote did not give (nothing is known of them).
+    Costs an open + non-blocking shared flock + close of the lock file, and a stat; touches
+    nothing else."""
     m = _SHM_NAME.fullmatch(address.rstrip(b"\0"))
     if m is None:
         return False
-    name = m.group(0).decode()
-    if not os.path.exists(f"/dev/shm/{name}"):
-        return True
     try:
         fd = os.open(f"/dev/shm/aiote-{m.group(1).decode()}.lock", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return True
+        return True  # its process's last endpoint closed, or the process died and was swept
     except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False  # its process holds it: alive
+        # its process holds it: alive; its engine closed if the endpoint's wake-up file went
+        return not os.path.exists(f"/dev/shm/{m.group(0).decode()}.w")
     except OSError:
         return False
     else:
