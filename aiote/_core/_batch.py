@@ -207,7 +207,7 @@ class TransferBatch:
             finally:
                 eng._opening -= 1
 
-        if retry is not None:
+        if retry is not None or eng._obs is not None:
             await eng._attempts(attempt, timeout, retry, what)
             return
         # the first attempt inline: what _attempts(attempt) does without a policy, minus its

@@ -60,6 +60,8 @@ class Completions(Rails):
                         op.done = True
                         op.status = r.status
                         op.prov_errno = r.prov_errno
+                        if op.obs is not None:  # a posted operation observed (see _observe.py)
+                            op.obs.done(op)
                         op.refs = None
                         op.event.set()
                 elif kind == _REC_COUNTER:

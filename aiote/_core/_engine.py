@@ -47,6 +47,7 @@ from ._fabric import (
     available_providers,
     default_streams,
 )
+from ._observe import Observability, check_observe
 from ._options import (
     _UNSET,
     GpuOptions,
@@ -96,6 +97,8 @@ class Engine(Collective):
         self._bridge = LoopBridge(int(lib.aio_engine_eventfd(self._h)), self._on_ready)
         self._bridge.start()
         self._event = self._bridge.event_class
+        if self._obs is not None:
+            self._obs.bind(self._bridge, self._event)
         self._checkpoint_if_cancelled = _checkpoint_if_cancelled_fn()
         self._space = self._event()
         self._scratch = await self.register(bytearray(64), remote_write=False, remote_read=False)
@@ -129,6 +132,8 @@ class Engine(Collective):
                 await self._bridge.stop()
             h = self._h
             self._closed = True
+            if self._obs is not None:  # its last native read, before the engine is gone
+                self._obs.close()
             await anyio.to_thread.run_sync(lib.aio_engine_destroy, h)
         for op in self._pending.values():
             op.status = _CLOSED_STATUS
@@ -154,6 +159,7 @@ async def open_engine(
     local: SameHostOptions | None = None,
     gpu: GpuOptions | None = None,
     retry: RetryPolicy | None = None,
+    observe: Observability | None = None,
     # each of these is the field of the same name of one of the option objects above (the
     # defaults are theirs); given both ways, InvalidArgument
     max_message_size: int = _UNSET,
@@ -194,7 +200,9 @@ async def open_engine(
     arena) and ``gpu`` (:class:`GpuOptions`: backend, staging, CUDA IPC, direct
     registration, the UVM watch). ``retry``: the default :class:`RetryPolicy` of the engine's
     operations (each takes ``retry=`` too); ``RetryPolicy()`` by default: 3 re-posts after a
-    broken connection, a peer that does not answer for 5 s is unreachable.
+    broken connection, a peer that does not answer for 5 s is unreachable. ``observe``: what
+    the engine exports (:class:`Observability`: Prometheus metrics, OpenTelemetry spans); None,
+    the default, exports nothing and costs nothing (see docs/observability.md).
 
     Every field of an option object is also a keyword argument of the same name
     (``open_engine(streams=2)`` is ``open_engine(transport=TransportOptions(streams=2))``);
@@ -232,7 +240,8 @@ async def open_engine(
     objects = {"transport": transport, "poller": poller, "local": local, "gpu": gpu}
     t, p, s, g = merge_options(objects, keywords)
     nic_list, t, p, s, g = check_options(provider, nics, t, p, s, g, retry)
-    engine = await _open(provider, nic_list, t, p, s, g, retry)
+    check_observe(observe)
+    engine = await _open(provider, nic_list, t, p, s, g, retry, observe)
     try:
         yield engine
     finally:
@@ -247,6 +256,7 @@ async def _open(
     s: SameHostOptions,
     g: GpuOptions,
     retry: RetryPolicy | None,
+    observe: Observability | None = None,
 ) -> Engine:
     """Opens the native engine (in a worker thread: it blocks for milliseconds) and starts
     the Python side over it; options already checked."""
@@ -270,7 +280,12 @@ async def _open(
             pollers=p.pollers,
         )
     )
-    engine = Engine(h, rails, transport=t, poller=p, local=s, gpu=g, retry=retry, arena=arena)
+    try:
+        engine = Engine(h, rails, transport=t, poller=p, local=s, gpu=g, retry=retry, arena=arena,
+                        observe=observe)
+    except BaseException:
+        await anyio.to_thread.run_sync(lib.aio_engine_destroy, h)
+        raise
     try:
         await engine._start()
     except BaseException:

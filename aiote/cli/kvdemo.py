@@ -29,6 +29,8 @@ from aiote import kv
 from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line
 
+from . import _observe
+
 SEED = 20251107
 
 
@@ -80,7 +82,10 @@ async def decode_main(args: argparse.Namespace) -> None:
     block = _block(layout)
     prefill = bytes.fromhex(args.prefill)
     done = {"verified": 0, "bad": 0, "failed": 0, "requests": 0}
-    async with aiote.open_engine(args.provider, same_host=_same_host(args)) as engine:
+    async with (
+        _observe.exporting(args, "decode") as observe,
+        aiote.open_engine(args.provider, same_host=_same_host(args), observe=observe) as engine,
+    ):
         leave = anyio.Event()
 
         async def watch_stdin() -> None:
@@ -200,6 +205,7 @@ async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> 
         str(args.kv_timeout),
         *([] if getattr(args, "verify", True) else ["--no-verify"]),
         *(["--cancel-every", str(args.cancel_every)] if getattr(args, "cancel_every", 0) else []),
+        *_observe.child_arguments(args),
     ]
     proc = await anyio.open_process(cmd, stdin=-1, stdout=-1, stderr=None, env=child_env())
     await ready_line(proc, "AIOTE_KV_DECODER", 60)
@@ -240,6 +246,13 @@ class Progress:
 
 
 async def prefill_main(args: argparse.Namespace) -> int:
+    """The demo's prefill process (this one); /metrics and spans while it runs (and
+    ``--metrics-linger`` seconds after its summary)."""
+    async with _observe.exporting(args, "prefill") as observe:
+        return await _prefill_run(args, observe)
+
+
+async def _prefill_run(args: argparse.Namespace, observe: aiote.Observability | None) -> int:
     layout = _layout(args)
     block = _block(layout)
     rng = np.random.default_rng(7)
@@ -248,7 +261,7 @@ async def prefill_main(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     failed = 0
     async with (
-        aiote.open_engine(args.provider, same_host=_same_host(args)) as engine,
+        aiote.open_engine(args.provider, same_host=_same_host(args), observe=observe) as engine,
         kv.PrefillServer(engine, layout, policy=kv.LeastLoaded()) as prefill,
     ):
         decoders = [await spawn_decoder(args, engine.address, f"decoder-{i + 1}") for i in range(2)]
@@ -361,7 +374,7 @@ async def prefill_main(args: argparse.Namespace) -> int:
         "same_host": _same_host(args),
         "backend": args.backend,
     }
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
     return 0 if ok else 1
 
 
@@ -393,6 +406,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill", help=argparse.SUPPRESS)
     ap.add_argument("--no-verify", dest="verify", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--cancel-every", type=int, default=0, help=argparse.SUPPRESS)
+    _observe.add_arguments(ap)
 
 
 def main(args: argparse.Namespace) -> int:

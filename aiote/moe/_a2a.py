@@ -42,6 +42,7 @@ from .._core._engine import Engine, Transfer
 from .._core._errors import AioteError, InvalidArgument, TransferTimeout
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
+from .._core._observe import observed_call
 from ._dtypes import DType
 from ._handles import CombinePending, DispatchHandle, DispatchPending, Group
 from ._layout import Geometry, RecvPlan, SendPlan, plan_recv, plan_send, round_up
@@ -298,6 +299,7 @@ class AllToAll:
 
     # ------------------------------------------------------------------ dispatch
 
+    @observed_call("moe", "dispatch", lambda self: self.engine)
     async def dispatch(
         self, x: Any, indices: Any, weights: Any, *, x_scale: Any = None, bound_m: int | None = None,
         out_x: Any = None, timeout: float | None = None,
@@ -319,6 +321,7 @@ class AllToAll:
                                            out_x=out_x, timeout=left(end))
         return await pending.recv(timeout=left(end))
 
+    @observed_call("moe", "dispatch_send", lambda self: self.engine)
     async def dispatch_send(
         self, x: Any, indices: Any, weights: Any, *, x_scale: Any = None, bound_m: int | None = None,
         out_x: Any = None, timeout: float | None = None,
@@ -563,6 +566,7 @@ class AllToAll:
 
     # ------------------------------------------------------------------ combine
 
+    @observed_call("moe", "combine", lambda self: self.engine)
     async def combine(
         self, handle: DispatchHandle, expert_out: Any, *, out: Any = None, accumulate: bool = False,
         timeout: float | None = None,
@@ -580,6 +584,7 @@ class AllToAll:
         pending = await self.combine_send(handle, expert_out, timeout=left(end))
         return await pending.recv(out=out, accumulate=accumulate, timeout=left(end))
 
+    @observed_call("moe", "combine_send", lambda self: self.engine)
     async def combine_send(
         self, handle: DispatchHandle, expert_out: Any, *, timeout: float | None = None
     ) -> CombinePending:

@@ -10,6 +10,7 @@ import numpy as np
 from .._core._descriptor import EngineAddress
 from .._core._engine import Transfer
 from .._core._errors import InvalidArgument
+from .._core._observe import observed_call
 from ._trace import mark
 from ._util import COMBINE, DISPATCH, MAX_RANKS
 
@@ -107,6 +108,7 @@ class DispatchPending:
         self._dest: Any = None
         self._done = False
 
+    @observed_call("moe", "dispatch_recv", lambda self: self._a2a.engine)
     async def recv(self, *, timeout: float | None = None) -> DispatchHandle:
         """Waits for every peer's tokens (each peer writes exactly once per call), checks this
         rank's own writes, and unpacks into the handle's expert blocks.
@@ -144,6 +146,7 @@ class CombinePending:
     def __init__(self, a2a: AllToAll, handle: DispatchHandle, posted: list[Transfer]) -> None:
         self._a2a, self._h, self._posted = a2a, handle, posted
 
+    @observed_call("moe", "combine_recv", lambda self: self._a2a.engine)
     async def recv(self, *, out: Any = None, accumulate: bool = False, timeout: float | None = None) -> Any:
         """Waits for the expert outputs of this rank's tokens and reduces them: ``out[t] =
         (out[t] if accumulate else 0) + sum_k w[t, k] * y[t, k]``, in float32 in slot order,

@@ -1,0 +1,131 @@
+"""``aiote bench --observe``: what observability costs. Each Python case of ``aiote bench``
+(``write`` and ``imm-latency`` by default) runs with observability off, with metrics, and
+with metrics and tracing (:data:`aiote.cli._observe.VARIANTS`), in turn within every repeat
+(the order rotating from repeat to repeat), each against its own serving process observed the
+same way; the ratio of each setting to "off" is taken within a repeat, and its median and
+range over the repeats are printed (throughput: on / off; latency: on - off, in µs, and on /
+off)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import anyio
+
+import aiote
+from aiote._spawn import child_env, python_module
+from aiote.testing import ready_line, stop_process
+
+from . import _benchout, _observe
+from ._benchnet import READY, Remote, bench_same_host, tuning
+from .bench import LATENCY, Case, _cases, _machine, _split, py_case
+
+__all__ = ["main"]
+
+DEFAULT_MODES = "write,imm-latency"
+
+
+async def _one(args: argparse.Namespace, cases: list[Case], setting: str) -> dict[tuple[Case, int], float]:
+    """Every case once with ``setting`` on both sides: {(case, key): figure}."""
+    provider = _split(args.provider)[0]
+    cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
+                        "--max-message", str(args.max_message), "--observe-setting", setting)
+    if args.streams is not None:
+        cmd += ["--streams", str(args.streams)]
+    proc = await anyio.open_process(cmd, stdin=None, stderr=None, env=child_env())
+    out: dict[tuple[Case, int], float] = {}
+    try:
+        address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
+        async with aiote.open_engine(
+            provider, same_host=bench_same_host(provider), max_message_size=args.max_message,
+            observe=_observe.variant(setting), **tuning(args.low_latency, args.streams),
+        ) as e:
+            remote = Remote(e, address)
+            await remote.call(op="hello")
+            try:
+                for case in cases:
+                    for k, v in (await py_case(remote, args, case)).items():
+                        if k >= 0:  # (not the CPU figures)
+                            out[(case, k)] = v
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await remote.call(10, op="exit", stop=True)
+    finally:
+        await stop_process(proc)
+    return out
+
+
+def _row(case: Case, k: int, runs: dict[str, dict[int, float]], repeats: int) -> dict[str, Any]:
+    """One case's figures per setting and each setting's ratio to "off" within a repeat."""
+    mode, _, window = case
+    latency = mode in LATENCY
+    row: dict[str, Any] = {"mode": mode, "size": k, "window": window or None}
+    row["unit"] = "us" if latency else "GB/s"
+    off = runs["off"]
+    for s in _observe.VARIANTS:
+        vals = [runs[s][i] for i in range(repeats) if i in runs[s]]
+        if not vals:
+            row[s] = None
+            continue
+        row[s] = {"median": statistics.median(vals), "range": [min(vals), max(vals)], "runs": vals}
+        if s == "off":
+            continue
+        ratios = [runs[s][i] / off[i] for i in range(repeats) if i in runs[s] and off.get(i)]
+        row[s]["ratio"] = statistics.median(ratios) if ratios else None
+        row[s]["ratio_range"] = [min(ratios), max(ratios)] if ratios else None
+        if latency:
+            added = [runs[s][i] - off[i] for i in range(repeats) if i in runs[s] and i in off]
+            row[s]["added_us"] = statistics.median(added) if added else None
+            row[s]["added_us_range"] = [min(added), max(added)] if added else None
+    return row
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    sys.stderr.write(f"\n{'case':34} {'setting':17} {'median':>9} {'range':>17} {'vs off (paired)':>26}\n")
+    for r in rows:
+        label = _benchout.row_label({**r, "mode": r["mode"], "size": r["size"], "window": r["window"]})
+        for s in _observe.VARIANTS:
+            f = r[s]
+            if f is None:
+                continue
+            rng = f"{f['range'][0]:.2f}-{f['range'][1]:.2f}"
+            if s == "off":
+                vs = ""
+            elif r["unit"] == "us":
+                vs = f"{f['added_us']:+.2f} us ({f['added_us_range'][0]:+.2f}..{f['added_us_range'][1]:+.2f})"
+            else:
+                vs = f"x{f['ratio']:.3f} ({f['ratio_range'][0]:.3f}-{f['ratio_range'][1]:.3f})"
+            sys.stderr.write(f"{label:34} {s:17} {f['median']:9.2f} {rng:>17} {vs:>26}\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs ``aiote bench --observe``; prints the table on stderr and the JSON on stdout."""
+    if args.mode == "all":
+        args.mode = DEFAULT_MODES
+    cases = _cases(args, [int(w) for w in _split(args.window)])
+    _observe.variant("tracing")  # the packages, checked before anything runs
+    runs: dict[tuple[Case, int], dict[str, dict[int, float]]] = {}
+    progress = _benchout.Progress(args.repeats * len(_observe.VARIANTS))
+    try:
+        for rep in range(args.repeats):
+            n = len(_observe.VARIANTS)
+            for s in [_observe.VARIANTS[(rep + j) % n] for j in range(n)]:
+                progress.step(f"{s} (repeat {rep + 1})")
+                got = anyio.run(_one, args, cases, s, backend=_split(args.loop)[0])
+                for key, v in got.items():
+                    runs.setdefault(key, {name: {} for name in _observe.VARIANTS})[s][rep] = v
+                progress.advance()
+    finally:
+        progress.close()
+    rows = [_row(case, k, per, args.repeats) for (case, k), per in runs.items()]
+    _print(rows)
+    result = {"observe": True, "provider": args.provider, "loop": args.loop, "repeats": args.repeats,
+              "aiote": aiote.__version__, "machine": _machine(), "date": time.strftime("%Y-%m-%d"),
+              "rows": rows}
+    print(json.dumps(result))
+    return 0
