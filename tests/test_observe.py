@@ -553,3 +553,9 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
             wait_for("the error counters to move", lambda: (query(prom, errors) or 0) > 0, 30)
             failed = 'sum(aiote_kv_requests_total{job="killed",outcome!="ok"})'
             wait_for("failed requests", lambda: (query(prom, failed) or 0) > 0, 30)
+        # every query of the sample dashboard is valid PromQL over these series
+        dashboard = json.loads((Path(__file__).parents[1] / "examples" / "grafana-aiote.json").read_text())
+        exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+        assert len(exprs) > 10
+        for e in exprs:
+            query(prom, e.replace("$job", ".*").replace("$__rate_interval", "1m"))

@@ -9,6 +9,7 @@ The core, top down; a module imports only modules below it:
     _transfers     write, read, write_imm, post_write(_imm)            class Transfers
     _rows          the rows of a transfer; opening routes, connect()   class Rows
     _messages      send/recv, internal messages, deferred credits      class Messages
+    _observed      each operation observed (open_engine(observe=))     class Observed
     _posted        Transfer (a posted write)
     _life          an operation's life: groups, posting, completion,   class OpLife
                    retries, deadline, stalls, cancellation, stranded groups
@@ -17,6 +18,8 @@ The core, top down; a module imports only modules below it:
     _registration  memory registration, the host arena, GPU regions    class Registration
     _state         every field of an engine, the common checks         class EngineState
     _options       open_engine's option objects and their checks
+    _observe, _metrics, _tracing: Observability and the Observer (metrics and spans of
+                   operations and flows; prometheus_client and OpenTelemetry imported only when on)
     _fabric        opening the native engine (providers, rails, pollers)
     _gpu, _counter, _memory, _bridge, _routing, _peers, _arena, _device
     _records, _wire: small records, native constants, error mapping

@@ -18,7 +18,8 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -187,6 +188,9 @@ class Observer:
         self._routes = tuple(r.provider.split(";")[0] for r in rails)
         self._nics = tuple(r.domain for r in rails)  # (a NIC's streams: its name once each)
         self._tables: dict[int, tuple[np.ndarray, tuple[int, str, tuple[int, ...]]]] = {}
+        # a table's (table, the operation's `what`, bytes, bytes cell, duration histogram)
+        self._fast: dict[int, tuple[Any, ...]] = {}
+        self._bounds = options.buckets
         self.unit = 0  # the bytes of the message the next send carries (set by _send_msg)
         self._started = 0
         self._ended = 0
@@ -219,25 +223,32 @@ class Observer:
 
     # ------------------------------------------------------------------ the engine's side
 
-    async def attempts(
+    def attempts(
         self, base: Callable[..., Coroutine[Any, Any, None]], engine: Any,
         attempt: Callable[[float | None], Any], timeout: float | None, retry: Any, what: str,
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
         """``base(engine, attempt, timeout, retry, what)`` (OpLife._attempts) observed as one
-        operation, unless it runs inside one already observed (then it is part of that one)."""
+        operation (a coroutine), unless it runs inside one already observed: then ``base``'s own
+        coroutine, part of that one."""
         outer = _GROUPS.get()
         if type(outer) is _OpRecord or type(outer) is _GroupTap:
-            await base(engine, attempt, timeout, retry, what)
-            return
-        rec = self.start(what)
+            return base(engine, attempt, timeout, retry, what)
+        return self.run_as(self.start(what), base, engine, attempt, timeout, retry)
+
+    async def run_as(
+        self, rec: _OpRecord, base: Callable[..., Awaitable[Any]], engine: Any = None,
+        attempt: Callable[[float | None], Any] | None = None, timeout: float | None = None, retry: Any = None,
+    ) -> None:
+        """``base(engine, attempt counted in rec, timeout, retry, what)`` awaited as the operation
+        of ``rec`` (the groups it begins are its), which ends with it."""
 
         def counted(t: float | None) -> Any:
             rec.attempts += 1
-            return attempt(t)
+            return attempt(t)  # type: ignore[misc]
 
         token = _GROUPS.set(rec)
         try:
-            await base(engine, counted, timeout, retry, what)
+            await base(engine, counted if attempt is not None else None, timeout, retry, rec.what)
         except BaseException as exc:
             self.end(rec, exc)
             raise
@@ -260,19 +271,7 @@ class Observer:
 
     def carry(self, rec: _OpRecord, run: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, None]]:
         """``run`` (a posted operation's background work) as part of ``rec``, which ends with it."""
-
-        async def carried() -> None:
-            token = _GROUPS.set(rec)
-            try:
-                await run()
-            except BaseException as exc:
-                self.end(rec, exc)
-                raise
-            finally:
-                _GROUPS.reset(token)
-            self.end(rec, None)
-
-        return carried
+        return lambda: self.run_as(rec, lambda *_: run())
 
     def end(self, rec: _OpRecord, exc: BaseException | None) -> None:
         """The operation of ``rec`` finished (``exc``: what it raised): its metrics now (a few
@@ -282,9 +281,25 @@ class Observer:
         if rec.ended:
             return
         rec.ended = True
-        rec.t1 = time.perf_counter_ns()
+        t1 = rec.t1 = time.perf_counter_ns()
         rec.exc = exc
         self._ended += 1
+        groups = rec.groups
+        if exc is None and len(groups) == 1 and rec.parent is False and rec.call is None:
+            # the common case, kept short: one group of a table seen before, metrics only
+            g, refs = groups[0]
+            fast = self._fast.get(id(refs[1])) if type(refs) is tuple and len(refs) == 2 else None
+            if fast is not None and fast[0] is refs[1] and fast[1] is rec.what and g.status == 0 and g.done:
+                _, _, n, cell, h = fast
+                cell[0] += n
+                dt = (t1 - rec.t0) * 1e-9
+                h[0] += 1
+                h[1] += dt
+                h[2 + bisect_left(self._bounds, dt)] += 1
+                if rec.attempts > 1:
+                    self.stats.add("aiote_retries", (_op_name(rec.what),), rec.attempts - 1)
+                groups.clear()
+                return
         nbytes, route, rails = self._summary(rec)
         op = _OP_NAMES.get(rec.what) or _op_name(rec.what)
         if self._sink is not None:
@@ -342,7 +357,8 @@ class Observer:
             self._armed = False
 
     def _account(self, rec: _OpRecord, op: str, nbytes: int, route: str) -> None:
-        """The metrics of an operation that ended."""
+        """The metrics of an operation that ended (and, for one group of a table, what
+        :meth:`end` needs to count the next one of that table without this)."""
         by_route = self._series.get(op)
         if by_route is None:
             by_route = self._series[op] = {}
@@ -353,6 +369,13 @@ class Observer:
                 self.stats.cell("aiote_transfer_bytes", key),
                 self.stats.hist("aiote_transfer_duration_seconds", key),
             )
+        groups = rec.groups
+        if len(groups) == 1 and type(refs := groups[0][1]) is tuple and len(refs) == 2:
+            table = refs[1]
+            if type(table) is np.ndarray and not groups[0][0].failover:
+                if len(self._fast) >= 256:
+                    self._fast.clear()
+                self._fast[id(table)] = (table, rec.what, self._table_info(table)[0], *series)
         if nbytes:
             series[0][0] += nbytes
         if rec.exc is None:

@@ -1,10 +1,10 @@
 """``aiote bench --observe``: what observability costs. Each Python case of ``aiote bench``
-(``write`` and ``imm-latency`` by default) runs with observability off, with metrics, and
-with metrics and tracing (:data:`aiote.cli._observe.VARIANTS`), in turn within every repeat
-(the order rotating from repeat to repeat), each against its own serving process observed the
-same way; the ratio of each setting to "off" is taken within a repeat, and its median and
-range over the repeats are printed (throughput: on / off; latency: on - off, in µs, and on /
-off)."""
+(``write`` and ``imm-latency`` by default) runs with observability off, with metrics, with
+metrics and tracing, and with a span for every operation (:data:`aiote.cli._observe.VARIANTS`),
+in turn within every repeat (the order rotating from repeat to repeat), each setting's engine
+against a serving process of its own observed the same way (all of them opened once, for the
+whole run); the ratio of each setting to "off" is taken within a repeat, and its median and
+range over the repeats are printed (throughput: on / off; latency: on - off, in µs)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -30,34 +31,51 @@ __all__ = ["main"]
 DEFAULT_MODES = "write,imm-latency"
 
 
-async def _one(args: argparse.Namespace, cases: list[Case], setting: str) -> dict[tuple[Case, int], float]:
-    """Every case once with ``setting`` on both sides: {(case, key): figure}."""
+Runs = dict[tuple[Case, int], dict[str, dict[int, float]]]
+
+
+async def _side(args: argparse.Namespace, setting: str, stack: AsyncExitStack) -> Remote:
+    """A serving process and an engine of this one, both observed with ``setting``, kept open
+    for the whole run (closed by ``stack``)."""
     provider = _split(args.provider)[0]
-    cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
+    cmd = python_module("aiote", "bench", "--listen", "--provider", provider,
                         "--max-message", str(args.max_message), "--observe-setting", setting)
     if args.streams is not None:
         cmd += ["--streams", str(args.streams)]
     proc = await anyio.open_process(cmd, stdin=None, stderr=None, env=child_env())
-    out: dict[tuple[Case, int], float] = {}
-    try:
-        address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
-        async with aiote.open_engine(
-            provider, same_host=bench_same_host(provider), max_message_size=args.max_message,
-            observe=_observe.variant(setting), **tuning(args.low_latency, args.streams),
-        ) as e:
-            remote = Remote(e, address)
-            await remote.call(op="hello")
-            try:
+    stack.push_async_callback(stop_process, proc)
+    address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
+    e = await stack.enter_async_context(aiote.open_engine(
+        provider, same_host=bench_same_host(provider), max_message_size=args.max_message,
+        observe=_observe.variant(setting), **tuning(args.low_latency, args.streams),
+    ))
+    remote = Remote(e, address)
+
+    async def leave() -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await remote.call(10, op="exit", stop=True)
+
+    stack.push_async_callback(leave)
+    return remote
+
+
+async def _run(args: argparse.Namespace, cases: list[Case], progress: _benchout.Progress) -> Runs:
+    """Every case with every setting, ``args.repeats`` times, the settings in turn within a
+    repeat (the order rotating): {(case, key): {setting: {repeat: figure}}}."""
+    runs: Runs = {}
+    n = len(_observe.VARIANTS)
+    async with AsyncExitStack() as stack:
+        sides = {s: await _side(args, s, stack) for s in _observe.VARIANTS}
+        for rep in range(args.repeats):
+            for s in [_observe.VARIANTS[(rep + j) % n] for j in range(n)]:
+                progress.step(f"{s} (repeat {rep + 1})")
+                await sides[s].call(op="hello")  # (the serving side forgets the last repeat's regions)
                 for case in cases:
-                    for k, v in (await py_case(remote, args, case)).items():
+                    for k, v in (await py_case(sides[s], args, case)).items():
                         if k >= 0:  # (not the CPU figures)
-                            out[(case, k)] = v
-            finally:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await remote.call(10, op="exit", stop=True)
-    finally:
-        await stop_process(proc)
-    return out
+                            runs.setdefault((case, k), {name: {} for name in _observe.VARIANTS})[s][rep] = v
+                progress.advance()
+    return runs
 
 
 def _row(case: Case, k: int, runs: dict[str, dict[int, float]], repeats: int) -> dict[str, Any]:
@@ -109,17 +127,9 @@ def main(args: argparse.Namespace) -> int:
         args.mode = DEFAULT_MODES
     cases = _cases(args, [int(w) for w in _split(args.window)])
     _observe.variant("tracing")  # the packages, checked before anything runs
-    runs: dict[tuple[Case, int], dict[str, dict[int, float]]] = {}
     progress = _benchout.Progress(args.repeats * len(_observe.VARIANTS))
     try:
-        for rep in range(args.repeats):
-            n = len(_observe.VARIANTS)
-            for s in [_observe.VARIANTS[(rep + j) % n] for j in range(n)]:
-                progress.step(f"{s} (repeat {rep + 1})")
-                got = anyio.run(_one, args, cases, s, backend=_split(args.loop)[0])
-                for key, v in got.items():
-                    runs.setdefault(key, {name: {} for name in _observe.VARIANTS})[s][rep] = v
-                progress.advance()
+        runs = anyio.run(_run, args, cases, progress, backend=_split(args.loop)[0])
     finally:
         progress.close()
     rows = [_row(case, k, per, args.repeats) for (case, k), per in runs.items()]
