@@ -559,3 +559,15 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
         assert len(exprs) > 10
         for e in exprs:
             query(prom, e.replace("$job", ".*").replace("$__rate_interval", "1m"))
+
+
+def test_bench_observe_prints_paired_figures() -> None:
+    """``aiote bench --observe`` (a tiny run): every setting's figures, paired with "off"."""
+    cmd = python_module("aiote", "bench", "imm-latency", "--observe", "--iters", "20", "--repeats", "1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.splitlines()[-1])
+    (p50,) = [row for row in result["rows"] if row["mode"] == "imm-latency" and row["size"] == 50]
+    assert p50["off"]["median"] > 0
+    for setting in ("metrics", "tracing", "tracing-all"):
+        assert p50[setting]["median"] > 0 and p50[setting]["added"] is not None

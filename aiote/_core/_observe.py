@@ -156,6 +156,15 @@ class _OpRecord:
         self.t1 = 0  # (when it ended, and what it raised: see Observer.end)
         self.exc: BaseException | None = None
 
+    def counting(self, attempt: Callable[[float | None], Any]) -> Callable[[float | None], Any]:
+        """``attempt``, each call of it counted as one more attempt of this operation."""
+
+        def counted(t: float | None) -> Any:
+            self.attempts += 1
+            return attempt(t)
+
+        return counted
+
     def tap(self, op: _Op) -> None:
         """A group the operation began (called by ``_begin`` through ``_GROUPS``)."""
         if not self.ended:
@@ -241,20 +250,25 @@ class Observer:
     ) -> None:
         """``base(engine, attempt counted in rec, timeout, retry, what)`` awaited as the operation
         of ``rec`` (the groups it begins are its), which ends with it."""
-
-        def counted(t: float | None) -> Any:
-            rec.attempts += 1
-            return attempt(t)  # type: ignore[misc]
-
         token = _GROUPS.set(rec)
         try:
-            await base(engine, counted if attempt is not None else None, timeout, retry, rec.what)
+            await base(engine, None if attempt is None else rec.counting(attempt), timeout, retry, rec.what)
         except BaseException as exc:
-            self.end(rec, exc)
+            self.leave(rec, token, exc)
             raise
-        finally:
-            _GROUPS.reset(token)
-        self.end(rec, None)
+        self.leave(rec, token, None)
+
+    def enter(self, what: str) -> tuple[_OpRecord, Any]:
+        """An operation made in place (a batch's first attempt inline) begins, its first attempt
+        counted: the groups this task begins are its until :meth:`leave` (give it the token)."""
+        rec = self.start(what)
+        rec.attempts = 1
+        return rec, _GROUPS.set(rec)
+
+    def leave(self, rec: _OpRecord, token: Any, exc: BaseException | None) -> None:
+        """The operation of ``rec`` (:meth:`enter`, :meth:`run_as`) ended, raising ``exc``."""
+        _GROUPS.reset(token)
+        self.end(rec, exc)
 
     def start(self, what: str) -> _OpRecord:
         """A record of an operation beginning now."""

@@ -24,7 +24,7 @@ from aiote.testing import ready_line, stop_process
 
 from . import _benchout, _observe
 from ._benchnet import READY, Remote, bench_same_host, tuning
-from .bench import LATENCY, Case, _cases, _machine, _split, py_case
+from .bench import CPU_WRITER_MAIN, LATENCY, Case, _cases, _machine, _split, py_case
 
 __all__ = ["main"]
 
@@ -38,7 +38,7 @@ async def _side(args: argparse.Namespace, setting: str, stack: AsyncExitStack) -
     """A serving process and an engine of this one, both observed with ``setting``, kept open
     for the whole run (closed by ``stack``)."""
     provider = _split(args.provider)[0]
-    cmd = python_module("aiote", "bench", "--listen", "--provider", provider,
+    cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
                         "--max-message", str(args.max_message), "--observe-setting", setting)
     if args.streams is not None:
         cmd += ["--streams", str(args.streams)]
@@ -72,7 +72,7 @@ async def _run(args: argparse.Namespace, cases: list[Case], progress: _benchout.
                 await sides[s].call(op="hello")  # (the serving side forgets the last repeat's regions)
                 for case in cases:
                     for k, v in (await py_case(sides[s], args, case)).items():
-                        if k >= 0:  # (not the CPU figures)
+                        if k >= 0 or k == CPU_WRITER_MAIN:  # (the loop thread's CPU, not the process's)
                             runs.setdefault((case, k), {name: {} for name in _observe.VARIANTS})[s][rep] = v
                 progress.advance()
     return runs
@@ -81,9 +81,10 @@ async def _run(args: argparse.Namespace, cases: list[Case], progress: _benchout.
 def _row(case: Case, k: int, runs: dict[str, dict[int, float]], repeats: int) -> dict[str, Any]:
     """One case's figures per setting and each setting's ratio to "off" within a repeat."""
     mode, _, window = case
-    latency = mode in LATENCY
+    cpu = k == CPU_WRITER_MAIN  # the event loop thread's CPU: s per GB (write), µs per round trip
+    latency = mode in LATENCY or cpu  # (lower is better: the difference is shown)
     row: dict[str, Any] = {"mode": mode, "size": k, "window": window or None}
-    row["unit"] = "us" if latency else "GB/s"
+    row["unit"] = ("us/rtt" if mode in LATENCY else "s/GB") if cpu else ("us" if latency else "GB/s")
     off = runs["off"]
     for s in _observe.VARIANTS:
         vals = [runs[s][i] for i in range(repeats) if i in runs[s]]
@@ -98,15 +99,18 @@ def _row(case: Case, k: int, runs: dict[str, dict[int, float]], repeats: int) ->
         row[s]["ratio_range"] = [min(ratios), max(ratios)] if ratios else None
         if latency:
             added = [runs[s][i] - off[i] for i in range(repeats) if i in runs[s] and i in off]
-            row[s]["added_us"] = statistics.median(added) if added else None
-            row[s]["added_us_range"] = [min(added), max(added)] if added else None
+            row[s]["added"] = statistics.median(added) if added else None
+            row[s]["added_range"] = [min(added), max(added)] if added else None
     return row
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
     sys.stderr.write(f"\n{'case':34} {'setting':17} {'median':>9} {'range':>17} {'vs off (paired)':>26}\n")
     for r in rows:
-        label = _benchout.row_label({**r, "mode": r["mode"], "size": r["size"], "window": r["window"]})
+        if r["size"] == CPU_WRITER_MAIN:
+            label = f"{r['mode']} loop CPU ({r['unit']})"
+        else:
+            label = _benchout.row_label({**r, "mode": r["mode"], "size": r["size"], "window": r["window"]})
         for s in _observe.VARIANTS:
             f = r[s]
             if f is None:
@@ -114,8 +118,9 @@ def _print(rows: list[dict[str, Any]]) -> None:
             rng = f"{f['range'][0]:.2f}-{f['range'][1]:.2f}"
             if s == "off":
                 vs = ""
-            elif r["unit"] == "us":
-                vs = f"{f['added_us']:+.2f} us ({f['added_us_range'][0]:+.2f}..{f['added_us_range'][1]:+.2f})"
+            elif r["unit"] != "GB/s":
+                lo, hi = f["added_range"]
+                vs = f"{f['added']:+.3g} ({lo:+.3g}..{hi:+.3g}) x{f['ratio']:.3f}"
             else:
                 vs = f"x{f['ratio']:.3f} ({f['ratio_range'][0]:.3f}-{f['ratio_range'][1]:.3f})"
             sys.stderr.write(f"{label:34} {s:17} {f['median']:9.2f} {rng:>17} {vs:>26}\n")

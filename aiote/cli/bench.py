@@ -256,7 +256,8 @@ async def py_paged(remote: Remote, page: int, npages: int, calls: int) -> float:
 
 
 async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
-    """{50: p50, 99: p99} one-way latency in µs of a WriteImm ping-pong (RTT / 2)."""
+    """{50: p50, 99: p99} one-way latency in µs of a WriteImm ping-pong (RTT / 2), and under
+    CPU_WRITER_MAIN the event-loop thread's CPU µs per round trip."""
     e = remote.engine
     mine = await e.register(np.zeros(64, np.uint8))
     try:
@@ -269,13 +270,15 @@ async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
                     120, op="pong", remote=bytes(mine.descriptor).hex(), iters=iters + WARM, ping=4, pong=5
                 )
             )
+            c0 = time.thread_time()
             for i in range(iters + WARM):  # warm-up round trips first
                 t0 = time.perf_counter()
                 await e.write_imm(theirs, 4)
                 await pong.wait(1, timeout=30)
                 if i >= WARM:
                     rtts.append(time.perf_counter() - t0)
-        return _percentiles(rtts)
+            cpu = (time.thread_time() - c0) / (iters + WARM) * 1e6
+        return {**_percentiles(rtts), CPU_WRITER_MAIN: cpu}
     finally:
         await e.unregister(mine)
 
