@@ -564,9 +564,10 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
 def test_bench_observe_prints_paired_figures() -> None:
     """``aiote bench --observe`` (a tiny run): every setting's figures, paired with "off"."""
     cmd = python_module("aiote", "bench", "imm-latency", "--observe", "--iters", "20", "--repeats", "1")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
-    assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads(r.stdout.splitlines()[-1])
+    with started(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env()) as bench:
+        out, err = bench.communicate(timeout=120)  # (its serving processes: killed with it, if left)
+    assert bench.returncode == 0, err[-2000:]
+    result = json.loads(out.splitlines()[-1])
     (p50,) = [row for row in result["rows"] if row["mode"] == "imm-latency" and row["size"] == 50]
     assert p50["off"]["median"] > 0
     for setting in ("metrics", "tracing", "tracing-all"):

@@ -224,8 +224,7 @@ class TransferBatch:
                 finally:
                     eng._opening -= 1
             except PeerUnreachable as exc:
-                again = attempt if rec is None else rec.counting(attempt)
-                await eng._retry_after(exc, again, end, eng._retry, what)
+                await eng._retry_after(exc, attempt, end, eng._retry, what)
         except BaseException as exc:
             if rec is not None:
                 rec.obs.leave(rec, token, exc)

@@ -142,12 +142,14 @@ class _OpRecord:
 
     # (an observed operation's task has its record as _GROUPS: _begin appends each group to it)
 
-    def __init__(self, obs: Observer, what: str, unit: int) -> None:
+    def __init__(self, obs: Observer, what: str) -> None:
         self.obs = obs
         self.what = what
-        self.unit = unit  # bytes of a request of a message (its groups carry no table)
+        self.unit = obs.unit  # bytes of a request of a message (its groups carry no table)
+        obs.unit = 0
+        obs._started += 1
         self.groups: list[tuple[_Op, Any]] = []
-        self.attempts = 0
+        self.attempts = 1  # (re-posts after a broken connection add to it: Observer.counting)
         self.ended = False
         self.call = _CALL.get()
         tracer = obs._tracer
@@ -155,15 +157,6 @@ class _OpRecord:
         self.t0 = time.perf_counter_ns()
         self.t1 = 0  # (when it ended, and what it raised: see Observer.end)
         self.exc: BaseException | None = None
-
-    def counting(self, attempt: Callable[[float | None], Any]) -> Callable[[float | None], Any]:
-        """``attempt``, each call of it counted as one more attempt of this operation."""
-
-        def counted(t: float | None) -> Any:
-            self.attempts += 1
-            return attempt(t)
-
-        return counted
 
     def tap(self, op: _Op) -> None:
         """A group the operation began (called by ``_begin`` through ``_GROUPS``)."""
@@ -242,27 +235,26 @@ class Observer:
         outer = _GROUPS.get()
         if type(outer) is _OpRecord or type(outer) is _GroupTap:
             return base(engine, attempt, timeout, retry, what)
-        return self.run_as(self.start(what), base, engine, attempt, timeout, retry)
+        return self.run_as(_OpRecord(self, what), base, engine, attempt, timeout, retry)
 
     async def run_as(
         self, rec: _OpRecord, base: Callable[..., Awaitable[Any]], engine: Any = None,
         attempt: Callable[[float | None], Any] | None = None, timeout: float | None = None, retry: Any = None,
     ) -> None:
-        """``base(engine, attempt counted in rec, timeout, retry, what)`` awaited as the operation
-        of ``rec`` (the groups it begins are its), which ends with it."""
+        """``base(engine, attempt, timeout, retry, what)`` awaited as the operation of ``rec`` (the
+        groups it begins are its, and its re-posts: see :meth:`counting`), which ends with it."""
         token = _GROUPS.set(rec)
         try:
-            await base(engine, None if attempt is None else rec.counting(attempt), timeout, retry, rec.what)
+            await base(engine, attempt, timeout, retry, rec.what)
         except BaseException as exc:
             self.leave(rec, token, exc)
             raise
         self.leave(rec, token, None)
 
     def enter(self, what: str) -> tuple[_OpRecord, Any]:
-        """An operation made in place (a batch's first attempt inline) begins, its first attempt
-        counted: the groups this task begins are its until :meth:`leave` (give it the token)."""
-        rec = self.start(what)
-        rec.attempts = 1
+        """An operation made in place (a batch's first attempt inline) begins: the groups this
+        task begins are its until :meth:`leave` (give it the token)."""
+        rec = _OpRecord(self, what)
         return rec, _GROUPS.set(rec)
 
     def leave(self, rec: _OpRecord, token: Any, exc: BaseException | None) -> None:
@@ -272,16 +264,20 @@ class Observer:
 
     def start(self, what: str) -> _OpRecord:
         """A record of an operation beginning now."""
-        rec = _OpRecord(self, what, self.unit)
-        self.unit = 0
-        self._started += 1
-        return rec
+        return _OpRecord(self, what)
 
-    def retry_of(self, what: str) -> _OpRecord:
-        """A record of the re-posting of a posted operation that failed (counted as a retry)."""
-        rec = self.start(what)
-        rec.attempts = 2
-        return rec
+    def counting(self, attempt: Callable[[float | None], Any]) -> Callable[[float | None], Any]:
+        """``attempt``, to be posted again after a broken connection (``_retry_after``): each
+        call counted as a retry of the operation observed in this task, if any."""
+        rec = _GROUPS.get()
+        if type(rec) is not _OpRecord:
+            return attempt
+
+        def again(t: float | None) -> Any:
+            rec.attempts += 1
+            return attempt(t)
+
+        return again
 
     def carry(self, rec: _OpRecord, run: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, None]]:
         """``run`` (a posted operation's background work) as part of ``rec``, which ends with it."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from ._errors import PeerUnreachable
 from ._life import OpLife
 from ._observe import Observer
 from ._retry import RetryPolicy
@@ -33,3 +34,16 @@ class Observed(OpLife):
         if obs is None:
             return OpLife._attempts(self, attempt, timeout, retry, what)
         return obs.attempts(OpLife._attempts, self, attempt, timeout, retry, what)
+
+    def _retry_after(  # the slow path: posting again after a broken connection
+        self,
+        exc: PeerUnreachable,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        end: float | None,
+        policy: RetryPolicy,
+        what: str,
+    ) -> Coroutine[Any, Any, None]:
+        obs = self._obs
+        if obs is not None:  # each re-post counted as a retry of the operation observed
+            attempt = obs.counting(attempt)
+        return OpLife._retry_after(self, exc, attempt, end, policy, what)

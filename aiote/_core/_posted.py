@@ -149,8 +149,8 @@ class Transfer:
                 if token is not None:
                     _POLICY.reset(token)
 
-        obs = eng._obs  # observed: the re-posts are one more operation, counted as a retry
-        self._go(run if obs is None else obs.carry(obs.retry_of(what), run))
+        obs = eng._obs  # observed: the re-posts are one more operation, its attempts retries
+        self._go(run if obs is None else obs.carry(obs.start(what), run))
 
     def __del__(self) -> None:
         try:
