@@ -278,9 +278,11 @@ def test_multiprocess_mode(tmp_path: Path) -> None:
         anyio.run(main)
     """)
     env = {**child_env(), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    for _ in range(2):  # two processes: their series add up
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-        assert r.returncode == 0, r.stderr[-2000:]
+    cmd = [sys.executable, "-c", code]
+    with started(cmd, stderr=subprocess.PIPE, env=env) as one, started(cmd, stderr=subprocess.PIPE, env=env) as two:
+        for p in (one, two):  # two processes at once: their series add up
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-2000:]
     from prometheus_client import multiprocess
 
     reg = CollectorRegistry()
@@ -563,12 +565,15 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
 
 def test_bench_observe_prints_paired_figures() -> None:
     """``aiote bench --observe`` (a tiny run): every setting's figures, paired with "off"."""
-    cmd = python_module("aiote", "bench", "imm-latency", "--observe", "--iters", "20", "--repeats", "1")
+    cmd = python_module("aiote", "bench", "write", "--observe", "--sizes", "4KiB", "--total", "1MiB",
+                        "--repeats", "1")
     with started(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env()) as bench:
         out, err = bench.communicate(timeout=120)  # (its serving processes: killed with it, if left)
     assert bench.returncode == 0, err[-2000:]
-    result = json.loads(out.splitlines()[-1])
-    (p50,) = [row for row in result["rows"] if row["mode"] == "imm-latency" and row["size"] == 50]
-    assert p50["off"]["median"] > 0
+    rows = json.loads(out.splitlines()[-1])["rows"]
+    (gbps,) = [row for row in rows if row["mode"] == "write" and row["unit"] == "GB/s"]
+    (cpu,) = [row for row in rows if row["mode"] == "write" and row["unit"] == "s/GB"]
+    assert gbps["off"]["median"] > 0
     for setting in ("metrics", "tracing", "tracing-all"):
-        assert p50[setting]["median"] > 0 and p50[setting]["added"] is not None
+        assert gbps[setting]["median"] > 0 and gbps[setting]["ratio"] > 0
+        assert cpu[setting]["added"] is not None

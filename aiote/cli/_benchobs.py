@@ -34,17 +34,31 @@ DEFAULT_MODES = "write,imm-latency"
 Runs = dict[tuple[Case, int], dict[str, dict[int, float]]]
 
 
-async def _side(args: argparse.Namespace, setting: str, stack: AsyncExitStack) -> Remote:
-    """A serving process and an engine of this one, both observed with ``setting``, kept open
-    for the whole run (closed by ``stack``)."""
+async def _serving(args: argparse.Namespace, stack: AsyncExitStack) -> dict[str, bytes]:
+    """One serving process per setting, observed with it, started at once and kept for the
+    whole run (stopped by ``stack``): {setting: its address}."""
     provider = _split(args.provider)[0]
-    cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
-                        "--max-message", str(args.max_message), "--observe-setting", setting)
-    if args.streams is not None:
-        cmd += ["--streams", str(args.streams)]
-    proc = await anyio.open_process(cmd, stdin=None, stderr=None, env=child_env())
-    stack.push_async_callback(stop_process, proc)
-    address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
+    addresses: dict[str, bytes] = {}
+
+    async def start(setting: str) -> None:
+        cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
+                            "--max-message", str(args.max_message), "--observe-setting", setting)
+        if args.streams is not None:
+            cmd += ["--streams", str(args.streams)]
+        proc = await anyio.open_process(cmd, stdin=None, stderr=None, env=child_env())
+        stack.push_async_callback(stop_process, proc)
+        addresses[setting] = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
+
+    async with anyio.create_task_group() as tg:
+        for setting in _observe.VARIANTS:
+            tg.start_soon(start, setting)
+    return addresses
+
+
+async def _side(args: argparse.Namespace, setting: str, address: bytes, stack: AsyncExitStack) -> Remote:
+    """An engine of this process observed with ``setting``, and its serving side at
+    ``address``, kept for the whole run (closed by ``stack``)."""
+    provider = _split(args.provider)[0]
     e = await stack.enter_async_context(aiote.open_engine(
         provider, same_host=bench_same_host(provider), max_message_size=args.max_message,
         observe=_observe.variant(setting), **tuning(args.low_latency, args.streams),
@@ -65,7 +79,8 @@ async def _run(args: argparse.Namespace, cases: list[Case], progress: _benchout.
     runs: Runs = {}
     n = len(_observe.VARIANTS)
     async with AsyncExitStack() as stack:
-        sides = {s: await _side(args, s, stack) for s in _observe.VARIANTS}
+        addresses = await _serving(args, stack)
+        sides = {s: await _side(args, s, addresses[s], stack) for s in _observe.VARIANTS}
         for rep in range(args.repeats):
             for s in [_observe.VARIANTS[(rep + j) % n] for j in range(n)]:
                 progress.step(f"{s} (repeat {rep + 1})")
