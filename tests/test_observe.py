@@ -279,7 +279,8 @@ def test_multiprocess_mode(tmp_path: Path) -> None:
     """)
     env = {**child_env(), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     cmd = [sys.executable, "-c", code]
-    with started(cmd, stderr=subprocess.PIPE, env=env) as one, started(cmd, stderr=subprocess.PIPE, env=env) as two:
+    kw: dict[str, Any] = {"stderr": subprocess.PIPE, "env": env}
+    with started(cmd, **kw) as one, started(cmd, **kw) as two:
         for p in (one, two):  # two processes at once: their series add up
             _, err = p.communicate(timeout=60)
             assert p.returncode == 0, err[-2000:]
