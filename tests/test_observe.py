@@ -209,7 +209,7 @@ async def test_stalls_and_retries_against_a_peer_process() -> None:
     reg = CollectorRegistry()
     async with spawn_peer(observe=aiote.Observability(registry=reg), **TCP) as p:
         e = p.engine
-        d, _, ms = await peer_buffer(p, 64 << 20, seed=3)
+        d, _, ms = await peer_buffer(p, 16 << 20, seed=3)  # (more than the sockets hold)
         os.kill(p.pid, signal.SIGSTOP)
         try:
             with pytest.raises(aiote.TransferStalled) as info:
@@ -535,27 +535,30 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
     cmd = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
            f"--web.listen-address=127.0.0.1:{prom}", "--log.level=warn"]
     env = child_env()
-    with started(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
-        with started(demo_cmd(clean, "--requests", "6"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                     env=env) as demo:
-            assert demo.stdout is not None
-            line = wait_for("the demo's summary", lambda: demo.stdout.readline().strip(), 120)  # type: ignore[union-attr]
-            reported = json.loads(line)
-            assert reported["verified"] and reported["finished"] == 6
-            written = 'sum(aiote_transfer_bytes_total{job="clean",op="write_paged"})'
-            got = wait_for("the scraped bytes", lambda: query(prom, written) == reported["kv_bytes"] or None)
-            assert got
-            assert query(prom, 'aiote_kv_requests_total{job="clean",side="prefill",outcome="ok"}') == 6
-            assert query(prom, 'sum(aiote_transfer_errors_total{job="clean"})') in (None, 0.0)
-        with started(demo_cmd(killed, "--requests", "64", "--layer-ms", "25"), stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, env=env) as demo2:
-            wait_for("the second demo's writes", lambda: b'op="write_paged"' in scrape(killed), 60)
-            children = Path(f"/proc/{demo2.pid}/task/{demo2.pid}/children").read_text().split()
-            os.kill(max(int(c) for c in children), signal.SIGKILL)  # the newest decode worker
-            errors = 'sum(aiote_transfer_errors_total{job="killed"})'
-            wait_for("the error counters to move", lambda: (query(prom, errors) or 0) > 0, 30)
-            failed = 'sum(aiote_kv_requests_total{job="killed",outcome!="ok"})'
-            wait_for("failed requests", lambda: (query(prom, failed) or 0) > 0, 30)
+    quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    with (
+        started(cmd, **quiet),
+        started(demo_cmd(killed, "--requests", "64", "--layer-ms", "25"), env=env, **quiet) as demo2,
+        started(demo_cmd(clean, "--requests", "6"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                env=env) as demo,
+    ):
+        # the second demo: a decode worker killed once its writes are under way
+        wait_for("the second demo's writes", lambda: b'op="write_paged"' in scrape(killed), 60)
+        children = Path(f"/proc/{demo2.pid}/task/{demo2.pid}/children").read_text().split()
+        os.kill(max(int(c) for c in children), signal.SIGKILL)  # the newest decode worker
+        # the first: what it reports, what Prometheus scraped
+        assert demo.stdout is not None
+        line = wait_for("the demo's summary", demo.stdout.readline, 120)
+        reported = json.loads(line)
+        assert reported["verified"] and reported["finished"] == 6
+        written = 'sum(aiote_transfer_bytes_total{job="clean",op="write_paged"})'
+        assert wait_for("the scraped bytes", lambda: query(prom, written) == reported["kv_bytes"])
+        assert query(prom, 'aiote_kv_requests_total{job="clean",side="prefill",outcome="ok"}') == 6
+        assert query(prom, 'sum(aiote_transfer_errors_total{job="clean"})') in (None, 0.0)
+        errors = 'sum(aiote_transfer_errors_total{job="killed"})'
+        wait_for("the error counters to move", lambda: (query(prom, errors) or 0) > 0, 30)
+        failed = 'sum(aiote_kv_requests_total{job="killed",outcome!="ok"})'
+        wait_for("failed requests", lambda: (query(prom, failed) or 0) > 0, 30)
         # every query of the sample dashboard is valid PromQL over these series
         dashboard = json.loads((Path(__file__).parents[1] / "examples" / "grafana-aiote.json").read_text())
         exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]

@@ -215,7 +215,7 @@ class TransferBatch:
         # through once per completion of a batch re-submitted in a loop; observed in place
         end = _end(timeout)
         obs = eng._obs
-        rec, token = (None, None) if obs is None else obs.enter(what)
+        rec, token = (None, None) if obs is None else obs._enter(what)
         try:
             try:
                 eng._opening += 1
@@ -227,10 +227,10 @@ class TransferBatch:
                 await eng._retry_after(exc, attempt, end, eng._retry, what)
         except BaseException as exc:
             if rec is not None:
-                rec.obs.leave(rec, token, exc)
+                rec.obs._leave(rec, token, exc)
             raise
         if rec is not None:
-            rec.obs.leave(rec, token, None)
+            rec.obs._leave(rec, token, None)
 
     async def _submit(
         self,

@@ -101,7 +101,7 @@ class Engine(Collective):
         self._bridge.start()
         self._event = self._bridge.event_class
         if self._obs is not None:
-            self._obs.bind(self._bridge, self._event)
+            self._obs._bind(self._bridge, self._event)
         self._checkpoint_if_cancelled = _checkpoint_if_cancelled_fn()
         self._space = self._event()
         self._scratch = await self.register(bytearray(64), remote_write=False, remote_read=False)
@@ -136,7 +136,7 @@ class Engine(Collective):
             h = self._h
             self._closed = True
             if self._obs is not None:  # its last native read, before the engine is gone
-                self._obs.close()
+                self._obs._close()
             await anyio.to_thread.run_sync(lib.aio_engine_destroy, h)
         for op in self._pending.values():
             op.status = _CLOSED_STATUS

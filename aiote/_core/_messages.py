@@ -205,7 +205,7 @@ class Messages(Observed):
             return
         lib.aio_counter_add(self._h, imm, units)
         if self._obs is not None:
-            self._obs.credit(units)
+            self._obs._credit(units)
 
     def _credits_later(
         self,

@@ -131,9 +131,9 @@ class Source(Protocol):
 
     stats: Stats
 
-    def in_flight(self) -> int: ...
+    def _in_flight(self) -> int: ...
 
-    def credits(self) -> int: ...
+    def _credits(self) -> int: ...
 
 
 class Sink:
@@ -176,8 +176,8 @@ class Sink:
         in_flight = 0
         for s in live:
             out.merge(s.stats)
-            in_flight += s.in_flight()
-            credits += s.credits()
+            in_flight += s._in_flight()
+            credits += s._credits()
         return out, in_flight, credits
 
     def sync(self) -> None:

@@ -172,7 +172,7 @@ class _OpRecord:
             err = EngineClosed(f"{self.what}: the engine closed before the operation completed")
         elif op.status:
             err = _completion_error(op.status, op.prov_errno, self.what)
-        self.obs.end(self, err)
+        self.obs._end(self, err)
 
 
 class Observer:
@@ -225,7 +225,7 @@ class Observer:
 
     # ------------------------------------------------------------------ the engine's side
 
-    def attempts(
+    def _attempts(
         self, base: Callable[..., Coroutine[Any, Any, None]], engine: Any,
         attempt: Callable[[float | None], Any], timeout: float | None, retry: Any, what: str,
     ) -> Coroutine[Any, Any, None]:
@@ -235,38 +235,38 @@ class Observer:
         outer = _GROUPS.get()
         if type(outer) is _OpRecord or type(outer) is _GroupTap:
             return base(engine, attempt, timeout, retry, what)
-        return self.run_as(_OpRecord(self, what), base, engine, attempt, timeout, retry)
+        return self._run_as(_OpRecord(self, what), base, engine, attempt, timeout, retry)
 
-    async def run_as(
+    async def _run_as(
         self, rec: _OpRecord, base: Callable[..., Awaitable[Any]], engine: Any = None,
         attempt: Callable[[float | None], Any] | None = None, timeout: float | None = None, retry: Any = None,
     ) -> None:
         """``base(engine, attempt, timeout, retry, what)`` awaited as the operation of ``rec`` (the
-        groups it begins are its, and its re-posts: see :meth:`counting`), which ends with it."""
+        groups it begins are its, and its re-posts: see :meth:`_counting`), which ends with it."""
         token = _GROUPS.set(rec)
         try:
             await base(engine, attempt, timeout, retry, rec.what)
         except BaseException as exc:
-            self.leave(rec, token, exc)
+            self._leave(rec, token, exc)
             raise
-        self.leave(rec, token, None)
+        self._leave(rec, token, None)
 
-    def enter(self, what: str) -> tuple[_OpRecord, Any]:
+    def _enter(self, what: str) -> tuple[_OpRecord, Any]:
         """An operation made in place (a batch's first attempt inline) begins: the groups this
-        task begins are its until :meth:`leave` (give it the token)."""
+        task begins are its until :meth:`_leave` (give it the token)."""
         rec = _OpRecord(self, what)
         return rec, _GROUPS.set(rec)
 
-    def leave(self, rec: _OpRecord, token: Any, exc: BaseException | None) -> None:
-        """The operation of ``rec`` (:meth:`enter`, :meth:`run_as`) ended, raising ``exc``."""
+    def _leave(self, rec: _OpRecord, token: Any, exc: BaseException | None) -> None:
+        """The operation of ``rec`` (:meth:`_enter`, :meth:`_run_as`) ended, raising ``exc``."""
         _GROUPS.reset(token)
-        self.end(rec, exc)
+        self._end(rec, exc)
 
-    def start(self, what: str) -> _OpRecord:
+    def _start(self, what: str) -> _OpRecord:
         """A record of an operation beginning now."""
         return _OpRecord(self, what)
 
-    def counting(self, attempt: Callable[[float | None], Any]) -> Callable[[float | None], Any]:
+    def _counting(self, attempt: Callable[[float | None], Any]) -> Callable[[float | None], Any]:
         """``attempt``, to be posted again after a broken connection (``_retry_after``): each
         call counted as a retry of the operation observed in this task, if any."""
         rec = _GROUPS.get()
@@ -279,13 +279,13 @@ class Observer:
 
         return again
 
-    def carry(self, rec: _OpRecord, run: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, None]]:
+    def _carry(self, rec: _OpRecord, run: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, None]]:
         """``run`` (a posted operation's background work) as part of ``rec``, which ends with it."""
-        return lambda: self.run_as(rec, lambda *_: run())
+        return lambda: self._run_as(rec, lambda *_: run())
 
-    def end(self, rec: _OpRecord, exc: BaseException | None) -> None:
+    def _end(self, rec: _OpRecord, exc: BaseException | None) -> None:
         """The operation of ``rec`` finished (``exc``: what it raised): its metrics now (a few
-        microseconds), its span, if it gets one, queued for :meth:`run` to make when the loop is
+        microseconds), its span, if it gets one, queued for :meth:`_run` to make when the loop is
         next free (the SDK's tens of microseconds are not in the way of the task that awaited
         it); at once when the engine has no loop task yet."""
         if rec.ended:
@@ -338,15 +338,15 @@ class Observer:
         for rec, op, nbytes, route, nics in batch:
             self._tracer.op_span(rec, op, nbytes, route, nics, rec.exc, _outcome(rec.exc))
 
-    def bind(self, bridge: Any, event_class: Any) -> None:
+    def _bind(self, bridge: Any, event_class: Any) -> None:
         """The engine started on its loop (``bridge``): spans are made by a task of it
-        (:meth:`run`), woken by an event of ``event_class``."""
+        (:meth:`_run`), woken by an event of ``event_class``."""
         if self._tracer is not None:
             self._event_class = event_class
             self._ev = event_class()
-            bridge.spawn(self.run)
+            bridge.spawn(self._run)
 
-    async def run(self) -> None:
+    async def _run(self) -> None:
         """Makes the queued spans whenever there are some, 32 at a time with the other tasks
         let run in between, until :meth:`close`. Raises nothing."""
         while True:
@@ -453,21 +453,21 @@ class Observer:
         self._tables[id(table)] = (table, info)
         return info
 
-    def failover(self, moved: dict[tuple[int, int], int]) -> None:
+    def _failover(self, moved: dict[tuple[int, int], int]) -> None:
         """Requests moved after a link failure: count per (from rail, to rail)."""
         if self._sink is not None:
             for (a, b), n in moved.items():
                 self.stats.add("aiote_failovers", (self._nics[a], self._nics[b]), n)
 
-    def credit(self, units: int) -> None:
+    def _credit(self, units: int) -> None:
         """A deferred credit message counted ``units`` (sub-units of a credit) into a counter."""
         self._msg_credits += units // _CREDIT
 
-    def in_flight(self) -> int:
+    def _in_flight(self) -> int:
         """Operations started and not finished (read by a scrape)."""
         return self._started - self._ended
 
-    def credits(self) -> int:
+    def _credits(self) -> int:
         """Immediates this engine received (read by a scrape, from any thread)."""
         with self._lock:
             if self._h is None:
@@ -476,14 +476,14 @@ class Observer:
             lib.aio_get_stats(self._h, st)
             return int(st.remote_data) + self._msg_credits
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """The engine is closing (before its native engine is destroyed): the spans still
         queued are made; no native read after this; its numbers stay in the registry's series."""
         ev, self._ev = self._ev, None
         if ev is not None:
             ev.set()  # run() returns
         self.flush()
-        final = self.credits()
+        final = self._credits()
         with self._lock:
             self._final_credits = final
             self._h = None

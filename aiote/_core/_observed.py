@@ -33,7 +33,7 @@ class Observed(OpLife):
         obs = self._obs
         if obs is None:
             return OpLife._attempts(self, attempt, timeout, retry, what)
-        return obs.attempts(OpLife._attempts, self, attempt, timeout, retry, what)
+        return obs._attempts(OpLife._attempts, self, attempt, timeout, retry, what)
 
     def _retry_after(  # the slow path: posting again after a broken connection
         self,
@@ -45,5 +45,5 @@ class Observed(OpLife):
     ) -> Coroutine[Any, Any, None]:
         obs = self._obs
         if obs is not None:  # each re-post counted as a retry of the operation observed
-            attempt = obs.counting(attempt)
+            attempt = obs._counting(attempt)
         return OpLife._retry_after(self, exc, attempt, end, policy, what)

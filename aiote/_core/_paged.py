@@ -309,7 +309,7 @@ class Collective(Transfers):
             if self._obs is not None:
                 d = refs[3]  # the pages' routes: page k went over route (first + k) % nroutes
                 hops = np.array([d.routes[i].rail for i in range(d.nroutes)], np.int64)
-                self._obs.failover(_moves(hops[(first + np.arange(n)) % len(hops)], rows["rail"]))
+                self._obs._failover(_moves(hops[(first + np.arange(n)) % len(hops)], rows["rail"]))
             await self._run(rows, refs, _left(end), what, full)
 
         await self._then_credit(data(), credits, end, what, n)

@@ -150,7 +150,7 @@ class Transfer:
                     _POLICY.reset(token)
 
         obs = eng._obs  # observed: the re-posts are one more operation, its attempts retries
-        self._go(run if obs is None else obs.carry(obs.start(what), run))
+        self._go(run if obs is None else obs._carry(obs._start(what), run))
 
     def __del__(self) -> None:
         try:

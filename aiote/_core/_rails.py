@@ -257,7 +257,7 @@ class Rails(Registration):
         self._log.warning("rows moved to other NICs after a link failure", rows=len(out))
         self._failovers += len(out)
         if self._obs is not None:
-            self._obs.failover(_moves(table["rail"], out["rail"]))
+            self._obs._failover(_moves(table["rail"], out["rail"]))
         return out
 
     def _shm_peers(self, op: _Op) -> list[bytes]:
