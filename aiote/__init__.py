@@ -35,6 +35,7 @@ from ._core._errors import (
 )
 from ._core._gpu import UvmWatcher
 from ._core._memory import MemoryRegion
+from ._core._observe import Observability, Observer
 from ._core._options import GpuOptions, PollerOptions, SameHostOptions, TransportOptions
 from ._core._retry import RetryPolicy
 from ._core._routing import DomainGroup, Route
@@ -63,6 +64,8 @@ __all__ = [
     "InvalidArgument",
     "MemoryDescriptor",
     "MemoryRegion",
+    "Observability",
+    "Observer",
     "PeerUnreachable",
     "PollerOptions",
     "ProviderError",

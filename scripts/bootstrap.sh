@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what aiote needs on a Debian/Ubuntu machine that has only Python:
-# libfabric's development files and a C compiler (apt, when missing), etcd (the membership
-# tests start their own servers), a virtualenv in .venv, and the package with its test, bench
-# and docs extras. Idempotent; prints what it does.
+# libfabric's development files, a C compiler, etcd and Prometheus (apt, when missing; the
+# membership and observability tests start their own servers), a virtualenv in .venv, and the
+# package with its test, bench and docs extras. Idempotent; prints what it does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,9 @@ command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+# tests/test_observe.py scrapes a demo with a real Prometheus (its own port and data; the
+# package's system service, where it starts one, is not used)
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 [ -e "$inc/Python.h" ] || need_apt+=(python3-dev)
 "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)

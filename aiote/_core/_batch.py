@@ -212,16 +212,25 @@ class TransferBatch:
             return
         # the first attempt inline: what _attempts(attempt) does without a policy, minus its
         # coroutine layers (_attempts, attempt, _run_group), which the event loop would step
-        # through once per completion of a batch re-submitted in a loop
+        # through once per completion of a batch re-submitted in a loop; observed in place
         end = _end(timeout)
+        obs = eng._obs
+        rec, token = (None, None) if obs is None else obs._enter(what)
         try:
-            eng._opening += 1
             try:
-                await eng._finish(eng._begin(n, refs, None, None, items), post, n, end, timeout, what)
-            finally:
-                eng._opening -= 1
-        except PeerUnreachable as exc:
-            await eng._retry_after(exc, attempt, end, eng._retry, what)
+                eng._opening += 1
+                try:
+                    await eng._finish(eng._begin(n, refs, None, None, items), post, n, end, timeout, what)
+                finally:
+                    eng._opening -= 1
+            except PeerUnreachable as exc:
+                await eng._retry_after(exc, attempt, end, eng._retry, what)
+        except BaseException as exc:
+            if rec is not None:
+                rec.obs._leave(rec, token, exc)
+            raise
+        if rec is not None:
+            rec.obs._leave(rec, token, None)
 
     async def _submit(
         self,

@@ -57,6 +57,8 @@ class Completions(Rails):
                 if kind == _REC_GROUP:
                     op = table.complete(r.token, r.status, r.prov_errno)
                     if op is not None:
+                        if op.obs is not None:  # a posted operation observed (see _observe.py)
+                            op.obs.done(op)
                         op.event.set()
                 elif kind == _REC_COUNTER:
                     c = self._counters.get(r.token)

@@ -9,6 +9,7 @@ The core, top down; a module imports only modules below it:
     _transfers     write, read, write_imm, post_write(_imm)            class Transfers
     _rows          the rows of a transfer; opening routes, connect()   class Rows
     _messages      send/recv, internal messages, deferred credits      class Messages
+    _observed      each operation observed (open_engine(observe=))     class Observed
     _posted        Transfer (a posted write)
     _life          an operation's life: groups, posting, completion,   class OpLife
                    retries, deadline, stalls, cancellation, stranded groups
@@ -17,6 +18,8 @@ The core, top down; a module imports only modules below it:
     _registration  memory registration, the host arena, GPU regions    class Registration
     _state         every field of an engine, the common checks         class EngineState
     _options       open_engine's option objects and their checks
+    _observe, _metrics, _tracing: Observability and the Observer (metrics and spans of
+                   operations and flows; prometheus_client and OpenTelemetry imported only when on)
     _fabric        opening the native engine (providers, rails, pollers)
     _gpu, _counter, _memory, _bridge, _routing, _peers, _arena, _device
     _records, _wire: small records, native constants, error mapping
@@ -47,6 +50,7 @@ from ._fabric import (
     available_providers,
     default_streams,
 )
+from ._observe import Observability, check_observe
 from ._options import (
     _UNSET,
     GpuOptions,
@@ -95,6 +99,8 @@ class Engine(Collective):
         self._bridge = LoopBridge(int(lib.aio_engine_eventfd(self._h)), self._on_ready)
         self._bridge.start()
         self._event = self._bridge.event_class
+        if self._obs is not None:
+            self._obs._bind(self._bridge, self._event)
         self._checkpoint_if_cancelled = _checkpoint_if_cancelled_fn()
         self._space = self._event()
         self._scratch = await self.register(bytearray(64), remote_write=False, remote_read=False)
@@ -130,6 +136,8 @@ class Engine(Collective):
                 await self._bridge.stop()
             h = self._h
             self._closed = True
+            if self._obs is not None:  # its last native read, before the engine is gone
+                self._obs._close()
             await anyio.to_thread.run_sync(lib.aio_engine_destroy, h)
         for op in self._ops.close():
             op.event.set()
@@ -153,6 +161,7 @@ async def open_engine(
     local: SameHostOptions | None = None,
     gpu: GpuOptions | None = None,
     retry: RetryPolicy | None = None,
+    observe: Observability | None = None,
     # each of these is the field of the same name of one of the option objects above (the
     # defaults are theirs); given both ways, InvalidArgument
     max_message_size: int = _UNSET,
@@ -193,7 +202,9 @@ async def open_engine(
     arena) and ``gpu`` (:class:`GpuOptions`: backend, staging, CUDA IPC, direct
     registration, the UVM watch). ``retry``: the default :class:`RetryPolicy` of the engine's
     operations (each takes ``retry=`` too); ``RetryPolicy()`` by default: 3 re-posts after a
-    broken connection, a peer that does not answer for 5 s is unreachable.
+    broken connection, a peer that does not answer for 5 s is unreachable. ``observe``: what
+    the engine exports (:class:`Observability`: Prometheus metrics, OpenTelemetry spans); None,
+    the default, exports nothing and costs nothing (see docs/observability.md).
 
     Every field of an option object is also a keyword argument of the same name
     (``open_engine(streams=2)`` is ``open_engine(transport=TransportOptions(streams=2))``);
@@ -231,7 +242,8 @@ async def open_engine(
     objects = {"transport": transport, "poller": poller, "local": local, "gpu": gpu}
     t, p, s, g = merge_options(objects, keywords)
     nic_list, t, p, s, g = check_options(provider, nics, t, p, s, g, retry)
-    engine = await _open(provider, nic_list, t, p, s, g, retry)
+    check_observe(observe)
+    engine = await _open(provider, nic_list, t, p, s, g, retry, observe)
     try:
         yield engine
     finally:
@@ -246,6 +258,7 @@ async def _open(
     s: SameHostOptions,
     g: GpuOptions,
     retry: RetryPolicy | None,
+    observe: Observability | None = None,
 ) -> Engine:
     """Opens the native engine (in a worker thread: it blocks for milliseconds) and starts
     the Python side over it; options already checked."""
@@ -269,7 +282,12 @@ async def _open(
             pollers=p.pollers,
         )
     )
-    engine = Engine(h, rails, transport=t, poller=p, local=s, gpu=g, retry=retry, arena=arena)
+    try:
+        engine = Engine(h, rails, transport=t, poller=p, local=s, gpu=g, retry=retry, arena=arena,
+                        observe=observe)
+    except BaseException:
+        await anyio.to_thread.run_sync(lib.aio_engine_destroy, h)
+        raise
     try:
         await engine._start()
     except BaseException:

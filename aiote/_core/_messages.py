@@ -14,9 +14,9 @@ from ._counter import ImmCounter
 from ._credits import GroupView, SendAfterTimeout, SendWhenLanded, after_data, all_landed
 from ._descriptor import EngineAddress
 from ._errors import EngineClosed, InvalidArgument, TransferTimeout
-from ._life import OpLife
+from ._observed import Observed
 from ._optable import _Op
-from ._records import _GROUPS, _end, _Held, _left, _RecvWaiter
+from ._records import _GROUPS, _end, _groups_list, _Held, _left, _RecvWaiter
 from ._retry import RetryPolicy
 from ._routing import addr_ends
 from ._util import as_index, check_timeout, timeout_error, wait_until
@@ -34,7 +34,7 @@ from ._wire import (
 )
 
 
-class Messages(OpLife):
+class Messages(Observed):
     """Messages: send/recv, message slots, and the engine's internal credit messages."""
 
     def _on_message(self, rail: int, slot: int, length: int, status: int) -> None:
@@ -120,7 +120,7 @@ class Messages(OpLife):
         if not credits:
             await data
             return
-        groups: list[_Op] = []
+        groups: list[_Op] = _groups_list()
         token = _GROUPS.set(groups)
         try:
             await data
@@ -205,6 +205,8 @@ class Messages(OpLife):
             self._log.info("a credit posted twice was counted once", imm=imm)
             return
         lib.aio_counter_add(self._h, imm, units)
+        if self._obs is not None:
+            self._obs._credit(units)
 
     def _credits_later(
         self,
@@ -345,6 +347,8 @@ class Messages(OpLife):
 
         self._sends[key] = n + 1
         names = frozenset({key})
+        if self._obs is not None:
+            self._obs.unit = data.nbytes
         try:
             await self._attempts(
                 lambda t: self._run_group(post, 1, None, t, "send", names=names), _left(end), retry, "send"

@@ -56,8 +56,8 @@ class _Op:
     """One posted group of work requests, from its opening to its completion record."""
 
     __slots__ = (
-        "alts", "done", "event", "failover", "g", "names", "path", "posted", "prov_errno", "rails", "refs",
-        "status",
+        "alts", "done", "event", "failover", "g", "names", "obs", "path", "posted", "prov_errno", "rails",
+        "refs", "status",
     )
 
     def __init__(self, refs: Any, event: Any) -> None:
@@ -75,6 +75,7 @@ class _Op:
         # engine may forget other peers while it is pending (see Rails._maybe_sweep)
         self.names: frozenset[tuple[int, int]] | None = None
         self.path: Any = None  # the routes of its one peer, where known (see Rails._shm_peers)
+        self.obs: Any = None  # a posted operation's observation, ended by its completion (_drain)
 
     def complete(self, status: int, prov_errno: int) -> None:
         """Its completion record arrived: the transport let go of every request (and of

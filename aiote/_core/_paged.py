@@ -13,6 +13,7 @@ from ._batch import TransferBatch
 from ._descriptor import DEVICE_CUDA, MemoryDescriptor
 from ._errors import InvalidArgument
 from ._memory import MemoryRegion
+from ._rails import _moves
 from ._records import ScatterTarget, _direct_hop, _end, _left
 from ._retry import RetryPolicy
 from ._transfers import Transfers
@@ -305,6 +306,10 @@ class Collective(Transfers):
                 (first + np.arange(n)) % len(live),
             )
             self._failovers += n
+            if self._obs is not None:
+                d = refs[3]  # the pages' routes: page k went over route (first + k) % nroutes
+                hops = np.array([d.routes[i].rail for i in range(d.nroutes)], np.int64)
+                self._obs._failover(_moves(hops[(first + np.arange(n)) % len(hops)], rows["rail"]))
             await self._run(rows, refs, _left(end), what, full)
 
         await self._then_credit(data(), credits, end, what, n)

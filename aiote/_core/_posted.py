@@ -150,7 +150,8 @@ class Transfer:
                 if token is not None:
                     _POLICY.reset(token)
 
-        self._go(run)
+        obs = eng._obs  # observed: the re-posts are one more operation, its attempts retries
+        self._go(run if obs is None else obs._carry(obs._start(what), run))
 
     def __del__(self) -> None:
         try:

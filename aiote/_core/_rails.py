@@ -242,6 +242,8 @@ class Rails(Registration):
         out = reroute(table, full, self._router.live(full), self._router.start(full))
         self._log.warning("rows moved to other NICs after a link failure", rows=len(out))
         self._failovers += len(out)
+        if self._obs is not None:
+            self._obs._failover(_moves(table["rail"], out["rail"]))
         return out
 
     def _shm_peers(self, op: _Op) -> list[bytes]:
@@ -288,3 +290,10 @@ class Rails(Registration):
         """The NICs an operation's requests left through, for error messages."""
         rails = sorted(op.rails or op.alts or _rails_of(op))
         return ", ".join(f"{self._rails[i].provider}/{self._rails[i].domain}" for i in rails) or "?"
+
+
+def _moves(before: np.ndarray, after: np.ndarray) -> dict[tuple[int, int], int]:
+    """How many rows went from each rail to each other rail (failover metrics)."""
+    pairs = np.stack([before.astype(np.int64), after.astype(np.int64)], axis=1)
+    moved, counts = np.unique(pairs, axis=0, return_counts=True)
+    return {(int(a), int(b)): int(n) for (a, b), n in zip(moved.tolist(), counts.tolist(), strict=True)}

@@ -23,8 +23,9 @@ from ._util import check_timeout, now
 _log = get_logger(component="engine")
 # where a caller collects the groups its operations left on a failed link (see collect_stranded)
 _STRANDED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("aiote_stranded", default=None)
-# where an operation with deferred credits collects the groups its data goes in (see _then_credit)
-_GROUPS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("aiote_groups", default=None)
+# where an operation with deferred credits collects the groups its data goes in (see
+# _then_credit), and where an observed operation's record is (its `append` taps each group)
+_GROUPS: contextvars.ContextVar[Any] = contextvars.ContextVar("aiote_groups", default=None)
 # the retry policy of the operation running in this task (and the tasks it starts)
 _POLICY: contextvars.ContextVar[RetryPolicy | None] = contextvars.ContextVar("aiote_retry", default=None)
 
@@ -83,6 +84,29 @@ class ScatterTarget:
     length: int | None
     src_offset: int = 0
     dst_offset: int = 0
+
+
+class _GroupTap(list[Any]):
+    """A ``_GROUPS`` collector that also hands each group, as it begins, to ``tap`` (an observed
+    operation's record, see _observe.py); :func:`_groups_list` passes the tap on to the
+    collectors of the operation's inner steps."""
+
+    __slots__ = ("tap",)
+
+    def __init__(self, tap: Callable[[Any], None]) -> None:
+        super().__init__()
+        self.tap = tap
+
+    def append(self, op: Any) -> None:
+        super().append(op)
+        self.tap(op)
+
+
+def _groups_list() -> list[Any]:
+    """A new collector for ``_GROUPS`` that keeps the enclosing one's tap, if any (an
+    observed operation's record, or a ``_GroupTap`` of one)."""
+    tap = getattr(_GROUPS.get(), "tap", None)
+    return [] if tap is None else _GroupTap(tap)
 
 
 class _Group:

@@ -24,6 +24,7 @@ from ._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._errors import EngineClosed, InvalidArgument
 from ._gpu import GpuSupport
 from ._memory import MemoryRegion
+from ._observe import Observability, Observer
 from ._optable import OpTable
 from ._options import GpuOptions, PollerOptions, SameHostOptions, TransportOptions
 from ._peers import PeerBook
@@ -47,6 +48,7 @@ class EngineState:
         gpu: GpuOptions,
         retry: RetryPolicy | None = None,
         arena: Arena | None = None,
+        observe: Observability | None = None,
     ) -> None:
         """The Python side of the native engine ``handle`` over ``rails``, with the options
         open_engine checked (``transport.streams`` resolved) and its host arena, if any."""
@@ -147,6 +149,8 @@ class EngineState:
         )
         self._direct_attached: dict[tuple[int, int], int] = {}
         self._direct_codes: dict[int, tuple[MemoryDescriptor, tuple[int, int]]] = {}
+        # metrics and spans (see _observe.py); None: off, one `is None` test per operation
+        self._obs: Observer | None = Observer(observe, rails, handle) if observe is not None else None
 
     # ------------------------------------------------------------------ properties
 

@@ -319,7 +319,11 @@ class Transfers(Rows):
             return self._run_group(post, n, own, t, what, None, None, items)
 
         st = self._begin(n, own, None, None, items, quiet=True)
+        rec = None if self._obs is None else self._obs._start(what)
+        if rec is not None:
+            rec.tap(st.op)
         if st.first == n:  # posted and sealed: only the completion is left (a quiet one)
+            st.op.obs = rec  # (observed: ended by the completion, see _drain)
             return Transfer(self, what, st.op, again, retry)
         if st.g >= 0:  # not sealed: the task finishing it waits as usual, woken as usual
             lib.aio_group_quiet(self._h, st.g, 0)
@@ -331,7 +335,10 @@ class Transfers(Rows):
             else:
                 await again(t)
 
-        return self._background(lambda: self._attempts(attempt, None, retry, what), what)
+        def run() -> Awaitable[None]:
+            return self._attempts(attempt, None, retry, what)
+
+        return self._background(run if rec is None else rec.obs._carry(rec, run), what)
 
     def _background(self, run: Callable[[], Awaitable[Any]], what: str) -> Transfer:
         """A :class:`Transfer` whose work ``run()`` goes on in a background task of the engine."""

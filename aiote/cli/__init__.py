@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, demo, info, kvdemo
+from . import _benchobs, bench, demo, info, kvdemo
 
 __all__ = ["main"]
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_arguments(b)
     args = ap.parse_args(argv)
     if args.command == "bench":
-        return bench.main(args)
+        return _benchobs.main(args) if args.observe and not args.listen else bench.main(args)
     if args.command == "info":
         return info.main(args)
     if args.command == "demo":

@@ -319,13 +319,14 @@ def bench_same_host(provider: str) -> str | None:
 
 async def serve(provider: str, nics: Sequence[str] | None, *, port: int | None, once: bool,
                 max_message: int, low_latency: bool = False, streams: int | None = None,
-                tcp_send_buffer: int | None = None, pollers: int | None = None) -> None:
+                tcp_send_buffer: int | None = None, pollers: int | None = None,
+                observe: aiote.Observability | None = None) -> None:
     """The ``--listen`` side: opens an engine, prints ``AIOTE_BENCH_LISTEN <address hex>`` and
     serves measuring sides one after the other (with ``once``: until the first one leaves)."""
     same_host = bench_same_host(provider)
     async with aiote.open_engine(
         provider, list(nics) if nics else None, same_host=same_host, port=port, max_message_size=max_message,
-        **tuning(low_latency, streams, tcp_send_buffer, pollers),
+        observe=observe, **tuning(low_latency, streams, tcp_send_buffer, pollers),
     ) as e:
         sys.stdout.write(f"{READY} {e.address.hex()}\n")
         sys.stdout.flush()

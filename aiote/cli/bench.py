@@ -43,7 +43,7 @@ from aiote._core._engine import KNOWN_PROVIDERS, auto_pollers, available_provide
 from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line, stop_process
 
-from . import _benchout
+from . import _benchout, _observe
 from ._benchnet import (
     BULK,
     ECHO,
@@ -256,7 +256,8 @@ async def py_paged(remote: Remote, page: int, npages: int, calls: int) -> float:
 
 
 async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
-    """{50: p50, 99: p99} one-way latency in µs of a WriteImm ping-pong (RTT / 2)."""
+    """{50: p50, 99: p99} one-way latency in µs of a WriteImm ping-pong (RTT / 2), and under
+    CPU_WRITER_MAIN the event-loop thread's CPU µs per round trip."""
     e = remote.engine
     mine = await e.register(np.zeros(64, np.uint8))
     try:
@@ -269,13 +270,15 @@ async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
                     120, op="pong", remote=bytes(mine.descriptor).hex(), iters=iters + WARM, ping=4, pong=5
                 )
             )
+            c0 = time.thread_time()
             for i in range(iters + WARM):  # warm-up round trips first
                 t0 = time.perf_counter()
                 await e.write_imm(theirs, 4)
                 await pong.wait(1, timeout=30)
                 if i >= WARM:
                     rtts.append(time.perf_counter() - t0)
-        return _percentiles(rtts)
+            cpu = (time.thread_time() - c0) / (iters + WARM) * 1e6
+        return {**_percentiles(rtts), CPU_WRITER_MAIN: cpu}
     finally:
         await e.unregister(mine)
 
@@ -375,7 +378,7 @@ Figures = dict[tuple[Case, int], float]
 
 async def run_config(
     args: argparse.Namespace, config: Config, cases: list[Case], with_c: bool, progress: _benchout.Progress,
-    c_first: bool = True,
+    c_first: bool = True, observe: aiote.Observability | None = None,
 ) -> tuple[Figures, Figures, Figures]:
     """Runs every case once on one (provider, NICs, loop): Python figures, and (``with_c``)
     the C core's figures and, for tcp writes, the bare sockets' (:func:`sockets_args`),
@@ -405,7 +408,7 @@ async def run_config(
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
-            **tuning(args.low_latency, args.streams, args.tcp_send_buffer, args.pollers),
+            observe=observe, **tuning(args.low_latency, args.streams, args.tcp_send_buffer, args.pollers),
         ) as e:
             remote = Remote(e, address)
             hello = await remote.call(op="hello")
@@ -511,6 +514,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--arena", action="store_true",
                     help="write, read: both sides' buffers from their engines' host arenas "
                          "(Engine.alloc_host; same-host peers memcpy into them), and the C core's the same")
+    ap.add_argument("--observe", action="store_true",
+                    help="the cost of observability: write and imm-latency (or the modes given) with "
+                         "metrics, and metrics and tracing, against neither, paired in one run")
+    ap.add_argument("--observe-setting", choices=_observe.VARIANTS, default=None, help=argparse.SUPPRESS)
+    _observe.add_arguments(ap)
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -603,12 +611,24 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"aiote bench: {why}\n")
         return 2
     nic_sets: list[tuple[str, ...] | None] = [tuple(_split(n)) for n in args.nics] if args.nics else [None]
+    exporter = _observe.Exporter(args, "bench")  # --metrics-port, --trace-dir
+    observe = _observe.variant(args.observe_setting) if args.observe_setting else exporter.observe
+    try:
+        return _main(args, providers, loops, nic_sets, observe)
+    finally:
+        exporter.close()
+
+
+def _main(
+    args: argparse.Namespace, providers: list[str], loops: list[str], nic_sets: list[tuple[str, ...] | None],
+    observe: aiote.Observability | None,
+) -> int:
     if args.listen:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends serving
             anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
                                     max_message=args.max_message, low_latency=args.low_latency,
                                     streams=args.streams, tcp_send_buffer=args.tcp_send_buffer,
-                                    pollers=args.pollers))
+                                    pollers=args.pollers, observe=observe))
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
@@ -626,7 +646,7 @@ def main(args: argparse.Namespace) -> int:
     per_run = len(cases) * len(configs) + (0 if why_no_c else per_c)
     progress = _benchout.Progress(per_run * args.repeats)
     during = _OthersCpu()
-    py, cc, sk = _measure(args, configs, cases, loops, why_no_c, progress)
+    py, cc, sk = _measure(args, configs, cases, loops, why_no_c, progress, observe)
     rows = [row for config in configs for row in _rows(args, config, cases, py, cc, sk)]
     others, steal, after = _noise_after(during)
     result = {
@@ -663,7 +683,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _measure(
     args: argparse.Namespace, configs: list[Config], cases: list[Case], loops: list[str],
-    why_no_c: str | None, progress: _benchout.Progress,
+    why_no_c: str | None, progress: _benchout.Progress, observe: aiote.Observability | None = None,
 ) -> tuple[ByRepeat, ByRepeat, dict[tuple[Any, ...], list[float]]]:
     """Every repeat of every config, each in its own event loop: the figures of aiote and of
     the C core by repeat (the ratio pairs each aiote figure with the C core's of the same
@@ -680,7 +700,7 @@ def _measure(
                     backend, options = "asyncio", {"use_uvloop": True}
                 with_c = not why_no_c and loop == loops[0]
                 got_py, got_c, got_sk = anyio.run(
-                    run_config, args, config, cases, with_c, progress, rep % 2 == 0,
+                    run_config, args, config, cases, with_c, progress, rep % 2 == 0, observe,
                     backend=backend, backend_options=options,
                 )
                 for (case, k), v in got_py.items():

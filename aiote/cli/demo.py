@@ -19,6 +19,7 @@ import aiote
 from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line
 
+from . import _observe
 from .bench import parse_size
 
 IMM_DATA = 1
@@ -68,9 +69,11 @@ async def receiver(size: int, provider: str, backend_note: str) -> None:
         await engine.recv(timeout=60)  # the writer's goodbye: it is done with our region
 
 
-async def writer(peer: bytes, size: int, chunk: int, window: int, provider: str) -> dict[str, Any]:
+async def writer(
+    peer: bytes, size: int, chunk: int, window: int, provider: str, observe: aiote.Observability | None = None
+) -> dict[str, Any]:
     """Writes ``size`` bytes in ``chunk``-sized WriteImm writes, ``window`` in flight."""
-    async with aiote.open_engine(provider, same_host=None) as engine:  # tcp even on one host
+    async with aiote.open_engine(provider, same_host=None, observe=observe) as engine:  # tcp even on one host
         src = np.empty(size, np.uint8)
         fill_pattern(src)
         mr = await engine.register(src, remote_write=False, remote_read=False)
@@ -108,16 +111,21 @@ async def writer(peer: bytes, size: int, chunk: int, window: int, provider: str)
 
 
 async def run(args: argparse.Namespace) -> int:
+    async with _observe.exporting(args, "writer") as observe:
+        return await _run(args, observe)
+
+
+async def _run(args: argparse.Namespace, observe: aiote.Observability | None) -> int:
     cmd = python_module("aiote", "write-demo", "--role", "receiver", "--size", str(args.size),
                         "--provider", args.provider, "--backend", args.backend)
     async with await anyio.open_process(cmd, stdout=-1, stderr=None, env=child_env()) as proc:
         address = bytes.fromhex((await ready_line(proc, "AIOTE_DEMO", 60)).split()[1])
-        result = await writer(address, args.size, args.chunk, args.window, args.provider)
+        result = await writer(address, args.size, args.chunk, args.window, args.provider, observe)
         with anyio.fail_after(60):
             await proc.wait()
         result["receiver_exit"] = proc.returncode
     ok = result["verified"] and result["receiver_exit"] == 0
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
     return 0 if ok else 1
 
 
@@ -129,6 +137,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--provider", default="tcp", help="libfabric provider (default tcp on lo)")
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--role", default="main", choices=["main", "receiver"], help=argparse.SUPPRESS)
+    _observe.add_arguments(ap)
 
 
 def main(args: argparse.Namespace) -> int:

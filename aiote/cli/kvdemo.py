@@ -34,6 +34,8 @@ from aiote import kv, membership
 from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line
 
+from . import _observe
+
 SEED = 20251107
 
 
@@ -73,9 +75,12 @@ def _nics(args: argparse.Namespace) -> list[str] | None:
     return [n for n in v.split(",") if n] if v else None
 
 
-async def _engine(stack: AsyncExitStack, args: argparse.Namespace) -> aiote.Engine:
-    """The process's engine (``--provider``, ``--nics``, ``--same-host``), entered on ``stack``."""
-    engine = aiote.open_engine(args.provider, _nics(args), same_host=_same_host(args))
+async def _engine(
+    stack: AsyncExitStack, args: argparse.Namespace, observe: aiote.Observability | None = None
+) -> aiote.Engine:
+    """The process's engine (``--provider``, ``--nics``, ``--same-host``, and what it
+    exports), entered on ``stack``."""
+    engine = aiote.open_engine(args.provider, _nics(args), same_host=_same_host(args), observe=observe)
     return await stack.enter_async_context(engine)
 
 
@@ -102,7 +107,8 @@ async def decode_main(args: argparse.Namespace) -> None:
     prefill = bytes.fromhex(args.prefill) if args.prefill else None
     done = {"verified": 0, "bad": 0, "failed": 0, "requests": 0}
     async with AsyncExitStack() as stack:
-        engine = await _engine(stack, args)
+        observe = await stack.enter_async_context(_observe.exporting(args, "decode"))
+        engine = await _engine(stack, args, observe)
         registry = (await _members(stack, args)).group(args.group, ttl=args.ttl) if args.etcd else None
         leave = anyio.Event()
 
@@ -231,6 +237,7 @@ async def spawn_decoder(args: argparse.Namespace, prefill: bytes, name: str) -> 
         str(args.kv_timeout),
         *([] if getattr(args, "verify", True) else ["--no-verify"]),
         *(["--cancel-every", str(args.cancel_every)] if getattr(args, "cancel_every", 0) else []),
+        *_observe.child_arguments(args),
     ]
     proc = await anyio.open_process(cmd, stdin=-1, stdout=-1, stderr=None, env=child_env())
     await ready_line(proc, "AIOTE_KV_DECODER", 60)
@@ -271,11 +278,11 @@ class Progress:
 
 
 async def _prefill_server(
-    stack: AsyncExitStack, args: argparse.Namespace, layout: kv.KVLayout
+    stack: AsyncExitStack, args: argparse.Namespace, layout: kv.KVLayout, observe: aiote.Observability | None
 ) -> kv.PrefillServer:
     """The demo's prefill server (and its engine, and with ``--etcd`` its watch of the
     decoders' group), entered on ``stack``."""
-    engine = await _engine(stack, args)
+    engine = await _engine(stack, args, observe)
     watch = None
     if args.etcd:
         watch = await stack.enter_async_context((await _members(stack, args)).watch(args.group))
@@ -284,6 +291,13 @@ async def _prefill_server(
 
 
 async def prefill_main(args: argparse.Namespace) -> int:
+    """The demo's prefill process (this one); /metrics and spans while it runs (and
+    ``--metrics-linger`` seconds after its summary)."""
+    async with _observe.exporting(args, "prefill") as observe:
+        return await _prefill_run(args, observe)
+
+
+async def _prefill_run(args: argparse.Namespace, observe: aiote.Observability | None) -> int:
     layout = _layout(args)
     block = _block(layout)
     rng = np.random.default_rng(7)
@@ -292,7 +306,7 @@ async def prefill_main(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     failed = 0
     async with AsyncExitStack() as stack:
-        prefill = await _prefill_server(stack, args, layout)
+        prefill = await _prefill_server(stack, args, layout, observe)
         engine = prefill.engine
         decoders = [await spawn_decoder(args, engine.address, f"decoder-{i + 1}") for i in range(2)]
         await prefill.wait_for_decoders(2, timeout=60)
@@ -416,7 +430,7 @@ def _report(
         "backend": args.backend,
         "etcd": args.etcd,
     }
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
     return 0 if ok else 1
 
 
@@ -457,6 +471,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill", help=argparse.SUPPRESS)
     ap.add_argument("--no-verify", dest="verify", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--cancel-every", type=int, default=0, help=argparse.SUPPRESS)
+    _observe.add_arguments(ap)
 
 
 def main(args: argparse.Namespace) -> int:

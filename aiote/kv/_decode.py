@@ -19,6 +19,7 @@ from .._core._engine import Engine
 from .._core._errors import AioteError, EngineClosed, InvalidArgument, PeerUnreachable, TransferTimeout
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
+from .._core._observe import KVRequestObs
 from .._core._util import deadline
 from . import _proto
 from ._layout import KVLayout, PageAllocator
@@ -57,6 +58,7 @@ class DecodeRequest:
         self._done_by_user = False
         self._freed = False
         self._watch_scope = anyio.CancelScope()
+        self._obs: KVRequestObs | None = None  # its metrics and span (an observed engine)
 
     @property
     def ready(self) -> bool:
@@ -376,7 +378,9 @@ class DecodeWorker:
             if t == "admit":
                 if sender not in self._gone:
                     self._prefills.add(sender)
-                await self._admit(sender, int(msg["rid"]), int(msg["tokens"]))
+                trace = msg.get("trace")
+                trace = trace if isinstance(trace, str) else None
+                await self._admit(sender, int(msg["rid"]), int(msg["tokens"]), trace)
             elif t == "released":
                 r = self._requests.get((sender, int(msg["rid"])))
                 if r is not None:
@@ -394,7 +398,7 @@ class DecodeWorker:
                     r._wake_all()
                     self._maybe_free(r)
 
-    async def _admit(self, prefill: bytes, rid: int, tokens: int) -> None:
+    async def _admit(self, prefill: bytes, rid: int, tokens: int, trace: str | None = None) -> None:
         assert self._tg is not None
         n = self.layout.pages_for(tokens)
         if self._leaving:
@@ -409,16 +413,29 @@ class DecodeWorker:
             seq = next(self._seq) & 0xFFFFFF
         self._active_seqs.add(seq)
         r = DecodeRequest(self, prefill, rid, seq, tokens, pages)
+        observer = self.engine.observer
+        if observer is not None:  # its span joins the prefill side's trace (`trace`)
+            r._obs = observer.kv_request("decode", trace)
+            r._obs.set(rid=rid, tokens=tokens)
         self._requests[(prefill, rid)] = r
         self._admitted.append(r)
         self._admitted_ev.set()
         self._admitted_ev = anyio.Event()
         self._tg.start_soon(self._watch_scoped, r)
-        await self._tell(prefill, _proto.encode("pages", rid=rid, imm=seq, pages=pages.tolist()))
+        with _proto.active(r._obs):
+            await self._tell(prefill, _proto.encode("pages", rid=rid, imm=seq, pages=pages.tolist()))
 
     async def _watch_scoped(self, r: DecodeRequest) -> None:
-        with r._watch_scope:
-            await self._watch(r)
+        with r._watch_scope, _proto.active(r._obs):
+            try:
+                await self._watch(r)
+            finally:
+                if r._obs is not None:  # its outcome, and the time from admission to every layer
+                    ready = r.ready_at if r.error is None else None
+                    why = r.error or RequestFailed("cancelled")  # (no error: the worker left first)
+                    outcome = "ok" if ready is not None else _proto.outcome(why)
+                    spent = None if ready is None else ready - r.admitted_at
+                    r._obs.end(outcome, transfer_s=spent, error=r.error)
 
     async def _watch(self, r: DecodeRequest) -> None:
         """Waits for every layer of ``r`` (one credit per page of K and of V), layer by layer."""

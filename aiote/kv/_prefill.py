@@ -20,6 +20,7 @@ from .._core._engine import Engine
 from .._core._errors import AioteError, EngineClosed, InvalidArgument, PeerUnreachable, TransferTimeout
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
+from .._core._observe import KVRequestObs
 from .._core._util import deadline
 from . import _proto
 from ._decode import RequestFailed
@@ -98,7 +99,9 @@ class PrefillRequest:
         self.seq = 0
         self.started_at = time.monotonic()
         self.granted_at: float | None = None
+        self.first_layer_at: float | None = None
         self.last_layer_at: float | None = None
+        self.writes_done_at: float | None = None  # when its last layer write completed
         self.kv_complete_at: float | None = None  # reported by the decoder
         self.error: BaseException | None = None
         self.cancelled = False
@@ -113,6 +116,7 @@ class PrefillRequest:
         self._stranded: list[object] = []  # groups its writes left on a failed link
         self._sent_layers = 0
         self.kv_complete = anyio.Event()
+        self._obs: KVRequestObs | None = None  # its metrics and span (an observed engine)
 
     def page(self, layer: int, kv: int, i: int) -> np.ndarray:
         """The bytes of the request's ``i``-th page of layer ``layer`` in the prefill pool. A
@@ -133,6 +137,8 @@ class PrefillRequest:
         if not 0 <= layer < self._s.layout.layers:
             raise InvalidArgument(f"layer {layer} is out of range")
         assert self.dst_pages is not None and self._s._tg is not None
+        if self.first_layer_at is None:
+            self.first_layer_at = time.monotonic()
         if layer == self._s.layout.layers - 1:
             self.last_layer_at = time.monotonic()
         self._writes += 1
@@ -146,7 +152,7 @@ class PrefillRequest:
         assert self.dst_pages is not None and s._mr is not None
         try:
             if self.error is None:
-                with s.engine._collect_stranded(self._stranded):
+                with s.engine._collect_stranded(self._stranded), _proto.active(self._obs):
                     await s.engine.write_paged(
                         s._mr,
                         self.decoder.desc,
@@ -177,6 +183,7 @@ class PrefillRequest:
         finally:
             self._writes -= 1
             if self._writes == 0:
+                self.writes_done_at = time.monotonic()
                 self._writes_done.set()
                 if self.error is not None and not self._abandoned:
                     # the decoder may free its pages; ours wait for finish()/cancel()
@@ -350,6 +357,8 @@ class PrefillServer:
         n = self.layout.pages_for(tokens)
         if n > self.layout.pool_pages:
             raise InvalidArgument(f"{tokens} tokens need {n} pages; the pool has {self.layout.pool_pages}")
+        observer = self.engine.observer
+        obs = observer.kv_request("prefill") if observer is not None else None
         try:
             with anyio.fail_after(timeout) if timeout is not None else nullcontext():
                 pages = self._alloc.take(n)
@@ -358,14 +367,23 @@ class PrefillServer:
                     await ev.wait()
                     pages = self._alloc.take(n)
                 try:
-                    return await self._route(tokens, pages)
+                    return await self._route(tokens, pages, obs)
                 except BaseException:
                     self._give(pages)
                     raise
-        except TimeoutError:
-            raise RequestFailed(f"no decoder took a request of {tokens} tokens within {timeout} s") from None
+        except BaseException as exc:
+            failed = exc
+            if isinstance(exc, TimeoutError):
+                failed = RequestFailed(f"no decoder took a request of {tokens} tokens within {timeout} s")
+            if obs is not None:
+                obs.end(_proto.outcome(failed), error=failed)
+            if failed is exc:
+                raise
+            raise failed from None
 
-    async def _route(self, tokens: int, pages: np.ndarray) -> PrefillRequest:
+    async def _route(
+        self, tokens: int, pages: np.ndarray, obs: KVRequestObs | None = None
+    ) -> PrefillRequest:
         while True:
             live = self.live_decoders
             while not live:
@@ -374,13 +392,17 @@ class PrefillServer:
             d = self.policy(live)
             rid = next(self._rids)
             r = PrefillRequest(self, rid, tokens, pages, d)
+            r._obs = obs
             self._requests[rid] = r
             d.in_flight.add(rid)
             granted = False
             try:
                 try:
-                    msg = _proto.encode("admit", rid=rid, tokens=tokens)
-                    await self.engine.send(d.address, msg, timeout=10)
+                    trace = obs.traceparent() if obs is not None else None
+                    msg = (_proto.encode("admit", rid=rid, tokens=tokens, trace=trace) if trace
+                           else _proto.encode("admit", rid=rid, tokens=tokens))
+                    with _proto.active(obs):
+                        await self.engine.send(d.address, msg, timeout=10)
                 except (PeerUnreachable, TransferTimeout) as exc:
                     self._decoder_dead(d, exc)
                 with anyio.move_on_after(self.admit_timeout):
@@ -441,20 +463,37 @@ class PrefillServer:
                     self._requests.pop(r.rid, None)
             return
         r._released = True
+        if r._obs is not None:
+            self._observe_end(r, ok)
         r.decoder.in_flight.discard(r.rid)
         # a decoder dropped by the membership may live on: tell it, so its pages go back
         if r.dst_pages is not None and (r.decoder.expired or not r.decoder.dead) and self._tg is not None:
             why = "" if ok else str(r.error)
-            self._tg.start_soon(self._tell, r.decoder, _proto.encode("released", rid=r.rid, ok=ok, why=why))
+            msg = _proto.encode("released", rid=r.rid, ok=ok, why=why)
+            self._tg.start_soon(self._tell, r.decoder, msg, r._obs)
         if r.decoder.leaving and not r.decoder.in_flight:
             self.decoders.pop(r.decoder.address, None)
         if r.kv_complete.is_set() or not ok:
             self._requests.pop(r.rid, None)
             r.kv_complete.set()
 
-    async def _tell(self, d: DecoderInfo, payload: bytes) -> None:
+    def _observe_end(self, r: PrefillRequest, ok: bool) -> None:
+        """The request's metrics and span: its outcome, and when every layer was written its
+        transfer time (first layer posted to last write completed) and tail (from the last
+        layer's send_layer)."""
+        assert r._obs is not None
+        done, first, last = r.writes_done_at, r.first_layer_at, r.last_layer_at
+        transfer = tail = None
+        if ok and done is not None and first is not None and last is not None:
+            transfer, tail = done - first, done - last
+        r._obs.set(rid=r.rid, tokens=r.tokens, layers=r._sent_layers)
+        outcome = "ok" if ok else ("cancelled" if r.cancelled else "failed")
+        r._obs.end(outcome, transfer_s=transfer, tail_s=tail, error=None if ok else r.error)
+
+    async def _tell(self, d: DecoderInfo, payload: bytes, obs: KVRequestObs | None = None) -> None:
         try:
-            await self.engine.send(d.address, payload, timeout=10)
+            with _proto.active(obs):  # the message's span in its request's trace
+                await self.engine.send(d.address, payload, timeout=10)
         except (PeerUnreachable, TransferTimeout) as exc:
             self._decoder_dead(d, exc)
         except EngineClosed:

@@ -2,8 +2,10 @@
 
 decoder -> prefill: hello {pool, layout}, bye, pages {rid, imm, pages}, reject {rid, why},
                     cancel {rid}, ready {rid, at}
-prefill -> decoder: admit {rid, tokens}, released {rid, ok, why}
+prefill -> decoder: admit {rid, tokens, trace?}, released {rid, ok, why}
 
+``trace``: the prefill side's request span as a W3C ``traceparent`` (engines opened with
+tracing, see docs/observability.md): the decode side's spans of the request join its trace.
 ``imm``: the decoder names each request by a 24-bit sequence number it never reuses while
 the request can still be written; layer ``l`` of the request carries ``imm << 8 | l``.
 """
@@ -12,10 +14,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from .._core._engine import Engine
 from .._core._errors import EngineClosed
+from .._core._observe import KVRequestObs
 
 TAG = "aiote.kv/1"
 
@@ -50,3 +54,18 @@ async def messages(engine: Engine) -> AsyncIterator[tuple[bytes, dict[str, Any]]
         msg = decode(payload)
         if msg is not None:
             yield sender, msg
+
+
+_NOOP = nullcontext()
+
+
+def active(obs: KVRequestObs | None) -> AbstractContextManager[Any]:
+    """``obs.active()`` (the request's span current inside it), or a no-op without one."""
+    return _NOOP if obs is None else obs.active()
+
+
+def outcome(error: BaseException | None) -> str:
+    """A finished request's outcome label: ok, cancelled (by either side) or failed."""
+    if error is None:
+        return "ok"
+    return "cancelled" if "cancel" in str(error) else "failed"

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import InvalidArgument, Transfer
+from .._core._observe import observed_call  # internal: see _dispatch.py
 from ._dispatch import Dispatch
 from ._handles import CombinePending, DispatchHandle
 from ._layout import RecvPlan
@@ -21,6 +22,7 @@ __all__ = ["Combine"]
 class Combine(Dispatch):
     """:meth:`combine`, :meth:`combine_send` and the receive half of :class:`CombinePending`."""
 
+    @observed_call("moe", "combine", lambda self: self.engine)
     async def combine(
         self, handle: DispatchHandle, expert_out: Any, *, out: Any = None, accumulate: bool = False,
         timeout: float | None = None,
@@ -38,6 +40,7 @@ class Combine(Dispatch):
         pending = await self.combine_send(handle, expert_out, timeout=left(end))
         return await pending.recv(out=out, accumulate=accumulate, timeout=left(end))
 
+    @observed_call("moe", "combine_send", lambda self: self.engine)
     async def combine_send(
         self, handle: DispatchHandle, expert_out: Any, *, timeout: float | None = None
     ) -> CombinePending:
@@ -111,6 +114,7 @@ class Combine(Dispatch):
             self._inflight[p].append(t)
         return posted
 
+    @observed_call("moe", "combine_recv", lambda self: self.engine)
     async def _recv_combine(
         self, pending: CombinePending, out: Any, accumulate: bool, timeout: float | None
     ) -> Any:

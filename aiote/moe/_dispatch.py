@@ -9,6 +9,9 @@ from typing import Any
 import numpy as np
 
 from .. import InvalidArgument, Transfer
+
+# the observability hook is internal: a flow call measured as one (aiote/_core/_observe.py)
+from .._core._observe import observed_call
 from ._gpuflow import GpuFlow
 from ._handles import DispatchHandle, DispatchPending
 from ._layout import RecvPlan, SendPlan, plan_recv, plan_send
@@ -21,6 +24,7 @@ __all__ = ["Dispatch"]
 class Dispatch(GpuFlow):
     """:meth:`dispatch`, :meth:`dispatch_send` and the receive half of :class:`DispatchPending`."""
 
+    @observed_call("moe", "dispatch", lambda self: self.engine)
     async def dispatch(
         self, x: Any, indices: Any, weights: Any, *, x_scale: Any = None, bound_m: int | None = None,
         out_x: Any = None, timeout: float | None = None,
@@ -42,6 +46,7 @@ class Dispatch(GpuFlow):
                                            out_x=out_x, timeout=left(end))
         return await pending.recv(timeout=left(end))
 
+    @observed_call("moe", "dispatch_send", lambda self: self.engine)
     async def dispatch_send(
         self, x: Any, indices: Any, weights: Any, *, x_scale: Any = None, bound_m: int | None = None,
         out_x: Any = None, timeout: float | None = None,
@@ -239,6 +244,7 @@ class Dispatch(GpuFlow):
             outs.append(pending._scale.view(xp.uint8).reshape(rows, 4 * self._nscale))
         return outs
 
+    @observed_call("moe", "dispatch_recv", lambda self: self.engine)
     async def _recv_dispatch(self, pending: DispatchPending, timeout: float | None) -> DispatchHandle:
         """:meth:`DispatchPending.recv`: waits for one DISPATCH credit from each peer, settles
         this rank's own writes, unpacks (steps 2 of :mod:`._a2a`)."""

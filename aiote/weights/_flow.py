@@ -20,6 +20,7 @@ from .._core._engine import Engine
 from .._core._errors import AioteError, InvalidArgument, TransferError, TransferTimeout
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
+from .._core._observe import observed_call
 from .._core._retry import RetryPolicy
 from ._dtypes import cast_into, storage
 from ._plan import PlanError, ReceiverPlan, SenderPlan, SourceShard, Write
@@ -321,6 +322,7 @@ class WeightSender:
 
     # -------------------------------------------------------------- push
 
+    @observed_call("weights", "push", lambda self: self.engine)
     async def push(
         self, tensors: Mapping[str, Any], *, version: int, timeout: float | None = None
     ) -> PushStats:
@@ -630,6 +632,7 @@ class WeightReceiver:
             self._complete.discard(min(self._complete))
         c.release()  # its credits are spent; a late one starts it again from zero
 
+    @observed_call("weights", "wait_version", lambda self: self.engine)
     async def wait_version(self, version: int, *, timeout: float | None = None) -> None:
         """Returns once every byte of ``version`` is in place on this rank (every sender's
         immediate for it arrived). Immediates of other versions are never counted: a late
