@@ -102,7 +102,7 @@ async def test_each_immediate_is_counted_once(route: str) -> None:
 
 @route_param
 async def test_killed_peer_fails_pending_work_and_others_go_on(route: str) -> None:
-    policy = aiote.RetryPolicy(connect_timeout=2.0)
+    policy = aiote.RetryPolicy(connect_timeout=1.0)
     async with rig(route, retry=policy) as r, second_peer(r) as other:
         e, victim = r.engine, r.peer
         dv = await r.buffer("buf", 64 << 20)
