@@ -19,9 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+import anyio.abc
 import httpx
 
-__all__ = ["EtcdCluster", "etcd_cluster", "etcd_unavailable", "free_port"]
+__all__ = ["EtcdCluster", "StallingProxy", "etcd_cluster", "etcd_unavailable", "free_port"]
 
 # quick elections (the minimum lease TTL follows: 1 s here, 2 s with etcd's defaults)
 _TIMING = ["--heartbeat-interval", "50", "--election-timeout", "500"]
@@ -166,3 +168,57 @@ def etcd_cluster(n: int = 1, host: str = "127.0.0.1", prefix: Sequence[str] = ()
         yield c
     finally:
         c.close()
+
+
+class StallingProxy:
+    """A TCP proxy on loopback to one etcd client URL that can stall the watch streams it
+    carries, as a NAT or firewall does when it drops an idle connection's state without a
+    word: their bytes stop flowing both ways while the connections stay open, and new
+    connections (a new watch, status requests) still work. Run :meth:`serve` in a task group
+    (``port = await tg.start(proxy.serve)``) and cancel it at the end."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.split("://", 1)[1].rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        self._conns: list[dict[str, bool]] = []
+
+    def stall_watches(self) -> int:
+        """Stalls every watch connection open now; returns how many."""
+        n = 0
+        for c in self._conns:
+            if c["watch"] and not c["stalled"]:
+                c["stalled"] = True
+                n += 1
+        return n
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[int]) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        task_status.started(int(listener.extra(anyio.abc.SocketAttribute.local_port)))
+        await listener.serve(self._handle)
+
+    async def _handle(self, client: anyio.abc.SocketStream) -> None:
+        conn = {"watch": False, "stalled": False}
+        self._conns.append(conn)
+        try:
+            async with client, await anyio.connect_tcp(self.host, self.port) as upstream, \
+                    anyio.create_task_group() as tg:
+                tg.start_soon(self._pipe, client, upstream, conn, True)
+                tg.start_soon(self._pipe, upstream, client, conn, False)
+        except OSError:
+            pass
+        finally:
+            self._conns.remove(conn)
+
+    @staticmethod
+    async def _pipe(src: anyio.abc.SocketStream, dst: anyio.abc.SocketStream, conn: dict[str, bool],
+                    request: bool) -> None:
+        try:
+            async for chunk in src:
+                if request and chunk.startswith(b"POST "):  # a request (httpx reuses connections)
+                    conn["watch"] = chunk.startswith(b"POST /v3/watch")
+                if conn["stalled"]:
+                    await anyio.sleep_forever()  # what comes now is lost, and nothing says so
+                await dst.send(chunk)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+        await dst.aclose()

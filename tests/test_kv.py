@@ -8,8 +8,9 @@ import argparse
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 import anyio
 import numpy as np
@@ -227,6 +228,58 @@ async def test_kv_deadline_fails_the_request_and_frees_its_pages() -> None:
             await r.send_layer(1)
         await eventually(lambda: worker.free_pages == LAYOUT.pool_pages, "every page back")
         assert worker.failed == 1
+
+
+async def test_a_prefill_side_once_counted_gone_is_served_again() -> None:
+    """The worker counted its prefill side gone (a send timed out, or it was unreachable for a
+    while); it lives on and routes a request here: served, every page back after."""
+    async with in_process(drain_timeout=2) as (prefill, worker):
+        worker._on_prefill_gone(prefill.engine.address, aiote.TransferTimeout("a send timed out"))
+        r = await prefill.start(300, timeout=5)  # before: the pages answer was dropped, never granted
+        for layer in range(LAYOUT.layers):
+            kvdemo.compute_layer(r, layer, BLOCK)
+            await r.send_layer(layer)
+        await r.finish(timeout=10)
+        got = await worker.next_request(timeout=10)
+        assert got.rid == r.rid and holds(worker, got, r.rid, LAYOUT.layers)
+        await got.release()
+        await eventually(lambda: worker.free_pages == LAYOUT.pool_pages, "every page back", 10)
+
+
+@dataclass
+class _Decoder:
+    address: bytes
+    descriptors: dict[str, aiote.MemoryDescriptor] = field(default_factory=dict)
+    meta: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class _Expiry:  # a DecoderEvent: the decoder left the membership without notice
+    member: _Decoder
+    joined: bool = False
+    clean: bool = False
+
+
+async def test_pages_granted_to_a_decoder_expired_meanwhile_are_freed() -> None:
+    """The membership drops a decoder that still lives (its lease expired) while its answer to
+    an admission is on the way: told to free those pages."""
+    send, source = anyio.create_memory_object_stream[_Expiry](4)
+    expire: list[bytes] = []
+
+    def policy(live: Sequence[kv.DecoderInfo]) -> kv.DecoderInfo:
+        expire.append(live[0].address)
+        send.send_nowait(_Expiry(_Decoder(live[0].address)))  # handled while the admission is out
+        return live[0]
+
+    async with prefill_server(policy=policy, decoders=source) as prefill, aiote.open_engine() as de, \
+            kv.DecodeWorker(de, LAYOUT, prefill.engine.address, drain_timeout=2) as worker:
+        await prefill.wait_for_decoders(1, timeout=10)
+        with pytest.raises(kv.RequestFailed):
+            await prefill.start(300, timeout=1)
+        assert expire == [worker.engine.address] and not prefill.decoders
+        await eventually(lambda: worker.free_pages == LAYOUT.pool_pages and not worker.in_flight,
+                         "the decoder's pages back", 10)
+    send.close()
 
 
 async def test_hundred_concurrent_requests() -> None:

@@ -16,7 +16,7 @@ import anyio
 import anyio.abc
 import numpy as np
 import pytest
-from _etcd import EtcdCluster, etcd_cluster, etcd_unavailable, free_port
+from _etcd import EtcdCluster, StallingProxy, etcd_cluster, etcd_unavailable, free_port
 from _util import eventually
 
 import aiote
@@ -126,6 +126,75 @@ async def test_a_corrupt_value_in_the_group_is_skipped_and_logged(
     assert text.count("skipped a corrupt member entry") >= 4
     for why in ("value is not JSON", "engine address", "not a valid member name"):
         assert why in text
+
+
+async def test_a_watch_stream_stalled_silently_is_noticed_and_reopened(
+    anyio_backend: str, etcd: EtcdCluster, engine: aiote.Engine
+) -> None:
+    """The watch's connection goes through a proxy that stops carrying it without a word (a
+    NAT that dropped it); its member still answers every status probe. The probe finds the
+    stream behind the member's store, reopens it, and the join is not lost."""
+    group = f"t/stall-{anyio_backend}"
+    proxy = StallingProxy(etcd.url)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(proxy.serve)
+        async with membership.connect(f"http://127.0.0.1:{port}", timeout=1) as m, \
+                m.watch(group, probe_interval=0.2) as w, membership.connect(etcd.url) as direct:
+            await eventually(lambda: w.connected, "the watch to open", 5)
+            assert proxy.stall_watches() == 1
+            async with direct.register(group, engine.address, name="late", ttl=TTL):
+                ev = await w.next(timeout=5)
+                assert (ev.kind, ev.member.name) == ("join", "late")
+                assert w.reconnects == 1
+            ev = await w.next(timeout=5)
+            assert (ev.kind, ev.member.name, ev.clean) == ("leave", "late", True)
+        tg.cancel_scope.cancel()
+
+
+async def test_a_create_retried_after_it_committed_is_its_own(anyio_backend: str, etcd: EtcdCluster) -> None:
+    """A create that timed out after etcd committed it, tried again (on the next endpoint),
+    finds the key under its own lease: created, not MemberExists."""
+    key = f"/aiote/members/t/create-{anyio_backend}/x".encode()
+    async with membership.connect(etcd.url) as m:
+        mine, _ = await m.etcd.grant(TTL)
+        other, _ = await m.etcd.grant(TTL)
+        try:
+            assert await m.etcd.create(key, b"v", lease=mine)
+            assert await m.etcd.create(key, b"v", lease=mine)  # the retry
+            assert not await m.etcd.create(key, b"v", lease=other)  # another's: refused
+        finally:
+            await m.etcd.revoke(mine)
+            await m.etcd.revoke(other)
+
+
+async def test_a_leave_that_failed_can_be_tried_again(anyio_backend: str, etcd: EtcdCluster,
+                                                      engine: aiote.Engine) -> None:
+    group = f"t/leave-again-{anyio_backend}"
+    async with membership.connect(etcd.url) as m, m.watch(group) as w, \
+            m.register(group, engine.address, ttl=TTL) as reg:
+        assert (await w.next(timeout=5)).joined
+        await m.etcd.revoke(reg.lease)  # the lease lost: the announcement is refused
+        with pytest.raises(membership.EtcdError):
+            await reg.leave()
+        assert not reg.leaving  # nothing was announced
+        assert (await w.next(timeout=5)).kind == "leave"
+        ev = await w.next(timeout=TTL + 2)  # registered again (not as leaving)
+        assert ev.joined and ev.member.name == reg.name
+        await eventually(lambda: reg.reregistered == 1, "the registration again", 5)
+        await reg.leave()  # tried again: announced this time
+        ev = await w.next(timeout=5)
+        assert (ev.kind, ev.member.name, ev.clean) == ("leave", reg.name, True)
+
+
+async def test_ranks_names_a_rank_claimed_twice(anyio_backend: str, etcd: EtcdCluster,
+                                                engine: aiote.Engine) -> None:
+    group = f"t/ranks-{anyio_backend}"
+    async with membership.connect(etcd.url) as m, \
+            m.register(group, engine.address, name="a", meta={"rank": 0}, ttl=TTL), \
+            m.register(group, engine.address, name="b", meta={"rank": 0}, ttl=TTL):
+        with pytest.raises(membership.MembershipError,
+                           match=r"ranks \[1\] of 2 not there; rank 0 claimed by 2 live members \(a, b\)"):
+            await m.group(group).ranks(2, timeout=0.3)
 
 
 @pytest.fixture

@@ -199,3 +199,22 @@ def test_cancellation_compaction_and_progress() -> None:
     assert v.revision == 30
     with pytest.raises(CorruptEntry):
         v.apply_range({"kvs": []})
+
+
+def test_behind_a_change_the_stream_has_not_delivered() -> None:
+    """What the watch's probe reads (the group's keys from the stream's member) against what
+    the stream delivered: a key changed past the view's revision, or a member's key gone."""
+    view = GroupView(P, G)
+    view.apply_range({"header": {"revision": "10"}, "kvs": [kv("a", value(1), 5), kv("b", value(2), 9)]})
+
+    def keys(*kvs: dict[str, Any], rev: int = 12) -> dict[str, Any]:
+        bare = [{k: v for k, v in x.items() if k != "value"} for x in kvs]  # keys_only
+        return {"header": {"revision": str(rev)}, "kvs": bare}
+
+    assert not view.behind(keys(kv("a", value(1), 5), kv("b", value(2), 9)))  # other groups moved on
+    assert view.behind(keys(kv("a", value(1), 5), kv("b", value(2), 9), kv("c", value(3), 11)))  # a join
+    assert view.behind(keys(kv("a", value(1), 5)))  # b's key deleted
+    assert view.behind(keys(kv("a", value(1), 5), kv("b", value(2), 12)))  # b set again
+    view.apply_watch(put("c", value(3), 11))  # the stream delivers: caught up
+    assert not view.behind(keys(kv("a", value(1), 5), kv("b", value(2), 9), kv("c", value(3), 11)))
+    assert view.watch_request()["create_request"]["progress_notify"] is True

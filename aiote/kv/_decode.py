@@ -272,8 +272,9 @@ class DecodeWorker:
         admitted still arrive and are handed out). Leaving the ``async with`` does it too.
         Idempotent; raises nothing (a prefill side that cannot be reached counts as gone; a
         registry that cannot be reached is logged, the registration still ends with the
-        block). Costs one message to each prefill side served the first time (up to 30 s when
-        one does not answer), plus the registry's announcement (bounded by its timeout)."""
+        block). Costs one message to each prefill side served, sent to all at once, the first
+        time (up to 30 s in all when one does not answer), plus the registry's announcement
+        (bounded by its timeout)."""
         if self._leaving:
             await self._left.wait()  # announced (or given up) before the registration may end
             return
@@ -289,8 +290,13 @@ class DecodeWorker:
                         await self.registration.leave()
                     except AioteError as exc:
                         _log.warning("could not announce leaving in the registry", error=str(exc))
-            for prefill in list(self._prefills):
-                await self._tell(prefill, _proto.encode("bye"))
+            # every prefill side at once, all bounded together (one that does not answer
+            # counts as gone after 30 s)
+            bye = _proto.encode("bye")
+            with anyio.move_on_after(30):
+                async with anyio.create_task_group() as tg:
+                    for prefill in list(self._prefills):
+                        tg.start_soon(self._tell, prefill, bye)
         finally:
             self._left.set()
 
@@ -374,10 +380,12 @@ class DecodeWorker:
         async for sender, msg in _proto.messages(self.engine):
             if sender != self.prefill and self.registry is None:
                 continue  # joined one prefill server: only it routes requests here
+            # a message proves the sender lives: one counted gone after a send timed out or
+            # failed for a while is served again (its requests of then failed and were freed)
+            self._gone.discard(sender)
             t = msg["t"]
             if t == "admit":
-                if sender not in self._gone:
-                    self._prefills.add(sender)
+                self._prefills.add(sender)
                 trace = msg.get("trace")
                 trace = trace if isinstance(trace, str) else None
                 await self._admit(sender, int(msg["rid"]), int(msg["tokens"]), trace)

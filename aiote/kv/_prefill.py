@@ -505,6 +505,12 @@ class PrefillServer:
             msg = _proto.encode("released", rid=rid, ok=False, why="admission timed out")
             await self.engine.send(decoder, msg)
 
+    def _abandoned(self, decoder: bytes, rid: int) -> bool:
+        """Whether an admission answer from ``decoder`` for ``rid`` comes for no live try: the
+        request was routed elsewhere, or this try already failed (its pages must be freed)."""
+        r = self._requests.get(rid)
+        return r is None or r.decoder.address != decoder or r.error is not None
+
     def _decoder_dead(self, d: DecoderInfo, exc: BaseException) -> None:
         if d.dead:
             return
@@ -582,6 +588,11 @@ class PrefillServer:
                     r.decoder.served += 1
                     if r._released:
                         self._requests.pop(r.rid, None)
+            elif t == "pages" and self._abandoned(sender, int(msg["rid"])):
+                # pages granted to a try given up already (admit_timeout, the decoder leaving,
+                # or dropped by the membership while it lives on): the decoder must free them
+                if self._tg is not None:
+                    self._tg.start_soon(self._forget, sender, int(msg["rid"]))
             elif d is None:
                 continue
             elif t == "bye":
@@ -589,8 +600,6 @@ class PrefillServer:
             elif t in ("pages", "reject"):
                 r = self._requests.get(int(msg["rid"]))
                 if r is None:
-                    if t == "pages" and self._tg is not None:  # answered after admit_timeout
-                        self._tg.start_soon(self._forget, sender, int(msg["rid"]))
                     continue
                 if t == "pages":
                     r.dst_pages = np.asarray(msg["pages"], dtype=np.int64)

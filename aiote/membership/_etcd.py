@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -222,12 +222,14 @@ class EtcdClient:
             why = f"{type(exc).__name__}: {exc}"
             raise EtcdUnavailable(f"etcd is unreachable at {base} ({why})", [base]) from None
         try:
-            yield self._lines(resp, base)
+            # closed here even when the reader stops mid-way (an exception at its yield)
+            async with aclosing(self._lines(resp, base)) as lines:
+                yield lines
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                 await cm.__aexit__(None, None, None)
 
-    async def _lines(self, resp: httpx.Response, url: str) -> AsyncIterator[dict[str, Any]]:
+    async def _lines(self, resp: httpx.Response, url: str) -> AsyncGenerator[dict[str, Any], None]:
         lines = resp.aiter_lines()
         while True:
             try:
@@ -288,15 +290,25 @@ class EtcdClient:
         await self.call("/v3/kv/put", body, timeout=timeout)
 
     async def create(self, key: bytes, value: bytes, *, lease: int, timeout: float | None = None) -> bool:
-        """Sets ``key`` only if it does not exist (one transaction); True when it was set.
-        Raises as :meth:`call`; one request."""
+        """Sets ``key`` only if it does not exist (one transaction); True when it was set, or
+        when it exists under ``lease`` already: a try that timed out after etcd committed it,
+        retried on the next endpoint, is this call's own key (a lease ID is never granted
+        twice), not another's. Raises as :meth:`call`; one request."""
         k = b64(key)
         txn = {
             "compare": [{"target": "CREATE", "key": k, "result": "EQUAL", "create_revision": "0"}],
             "success": [{"request_put": {"key": k, "value": b64(value), "lease": str(lease)}}],
+            "failure": [{"request_range": {"key": k}}],
         }
         r = await self.call("/v3/kv/txn", txn, timeout=timeout)
-        return bool(r.get("succeeded"))
+        if r.get("succeeded"):
+            return True
+        for resp in r.get("responses") or []:
+            rng = resp.get("response_range") if isinstance(resp, dict) else None
+            for kv in (rng or {}).get("kvs") or []:
+                if isinstance(kv, dict) and as_int(kv.get("lease")) == lease:
+                    return True
+        return False
 
     async def range(self, key: bytes, range_end: bytes | None = None, *,
                     timeout: float | None = None) -> dict[str, Any]:

@@ -145,7 +145,8 @@ class Group:
         counted; while two live members claim one rank (a restarted rank whose old lease has
         not expired yet) it waits. Raises :class:`~aiote.InvalidArgument` for a bad ``world``,
         :class:`~aiote.membership.MembershipError` when the ranks are not all there within
-        ``timeout`` seconds (naming those missing), and the watch's errors. Costs a watch of
+        ``timeout`` seconds (naming those missing, and those claimed twice with the members
+        claiming them), and the watch's errors. Costs a watch of
         the group while it waits (one read, then its events)."""
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise InvalidArgument(f"world must be an int >= 1, not {world!r}")
@@ -155,12 +156,25 @@ class Group:
                     while (got := by_rank(watch.members.values(), world)) is None:
                         await watch.next()
             except TimeoutError:
-                have = {m.meta.get("rank") for m in watch.members.values() if not m.leaving}
-                missing = [r for r in range(world) if r not in have]
                 raise MembershipError(
-                    f"group {self.name!r}: ranks {missing} of {world} not there within {timeout} s"
+                    f"group {self.name!r}: {_rank_problems(watch.members.values(), world)} within {timeout} s"
                 ) from None
         return got
+
+
+def _rank_problems(members: Iterable[Member], world: int) -> str:
+    """What keeps ``members`` from forming ranks ``0 .. world-1``: the ranks missing, and those
+    claimed by more than one live member (with their names)."""
+    claims: dict[int, list[str]] = {}
+    for m in members:
+        r = m.meta.get("rank") if isinstance(m.meta, Mapping) else None
+        if not m.leaving and not isinstance(r, bool) and isinstance(r, int) and 0 <= r < world:
+            claims.setdefault(r, []).append(m.name)
+    missing = [r for r in range(world) if r not in claims]
+    parts = [f"ranks {missing} of {world} not there"] if missing else []
+    parts += [f"rank {r} claimed by {len(ns)} live members ({', '.join(sorted(ns))})"
+              for r, ns in sorted(claims.items()) if len(ns) > 1]
+    return "; ".join(parts) or f"ranks 0..{world - 1} not all there"
 
 
 def by_rank(members: Iterable[Member], world: int) -> list[Member] | None:

@@ -285,10 +285,34 @@ class GroupView:
 
     def watch_request(self) -> dict[str, Any]:
         """The body of ``/v3/watch`` resuming after :attr:`revision` (with the previous value
-        of deleted keys). O(1)."""
+        of deleted keys, and etcd's progress notifications, which move :attr:`revision` on
+        while the group is quiet). O(1)."""
         key, end = group_range(self.prefix, self.group)
         return {"create_request": {"key": b64(key), "range_end": b64(end),
-                                   "start_revision": str(self.revision + 1), "prev_kv": True}}
+                                   "start_revision": str(self.revision + 1), "prev_kv": True,
+                                   "progress_notify": True}}
+
+    def keys_request(self) -> dict[str, Any]:
+        """The body of ``/v3/kv/range`` reading the group's keys without their values from the
+        member asked (serializable: what its own store, and so its watches, hold). O(1)."""
+        return {**self.range_request(), "keys_only": True, "serializable": True}
+
+    def behind(self, answer: Mapping[str, Any]) -> bool:
+        """Whether the range answer of :meth:`keys_request` shows a change the view has not
+        seen: a key of the group's range modified after :attr:`revision`, or a member (or one
+        that announced it is leaving) whose key is gone. A watch that stays behind while
+        nothing arrives has stopped delivering. O(entries in the answer + members); raises
+        :class:`~aiote.membership.CorruptEntry` for a revision that is not an integer."""
+        names: set[str] = set()
+        for kv in answer.get("kvs", []) or []:
+            if not isinstance(kv, dict):
+                continue
+            if as_int(kv.get("mod_revision")) > self.revision:
+                return True
+            name = self._name_of(kv.get("key"))
+            if name is not None:
+                names.add(name)
+        return any(n not in names for n in (*self.members, *self._leaving))
 
     def _parse(self, kv: Mapping[str, Any]) -> tuple[str | None, Member | None]:
         """(name, member): name None for a key that is not this group's; member None for a

@@ -123,13 +123,20 @@ class Registration:
 
     async def leave(self) -> None:
         """Announces that the member is leaving: its record says so (watchers see a clean
-        leave at once; the key stays until the block ends). Idempotent. Raises
-        :class:`~aiote.membership.EtcdUnavailable` when etcd does not answer within the client's timeout (the
-        renewals go on; leaving the block still deletes the key); costs one request."""
+        leave at once; the key stays until the block ends). Idempotent once it succeeded.
+        Raises :class:`~aiote.membership.EtcdUnavailable` when etcd does not answer within the
+        client's timeout, :class:`~aiote.membership.EtcdError` when etcd refused (the lease was
+        lost: a renewal registers the member again); then nothing was announced and it may be
+        called again (the renewals go on; leaving the block still deletes the key); costs one
+        request."""
         if self.leaving:
             return
-        self.leaving = True
-        await self._etcd.put(self.key, self._value(), lease=self.lease)
+        self.leaving = True  # a re-registration meanwhile announces it too
+        try:
+            await self._etcd.put(self.key, self._value(), lease=self.lease)
+        except BaseException:
+            self.leaving = False
+            raise
 
     async def _renew(self) -> None:
         left = await self._etcd.keepalive(self.lease, timeout=self.ttl / 3)

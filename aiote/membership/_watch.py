@@ -47,8 +47,12 @@ class GroupWatch:
     Iterating waits for the next event with no time limit (``anext`` within a cancel scope,
     or :meth:`next` with a timeout, bounds it); it ends when the block ends. Events wait in
     an unbounded buffer until read. ``reconnects`` counts the streams opened after the first;
-    ``connected`` tells whether a stream is open now. Costs one HTTP stream, and one status
-    request per ``probe_interval`` of quiet."""
+    ``connected`` tells whether a stream is open now. Every ``probe_interval`` the stream's
+    member must answer with a leader, and the stream must deliver the changes of the group
+    that member holds: one found behind at two probes in a row, having delivered nothing in
+    between (a NAT or firewall dropped the idle connection silently), is reopened from where
+    it stopped. Costs one HTTP stream, a status request per ``probe_interval``, and a
+    keys-only read of the group when the member's store has moved past the watch."""
 
     def __init__(self, client: EtcdClient, prefix: str, group: str, *, probe_interval: float = 5.0) -> None:
         self._etcd = client
@@ -64,6 +68,7 @@ class GroupWatch:
         self._scope: anyio.CancelScope | None = None  # the open stream's
         self._url = client.endpoint
         self._opened = False
+        self._stalled = False  # the open stream was dropped for falling behind
 
     @property
     def members(self) -> dict[str, Member]:
@@ -83,9 +88,11 @@ class GroupWatch:
     ) -> None:
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        self._tg = None
-        self._send.close()
+        try:
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            self._tg = None
+            self._send.close()
 
     def __aiter__(self) -> GroupWatch:
         return self
@@ -121,10 +128,16 @@ class GroupWatch:
                 if self._opened:
                     self.reconnects += 1
                 self._opened = True
+                self._stalled = False
                 with anyio.CancelScope() as self._scope:
                     self._url = url
                     await self._follow()
-                why = "failed its health probe" if self._scope.cancelled_caught else "closed the stream"
+                if not self._scope.cancelled_caught:
+                    why = "closed the stream"
+                elif self._stalled:
+                    why = "stopped delivering: the stream fell behind its member's store"
+                else:
+                    why = "failed its health probe"
             except WatchCancelled as exc:
                 why = f"cancelled the watch: {exc}"
                 if exc.compact_revision:
@@ -163,17 +176,43 @@ class GroupWatch:
 
     async def _probe(self) -> None:
         """Every ``probe_interval``: the stream's endpoint must answer a status request and
-        have a leader, or the stream is dropped (a quiet stream shows no partition)."""
+        have a leader (a quiet stream shows no partition), and the stream must keep up with
+        that member's store: when two probes in a row find a change of the group there that
+        the stream has not delivered (:meth:`GroupView.behind`), with no event nor progress
+        notification between them, the stream has stopped delivering (a NAT or firewall
+        dropped the idle connection without a word). Either way the stream is dropped; the
+        watch reopens one from the view's revision + 1, so nothing is lost. Costs a status
+        request per interval, and a keys-only range of the group when the member's revision
+        is past the view's."""
+        behind: tuple[anyio.CancelScope, int] | None = None  # (stream, view revision) last found behind
         while True:
             await anyio.sleep(self.probe_interval)
             scope, url = self._scope, self._url
             if scope is None or not self.connected:
+                behind = None
                 continue
+            timeout = min(self._etcd.timeout, self.probe_interval)
+            stalled = False
             try:
-                status = await self._etcd.call("/v3/maintenance/status", {}, endpoint=url,
-                                               timeout=min(self._etcd.timeout, self.probe_interval))
+                status = await self._etcd.call("/v3/maintenance/status", {}, endpoint=url, timeout=timeout)
                 healthy = as_int(status.get("leader")) != 0
+                header = status.get("header")
+                store = as_int(header.get("revision")) if isinstance(header, dict) else 0
+                rev = self.view.revision
+                if healthy and store > rev:
+                    keys = await self._etcd.call("/v3/kv/range", self.view.keys_request(), endpoint=url,
+                                                 timeout=timeout)
+                    if not self.view.behind(keys):
+                        behind = None
+                    elif behind == (scope, rev) and self.view.revision == rev:
+                        stalled = True
+                    else:
+                        behind = (scope, rev)
+                else:
+                    behind = None
             except (MembershipError, ValueError):
                 healthy = False
-            if not healthy and scope is self._scope:
+            if (stalled or not healthy) and scope is self._scope:
+                self._stalled = stalled
+                behind = None
                 scope.cancel()
