@@ -92,23 +92,17 @@ class OperationsInFlight(RuleBasedStateMachine):
     @rule(rail=st.sampled_from(RAILS))
     def link_down(self, rail: int) -> None:
         self.down.add(rail)
+        # the model's answer, before asking: in flight on that rail, not moved yet, and the
+        # peer has a NIC still in rotation
+        expected = [
+            op for op in self.model.values()
+            if op.rails and rail in op.rails and not op.failover and op.alts - self.down
+        ]
         moved = self.table.link_down(rail, self.down)
+        assert [id(o) for o in moved] == [id(o) for o in expected]
         for op in moved:
             self.moved_count[id(op)] = self.moved_count.get(id(op), 0) + 1
             assert op.outcome() == "moved"
-        expected = [
-            op for op in self.model.values()
-            if op.rails and rail in op.rails and op.alts - self.down and op in moved
-        ]
-        assert expected == moved
-        for op in self.model.values():
-            if op in moved:
-                continue
-            # not moved: on another rail, nowhere to go, already moved, or completed
-            assert (
-                not op.rails or rail not in op.rails or not (op.alts - self.down) or op.done
-                or self.moved_count.get(id(op), 0) == 1
-            )
 
     @rule(rail=st.sampled_from(RAILS))
     def link_up(self, rail: int) -> None:
@@ -281,14 +275,11 @@ def test_rerouted_rows_keep_their_remote_offsets_and_spread_over_the_live_routes
     before = table.copy()
     out = reroute(table, tuple(full), tuple(live), start)
     assert (table == before).all(), "the original rows are not changed (the transport may own them)"
-    by_hop = {(h[0], h[1]): h for h in live}
-    counts: dict[tuple[int, int], int] = {}
     for i in range(n):
-        hop = by_hop[(int(out[i]["rail"]), int(out[i]["peer"]))]  # a live route
+        hop = live[(start + i) % len(live)]  # round-robin over the live routes from `start`
+        assert (int(out[i]["rail"]), int(out[i]["peer"])) == (hop[0], hop[1])
         assert int(out[i]["raddr"]) - hop[2] == offsets[i] and int(out[i]["rkey"]) == hop[3]
         assert out[i]["direct"] == 0 and out[i]["length"] == i + 1
-        counts[(hop[0], hop[1])] = counts.get((hop[0], hop[1]), 0) + 1
-    assert max(counts.values()) - min(counts.values(), default=0) <= 1 or len(counts) < len(live)
 
 
 def test_several_nics_failing_give_one_error_a_timeout_carrying_every_waiter() -> None:

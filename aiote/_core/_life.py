@@ -338,7 +338,7 @@ class OpLife(Completions):
                     k, first = first, None
                 else:
                     k = post(h, g, op.posted)
-                step = posting.on_post(k, now())
+                step = posting.on_post(k, now() if k == 0 else 0.0)  # the clock only when stuck
                 if step != "wait":
                     break
                 h = await self._wait_space(posting.pause, end)
@@ -414,8 +414,8 @@ class OpLife(Completions):
             raise
         except BaseException as exc:
             # a posted request cannot be taken back (unless the failure says nothing will
-            # come: see _wait_moving); op.posted is 0 only for a group that never posted
-            if not op.done and not getattr(exc, "_final", False):
+            # come: see _wait_moving)
+            if op.must_settle(getattr(exc, "_final", False)):
                 await self._settle_cancelled(op)
             raise
         return self._outcome(op, what)

@@ -195,12 +195,9 @@ class Posting:
         self.pause = 0.0
         self.error = 0
 
-    @property
-    def posted(self) -> int:
-        return self.op.posted
-
     def on_post(self, k: int, t: float) -> Step:
-        """The transport took ``k`` more requests at time ``t`` (negative: an error)."""
+        """The transport took ``k`` more requests at time ``t`` (negative: an error). ``t`` is
+        read only when ``k`` is 0 (the caller may pass 0.0 otherwise)."""
         if k < 0:
             self.error = k
             return "error"
