@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent
+LATENCY = {"imm-latency": "WriteImm", "sendrecv-latency": "send/recv"}  # rows in µs (lower is better)
 
 
 def build(tree: Path) -> None:
@@ -52,15 +53,16 @@ def bench(tree: Path, args: argparse.Namespace, provider: str) -> list[dict[str,
 
 
 def key(row: dict[str, Any]) -> str:
-    if row["mode"] == "imm-latency":
-        return f"{row['provider']} WriteImm one-way {'p50' if row['size'] == 50 else 'p99'} (us)"
+    if row["mode"] in LATENCY:
+        what = LATENCY[row["mode"]]
+        return f"{row['provider']} {what} one-way {'p50' if row['size'] == 50 else 'p99'} (us)"
     size = row["size"]
     human = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
     return f"{row['provider']} {row['mode']} {human} (GB/s)"
 
 
 def value(row: dict[str, Any], who: str) -> float:
-    unit = "us" if row["mode"] == "imm-latency" else "gbps"
+    unit = "us" if row["mode"] in LATENCY else "gbps"
     v = row.get(f"{who}_{unit}")
     if v is None and unit == "us":
         v = row.get(f"{who}_gbps")  # older trees kept microseconds there

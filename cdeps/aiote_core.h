@@ -274,6 +274,12 @@ int aio_post_send(aio_engine *e, int64_t group, int rail, uint64_t peer, const v
  * one send slot (the copy is made without the rail's lock held). */
 int aio_post_sendv(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *head,
                    uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns);
+/* aio_group_open + aio_post_sendv + aio_group_seal in one call, as aio_submit: *group is the
+ * group opened (negative: every group slot in flight, nothing else done); returns what
+ * aio_post_sendv returned, the group sealed only when the message was posted (1). */
+int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
+                         uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns,
+                         int64_t *group);
 /* Paged writes: page k (start <= k < n) copies page_size bytes from the local region at
  * src_offset + src_stride*src_pages[k] to the remote region at
  * dst_offset + dst_stride*dst_pages[k], over routes[(first_route + k) % nroutes]. Each page

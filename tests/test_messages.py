@@ -146,6 +146,33 @@ async def test_recv_cancelled_while_a_message_arrives_loses_and_duplicates_nothi
     assert b._spilled == 0 and not any(b._held)  # white-box: the accounting came back to zero
 
 
+async def test_recv_cancelled_after_taking_a_queued_message_gives_it_back(aiote_engine_pair) -> None:
+    # a queued message is taken before recv's schedule point: cancelled there, the receive
+    # must give it back, first in line, so that the next receive gets it and nothing is doubled
+    a, b = aiote_engine_pair
+    for r in range(6):
+        for k in range(2):
+            await a.send(b.address, f"q{r}.{k}".encode(), timeout=30)
+        await eventually(lambda: len(b._inbox) == 2, "the messages to be queued")  # white-box
+        got: list[bytes] = []
+        async with anyio.create_task_group() as tg:
+            cs = anyio.CancelScope()
+
+            async def receiver(cs: anyio.CancelScope = cs) -> None:
+                with cs:
+                    got.append((await b.recv())[1])
+
+            tg.start_soon(receiver)
+            for _ in range(r % 3):
+                await anyio.lowlevel.checkpoint()
+            cs.cancel()
+        rest = [(await b.recv(timeout=30))[1] for _ in range(2 - len(got))]
+        assert got + rest == [f"q{r}.0".encode(), f"q{r}.1".encode()]
+    with pytest.raises(aiote.TransferTimeout):
+        await b.recv(timeout=0.05)
+    assert b._spilled == 0 and not any(b._held)
+
+
 async def test_two_receivers_racing_for_one_queued_message(aiote_engine_pair) -> None:
     a, b = aiote_engine_pair
     await a.send(b.address, b"one", timeout=30)

@@ -218,6 +218,7 @@ class OpLife(Completions):
         path: Any = None,
         items: Any = None,
         names: frozenset[tuple[int, int]] | None = None,
+        opener: Callable[[Any, int, Any], int] | None = None,
     ) -> bool:
         """The life of one group of ``n`` work requests: open it (waiting while every group
         slot is in flight), post through ``post(handle, group, posted_so_far)`` (returns how
@@ -225,6 +226,8 @@ class OpLife(Completions):
         seal, wait for the completion record, and map its status to an exception.
         ``items``: the rows as an ``aio_op_desc`` array, when ``post`` posts them with
         ``aio_post``: opening, the first post and sealing then take one native call.
+        ``opener(handle, token, group_out)``: that one call for other requests (a message's
+        ``aio_submit_sendv``), returning what it posted, the group it opened in ``group_out``.
 
         On cancellation what was posted cannot be taken back: ``refs`` (buffers, tables) stay
         owned until the completion, with a bounded shielded wait before the cancellation
@@ -236,7 +239,7 @@ class OpLife(Completions):
         # the deadline scope (a cancel scope and a timer: several microseconds) is entered only
         # around the awaits this makes, at the absolute deadline `end`
         end = _end(timeout)
-        begun = self._begin(n, refs, rails, path, items, names=names)
+        begun = self._begin(n, refs, rails, path, items, names=names, opener=opener)
         return await self._finish(begun, post, n, end, timeout, what)
 
     def _begin(
@@ -248,6 +251,7 @@ class OpLife(Completions):
         items: Any,
         quiet: bool = False,
         names: frozenset[tuple[int, int]] | None = None,
+        opener: Callable[[Any, int, Any], int] | None = None,
     ) -> _Group:
         """The synchronous start of a group's life (see :meth:`_run_group`): opens the group
         and, with ``items``, posts what the transport takes at once and seals the group if
@@ -267,9 +271,12 @@ class OpLife(Completions):
         if groups is not None:
             groups.append(op)
         first: int | None = None  # what aio_submit posted (it opened, posted, sealed if all went)
-        if items is not None and not self._router.down:
-            submit = lib.aio_submit_quiet if quiet else lib.aio_submit
-            k = int(submit(h, token, items, n, self._budget_ns, self._gout))
+        if (items is not None or opener is not None) and not self._router.down:
+            if opener is not None:
+                k = opener(h, token, self._gout)
+            else:
+                submit = lib.aio_submit_quiet if quiet else lib.aio_submit
+                k = int(submit(h, token, items, n, self._budget_ns, self._gout))
             g = int(self._gout[0])
             if g >= 0:
                 first = k

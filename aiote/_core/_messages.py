@@ -337,21 +337,29 @@ class Messages(Observed):
                 assert timeout is not None
                 raise timeout_error("send", timeout)
         rail, fa = key
-        me = self._address_bytes
-        head = _MSG_HEADER.pack(len(me) | (_INTERNAL if internal else 0)) + me
+        head = self._msg_head[internal]
         body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
             return int(lib.aio_post_sendv(h, g, rail, fa, head, len(head), body, data.nbytes, budget))
 
+        def opener(h: Any, token: int, gout: Any) -> int:  # open, post, seal: one native call
+            nbytes = data.nbytes
+            return int(lib.aio_submit_sendv(h, token, rail, fa, head, len(head), body, nbytes, budget, gout))
+
         self._sends[key] = n + 1
-        names = frozenset({key})
+        names = self._send_names.get(key)
+        if names is None:
+            names = self._send_names[key] = frozenset({key})
         if self._obs is not None:
             self._obs.unit = data.nbytes
         try:
             await self._attempts(
-                lambda t: self._run_group(post, 1, None, t, "send", names=names), _left(end), retry, "send"
+                lambda t: self._run_group(post, 1, None, t, "send", names=names, opener=opener),
+                _left(end),
+                retry,
+                "send",
             )
         finally:
             left = self._sends[key] - 1
@@ -383,22 +391,32 @@ class Messages(Observed):
         otherwise the task sleeps until the next message wakes it."""
         check_timeout(timeout)
         self._handle()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await self._checkpoint_if_cancelled()
         if self._inbox:
-            # taken before yielding: no other receiver can race for it
+            # taken before yielding: no other receiver can race for it; cancelled at the
+            # schedule point, the receive gives it back (first in line): it takes nothing
             item = self._take(self._inbox.popleft())
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            try:
+                await anyio.lowlevel.checkpoint()  # (a shielded one costs a cancel scope)
+            except BaseException:
+                if not self._closed:
+                    self._deliver(item, first=True)
+                raise
             return item
         w = _RecvWaiter(self._event())
         self._recv_waiters.append(w)
-        lib.aio_waiters_add(self._h, 1)  # a shm rail is polled more often while we wait
+        # an shm rail (no wait object) is polled more often while a task waits (the pollers of
+        # an engine without one sleep on their rails' wait objects: nothing to tell them)
+        polled = bool(self._shm_rails)
+        if polled:
+            lib.aio_waiters_add(self._h, 1)
         try:
             try:
                 if not await wait_until(w.event, _end(timeout)):
                     assert timeout is not None
                     raise timeout_error("recv", timeout)
             finally:
-                if not self._closed:
+                if polled and not self._closed:
                     lib.aio_waiters_add(self._h, -1)
         except BaseException:
             if w.item is not None:  # delivered, but the receive was cancelled: give it back

@@ -31,7 +31,7 @@ from ._peers import PeerBook
 from ._records import _PARSED_ADDRESSES, _POLICY, RailInfo, _as_bytes, _Held, _host_id, _log, _RecvWaiter
 from ._retry import RetryPolicy
 from ._routing import DomainGroup, Router
-from ._wire import _CREDITS_SEEN_MAX, _GPU_COUNTS, _OP_DTYPE, _OP_STRUCT, _strerror
+from ._wire import _CREDITS_SEEN_MAX, _GPU_COUNTS, _INTERNAL, _MSG_HEADER, _OP_DTYPE, _OP_STRUCT, _strerror
 
 
 class EngineState:
@@ -125,6 +125,10 @@ class EngineState:
             tuple(RailAddress(r.provider, r.address) for r in rails), _host_id(), max_message_size
         )
         self._address_bytes = bytes(self._address)
+        me = self._address_bytes
+        # every message's header (sender address, internal flag), indexed by ``internal``
+        self._msg_head = (_MSG_HEADER.pack(len(me)) + me, _MSG_HEADER.pack(len(me) | _INTERNAL) + me)
+        self._send_names: dict[tuple[int, int], frozenset[tuple[int, int]]] = {}
         self._router = Router(
             [r.provider for r in rails],
             [r.domain for r in rails],

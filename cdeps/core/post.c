@@ -418,6 +418,16 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     return 1;
 }
 
+int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
+                         uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns, int64_t *group) {
+    int64_t g = aio_group_open(e, token);
+    *group = g;
+    if (g < 0) return g;
+    int k = aio_post_sendv(e, g, rail, peer, head, hlen, body, blen, budget_ns);
+    if (k == 1) aio_group_seal(e, g);
+    return k;
+}
+
 int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *buf, uint64_t len,
                   int64_t budget_ns) {
     return aio_post_sendv(e, g, rail, peer, buf, len, NULL, 0, budget_ns);
