@@ -196,8 +196,10 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
     aio_op *op;
-    /* by default only on tcp, whose poller pushes bytes into sockets under the rail's lock: on
-     * shm, handing 64 KiB writes to the poller cut them to a third (the poller then queues every
+    /* by default on tcp, whose poller pushes bytes into sockets under the rail's lock; on shm
+     * only requests under HAND_MIN_BYTES whose rail the poller holds (a spinning poller holds it
+     * for most of each pass: a zero-byte immediate waited 3-20 us for the lock on a futex).
+     * Handing 64 KiB shm writes to the poller cut them to a third (the poller then queues every
      * write into the target's shm queue itself, against the target's lock). On tcp a write of
      * HAND_MIN_BYTES or more is always handed: copied in the posting thread, a batch of 16 writes
      * of 1 MiB held the posting call for 75 us on average and up to 430 us (a Python event
@@ -209,6 +211,8 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
             how = HOLD_NONE;
         else if (r->is_tcp)
             how = it->op == AIO_OP_WRITE && it->length >= HAND_MIN_BYTES ? HOLD_HAND : HOLD_TRY;
+        else if (r->is_shm && it->length < HAND_MIN_BYTES)
+            how = HOLD_TRY; /* a small request (an immediate) need not wait for the poller's pass */
     }
     if (!hold_rail(h, r, how)) {
         /* the poller holds the rail (it is moving data): it posts this request when it is done */

@@ -1,0 +1,185 @@
+"""Where a WriteImm round trip's microseconds go, from both sides (a diagnostic, not a test).
+
+    python benchmarks/latency_timeline.py [--route tcp|default] [--iters 3000] [--rounds 3]
+
+Two processes play WriteImm ping-pong with ``open_engine()`` defaults (``--route tcp``: tcp
+only, ``same_host=None``, as ``aiote bench --provider tcp`` runs; ``default``: the same-host
+route). Each side stamps, on the shared monotonic clock, when its event loop woke for the
+poller's record (the engine's bridge callback), when the waiting task resumed, and when the
+next request was handed to the transport (the engine's ``_begin``, instrumented here). The
+medians give one hop's timeline:
+
+    ping posted -> peer's loop woke -> peer's task resumed -> peer's pong posted -> ...
+
+so the wire and hand-off part (posted -> woke) is told from the Python part (woke ->
+resumed -> posted). In the same run the C core plays the same ping-pong (``aiote_cbench
+pingpong --await-write``, each side awaiting its write as ``await engine.write_imm`` does),
+then again with ``--think-ns`` set to the Python part measured here: if the C core with that
+much work per hop lands where aiote does, the gap is the interpreter's work per hop and
+nothing else (the poller and the hand-off are the same code). Also prints the loop thread's
+CPU time per round trip. Uses engine internals to place its stamps; figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import aiote
+from aiote.cli._benchnet import build_cbench, cbench
+
+ROUTES: dict[str, dict[str, Any]] = {"tcp": {"provider": "tcp", "same_host": None}, "default": {}}
+WARM = 300
+pc = time.perf_counter_ns
+
+
+def stamp(engine: Any) -> tuple[list[int], list[int]]:
+    """Instruments ``engine``: the times its loop woke for records, and its requests posted."""
+    woke: list[int] = []
+    posted: list[int] = []
+    bridge = engine._bridge
+    on_ready = bridge._on_ready
+    begin = engine._begin
+
+    def ready() -> None:
+        woke.append(pc())
+        on_ready()
+
+    def begun(*a: Any, **k: Any) -> Any:
+        r = begin(*a, **k)
+        posted.append(pc())
+        return r
+
+    bridge._on_ready = ready
+    engine._begin = begun
+    return woke, posted
+
+
+async def pong(route: str, iters: int) -> None:
+    async with aiote.open_engine(**ROUTES[route]) as e:
+        mr = await e.register(np.zeros(64, np.uint8))
+        print(bytes(mr.descriptor).hex(), flush=True)
+        theirs = aiote.MemoryDescriptor.from_bytes(bytes.fromhex(sys.stdin.readline().strip()))
+        ping = e.imm_counter(4)
+        woke, posted = stamp(e)
+        resumed = []
+        for _ in range(iters + WARM):
+            await ping.wait(1, timeout=30)
+            resumed.append(pc())
+            await e.write_imm(theirs, 5, timeout=30)
+        print(json.dumps({"woke": woke, "posted": posted[-len(resumed):], "resumed": resumed}), flush=True)
+        sys.stdin.readline()
+
+
+def start_pong(route: str, iters: int) -> subprocess.Popen[str]:
+    """The other side, a process of its own (this script with ``--pong``)."""
+    return subprocess.Popen(
+        [sys.executable, __file__, "--pong", route, "--iters", str(iters)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+
+
+async def ping(child: subprocess.Popen[str], route: str, iters: int) -> dict[str, float]:
+    assert child.stdin is not None and child.stdout is not None
+    async with aiote.open_engine(**ROUTES[route]) as e:
+        mr = await e.register(np.zeros(64, np.uint8))
+        theirs = aiote.MemoryDescriptor.from_bytes(bytes.fromhex(child.stdout.readline().strip()))
+        child.stdin.write(bytes(mr.descriptor).hex() + "\n")
+        child.stdin.flush()
+        counter = e.imm_counter(5)
+        woke, posted = stamp(e)
+        t0s, t2s = [], []
+        c0 = 0.0
+        for i in range(iters + WARM):
+            if i == WARM:
+                c0 = time.thread_time()
+            t0s.append(pc())
+            await e.write_imm(theirs, 4, timeout=30)
+            await counter.wait(1, timeout=30)
+            t2s.append(pc())
+        cpu = (time.thread_time() - c0) / iters * 1e6
+        peer = json.loads(child.stdout.readline())
+        child.stdin.write("bye\n")
+        child.stdin.flush()
+    child.wait(30)  # it exits once told (bye): no wait in practice
+    return timeline(t0s, t2s, posted[-len(t0s):], woke, peer, cpu)
+
+
+def timeline(t0s: list[int], t2s: list[int], posted: list[int], woke: list[int], peer: dict[str, Any],
+             cpu: float) -> dict[str, float]:
+    """The medians of one round trip's phases (µs), both sides' stamps on the same clock."""
+    t0, t2, p = (np.array(x[WARM:], np.int64) for x in (t0s, t2s, posted))
+    r = np.array(peer["resumed"][WARM:], np.int64)
+    pp = np.array(peer["posted"][WARM:], np.int64)
+    pw = np.array(peer["woke"], np.int64)
+    w_peer = pw[np.searchsorted(pw, r) - 1]  # the peer's last wake-up before its task resumed
+    mw = np.array(woke, np.int64)
+    w_me = mw[np.searchsorted(mw, t2) - 1]
+
+    def med(x: Any) -> float:
+        return float(np.median(x)) / 1e3
+
+    return {
+        "rtt": med(t2 - t0),
+        "ping: call -> posted": med(p - t0),
+        "ping posted -> peer's loop woke": med(w_peer - p),
+        "peer woke -> task resumed": med(r - w_peer),
+        "peer resumed -> pong posted": med(pp - r),
+        "pong posted -> pinger's loop woke": med(w_me - pp),
+        "pinger woke -> task resumed": med(t2 - w_me),
+        "loop CPU per round trip": cpu,
+    }
+
+
+def c_core(route: str, iters: int, think_ns: int) -> float:
+    """The C core's one-way p50 (µs) of the same ping-pong, each side awaiting its write."""
+    prov = ["--provider", "tcp", "--nic", "lo"] if route == "tcp" else ["--provider", "shm"]
+    args = [str(cbench()), "pingpong", str(iters), *prov, "--await-write"]
+    if think_ns:
+        args += ["--think-ns", str(think_ns)]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["p50_us"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--route", default="tcp", choices=sorted(ROUTES))
+    ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pong", metavar="ROUTE", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.setdefault("FI_PROVIDER", "tcp,ofi_rxm,shm")
+    if args.pong:
+        asyncio.run(pong(args.pong, args.iters))
+        return
+    why = build_cbench()
+    if why:
+        sys.exit(f"the C bench could not be built: {why}")
+    rows: list[dict[str, float]] = []
+    for k in range(args.rounds):
+        row = asyncio.run(ping(start_pong(args.route, args.iters), args.route, args.iters))
+        python_us = row["peer woke -> task resumed"] + row["peer resumed -> pong posted"]
+        row["aiote one-way p50"] = row["rtt"] / 2
+        row["C core one-way p50"] = c_core(args.route, args.iters, 0)
+        row["C core + Python's us as think time"] = c_core(args.route, args.iters, int(python_us * 1e3))
+        rows.append(row)
+        print(f"round {k + 1}/{args.rounds}: aiote {row['aiote one-way p50']:.1f} us one-way, "
+              f"C core {row['C core one-way p50']:.1f}", file=sys.stderr)
+    print(f"WriteImm ping-pong, route {args.route}, {args.iters} round trips, "
+          f"median of {args.rounds} rounds (us)")
+    for name in rows[0]:
+        vals = [r[name] for r in rows]
+        print(f"  {name:<40} {statistics.median(vals):8.1f}   ({min(vals):.1f}-{max(vals):.1f})")
+
+
+if __name__ == "__main__":
+    main()
