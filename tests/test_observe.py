@@ -235,6 +235,42 @@ async def test_stalls_and_retries_against_a_peer_process() -> None:
     assert sample(reg, "aiote_retries_total", op="write") == 1
 
 
+async def test_repeated_operations_count_exactly_through_the_runs_and_their_folds() -> None:
+    """Repeats of one request (the kept request of a write, a batch re-submitted) are counted
+    in runs (Stats.run) rather than in the series; a scrape sees them exactly, also once more
+    tables than the runs keep (256) forced a fold, and each duration lands in the bucket its
+    seconds would (the bounds in ns)."""
+    reg = CollectorRegistry()
+    async with aiote.open_engine(observe=aiote.Observability(registry=reg), **TCP) as a, \
+            aiote.open_engine(**TCP) as b:
+        mb = await b.register(np.zeros(1 << 16, np.uint8))
+        ma = await a.register(np.ones(1 << 16, np.uint8))
+        d = mb.descriptor
+        batch = a.batch().write(ma, d, length=100).write(ma, d, length=200, dst_offset=4096)
+        for _ in range(50):
+            await a.write(ma, d, length=4096)
+            await a.write_imm(d, 1)
+            await batch.submit()
+        for n in range(1, 301):  # 300 kept requests of as many sizes: more than the runs keep
+            await a.write(ma, d, length=n)
+        obs = a.observer
+        assert obs is not None and 0 < len(obs.stats.runs) < 256  # (folded once, then runs again)
+        assert sample(reg, "aiote_transfer_bytes_total", op="write", route="tcp") == 50 * 4096 + 300 * 301 // 2
+        assert sample(reg, "aiote_transfer_duration_seconds_count", op="write", route="tcp") == 350
+        assert sample(reg, "aiote_transfer_duration_seconds_count", op="write_imm", route="tcp") == 50
+        assert sample(reg, "aiote_transfer_bytes_total", op="batch", route="tcp") == 50 * 300
+        assert sample(reg, "aiote_transfer_duration_seconds_bucket", op="batch", route="tcp", le="+Inf") == 50
+        assert 0 < sample(reg, "aiote_transfer_duration_seconds_sum", op="write", route="tcp") < 10
+        assert sample(reg, "aiote_operations_in_flight") == 0
+        bounds, in_ns = obs.stats.bounds, obs.stats.bounds_ns
+        from bisect import bisect_left
+
+        rng = np.random.default_rng(1)
+        for ns in [*in_ns, *(x + 1 for x in in_ns), *rng.integers(1, 20_000_000_000, 2000).tolist()]:
+            assert bisect_left(in_ns, ns) == bisect_left(bounds, ns * 1e-9), ns
+    assert sample(reg, "aiote_transfer_duration_seconds_count", op="write", route="tcp") == 350
+
+
 async def test_engines_sharing_a_registry_add_up_and_separate_ones_do_not_collide() -> None:
     shared, own = CollectorRegistry(), CollectorRegistry()
     async with (
