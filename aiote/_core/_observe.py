@@ -330,8 +330,8 @@ class Observer:
         op = _OP_NAMES.get(rec.what) or _op_name(rec.what)
         if self._sink is not None:
             self._account(rec, op, nbytes, route)
-        if rec.call is not None:
-            rec.call.bytes += nbytes
+        if rec.call is not None and nbytes:
+            rec.call.add(nbytes)
         if rec.parent is not False:  # (False: no span, see Tracer.parent)
             self._spans.append((rec, op, nbytes, route, [self._nics[r] for r in rails]))
             if not self._armed:
@@ -539,7 +539,9 @@ class FlowCall:
     """One flow call being observed (see :meth:`Observer.flow_call`): ``bytes`` grows as its
     operations end. Entered once."""
 
-    __slots__ = ("_call_token", "_obs", "_outer", "_span", "_span_token", "_t0", "bytes", "call", "flow")
+    __slots__ = (
+        "_call_token", "_exited", "_obs", "_outer", "_span", "_span_token", "_t0", "bytes", "call", "flow",
+    )
 
     def __init__(self, obs: Observer, flow: str, call: str) -> None:
         self._obs = obs
@@ -547,6 +549,7 @@ class FlowCall:
         self.call = call
         self.bytes = 0
         self._outer = False
+        self._exited = False
         self._span: Any = None
         self._span_token: Any = None
         self._call_token: Any = None
@@ -569,6 +572,7 @@ class FlowCall:
             return
         dt = (time.perf_counter_ns() - self._t0) * 1e-9
         _CALL.reset(self._call_token)
+        self._exited = True
         obs = self._obs
         obs.flush()  # its operations' bytes
         outcome = _outcome(exc)
@@ -583,6 +587,14 @@ class FlowCall:
             obs._tracer.detach(self._span_token)
             self._span.set_attribute("aiote.bytes", self.bytes)
             obs._tracer.finish(self._span, exc, outcome)
+
+    def add(self, nbytes: int) -> None:
+        """Bytes of an operation made inside the call: part of the call's bytes, or, for one
+        that completed after the call returned (a write it posted), straight to the counter."""
+        if not self._exited:
+            self.bytes += nbytes
+        elif self._obs._sink is not None:
+            self._obs.stats.add("aiote_flow_bytes", (self.flow, self.call), nbytes)
 
 
 class KVRequestObs:
