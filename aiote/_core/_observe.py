@@ -151,6 +151,7 @@ class _OpRecord:
     # (an observed operation's task has its record as _GROUPS: _begin appends each group to it)
     t1: int  # when it ended, and what it raised: set by Observer._end (not on its fast path)
     exc: BaseException | None
+    r0: Any  # (set with g0)
 
     def __init__(self, obs: Observer, what: str) -> None:
         self.obs = obs
@@ -159,7 +160,6 @@ class _OpRecord:
         obs.unit = 0
         obs._started += 1
         self.g0: _Op | None = None
-        self.r0: Any = None
         self.more: list[tuple[_Op, Any]] | None = None
         self.attempts = 1  # (re-posts after a broken connection add to it: Observer.counting)
         self.ended = False
@@ -220,6 +220,9 @@ class Observer:
         self._tables: dict[int, tuple[np.ndarray, tuple[int, str, tuple[int, ...]]]] = {}
         # a table's (table, the operation's `what`, the run it counts in: see Stats.run)
         self._fast: dict[int, tuple[Any, ...]] = {}
+        self._hit_table: Any = None  # the last table counted on the fast path, its `what` and run
+        self._hit_what: Any = None
+        self._hit_run: Any = None
         self.unit = 0  # the bytes of the message the next send carries (set by _send_msg)
         self._started = 0
         self._ended = 0
@@ -311,18 +314,26 @@ class Observer:
         g = rec.g0
         if exc is None and rec.more is None and rec.parent is False and rec.call is None and g is not None:
             # the common case, kept short: one group of a table seen before, metrics only,
-            # counted in the run of its table's series (two additions: see Stats.run)
+            # counted in the run of its table's series (two additions: see Stats.run); the
+            # last table's run at hand (the same request repeated: no lookup)
             refs = rec.r0
-            fast = self._fast.get(id(refs[1])) if type(refs) is tuple and len(refs) == 2 else None
-            if fast is not None and fast[0] is refs[1] and fast[1] is rec.what and g.status == 0 and g.done:
-                run = fast[2]
-                dt = t1 - rec.t0
-                run[0] += dt
-                run[1 + bisect_left(self._bounds_ns, dt)] += 1
-                if rec.attempts > 1:
-                    self.stats.add("aiote_retries", (_op_name(rec.what),), rec.attempts - 1)
-                rec.g0 = rec.r0 = None
-                return
+            if type(refs) is tuple and len(refs) == 2 and g.status == 0 and g.done:
+                table = refs[1]
+                if table is self._hit_table and rec.what is self._hit_what:
+                    run = self._hit_run
+                else:
+                    fast = self._fast.get(id(table))
+                    run = fast[2] if fast is not None and fast[0] is table and fast[1] is rec.what else None
+                    if run is not None:
+                        self._hit_table, self._hit_what, self._hit_run = table, rec.what, run
+                if run is not None:
+                    dt = t1 - rec.t0
+                    run[0] += dt
+                    run[1 + bisect_left(self._bounds_ns, dt)] += 1
+                    if rec.attempts > 1:
+                        self.stats.add("aiote_retries", (_op_name(rec.what),), rec.attempts - 1)
+                    rec.g0 = None  # (a posted operation's group holds its record: no cycle)
+                    return
         rec.t1 = t1
         rec.exc = exc
         self._ended += 1
@@ -486,6 +497,7 @@ class Observer:
         with self._lock:
             self._ended += self.stats.fold()
             self._fast.clear()
+            self._hit_table = self._hit_what = self._hit_run = None
 
     def _snapshot(self, into: Stats) -> int:
         """Adds this engine's numbers to ``into`` (a scrape, from any thread; the engine's

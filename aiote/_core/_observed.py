@@ -35,7 +35,7 @@ class Observed(OpLife):
         if obs is None:
             return OpLife._attempts(self, attempt, timeout, retry, what)
         outer = _GROUPS.get()  # inside an operation observed already: part of it
-        if type(outer) is _OpRecord or type(outer) is _GroupTap:
+        if outer is not None and (type(outer) is _OpRecord or type(outer) is _GroupTap):
             return OpLife._attempts(self, attempt, timeout, retry, what)
         return self._observed(obs, attempt, timeout, retry, what)
 
