@@ -170,6 +170,8 @@ async def test_metrics_of_every_kind_of_operation() -> None:
             await b.write_imm(ma.descriptor, 9)
         await a.imm_counter(9).wait(3, timeout=10)
         await t  # (after its completion was counted: the completion counts it, not the await)
+        with pytest.raises(aiote.InvalidArgument):  # refused before anything is posted: not counted
+            await a.write_imm(d, 2, timeout=-1)
         a.observer.flush()  # type: ignore[union-attr]
         bytes_ = {op: sample(reg, "aiote_transfer_bytes_total", op=op, route="tcp")
                   for op in ("write", "read", "write_imm", "batch", "write_paged", "send")}
@@ -183,6 +185,7 @@ async def test_metrics_of_every_kind_of_operation() -> None:
         assert sample(reg, "aiote_operations_in_flight") == 0
         assert sample(reg, "aiote_imm_credits_total") == 3
         assert sample(reg, "aiote_transfer_errors_total", op="write", error="PeerUnreachable") == 0
+        assert sample(reg, "aiote_transfer_errors_total", op="write_imm", error="InvalidArgument") == 0
     # the closed engine's series stay (counters never go back)
     assert sample(reg, "aiote_transfer_bytes_total", op="read", route="tcp") == 4096
     assert sample(reg, "aiote_imm_credits_total") == 3
