@@ -6,6 +6,7 @@ trace across processes; a real Prometheus scraping ``aiote demo --metrics-port``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 
 import aiote
-from aiote import kv
+from aiote import kv, moe
 from aiote import weights as W
 from aiote._spawn import child_env, python_module
 from aiote.cli import kvdemo
@@ -169,6 +170,8 @@ async def test_metrics_of_every_kind_of_operation() -> None:
             await b.write_imm(ma.descriptor, 9)
         await a.imm_counter(9).wait(3, timeout=10)
         await t  # (after its completion was counted: the completion counts it, not the await)
+        with pytest.raises(aiote.InvalidArgument):  # refused before anything is posted: not counted
+            await a.write_imm(d, 2, timeout=-1)
         a.observer.flush()  # type: ignore[union-attr]
         bytes_ = {op: sample(reg, "aiote_transfer_bytes_total", op=op, route="tcp")
                   for op in ("write", "read", "write_imm", "batch", "write_paged", "send")}
@@ -182,6 +185,7 @@ async def test_metrics_of_every_kind_of_operation() -> None:
         assert sample(reg, "aiote_operations_in_flight") == 0
         assert sample(reg, "aiote_imm_credits_total") == 3
         assert sample(reg, "aiote_transfer_errors_total", op="write", error="PeerUnreachable") == 0
+        assert sample(reg, "aiote_transfer_errors_total", op="write_imm", error="InvalidArgument") == 0
     # the closed engine's series stay (counters never go back)
     assert sample(reg, "aiote_transfer_bytes_total", op="read", route="tcp") == 4096
     assert sample(reg, "aiote_imm_credits_total") == 3
@@ -233,6 +237,43 @@ async def test_stalls_and_retries_against_a_peer_process() -> None:
     assert sample(reg, "aiote_transfer_errors_total", op="write", error="TransferStalled") == 1
     assert sample(reg, "aiote_transfer_errors_total", op="write", error="PeerUnreachable") == 1
     assert sample(reg, "aiote_retries_total", op="write") == 1
+
+
+async def test_repeated_operations_count_exactly_through_the_runs_and_their_folds() -> None:
+    """Repeats of one request (the kept request of a write, a batch re-submitted) are counted
+    in runs (Stats.run) rather than in the series; a scrape sees them exactly, also once more
+    tables than the runs keep (256) forced a fold, and each duration lands in the bucket its
+    seconds would (the bounds in ns)."""
+    reg = CollectorRegistry()
+    async with aiote.open_engine(observe=aiote.Observability(registry=reg), **TCP) as a, \
+            aiote.open_engine(**TCP) as b:
+        mb = await b.register(np.zeros(1 << 16, np.uint8))
+        ma = await a.register(np.ones(1 << 16, np.uint8))
+        d = mb.descriptor
+        batch = a.batch().write(ma, d, length=100).write(ma, d, length=200, dst_offset=4096)
+        for _ in range(50):
+            await a.write(ma, d, length=4096)
+            await a.write_imm(d, 1)
+            await batch.submit()
+        for n in range(1, 301):  # 300 kept requests of as many sizes: more than the runs keep
+            await a.write(ma, d, length=n)
+        obs = a.observer
+        assert obs is not None and 0 < len(obs.stats.runs) < 256  # (folded once, then runs again)
+        written = 50 * 4096 + 300 * 301 // 2
+        assert sample(reg, "aiote_transfer_bytes_total", op="write", route="tcp") == written
+        assert sample(reg, "aiote_transfer_duration_seconds_count", op="write", route="tcp") == 350
+        assert sample(reg, "aiote_transfer_duration_seconds_count", op="write_imm", route="tcp") == 50
+        assert sample(reg, "aiote_transfer_bytes_total", op="batch", route="tcp") == 50 * 300
+        assert sample(reg, "aiote_transfer_duration_seconds_bucket", op="batch", route="tcp", le="+Inf") == 50
+        assert 0 < sample(reg, "aiote_transfer_duration_seconds_sum", op="write", route="tcp") < 10
+        assert sample(reg, "aiote_operations_in_flight") == 0
+        bounds, in_ns = obs.stats.bounds, obs.stats.bounds_ns
+        from bisect import bisect_left
+
+        rng = np.random.default_rng(1)
+        for ns in [*in_ns, *(x + 1 for x in in_ns), *rng.integers(1, 20_000_000_000, 2000).tolist()]:
+            assert bisect_left(in_ns, ns) == bisect_left(bounds, ns * 1e-9), ns
+    assert sample(reg, "aiote_transfer_duration_seconds_count", op="write", route="tcp") == 350
 
 
 async def test_engines_sharing_a_registry_add_up_and_separate_ones_do_not_collide() -> None:
@@ -367,6 +408,73 @@ async def test_flow_calls_weights_push_and_wait_version() -> None:
                 if s.parent is not None and s.parent.span_id == push.context.span_id]
     assert children and {s.name for s in children} <= {"aiote.write", "aiote.write_imm", "aiote.batch"}
     assert (push.attributes or {})["aiote.bytes"] == 128
+
+
+def moved(reg: CollectorRegistry) -> float:
+    """aiote_transfer_bytes_total summed over its series."""
+    return sum(s.value for m in reg.collect() if m.name == "aiote_transfer_bytes" for s in m.samples
+               if s.name == "aiote_transfer_bytes_total")
+
+
+async def test_flow_calls_moe_dispatch_and_combine() -> None:
+    """Two ranks (engines of this process, each with its registry): dispatch and combine, and
+    their halves called on their own, each one flow call in aiote_flow_*, their bytes the bytes
+    of the operations inside them; a call that raises is an error of its call; rank 0's calls
+    are spans, the parents of their operations' spans."""
+    regs, (provider, spans) = [CollectorRegistry(), CollectorRegistry()], tracing()
+    t, e, k, h = 8, 4, 2, 16
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((t, h)).astype(np.float32) for _ in range(2)]
+    idx = [np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int64) for _ in range(2)]
+    ws = [rng.random((t, k)).astype(np.float32) for _ in range(2)]
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(aiote.open_engine(observe=aiote.Observability(
+            registry=regs[r], tracer_provider=provider if r == 0 else None), **TCP)) for r in range(2)]
+        group = [a.address for a in engines]
+        a2a: list[Any] = [None, None]
+        outs: list[list[Any]] = [[], []]
+
+        async def rank(r: int) -> None:
+            a2a[r] = await moe.AllToAll.create(
+                engines[r], moe.Group(group, r), num_experts=e, experts_per_token=k, hidden=h,
+                max_tokens=t, in_dtype="float32", out_dtype="float32", timeout=30)
+
+        async def step(r: int) -> None:
+            hd = await a2a[r].dispatch(xs[r], idx[r], ws[r], timeout=30)
+            outs[r].append(await a2a[r].combine(hd, hd.expert_x, timeout=30))
+            pending = await a2a[r].dispatch_send(xs[r], idx[r], ws[r], timeout=30)
+            hd = await pending.recv(timeout=30)
+            outs[r].append(await (await a2a[r].combine_send(hd, hd.expert_x, timeout=30)).recv(timeout=30))
+
+        created: list[float] = []
+        for fn in (rank, step):
+            created = [moved(regs[r]) for r in range(2)]  # (after create: what the calls move)
+            async with anyio.create_task_group() as tg:
+                for r in range(2):
+                    tg.start_soon(fn, r)
+        with pytest.raises(aiote.InvalidArgument):
+            await a2a[0].dispatch(xs[0], np.full((t, k), e, np.int64), ws[0], timeout=30)
+    for r in range(2):
+        for out in outs[r]:  # the expert returned its rows: the reduction is x times its weights' sum
+            np.testing.assert_allclose(out, xs[r] * ws[r].sum(axis=1, keepdims=True), rtol=1e-5)
+        calls = {c: sample(regs[r], "aiote_flow_call_seconds_count", flow="moe", call=c)
+                 for c in ("dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send",
+                           "combine_recv")}
+        assert calls == {"dispatch": 2 if r == 0 else 1, "combine": 1, "dispatch_send": 1,
+                         "dispatch_recv": 1, "combine_send": 1, "combine_recv": 1}, calls
+        flow = {c: sample(regs[r], "aiote_flow_bytes_total", flow="moe", call=c) for c in calls}
+        # (a half's writes complete after it returned: counted then, as the whole call's)
+        assert flow["dispatch_send"] == flow["dispatch"] > 0 and flow["combine_send"] == flow["combine"] > 0
+        assert sum(flow.values()) == moved(regs[r]) - created[r]
+    refused = {"flow": "moe", "call": "dispatch", "error": "InvalidArgument"}
+    assert [sample(regs[r], "aiote_flow_errors_total", **refused) for r in range(2)] == [1, 0]
+    got = by_name(spans)
+    assert len(got["aiote.moe.dispatch"]) == 2 and len(got["aiote.moe.combine"]) == 1
+    moe_calls = {s.context.span_id for n in got if n.startswith("aiote.moe.") for s in got[n]}
+    ops = [s for s in spans.get_finished_spans() if not s.name.startswith("aiote.moe.")]
+    assert ops and all(s.parent is not None and s.parent.span_id in moe_calls for s in ops)
+    ok = [s for s in got["aiote.moe.dispatch"] if s.status.status_code == StatusCode.OK]
+    assert len(ok) == 1 and (ok[0].attributes or {})["aiote.bytes"] > 0
 
 
 # ------------------------------------------------------------------ the KV flow

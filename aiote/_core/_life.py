@@ -33,7 +33,9 @@ class OpLife(Completions):
     ) -> None:
         """Runs ``attempt(time_left)``, re-running it after a broken connection as the retry
         policy says (see :class:`RetryPolicy`). The policy is checked before anything is
-        posted, and is in force (``connect_timeout`` included) for every group it posts."""
+        posted, and is in force (``connect_timeout`` included) for every group it posts.
+        (``Observed._observed`` repeats these steps for an observed operation: keep the two
+        alike.)"""
         _check_retry(retry)
         end = _end(timeout)
         token = _POLICY.set(retry) if retry is not None else None

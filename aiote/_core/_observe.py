@@ -34,7 +34,7 @@ from ._log import get_logger
 from ._metrics import DURATION_BUCKETS, Stats, sink_for
 from ._optable import CLOSED_STATUS as _CLOSED_STATUS
 from ._optable import _Op
-from ._records import _GROUPS, RailInfo, _GroupTap
+from ._records import _GROUPS, RailInfo
 from ._wire import _CREDIT, _completion_error
 
 __all__ = ["FlowCall", "KVRequestObs", "Observability", "Observer", "observed_call"]
@@ -42,6 +42,7 @@ __all__ = ["FlowCall", "KVRequestObs", "Observability", "Observer", "observed_ca
 # the flow call running in this task (its operations' bytes are added to it)
 _CALL: contextvars.ContextVar[FlowCall | None] = contextvars.ContextVar("aiote_obs_call", default=None)
 _NOOP = nullcontext()
+_clock = time.perf_counter_ns  # (one global read per use on the hot path, not two)
 _log = get_logger(component="observe")
 _OP_NAMES: dict[str, str] = {}  # an operation's `what` -> its bounded label ("batch of 16" -> "batch")
 
@@ -55,8 +56,8 @@ class Observability:
     metrics: bool = True
     """Prometheus metrics (``pip install aiote[metrics]``): the series are added to
     ``registry``, which you serve (``prometheus_client.start_http_server(port, registry=...)``).
-    Costs a few microseconds of the event-loop thread per operation (about 5 on a 2-vCPU VM;
-    docs/observability.md)."""
+    Costs the event-loop thread about 1.5 µs per operation in isolation, 4 to 6 µs in a real
+    run, where the loop wakes with cold caches (docs/observability.md)."""
 
     registry: Any = None
     """The ``prometheus_client.CollectorRegistry`` the series go to; None: prometheus_client's
@@ -139,11 +140,18 @@ def _outcome(exc: BaseException | None) -> str:
 
 class _OpRecord:
     """One operation being observed: when it began, the groups it began (each with its refs as
-    they were: a group's completion lets go of them), attempts, and where its bytes count."""
+    they were: a group's completion lets go of them), attempts, and where its bytes count.
+    Its first group is kept in two slots (``g0``, ``r0``), the others in ``more``: most
+    operations begin one, and their end reads it without a list."""
 
-    __slots__ = ("attempts", "call", "ended", "exc", "groups", "obs", "parent", "t0", "t1", "unit", "what")
+    __slots__ = (
+        "attempts", "call", "ended", "exc", "g0", "more", "obs", "parent", "r0", "t0", "t1", "unit", "what",
+    )
 
     # (an observed operation's task has its record as _GROUPS: _begin appends each group to it)
+    t1: int  # when it ended, and what it raised: set by Observer._end (not on its fast path)
+    exc: BaseException | None
+    r0: Any  # (set with g0)
 
     def __init__(self, obs: Observer, what: str) -> None:
         self.obs = obs
@@ -151,22 +159,39 @@ class _OpRecord:
         self.unit = obs.unit  # bytes of a request of a message (its groups carry no table)
         obs.unit = 0
         obs._started += 1
-        self.groups: list[tuple[_Op, Any]] = []
+        self.g0: _Op | None = None
+        self.more: list[tuple[_Op, Any]] | None = None
         self.attempts = 1  # (re-posts after a broken connection add to it: Observer.counting)
         self.ended = False
         self.call = _CALL.get()
         tracer = obs._tracer
         self.parent = tracer.parent() if tracer is not None else False  # False: no span
-        self.t0 = time.perf_counter_ns()
-        self.t1 = 0  # (when it ended, and what it raised: see Observer.end)
-        self.exc: BaseException | None = None
+        self.t0 = _clock()
 
     def tap(self, op: _Op) -> None:
         """A group the operation began (called by ``_begin`` through ``_GROUPS``)."""
-        if not self.ended:
-            self.groups.append((op, op.refs))
+        if self.ended:
+            return
+        if self.g0 is None:
+            self.g0 = op
+            self.r0 = op.refs
+        elif self.more is None:
+            self.more = [(op, op.refs)]
+        else:
+            self.more.append((op, op.refs))
 
     append = tap
+
+    @property
+    def groups(self) -> list[tuple[_Op, Any]]:
+        """Every group it began, with its refs as they were, in order."""
+        if self.g0 is None:
+            return []
+        return [(self.g0, self.r0), *(self.more or ())]
+
+    def forget(self) -> None:
+        """Lets go of its groups (and their tables, kept until its end was accounted)."""
+        self.g0 = self.r0 = self.more = None
 
     def done(self, op: _Op) -> None:
         """The completion of a posted operation's one group (called by ``_drain``)."""
@@ -193,15 +218,18 @@ class Observer:
         self._routes = tuple(r.provider.split(";")[0] for r in rails)
         self._nics = tuple(r.domain for r in rails)  # (a NIC's streams: its name once each)
         self._tables: dict[int, tuple[np.ndarray, tuple[int, str, tuple[int, ...]]]] = {}
-        # a table's (table, the operation's `what`, bytes, bytes cell, duration histogram)
+        # a table's (table, the operation's `what`, the run it counts in: see Stats.run)
         self._fast: dict[int, tuple[Any, ...]] = {}
-        self._bounds = options.buckets
+        self._hit_table: Any = None  # the last table counted on the fast path, its `what` and run
+        self._hit_what: Any = None
+        self._hit_run: Any = None
         self.unit = 0  # the bytes of the message the next send carries (set by _send_msg)
         self._started = 0
         self._ended = 0
         self._msg_credits = 0
         self._final_credits = 0
         self.stats = Stats(options.buckets)
+        self._bounds_ns = self.stats.bounds_ns
         self._series: dict[str, dict[str, tuple[list[float], list[float]]]] = {}  # op -> route -> cells
         self._spans: list[tuple[Any, ...]] = []  # operations that ended whose spans are to make
         self._armed = False  # the task of run() was woken for them
@@ -227,18 +255,6 @@ class Observer:
         return self._tracer is not None
 
     # ------------------------------------------------------------------ the engine's side
-
-    def _attempts(
-        self, base: Callable[..., Coroutine[Any, Any, None]], engine: Any,
-        attempt: Callable[[float | None], Any], timeout: float | None, retry: Any, what: str,
-    ) -> Coroutine[Any, Any, None]:
-        """``base(engine, attempt, timeout, retry, what)`` (OpLife._attempts) observed as one
-        operation (a coroutine), unless it runs inside one already observed: then ``base``'s own
-        coroutine, part of that one."""
-        outer = _GROUPS.get()
-        if type(outer) is _OpRecord or type(outer) is _GroupTap:
-            return base(engine, attempt, timeout, retry, what)
-        return self._run_as(_OpRecord(self, what), base, engine, attempt, timeout, retry)
 
     async def _run_as(
         self, rec: _OpRecord, base: Callable[..., Awaitable[Any]], engine: Any = None,
@@ -287,38 +303,46 @@ class Observer:
         return lambda: self._run_as(rec, lambda *_: run())
 
     def _end(self, rec: _OpRecord, exc: BaseException | None) -> None:
-        """The operation of ``rec`` finished (``exc``: what it raised): its metrics now (a few
-        microseconds), its span, if it gets one, queued for :meth:`_run` to make when the loop is
-        next free (the SDK's tens of microseconds are not in the way of the task that awaited
-        it); at once when the engine has no loop task yet."""
+        """The operation of ``rec`` finished (``exc``: what it raised): its metrics now (well
+        under a microsecond for the common case), its span, if it gets one, queued for
+        :meth:`_run` to make when the loop is next free (the SDK's tens of microseconds are not
+        in the way of the task that awaited it); at once when the engine has no loop task yet."""
         if rec.ended:
             return
         rec.ended = True
-        t1 = rec.t1 = time.perf_counter_ns()
+        t1 = _clock()
+        g = rec.g0
+        if exc is None and rec.more is None and rec.parent is False and rec.call is None and g is not None:
+            # the common case, kept short: one group of a table seen before, metrics only,
+            # counted in the run of its table's series (two additions: see Stats.run); the
+            # last table's run at hand (the same request repeated: no lookup)
+            refs = rec.r0
+            if type(refs) is tuple and len(refs) == 2 and g.status == 0 and g.done:
+                table = refs[1]
+                if table is self._hit_table and rec.what is self._hit_what:
+                    run = self._hit_run
+                else:
+                    fast = self._fast.get(id(table))
+                    run = fast[2] if fast is not None and fast[0] is table and fast[1] is rec.what else None
+                    if run is not None:
+                        self._hit_table, self._hit_what, self._hit_run = table, rec.what, run
+                if run is not None:
+                    dt = t1 - rec.t0
+                    run[0] += dt
+                    run[1 + bisect_left(self._bounds_ns, dt)] += 1
+                    if rec.attempts > 1:
+                        self.stats.add("aiote_retries", (_op_name(rec.what),), rec.attempts - 1)
+                    rec.g0 = None  # (a posted operation's group holds its record: no cycle)
+                    return
+        rec.t1 = t1
         rec.exc = exc
         self._ended += 1
-        groups = rec.groups
-        if exc is None and len(groups) == 1 and rec.parent is False and rec.call is None:
-            # the common case, kept short: one group of a table seen before, metrics only
-            g, refs = groups[0]
-            fast = self._fast.get(id(refs[1])) if type(refs) is tuple and len(refs) == 2 else None
-            if fast is not None and fast[0] is refs[1] and fast[1] is rec.what and g.status == 0 and g.done:
-                _, _, n, cell, h = fast
-                cell[0] += n
-                dt = (t1 - rec.t0) * 1e-9
-                h[0] += 1
-                h[1] += dt
-                h[2 + bisect_left(self._bounds, dt)] += 1
-                if rec.attempts > 1:
-                    self.stats.add("aiote_retries", (_op_name(rec.what),), rec.attempts - 1)
-                groups.clear()
-                return
         nbytes, route, rails = self._summary(rec)
         op = _OP_NAMES.get(rec.what) or _op_name(rec.what)
         if self._sink is not None:
             self._account(rec, op, nbytes, route)
-        if rec.call is not None:
-            rec.call.bytes += nbytes
+        if rec.call is not None and nbytes:
+            rec.call.add(nbytes)
         if rec.parent is not False:  # (False: no span, see Tracer.parent)
             self._spans.append((rec, op, nbytes, route, [self._nics[r] for r in rails]))
             if not self._armed:
@@ -327,7 +351,7 @@ class Observer:
                     self.flush()
                 else:
                     self._ev.set()
-        rec.groups.clear()  # (their tables, kept until now)
+        rec.forget()
 
     def flush(self) -> None:
         """Makes now the spans of the operations that ended (otherwise made when the loop is
@@ -386,9 +410,10 @@ class Observer:
         if len(groups) == 1 and type(refs := groups[0][1]) is tuple and len(refs) == 2:
             table = refs[1]
             if type(table) is np.ndarray and not groups[0][0].failover:
-                if len(self._fast) >= 256:
-                    self._fast.clear()
-                self._fast[id(table)] = (table, rec.what, self._table_info(table)[0], *series)
+                if len(self._fast) >= 256 or len(self.stats.runs) >= 256:
+                    self._fold()
+                run = self.stats.run((op, route), self._table_info(table)[0])
+                self._fast[id(table)] = (table, rec.what, run)
         if nbytes:
             series[0][0] += nbytes
         if rec.exc is None:
@@ -466,9 +491,20 @@ class Observer:
         """A deferred credit message counted ``units`` (sub-units of a credit) into a counter."""
         self._msg_credits += units // _CREDIT
 
-    def _in_flight(self) -> int:
-        """Operations started and not finished (read by a scrape)."""
-        return self._started - self._ended
+    def _fold(self) -> None:
+        """Moves the runs into the series (a scrape kept out meanwhile) and forgets the
+        tables that counted in them."""
+        with self._lock:
+            self._ended += self.stats.fold()
+            self._fast.clear()
+            self._hit_table = self._hit_what = self._hit_run = None
+
+    def _snapshot(self, into: Stats) -> int:
+        """Adds this engine's numbers to ``into`` (a scrape, from any thread; the engine's
+        close); returns its operations started and not finished."""
+        with self._lock:
+            into.merge(self.stats)
+            return max(0, self._started - self._ended - self.stats.ran())
 
     def _credits(self) -> int:
         """Immediates this engine received (read by a scrape, from any thread)."""
@@ -515,7 +551,9 @@ class FlowCall:
     """One flow call being observed (see :meth:`Observer.flow_call`): ``bytes`` grows as its
     operations end. Entered once."""
 
-    __slots__ = ("_call_token", "_obs", "_outer", "_span", "_span_token", "_t0", "bytes", "call", "flow")
+    __slots__ = (
+        "_call_token", "_exited", "_obs", "_outer", "_span", "_span_token", "_t0", "bytes", "call", "flow",
+    )
 
     def __init__(self, obs: Observer, flow: str, call: str) -> None:
         self._obs = obs
@@ -523,6 +561,7 @@ class FlowCall:
         self.call = call
         self.bytes = 0
         self._outer = False
+        self._exited = False
         self._span: Any = None
         self._span_token: Any = None
         self._call_token: Any = None
@@ -545,6 +584,7 @@ class FlowCall:
             return
         dt = (time.perf_counter_ns() - self._t0) * 1e-9
         _CALL.reset(self._call_token)
+        self._exited = True
         obs = self._obs
         obs.flush()  # its operations' bytes
         outcome = _outcome(exc)
@@ -559,6 +599,14 @@ class FlowCall:
             obs._tracer.detach(self._span_token)
             self._span.set_attribute("aiote.bytes", self.bytes)
             obs._tracer.finish(self._span, exc, outcome)
+
+    def add(self, nbytes: int) -> None:
+        """Bytes of an operation made inside the call: part of the call's bytes, or, for one
+        that completed after the call returned (a write it posted), straight to the counter."""
+        if not self._exited:
+            self.bytes += nbytes
+        elif self._obs._sink is not None:
+            self._obs.stats.add("aiote_flow_bytes", (self.flow, self.call), nbytes)
 
 
 class KVRequestObs:

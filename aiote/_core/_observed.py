@@ -9,7 +9,8 @@ from typing import Any
 
 from ._errors import PeerUnreachable
 from ._life import OpLife
-from ._observe import Observer
+from ._observe import Observer, _OpRecord
+from ._records import _GROUPS, _POLICY, _check_retry, _end, _GroupTap
 from ._retry import RetryPolicy
 
 
@@ -33,7 +34,47 @@ class Observed(OpLife):
         obs = self._obs
         if obs is None:
             return OpLife._attempts(self, attempt, timeout, retry, what)
-        return obs._attempts(OpLife._attempts, self, attempt, timeout, retry, what)
+        outer = _GROUPS.get()  # inside an operation observed already: part of it
+        if outer is not None and (type(outer) is _OpRecord or type(outer) is _GroupTap):
+            return OpLife._attempts(self, attempt, timeout, retry, what)
+        return self._observed(obs, attempt, timeout, retry, what)
+
+    async def _observed(
+        self,
+        obs: Observer,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        what: str,
+    ) -> None:
+        """``OpLife._attempts`` as one observed operation: the same steps (keep the two alike),
+        in one coroutine rather than one around the other (a coroutine layer is a good share of
+        what observing costs). The record is made once the arguments passed their checks
+        (refused arguments are no operation) and is ``_GROUPS`` while the operation runs (the
+        groups it begins are its, its re-posts retries: see :meth:`Observer._counting`)."""
+        _check_retry(retry)
+        end = _end(timeout)
+        rec = _OpRecord(obs, what)
+        token = _GROUPS.set(rec)
+        policy = _POLICY.set(retry) if retry is not None else None
+        self._busy += 1
+        try:
+            try:
+                await attempt(timeout)
+            except PeerUnreachable as exc:
+                await self._retry_after(exc, attempt, end, retry or self._retry, what)
+            finally:
+                self._busy -= 1
+                if policy is not None:
+                    _POLICY.reset(policy)
+                if self._book.due:
+                    self._maybe_sweep()
+        except BaseException as failed:
+            _GROUPS.reset(token)
+            obs._end(rec, failed)
+            raise
+        _GROUPS.reset(token)
+        obs._end(rec, None)
 
     def _retry_after(  # the slow path: posting again after a broken connection
         self,
