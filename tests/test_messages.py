@@ -158,7 +158,7 @@ async def test_recv_cancelled_after_taking_a_queued_message_gives_it_back(aiote_
         async with anyio.create_task_group() as tg:
             cs = anyio.CancelScope()
 
-            async def receiver(cs: anyio.CancelScope = cs) -> None:
+            async def receiver(cs: anyio.CancelScope = cs, got: list[bytes] = got) -> None:
                 with cs:
                     got.append((await b.recv())[1])
 
