@@ -33,10 +33,12 @@ import numpy as np
 
 from .._native import ffi, lib
 from ._descriptor import DEVICE_CUDA, GPU_BACKEND_CUDA, GPU_BACKEND_HOST, GpuExtent, MemoryDescriptor
-from ._device import _Backend, device_backend
+from ._device import Credit, _Backend, device_backend
 from ._errors import AioteError, EngineClosed, InvalidArgument
+from ._lanes import K_LANE, Lanes
 from ._log import get_logger
 from ._util import check_timeout, deadline, first_error, now, timeout_error, wait_until
+from ._wire import _GPU_COUNTS
 
 if TYPE_CHECKING:
     from ._descriptor import EngineAddress, GpuExtent
@@ -127,6 +129,7 @@ _PART = struct.Struct("<BQQQIBIIQI")
 _K_PART = 1
 _F_IMM = 1
 _WORDS_PER_PAGE = 512
+_K_LANE_BYTE = bytes([K_LANE])
 
 
 class _Watch:
@@ -176,9 +179,9 @@ class _Line:
     def busy(self) -> bool:
         return bool(self.waiters)
 
-    def fence(self, cb: Callable[[], None]) -> None:
+    def fence(self, cb: Callable[[], None], credit: Credit | None = None) -> None:
         self.seq += 1
-        self.gpu.b.signal(self.stream, self.word[2], self.seq)
+        self.gpu.b.signal(self.stream, self.word[2], self.seq, credit)
         self.waiters.append((self.seq, cb))
         self.watch.arm(self.seen)
 
@@ -343,8 +346,9 @@ class GpuSupport:
         self._regions: dict[int, MemoryRegion] = {}
         self._parts: dict[tuple[bytes, int], int] = {}
         self._ipc: dict[tuple[bytes, bytes, int], int] = {}
+        self.lanes = Lanes(engine, self.b)
         self._ops = itertools.count(1)
-        self.counts = {"gpu_ipc": 0, "gpu_staged": 0, "gpu_direct": 0, "gpu_parts_in": 0}
+        self.counts = dict.fromkeys(_GPU_COUNTS, 0)
 
     # ------------------------------------------------------------------ words and lines
 
@@ -376,8 +380,12 @@ class GpuSupport:
         if w is not None:
             w._on_value(value)
 
-    def _track(self, mr: MemoryRegion, line: _Line, then: Callable[[], None] | None = None) -> None:
-        """Counts device work on ``mr`` (``unregister`` waits for it) until ``line``'s fence."""
+    def _track(
+        self, mr: MemoryRegion, line: _Line, then: Callable[[], None] | None = None,
+        credit: Credit | None = None,
+    ) -> None:
+        """Counts device work on ``mr`` (``unregister`` waits for it) until ``line``'s fence
+        (which also publishes ``credit`` into a credit lane)."""
         mr._dev_pending += 1
 
         def done() -> None:
@@ -385,11 +393,11 @@ class GpuSupport:
             if then is not None:
                 then()
 
-        line.fence(done)
+        line.fence(done, credit)
 
-    async def _fenced(self, mr: MemoryRegion, line: _Line) -> None:
+    async def _fenced(self, mr: MemoryRegion, line: _Line, credit: Credit | None = None) -> None:
         ev = self.e._event()
-        self._track(mr, line, ev.set)
+        self._track(mr, line, ev.set, credit)
         await ev.wait()
 
     # ------------------------------------------------------------------ registration
@@ -493,9 +501,13 @@ class GpuSupport:
                 self._user_stream(line, stream)
                 if length:
                     self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
-                await self._fenced(mr, line)
-                if imm is not None:
+                credit = self.lanes.take(dev.device, rdesc, imm, 1)
+                if credit is not None:
+                    self.counts["gpu_lane_credits"] += 1
+                await self._fenced(mr, line, credit)
+                if imm is not None and credit is None:
                     await self.credit(rdesc, imm, 1, timeout, retry)
+                    await self.lanes.offer(dev.device, rdesc, timeout, retry)
                 return
         staged = _staged(rdesc)
         src_direct = dev is not None and mr._shadow is None
@@ -567,9 +579,13 @@ class GpuSupport:
             if peer is not None:
                 self.counts["gpu_ipc"] += 1
                 self.b.paged_copy(peer, dev.ptr, dst_offs, src_offs, page, line.stream)
-                await self._fenced(mr, line)
-                if imm is not None:
+                credit = self.lanes.take(dev.device, rdesc, imm, n)
+                if credit is not None:
+                    self.counts["gpu_lane_credits"] += 1
+                await self._fenced(mr, line, credit)
+                if imm is not None and credit is None:
                     await self.credit(rdesc, imm, n, timeout, retry)
+                    await self.lanes.offer(dev.device, rdesc, timeout, retry)
                 return
             if mr._shadow is not None:  # gather the pages into the shadow the NICs read
                 shadow = int(mr._shadow.ctypes.data)
@@ -680,7 +696,11 @@ class GpuSupport:
     # ------------------------------------------------------------------ the receiving side
 
     def on_part(self, sender: bytes, payload: bytes) -> None:
-        """An internal message: bytes of an operation landed in a GPU region's shadow."""
+        """An internal message: bytes of an operation landed in a GPU region's shadow (or a
+        peer offers a credit lane)."""
+        if payload[:1] == _K_LANE_BYTE:
+            self.lanes.open(payload)
+            return
         if len(payload) < _PART.size:
             _log.warning("malformed GPU staging message dropped", length=len(payload))
             return
@@ -742,6 +762,7 @@ class GpuSupport:
             w.close()
         for line in list(self._lines.values()):
             line.close()
+        self.lanes.close()
         for base in self._ipc.values():
             if base:
                 with contextlib.suppress(Exception):  # best effort at close
