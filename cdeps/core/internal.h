@@ -329,6 +329,7 @@ struct aio_engine {
     watch_slot *watches;     /* AIO_MAX_WATCHES, allocated on first use */
     int32_t watch_hi;        /* slots [0, watch_hi) may be in use */
     _Atomic int32_t nwatch;
+    _Atomic int32_t nlane;   /* of them, credit lanes */
 
     /* direct same-host copies: this engine's table (as a target), under mr_mu */
     direct_table *dtab;

@@ -22,7 +22,9 @@
  * the reader adds each new entry's credits to its counter (aio_counter_add: cnt_mu, then the
  * counter's record pushed after it) and advances the lane's DONE word, which the producer
  * reads before it reuses an entry. So a credit costs the reader one read of the head per
- * pass, and no message, no record of its own and no loop wake-up beyond the waiter's. */
+ * pass, and no message, no record of its own and no loop wake-up beyond the waiter's. While
+ * a task awaits a counter (nwant) and lanes are read, the poller reads them every LANE_WAIT_US
+ * at least (poller.c): such a credit is what the task most likely awaits. */
 #include "internal.h"
 
 #include "poller.h"
@@ -67,6 +69,7 @@ static int watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last
     e->watches[id].entries = entries;
     if (id >= e->watch_hi) e->watch_hi = id + 1;
     atomic_fetch_add(&e->nwatch, 1);
+    if (lane) atomic_fetch_add(&e->nlane, 1);
     pthread_mutex_unlock(&e->watch_mu);
     aio__kick_watcher(e); /* a sleeping poller must start reading it */
     return id;
@@ -107,6 +110,7 @@ int aio_watch_remove(aio_engine *e, int id) {
         pthread_mutex_unlock(&e->watch_mu);
         return -FI_EINVAL;
     }
+    if (e->watches[id].lane) atomic_fetch_sub(&e->nlane, 1);
     e->watches[id].word = NULL;
     e->watches[id].lane = NULL;
     while (e->watch_hi > 0 && !e->watches[e->watch_hi - 1].word) e->watch_hi--;
