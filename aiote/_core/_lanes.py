@@ -13,8 +13,9 @@ head; the owner's poller reads the head at its watch interval and credits the co
   to the owner in one internal message; until the owner has opened it (its ``OPEN`` word), the
   writer credits by messages as before.
 - The owner opens the file, unlinks it (both keep their mappings), writes its pid and watches
-  the lane. The writer opens a pidfd on that pid: a lane is used only while the owner lives,
-  so that a write to a dead owner falls back to the message, which fails as it always did.
+  the lane. The writer opens a pidfd on that pid: a lane is used only while the owner lives
+  (looked at once every 2 ms of writing at most), so that a write to a dead owner falls back
+  to the message, which fails as it always did.
 - Credits are published in stream order with sequence numbers the writer assigns in the loop
   thread, so the head only grows; an entry is reused only after the owner has credited it
   (``DONE``); a full lane falls back to the message.
@@ -29,6 +30,7 @@ import re
 import secrets
 import select
 import struct
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,6 +52,7 @@ _OFFER = struct.Struct("<BI32s")  # kind, entries, the name's random part (hex)
 _NAME = re.compile(rb"^[0-9a-f]{32}$")
 _DIR = "/dev/shm"
 ENTRIES = 256
+_CHECK_EVERY = 0.002  # seconds between two looks at whether the owner's process lives
 # AIOTE_CREDIT_LANES=0: IPC writes are credited by messages only (for comparisons)
 _ENABLED = os.environ.get("AIOTE_CREDIT_LANES", "1") != "0"
 HEAD, DONE, OPEN, PID, ENTRY = (
@@ -92,6 +95,7 @@ class LaneOut:
         self.offered = False
         self._pidfd = -1
         self._dead = False
+        self._checked = 0.0
         size = _size(entries)
         fd = os.open(_path(self.tag), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -118,6 +122,10 @@ class LaneOut:
                 _log.info("credit lane not used: no pidfd", reason=str(exc))
                 self._dead = True
                 return False
+        t = time.monotonic()
+        if t - self._checked < _CHECK_EVERY:
+            return True
+        self._checked = t
         if select.select([self._pidfd], [], [], 0)[0]:  # the owner's process ended
             self._dead = True
             return False
