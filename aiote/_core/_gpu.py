@@ -25,7 +25,7 @@ import itertools
 import secrets
 import struct
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -124,6 +124,7 @@ def _staged(rdesc: MemoryDescriptor) -> bool:
 
 
 _U32 = 1 << 32
+_Finish = Callable[[float | None, Any], Awaitable[None]]  # (timeout, retry): awaits a started write
 # internal message: kind, region id, region key, op, parts, flags, imm, weight, page, count
 _PART = struct.Struct("<BQQQIBIIQI")
 _K_PART = 1
@@ -496,18 +497,9 @@ class GpuSupport:
         if dev is not None:
             peer = self._ipc_ptr(rdesc, dev.device)
             if peer is not None:
-                self.counts["gpu_ipc"] += 1
-                line = self._line(self._out, dev.device)
-                self._user_stream(line, stream)
-                if length:
-                    self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
-                credit = self.lanes.take(dev.device, rdesc, imm, 1)
-                if credit is not None:
-                    self.counts["gpu_lane_credits"] += 1
-                await self._fenced(mr, line, credit)
-                if imm is not None and credit is None:
-                    await self.credit(rdesc, imm, 1, timeout, retry)
-                    await self.lanes.offer(dev.device, rdesc, timeout, retry)
+                await self._ipc_write(mr, rdesc, peer, length, src_offset, dst_offset, imm, stream)(
+                    timeout, retry
+                )
                 return
         staged = _staged(rdesc)
         src_direct = dev is not None and mr._shadow is None
@@ -554,6 +546,41 @@ class GpuSupport:
                     tg.start_soon(part, o, n)
         if imm is not None and not staged:
             await e.write_imm(rdesc, imm, timeout=timeout, retry=retry)
+
+    def start_ipc(self, mr: MemoryRegion, rdesc: MemoryDescriptor, *args: Any) -> _Finish | None:
+        """A write over the CUDA-IPC rail started now (``post_write``: the copy and its credit's
+        kernel are on the stream before it returns, not when a task first runs), and what finishes
+        it; None when the write does not go over that rail. ``args``: as :meth:`_ipc_write`'s."""
+        peer = None if mr._dev is None else self._ipc_ptr(rdesc, mr._dev.device)
+        return None if peer is None else self._ipc_write(mr, rdesc, peer, *args)
+
+    def _ipc_write(
+        self, mr: MemoryRegion, rdesc: MemoryDescriptor, peer: int, length: int, src_offset: int,
+        dst_offset: int, imm: int | None, stream: Any,
+    ) -> _Finish:
+        """Enqueues the copy into the peer's allocation at ``peer`` and the kernel that stores
+        its completion (and its credit, through a credit lane when there is one); returns what
+        awaits it (then credits by a message when no lane took the credit)."""
+        dev = mr._dev
+        assert dev is not None
+        self.counts["gpu_ipc"] += 1
+        line = self._line(self._out, dev.device)
+        self._user_stream(line, stream)
+        if length:
+            self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
+        credit = self.lanes.take(dev.device, rdesc, imm, 1)
+        if credit is not None:
+            self.counts["gpu_lane_credits"] += 1
+        ev = self.e._event()
+        self._track(mr, line, ev.set, credit)
+
+        async def finish(timeout: float | None, retry: Any) -> None:
+            await ev.wait()
+            if imm is not None and credit is None:
+                await self.credit(rdesc, imm, 1, timeout, retry)
+                await self.lanes.offer(dev.device, rdesc, timeout, retry)
+
+        return finish
 
     async def write_paged(
         self,
