@@ -392,9 +392,6 @@ void aio_clear_eventfd(aio_engine *e);
 #define AIO_MAX_WATCHES 4096
 int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token);
 int aio_watch_remove(aio_engine *e, int id);
-/* aio_watch_add for a word that completes work in flight (a GPU stream's completion flag): while
- * one is added the poller reads the words every 20 us at least, not watch_us. */
-int aio_fence_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token);
 /* Credit lanes: a ring of credits in memory this process shares with a peer process, whose
  * GPU stream (the CUDA-IPC rail: the copy's stream, right after the copy) publishes them, so
  * that a credit needs no message. Layout, in 64-bit words: [AIO_LANE_HEAD] credits published

@@ -219,7 +219,6 @@ class CudaBackend(_Backend):
         self._mods: dict[int, Any] = {}
         self._fns: dict[tuple[int, str], Any] = {}
         self._libcuda: Any = None
-        self._wait_events: dict[tuple[int, int], Any] = {}
 
     def _module(self, device: int) -> Any:
         mod = self._mods.get(device)
@@ -311,13 +310,7 @@ class CudaBackend(_Backend):
         self.rt.hostUnregister(ptr)
 
     def wait(self, stream: Any, other: Any) -> None:
-        # one event per waiting stream, recorded again each time: a wait takes the record made
-        # before it, so a later record leaves it alone (CUDA's cudaStreamWaitEvent)
-        key = (stream.device_id, stream.ptr)
-        ev = self._wait_events.get(key)
-        if ev is None:
-            with self.cp.cuda.Device(stream.device_id):
-                ev = self._wait_events[key] = self.cp.cuda.Event(disable_timing=True)
+        ev = self.cp.cuda.Event(disable_timing=True)
         ev.record(other)
         stream.wait_event(ev)
 

@@ -136,19 +136,18 @@ _K_LANE_BYTE = bytes([K_LANE])
 class _Watch:
     """One host word the native poller reads while armed (``AIO_REC_WATCH`` on a change)."""
 
-    __slots__ = ("add", "addr", "engine", "id", "token")
+    __slots__ = ("addr", "engine", "id", "token")
 
-    def __init__(self, engine: GpuOwner, addr: int, token: int, fence: bool = False) -> None:
+    def __init__(self, engine: GpuOwner, addr: int, token: int) -> None:
         self.engine = engine
         self.addr = addr
         self.token = token
         self.id = -1
-        self.add = lib.aio_fence_add if fence else lib.aio_watch_add  # fence: read every 20 us
 
     def arm(self, last: int) -> None:
         """Starts watching (a no-op when watching); a value other than ``last`` is reported."""
         if self.id < 0:
-            wid = int(self.add(self.engine._h, ffi.cast("uint64_t*", self.addr), last, self.token))
+            wid = int(lib.aio_watch_add(self.engine._h, ffi.cast("uint64_t*", self.addr), last, self.token))
             if wid < 0:
                 raise AioteError(f"cannot watch a word ({wid}): too many watched words")
             self.id = wid
@@ -174,7 +173,7 @@ class _Line:
         self.seq = 0
         self.seen = 0
         self.waiters: deque[tuple[int, Callable[[], None]]] = deque()
-        self.watch = _Watch(gpu.e, self.word[1], self.token, fence=True)
+        self.watch = _Watch(gpu.e, self.word[1], self.token)
         gpu._lines[self.token] = self
 
     @property

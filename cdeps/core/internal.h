@@ -244,7 +244,6 @@ typedef struct watch_slot {
     uint64_t token;
     volatile uint64_t *lane; /* a credit lane (watch.c): word is its head; NULL: a plain word */
     uint32_t entries;        /* the lane's entries */
-    int hot;                 /* aio_fence_add: read every HOT_WATCH_US (poller.c) */
 } watch_slot;
 
 typedef struct overflow_node {
@@ -331,7 +330,6 @@ struct aio_engine {
     int32_t watch_hi;        /* slots [0, watch_hi) may be in use */
     _Atomic int32_t nwatch;
     _Atomic int32_t nlane;   /* of them, credit lanes */
-    _Atomic int32_t nhot;    /* of them, added by aio_fence_add */
 
     /* direct same-host copies: this engine's table (as a target), under mr_mu */
     direct_table *dtab;

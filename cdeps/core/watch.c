@@ -23,9 +23,8 @@
  * counter's record pushed after it) and advances the lane's DONE word, which the producer
  * reads before it reuses an entry. So a credit costs the reader one read of the head per
  * pass, and no message, no record of its own and no loop wake-up beyond the waiter's. While
- * a task awaits a counter (nwant) and lanes are read, the poller reads them every HOT_WATCH_US
- * at least (poller.c): such a credit is what the task most likely awaits. So it does while a
- * word of aio_fence_add is watched: the completion of work in flight, awaited now. */
+ * a task awaits a counter (nwant) and lanes are read, the poller reads them every LANE_WAIT_US
+ * at least (poller.c): such a credit is what the task most likely awaits. */
 #include "internal.h"
 
 #include "poller.h"
@@ -43,7 +42,7 @@ void aio_word_store(aio_engine *e, volatile uint64_t *word, uint64_t value) {
 
 /* Adds a watch (lane: a credit lane whose head is `word`, or NULL); returns its id. */
 static int watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token,
-                     volatile uint64_t *lane, uint32_t entries, int hot) {
+                     volatile uint64_t *lane, uint32_t entries) {
     if (!word || ((uintptr_t)word & 7)) return -FI_EINVAL;
     pthread_mutex_lock(&e->watch_mu);
     if (!e->watches) {
@@ -68,29 +67,23 @@ static int watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last
     e->watches[id].token = token;
     e->watches[id].lane = lane;
     e->watches[id].entries = entries;
-    e->watches[id].hot = hot;
     if (id >= e->watch_hi) e->watch_hi = id + 1;
     atomic_fetch_add(&e->nwatch, 1);
     if (lane) atomic_fetch_add(&e->nlane, 1);
-    if (hot) atomic_fetch_add(&e->nhot, 1);
     pthread_mutex_unlock(&e->watch_mu);
     aio__kick_watcher(e); /* a sleeping poller must start reading it */
     return id;
 }
 
 int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token) {
-    return watch_add(e, word, last, token, NULL, 0, 0);
-}
-
-int aio_fence_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token) {
-    return watch_add(e, word, last, token, NULL, 0, 1);
+    return watch_add(e, word, last, token, NULL, 0);
 }
 
 int aio_lane_add(aio_engine *e, volatile uint64_t *lane, uint32_t entries) {
     if (!lane || ((uintptr_t)lane & 7) || entries == 0 || entries > AIO_LANE_MAX) return -FI_EINVAL;
     uint64_t head = __atomic_load_n((uint64_t *)&lane[AIO_LANE_HEAD], __ATOMIC_ACQUIRE);
     __atomic_store_n((uint64_t *)&lane[AIO_LANE_DONE], head, __ATOMIC_RELEASE);
-    int id = watch_add(e, &lane[AIO_LANE_HEAD], head, 0, lane, entries, 0);
+    int id = watch_add(e, &lane[AIO_LANE_HEAD], head, 0, lane, entries);
     if (id < 0) return id;
     __atomic_store_n((uint64_t *)&lane[AIO_LANE_OPEN], 1, __ATOMIC_RELEASE);
     return id;
@@ -118,7 +111,6 @@ int aio_watch_remove(aio_engine *e, int id) {
         return -FI_EINVAL;
     }
     if (e->watches[id].lane) atomic_fetch_sub(&e->nlane, 1);
-    if (e->watches[id].hot) atomic_fetch_sub(&e->nhot, 1);
     e->watches[id].word = NULL;
     e->watches[id].lane = NULL;
     while (e->watch_hi > 0 && !e->watches[e->watch_hi - 1].word) e->watch_hi--;
