@@ -398,6 +398,25 @@ void aio_clear_eventfd(aio_engine *e);
 #define AIO_MAX_WATCHES 4096
 int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token);
 int aio_watch_remove(aio_engine *e, int id);
+/* Credit lanes: a ring of credits in memory this process shares with a peer process, whose
+ * GPU stream (the CUDA-IPC rail: the copy's stream, right after the copy) publishes them, so
+ * that a credit needs no message. Layout, in 64-bit words: [AIO_LANE_HEAD] credits published
+ * (the producer's, written after the entry), [AIO_LANE_DONE] credits taken (ours),
+ * [AIO_LANE_OPEN] 1 while this engine reads the lane (ours), [AIO_LANE_PID] the reading
+ * process (written by the caller), then `entries` entries from [AIO_LANE_ENTRY]: credit s
+ * is entry s % entries, (imm << 32) | weight, worth weight * AIO_CREDIT_UNIT. A producer
+ * publishes credit s only once s - DONE < entries. The lane is watched like a word (the
+ * poller reads its head at the watch interval, and the loop's aio_poll_ring too): each new
+ * credit is added to its counter (aio_counter_add), then DONE is advanced. aio_lane_add sets
+ * DONE to the head and OPEN to 1 and returns a watch id (aio_watch_remove ends it; the caller
+ * clears OPEN); -FI_EINVAL for a bad lane, -FI_ENOSPC. */
+#define AIO_LANE_HEAD 0
+#define AIO_LANE_DONE 8
+#define AIO_LANE_OPEN 9
+#define AIO_LANE_PID 10
+#define AIO_LANE_ENTRY 16
+#define AIO_LANE_MAX 65536
+int aio_lane_add(aio_engine *e, volatile uint64_t *lane, uint32_t entries);
 /* A task of the loop starts (+1) or stops (-1) waiting for something a rail without a wait
  * object (shm) reports only when polled (a message): while any waits and work of ours is in
  * flight on such a rail, the poller polls it every 50 us instead of every millisecond. With

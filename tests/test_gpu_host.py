@@ -151,6 +151,38 @@ async def test_ipc_rail_same_host() -> None:
         assert e.stats()["gpu_staged"] == 1 and e.stats()["gpu_ipc"] == 0
 
 
+async def test_ipc_credit_lane() -> None:
+    """IPC writes after the first to an owner are credited through its credit lane (the
+    writer's stream stores the credit, no message): one credit per write, after its bytes (the
+    writer's copies are slowed down), paged writes one per page; writes posted faster than the
+    owner takes them fill the lane and fall back to messages, every credit still counted once."""
+    n = 1 << 20
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend=SLOW) as peer:
+        e = peer.engine
+        src = _device(n, seed=12)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="shared")
+        await e.write(mr, dst, length=4096, imm=30)  # by message; offers the lane
+        await peer.wait(imm=30, n=1, timeout=20)
+        for i in range(40):
+            await e.write(mr, dst, length=8192, src_offset=8192 * i, dst_offset=8192 * i, imm=31)
+            await peer.wait(imm=31, n=1, timeout=20)
+            assert await peer.digest("g", 8192 * i, 8192) == digest(src.host[8192 * i : 8192 * (i + 1)])
+        assert e.stats()["gpu_lane_credits"] >= 30, e.stats()["gpu_lane_credits"]
+        await e.write_paged(mr, dst, page_size=4096, src_pages=np.array([3, 1]), dst_pages=np.array([0, 9]),
+                            imm=32)
+        await peer.wait(imm=32, n=2, timeout=20)
+        assert await peer.digest("g", 9 * 4096, 4096) == digest(src.host[4096:8192])
+        before = e.stats()["gpu_lane_credits"]
+        posted = [e.post_write(mr, dst, length=16, imm=33) for _ in range(600)]  # past 256 entries
+        for t in posted:
+            await t.wait(timeout=60)
+        await peer.wait(imm=33, n=600, timeout=30)
+        await anyio.sleep(0.2)
+        assert (await peer.call(op="counter", imm=33))["available"] == 0  # no credit twice
+        assert 0 < e.stats()["gpu_lane_credits"] - before < 600
+
+
 async def test_stream_ordering() -> None:
     """``stream=``: the write starts after the work submitted to that stream (here a slow
     'kernel' that fills the source)."""

@@ -28,7 +28,10 @@ import numpy as np
 
 from ._errors import AioteError, InvalidArgument
 
-__all__ = ["CudaBackend", "DeviceBuffer", "GpuUnavailable", "HostBackend", "device_backend"]
+# a credit lane's stores after a copy: (entry address, entry, head address, head)
+Credit = tuple[int, int, int, int]
+
+__all__ = ["CudaBackend", "Credit", "DeviceBuffer", "GpuUnavailable", "HostBackend", "device_backend"]
 
 
 class GpuUnavailable(AioteError):
@@ -104,8 +107,18 @@ class _Backend:
     ) -> None:
         raise NotImplementedError
 
-    def signal(self, stream: Any, word: int, value: int) -> None:
+    def signal(self, stream: Any, word: int, value: int, credit: Credit | None = None) -> None:
+        """Stores ``value`` into ``word`` after the stream's work so far; with ``credit``
+        (entry address, entry, head address, head: a credit lane's, see ``_lanes``), first the
+        entry, then the head, in the same kernel."""
         raise NotImplementedError
+
+    def map_host(self, ptr: int, nbytes: int) -> int:
+        """Makes host memory (a shared mapping) reachable by device stores; its device address."""
+        return ptr
+
+    def unmap_host(self, ptr: int) -> None:
+        """Undoes :meth:`map_host`."""
 
     def wait(self, stream: Any, other: Any) -> None:
         """``stream`` runs nothing more until the work submitted to ``other`` so far is done."""
@@ -134,6 +147,18 @@ class _Backend:
 _SIGNAL_SRC = r"""
 extern "C" __global__ void aiote_signal(unsigned long long *word, unsigned long long value) {
     __threadfence_system();
+    *((volatile unsigned long long *)word) = value;
+    __threadfence_system();
+}
+
+extern "C" __global__ void aiote_signal_credit(unsigned long long *word, unsigned long long value,
+                                               unsigned long long *entry, unsigned long long ev,
+                                               unsigned long long *head, unsigned long long hv) {
+    /* a credit lane (aiote/_core/_lanes.py): the entry, then the head the owner's poller reads */
+    __threadfence_system();
+    *((volatile unsigned long long *)entry) = ev;
+    __threadfence_system();
+    *((volatile unsigned long long *)head) = hv;
     *((volatile unsigned long long *)word) = value;
     __threadfence_system();
 }
@@ -263,10 +288,26 @@ class CudaBackend(_Backend):
             # the index arrays may be dropped now: CuPy's pool hands their blocks out again
             # only to later work on this same stream
 
-    def signal(self, stream: Any, word: int, value: int) -> None:
-        fn = self._fn(stream.device_id, "aiote_signal")
-        with self.cp.cuda.Device(stream.device_id):
-            fn((1,), (1,), (np.uint64(word), np.uint64(value)), stream=stream)
+    def signal(self, stream: Any, word: int, value: int, credit: Credit | None = None) -> None:
+        dev = stream.device_id
+        with self.cp.cuda.Device(dev):
+            if credit is None:
+                self._fn(dev, "aiote_signal")((1,), (1,), (np.uint64(word), np.uint64(value)), stream=stream)
+            else:
+                args = (np.uint64(word), np.uint64(value), *(np.uint64(v) for v in credit))
+                self._fn(dev, "aiote_signal_credit")((1,), (1,), args, stream=stream)
+
+    def map_host(self, ptr: int, nbytes: int) -> int:
+        self.rt.hostRegister(ptr, nbytes, 3)  # cudaHostRegisterPortable | cudaHostRegisterMapped
+        out = ctypes.c_uint64()
+        rc = self._cuda().cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(ptr), 0)
+        if rc != 0:
+            self.rt.hostUnregister(ptr)
+            raise AioteError(f"cuMemHostGetDevicePointer failed ({rc})")
+        return int(out.value)
+
+    def unmap_host(self, ptr: int) -> None:
+        self.rt.hostUnregister(ptr)
 
     def wait(self, stream: Any, other: Any) -> None:
         ev = self.cp.cuda.Event(disable_timing=True)
@@ -388,8 +429,12 @@ class HostBackend(_Backend):
 
         stream.submit(run, slow=True)
 
-    def signal(self, stream: Any, word: int, value: int) -> None:
-        def store() -> None:  # what the GPU does: a plain store, nobody is kicked
+    def signal(self, stream: Any, word: int, value: int, credit: Credit | None = None) -> None:
+        def store() -> None:  # what the GPU does: plain stores, nobody is kicked
+            if credit is not None:
+                entry, ev, head, hv = credit
+                ctypes.c_uint64.from_address(entry).value = ev
+                ctypes.c_uint64.from_address(head).value = hv
             ctypes.c_uint64.from_address(word).value = value
 
         stream.submit(store)

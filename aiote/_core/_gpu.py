@@ -25,7 +25,7 @@ import itertools
 import secrets
 import struct
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -33,10 +33,12 @@ import numpy as np
 
 from .._native import ffi, lib
 from ._descriptor import DEVICE_CUDA, GPU_BACKEND_CUDA, GPU_BACKEND_HOST, GpuExtent, MemoryDescriptor
-from ._device import _Backend, device_backend
+from ._device import Credit, _Backend, device_backend
 from ._errors import AioteError, EngineClosed, InvalidArgument
+from ._lanes import K_LANE, Lanes
 from ._log import get_logger
 from ._util import check_timeout, deadline, first_error, now, timeout_error, wait_until
+from ._wire import _GPU_COUNTS
 
 if TYPE_CHECKING:
     from ._descriptor import EngineAddress, GpuExtent
@@ -122,11 +124,13 @@ def _staged(rdesc: MemoryDescriptor) -> bool:
 
 
 _U32 = 1 << 32
+_Finish = Callable[[float | None, Any], Awaitable[None]]  # (timeout, retry): awaits a started write
 # internal message: kind, region id, region key, op, parts, flags, imm, weight, page, count
 _PART = struct.Struct("<BQQQIBIIQI")
 _K_PART = 1
 _F_IMM = 1
 _WORDS_PER_PAGE = 512
+_K_LANE_BYTE = bytes([K_LANE])
 
 
 class _Watch:
@@ -176,9 +180,9 @@ class _Line:
     def busy(self) -> bool:
         return bool(self.waiters)
 
-    def fence(self, cb: Callable[[], None]) -> None:
+    def fence(self, cb: Callable[[], None], credit: Credit | None = None) -> None:
         self.seq += 1
-        self.gpu.b.signal(self.stream, self.word[2], self.seq)
+        self.gpu.b.signal(self.stream, self.word[2], self.seq, credit)
         self.waiters.append((self.seq, cb))
         self.watch.arm(self.seen)
 
@@ -343,8 +347,9 @@ class GpuSupport:
         self._regions: dict[int, MemoryRegion] = {}
         self._parts: dict[tuple[bytes, int], int] = {}
         self._ipc: dict[tuple[bytes, bytes, int], int] = {}
+        self.lanes = Lanes(engine, self.b)
         self._ops = itertools.count(1)
-        self.counts = {"gpu_ipc": 0, "gpu_staged": 0, "gpu_direct": 0, "gpu_parts_in": 0}
+        self.counts = dict.fromkeys(_GPU_COUNTS, 0)
 
     # ------------------------------------------------------------------ words and lines
 
@@ -376,8 +381,12 @@ class GpuSupport:
         if w is not None:
             w._on_value(value)
 
-    def _track(self, mr: MemoryRegion, line: _Line, then: Callable[[], None] | None = None) -> None:
-        """Counts device work on ``mr`` (``unregister`` waits for it) until ``line``'s fence."""
+    def _track(
+        self, mr: MemoryRegion, line: _Line, then: Callable[[], None] | None = None,
+        credit: Credit | None = None,
+    ) -> None:
+        """Counts device work on ``mr`` (``unregister`` waits for it) until ``line``'s fence
+        (which also publishes ``credit`` into a credit lane)."""
         mr._dev_pending += 1
 
         def done() -> None:
@@ -385,11 +394,11 @@ class GpuSupport:
             if then is not None:
                 then()
 
-        line.fence(done)
+        line.fence(done, credit)
 
-    async def _fenced(self, mr: MemoryRegion, line: _Line) -> None:
+    async def _fenced(self, mr: MemoryRegion, line: _Line, credit: Credit | None = None) -> None:
         ev = self.e._event()
-        self._track(mr, line, ev.set)
+        self._track(mr, line, ev.set, credit)
         await ev.wait()
 
     # ------------------------------------------------------------------ registration
@@ -488,14 +497,9 @@ class GpuSupport:
         if dev is not None:
             peer = self._ipc_ptr(rdesc, dev.device)
             if peer is not None:
-                self.counts["gpu_ipc"] += 1
-                line = self._line(self._out, dev.device)
-                self._user_stream(line, stream)
-                if length:
-                    self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
-                await self._fenced(mr, line)
-                if imm is not None:
-                    await self.credit(rdesc, imm, 1, timeout, retry)
+                await self._ipc_write(mr, rdesc, peer, length, src_offset, dst_offset, imm, stream)(
+                    timeout, retry
+                )
                 return
         staged = _staged(rdesc)
         src_direct = dev is not None and mr._shadow is None
@@ -543,6 +547,41 @@ class GpuSupport:
         if imm is not None and not staged:
             await e.write_imm(rdesc, imm, timeout=timeout, retry=retry)
 
+    def start_ipc(self, mr: MemoryRegion, rdesc: MemoryDescriptor, *args: Any) -> _Finish | None:
+        """A write over the CUDA-IPC rail started now (``post_write``: the copy and its credit's
+        kernel are on the stream before it returns, not when a task first runs), and what finishes
+        it; None when the write does not go over that rail. ``args``: as :meth:`_ipc_write`'s."""
+        peer = None if mr._dev is None else self._ipc_ptr(rdesc, mr._dev.device)
+        return None if peer is None else self._ipc_write(mr, rdesc, peer, *args)
+
+    def _ipc_write(
+        self, mr: MemoryRegion, rdesc: MemoryDescriptor, peer: int, length: int, src_offset: int,
+        dst_offset: int, imm: int | None, stream: Any,
+    ) -> _Finish:
+        """Enqueues the copy into the peer's allocation at ``peer`` and the kernel that stores
+        its completion (and its credit, through a credit lane when there is one); returns what
+        awaits it (then credits by a message when no lane took the credit)."""
+        dev = mr._dev
+        assert dev is not None
+        self.counts["gpu_ipc"] += 1
+        line = self._line(self._out, dev.device)
+        self._user_stream(line, stream)
+        if length:
+            self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
+        credit = self.lanes.take(dev.device, rdesc, imm, 1)
+        if credit is not None:
+            self.counts["gpu_lane_credits"] += 1
+        ev = self.e._event()
+        self._track(mr, line, ev.set, credit)
+
+        async def finish(timeout: float | None, retry: Any) -> None:
+            await ev.wait()
+            if imm is not None and credit is None:
+                await self.credit(rdesc, imm, 1, timeout, retry)
+                await self.lanes.offer(dev.device, rdesc, timeout, retry)
+
+        return finish
+
     async def write_paged(
         self,
         mr: MemoryRegion,
@@ -567,9 +606,13 @@ class GpuSupport:
             if peer is not None:
                 self.counts["gpu_ipc"] += 1
                 self.b.paged_copy(peer, dev.ptr, dst_offs, src_offs, page, line.stream)
-                await self._fenced(mr, line)
-                if imm is not None:
+                credit = self.lanes.take(dev.device, rdesc, imm, n)
+                if credit is not None:
+                    self.counts["gpu_lane_credits"] += 1
+                await self._fenced(mr, line, credit)
+                if imm is not None and credit is None:
                     await self.credit(rdesc, imm, n, timeout, retry)
+                    await self.lanes.offer(dev.device, rdesc, timeout, retry)
                 return
             if mr._shadow is not None:  # gather the pages into the shadow the NICs read
                 shadow = int(mr._shadow.ctypes.data)
@@ -680,7 +723,11 @@ class GpuSupport:
     # ------------------------------------------------------------------ the receiving side
 
     def on_part(self, sender: bytes, payload: bytes) -> None:
-        """An internal message: bytes of an operation landed in a GPU region's shadow."""
+        """An internal message: bytes of an operation landed in a GPU region's shadow (or a
+        peer offers a credit lane)."""
+        if payload[:1] == _K_LANE_BYTE:
+            self.lanes.open(payload)
+            return
         if len(payload) < _PART.size:
             _log.warning("malformed GPU staging message dropped", length=len(payload))
             return
@@ -742,6 +789,7 @@ class GpuSupport:
             w.close()
         for line in list(self._lines.values()):
             line.close()
+        self.lanes.close()
         for base in self._ipc.values():
             if base:
                 with contextlib.suppress(Exception):  # best effort at close

@@ -241,7 +241,12 @@ class Transfers(Rows):
             return self._post_now(m[2], mr, "write", retry, m)
         rdesc = self._remote(remote)
         if self._via_gpu(mr, rdesc, stream):
-            self._span(mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
+            span = self._span(mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
+            r, d, n, so, do = span[:5]
+            if getattr(r, "_dev", None) is not None:  # over the CUDA-IPC rail: on the stream now
+                finish = self._gpu_support().start_ipc(r, d, n, so, do, imm, stream)
+                if finish is not None:
+                    return self._background(lambda: finish(None, retry), "write")
             return self._background(
                 lambda: self.write(
                     mr, rdesc, length=length, src_offset=src_offset, dst_offset=dst_offset, imm=imm,

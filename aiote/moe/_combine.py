@@ -128,11 +128,12 @@ class Combine(Dispatch):
         h._state = "combining"
         try:
             mark("cr.start")
+            dest = self._reduce_dest(h, out)  # while the peers' rows are on their way
             await self._wait_credits(COMBINE, h.seq, end, f"combine {h.seq}", pending._posted)
             mark("cr.wait_rows")
             await self._settle(pending._posted, end, f"combine {h.seq}")
             mark("cr.own_writes")
-            out = self._reduce(h, out, accumulate)
+            out = self._reduce(h, dest, out, accumulate)
             mark("cr.reduce", self.xp)
             return out
         finally:
@@ -150,7 +151,12 @@ class Combine(Dispatch):
                 f"out must be a C-contiguous [>= {m}, {self.hidden}] array of {self.out_dtype.storage}"
             )
 
-    def _reduce(self, h: DispatchHandle, out: Any, accumulate: bool) -> Any:
+    def _reduce_dest(self, h: DispatchHandle, out: Any) -> Any:
+        """Where the reduction goes: ``out``'s first rows, or a new array."""
+        m, dt = h.num_tokens, self.out_dtype
+        return self.xp.empty((m, self.hidden), dtype=dt.storage) if out is None else out[:m]
+
+    def _reduce(self, h: DispatchHandle, dest: Any, out: Any, accumulate: bool) -> Any:
         """The reduction of :func:`._util.reduce_rows` over this call's combine region."""
         xp, p, m, dt = self.xp, h.seq & 1, h.num_tokens, self.out_dtype
         region = self._crecv[p]
@@ -158,7 +164,6 @@ class Combine(Dispatch):
             rows = region.view(dt.storage)
         else:
             rows = xp.ascontiguousarray(region[:, : self._yrow]).view(dt.storage)
-        dest = xp.empty((m, self.hidden), dtype=dt.storage) if out is None else out[:m]
         reduce_rows(rows, h._pos, h._weights, dt, xp, dest, prev=out[:m] if accumulate else None)
         self._record_fence(p)
         return dest

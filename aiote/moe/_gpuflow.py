@@ -133,19 +133,20 @@ class GpuFlow(Credits):
     async def _recv_gpu(self, pending: DispatchPending, end: float | None) -> DispatchHandle:
         seq, xp = pending.seq, self.xp
         what = f"dispatch {seq}"
+        out = self._unpack_prep(pending)  # while the peers' rows are on their way
+        mark("dr.prep")
         await self._wait_credits(DISPATCH, seq, end, what, pending._posted)
         mark("dr.wait_rows")
         await self._settle(pending._posted, end, what)
         mark("dr.own_writes")
-        h = self._unpack_gpu(pending)
+        h = self._unpack_gpu(pending, out)
         mark("dr.unpack", xp)
         return h
 
-    def _unpack_gpu(self, pending: DispatchPending) -> DispatchHandle:
-        """One kernel over the output rows: each takes its row from the dispatch region (a
-        peer's token) or from the send region (one of this rank's own), in canonical order."""
-        xp, plan, seq, me = self.xp, pending._plan, pending.seq, self.rank
-        p = seq & 1
+    def _unpack_prep(self, pending: DispatchPending) -> tuple[Any, Any, Any, Any]:
+        """The unpack's outputs and its table (copied to the GPU on the stream), made before
+        the rows arrive: (expert_x, scales, src_rank, src_token)."""
+        xp, plan, p = self.xp, pending._plan, pending.seq & 1
         rows = int(plan.offsets[-1])
         if pending._out_x is None:
             ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
@@ -154,20 +155,29 @@ class GpuFlow(Credits):
         scale = None if self.scale_block is None else xp.zeros((rows, self._nscale), xp.float32)
         src_rank = xp.empty(rows, dtype=xp.int32)
         src_token = xp.empty(rows, dtype=xp.int32)
-        back = self._gbufs[p][5][:rows]
         if rows:
-            stream = xp.cuda.get_current_stream()
             tab = plan.tab
             hbuf = self._htab[p][: tab.size]
             hbuf[...] = tab
-            dtab = self._gbufs[p][4]
+            dtab, stream = self._gbufs[p][4], xp.cuda.get_current_stream()
             xp.cuda.runtime.memcpyAsync(dtab.data.ptr, hbuf.ctypes.data, tab.nbytes, 1, stream.ptr)
+        return ex, scale, src_rank, src_token
+
+    def _unpack_gpu(self, pending: DispatchPending, out: tuple[Any, Any, Any, Any]) -> DispatchHandle:
+        """One kernel over the output rows: each takes its row from the dispatch region (a
+        peer's token) or from the send region (one of this rank's own), in canonical order."""
+        xp, plan, seq, me = self.xp, pending._plan, pending.seq, self.rank
+        p = seq & 1
+        rows = int(plan.offsets[-1])
+        ex, scale, src_rank, src_token = out
+        back = self._gbufs[p][5][:rows]
+        if rows:
             exb = ex.view(xp.uint8)
             sb = exb if scale is None else scale.view(xp.uint8)
             self._kern.unpack(
                 (rows,), (128,),
-                (dtab, np.int32(len(plan.counts)), np.int32(self.world), np.int32(me), self._drecv_v[p],
-                 self._dsend_v[p], np.int64(self._dstride), np.int32(self._xrow),
+                (self._gbufs[p][4], np.int32(len(plan.counts)), np.int32(self.world), np.int32(me),
+                 self._drecv_v[p], self._dsend_v[p], np.int64(self._dstride), np.int32(self._xrow),
                  np.int32(self._fields[1][0]),
                  np.int32(4 * self._nscale), np.int32(self._toff), exb, np.int64(self._xrow), sb,
                  np.int64(4 * self._nscale), src_rank, src_token, back),

@@ -152,6 +152,8 @@ int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units) {
         s->want = units;
     }
     pthread_mutex_unlock(&e->cnt_mu);
+    /* credit lanes are read: the poller reads them more often now (poller.c) */
+    if (ready == 0 && atomic_load(&e->nlane) > 0) aio__kick_watcher(e);
     return ready;
 }
 

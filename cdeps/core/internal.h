@@ -33,7 +33,7 @@
  * Locks, and what may be taken while one is held (nothing else is):
  *   a rail's mu (every libfabric call on that rail: FI_THREAD_DOMAIN, we serialize)
  *       -> the rail's pool_mu, a poller's qmu, groups_mu, cnt_mu, ring_mu
- *   watch_mu -> ring_mu
+ *   watch_mu -> cnt_mu, ring_mu (a credit lane's entries are credited under watch_mu)
  *   pool_mu, qmu, groups_mu, cnt_mu, ring_mu, mr_mu, dmu, shm_wake.c's own_mu -> nothing
  *   (groups_mu and cnt_mu are let go before a record is pushed).
  * No thread holds two rails' locks at once (a rail hold is let go before another is taken). */
@@ -242,6 +242,8 @@ typedef struct watch_slot {
     const volatile uint64_t *word; /* NULL: free */
     uint64_t last;
     uint64_t token;
+    volatile uint64_t *lane; /* a credit lane (watch.c): word is its head; NULL: a plain word */
+    uint32_t entries;        /* the lane's entries */
 } watch_slot;
 
 typedef struct overflow_node {
@@ -327,6 +329,7 @@ struct aio_engine {
     watch_slot *watches;     /* AIO_MAX_WATCHES, allocated on first use */
     int32_t watch_hi;        /* slots [0, watch_hi) may be in use */
     _Atomic int32_t nwatch;
+    _Atomic int32_t nlane;   /* of them, credit lanes */
 
     /* direct same-host copies: this engine's table (as a target), under mr_mu */
     direct_table *dtab;

@@ -20,7 +20,8 @@
  * the wake fifos of its shm rails, and on poller 0 the netlink socket; with a timeout, since
  * not every rail has a wait object: 1 ms steps while work of ours is in flight or a rail has
  * none; 50 us while a task awaits something only such a rail reports; watch_us while words
- * are watched; else sleep_ms. Whoever gives a poller work kicks it: post_seq is bumped (its
+ * are watched (at most LANE_WAIT_US while credit lanes are read and a task awaits a counter);
+ * else sleep_ms. Whoever gives a poller work kicks it: post_seq is bumped (its
  * spin restarts), and its kick eventfd written only if it sleeps. The sleeper sets `sleeping`
  * and then looks at post_seq once more, the kicker bumps post_seq and then reads `sleeping`
  * (seq_cst both): one of them sees the other, so no kick is lost and none costs a system
@@ -75,6 +76,8 @@
  * wake-up from another process (an interrupt to a sleeping CPU: aiote's imm-latency p50 went
  * from 23 to 66 us with wake-ups alone; see shm_wake.c). Idle means idle after this. */
 #define WAKE_IDLE_NS 200000000LL
+/* The longest sleep of poller 0 while credit lanes are read and a task awaits a counter. */
+#define LANE_WAIT_US 20
 
 /* Tells poller q there is work (its spin restarts), waking it if it sleeps. */
 static void kick_poller(aio_poller *q) {
@@ -324,6 +327,8 @@ static void poll_wait(poll_state *s, int64_t inflight, int fd_broken, int wake_s
     long short_us = (!s->all_fd && !wake_sleep && atomic_load(&e->nwant) > 0) ? 50 : 0;
     if (s->watcher && atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
         short_us = e->cfg.watch_us; /* watched words: read them again soon */
+    if (s->watcher && atomic_load(&e->nlane) > 0 && atomic_load(&e->nwant) > 0 && short_us > LANE_WAIT_US)
+        short_us = LANE_WAIT_US; /* a task awaits a credit, which a lane may bring (watch.c) */
     s->slept = 1;
     if (short_us) {
         struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};

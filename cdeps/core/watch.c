@@ -14,7 +14,17 @@
  * reader holds through its whole pass: aio_watch_remove returns only once no pass reads the
  * word any more, so the caller may unmap it then. watch_hi bounds the slots in use, and nwatch
  * (read without the lock) says whether there is anything to read at all. A record is pushed
- * under watch_mu (watch_mu -> ring_mu: internal.h). */
+ * under watch_mu (watch_mu -> ring_mu: internal.h).
+ *
+ * Credit lanes. A lane (aio_lane_add) is a watched word too: its head, the count of credits a
+ * peer's GPU stream has published into memory shared with this process (the CUDA-IPC rail:
+ * the copy, then one kernel storing the entry and the head). A changed head is not a record:
+ * the reader adds each new entry's credits to its counter (aio_counter_add: cnt_mu, then the
+ * counter's record pushed after it) and advances the lane's DONE word, which the producer
+ * reads before it reuses an entry. So a credit costs the reader one read of the head per
+ * pass, and no message, no record of its own and no loop wake-up beyond the waiter's. While
+ * a task awaits a counter (nwant) and lanes are read, the poller reads them every LANE_WAIT_US
+ * at least (poller.c): such a credit is what the task most likely awaits. */
 #include "internal.h"
 
 #include "poller.h"
@@ -30,7 +40,9 @@ void aio_word_store(aio_engine *e, volatile uint64_t *word, uint64_t value) {
     aio__kick_watcher(e);
 }
 
-int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token) {
+/* Adds a watch (lane: a credit lane whose head is `word`, or NULL); returns its id. */
+static int watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token,
+                     volatile uint64_t *lane, uint32_t entries) {
     if (!word || ((uintptr_t)word & 7)) return -FI_EINVAL;
     pthread_mutex_lock(&e->watch_mu);
     if (!e->watches) {
@@ -53,11 +65,42 @@ int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, u
     e->watches[id].word = word;
     e->watches[id].last = last;
     e->watches[id].token = token;
+    e->watches[id].lane = lane;
+    e->watches[id].entries = entries;
     if (id >= e->watch_hi) e->watch_hi = id + 1;
     atomic_fetch_add(&e->nwatch, 1);
+    if (lane) atomic_fetch_add(&e->nlane, 1);
     pthread_mutex_unlock(&e->watch_mu);
     aio__kick_watcher(e); /* a sleeping poller must start reading it */
     return id;
+}
+
+int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token) {
+    return watch_add(e, word, last, token, NULL, 0);
+}
+
+int aio_lane_add(aio_engine *e, volatile uint64_t *lane, uint32_t entries) {
+    if (!lane || ((uintptr_t)lane & 7) || entries == 0 || entries > AIO_LANE_MAX) return -FI_EINVAL;
+    uint64_t head = __atomic_load_n((uint64_t *)&lane[AIO_LANE_HEAD], __ATOMIC_ACQUIRE);
+    __atomic_store_n((uint64_t *)&lane[AIO_LANE_DONE], head, __ATOMIC_RELEASE);
+    int id = watch_add(e, &lane[AIO_LANE_HEAD], head, 0, lane, entries);
+    if (id < 0) return id;
+    __atomic_store_n((uint64_t *)&lane[AIO_LANE_OPEN], 1, __ATOMIC_RELEASE);
+    return id;
+}
+
+/* Credits a lane's entries [w->last, head) and hands them back to the producer (DONE). */
+static int lane_drain(aio_engine *e, watch_slot *w, uint64_t head) {
+    volatile uint64_t *b = w->lane;
+    uint64_t from = w->last;
+    if (head - from > w->entries) from = head - w->entries; /* overrun: a producer's bug */
+    for (uint64_t s = from; s < head; s++) {
+        uint64_t ent = __atomic_load_n((uint64_t *)&b[AIO_LANE_ENTRY + s % w->entries], __ATOMIC_ACQUIRE);
+        aio_counter_add(e, (uint32_t)(ent >> 32), (ent & 0xffffffffULL) * AIO_CREDIT_UNIT);
+    }
+    w->last = head;
+    __atomic_store_n((uint64_t *)&b[AIO_LANE_DONE], head, __ATOMIC_RELEASE);
+    return (int)(head - from);
 }
 
 int aio_watch_remove(aio_engine *e, int id) {
@@ -67,7 +110,9 @@ int aio_watch_remove(aio_engine *e, int id) {
         pthread_mutex_unlock(&e->watch_mu);
         return -FI_EINVAL;
     }
+    if (e->watches[id].lane) atomic_fetch_sub(&e->nlane, 1);
     e->watches[id].word = NULL;
+    e->watches[id].lane = NULL;
     while (e->watch_hi > 0 && !e->watches[e->watch_hi - 1].word) e->watch_hi--;
     atomic_fetch_sub(&e->nwatch, 1);
     pthread_mutex_unlock(&e->watch_mu);
@@ -84,6 +129,10 @@ int aio__poll_watches(aio_engine *e) {
         if (!w->word) continue;
         uint64_t v = __atomic_load_n((const uint64_t *)w->word, __ATOMIC_ACQUIRE);
         if (v == w->last) continue;
+        if (w->lane) {
+            got += lane_drain(e, w, v);
+            continue;
+        }
         w->last = v;
         aio_record rec = {.kind = AIO_REC_WATCH, .token = w->token, .a = v};
         aio__ring_push(e, &rec);

@@ -1393,6 +1393,42 @@ static int t_watch(fix_t *f) {
     return 0;
 }
 
+/* Credit lanes: entries published by another thread (as a GPU stream would, no kick) are
+ * credited to their counters, DONE follows the head, a waiting counter's record fires. */
+static int t_lane(fix_t *f) {
+    eng_t *x = &f->a;
+    const uint32_t n = 4;
+    static uint64_t lane[AIO_LANE_ENTRY + 4] __attribute__((aligned(8)));
+    memset(lane, 0, sizeof(lane));
+    CHECK(aio_lane_add(x->e, lane, 0) == -FI_EINVAL, "a lane of 0 entries was accepted");
+    int id = aio_lane_add(x->e, lane, n);
+    CHECK(id >= 0, "aio_lane_add: %d", id);
+    CHECK(aio_word_load(&lane[AIO_LANE_OPEN]) == 1, "OPEN not set");
+    uint32_t imm = 0x5150;
+    CHECK(aio_counter_watch(x->e, imm, 7 * U) == 0, "watch on an empty counter");
+    /* 6 credits, past the 4 entries: the producer waits for DONE before reusing an entry */
+    for (uint64_t s = 0; s < 6; s++) {
+        double t0 = now_s();
+        while (s - aio_word_load(&lane[AIO_LANE_DONE]) >= n && now_s() - t0 < 5.0) sleep_us(100);
+        CHECK(s - aio_word_load(&lane[AIO_LANE_DONE]) < n, "DONE never advanced");
+        uint64_t w = s == 5 ? 2 : 1; /* the last one worth 2 (a paged write of 2 pages) */
+        __atomic_store_n(&lane[AIO_LANE_ENTRY + s % n], ((uint64_t)imm << 32) | w, __ATOMIC_RELEASE);
+        __atomic_store_n(&lane[AIO_LANE_HEAD], s + 1, __ATOMIC_RELEASE);
+    }
+    aio_record rec;
+    CHECK(wait_rec(x, AIO_REC_COUNTER, imm, 5.0, &rec) == 0, "the counter's watch did not fire");
+    CHECK(aio_counter_available(x->e, imm) == 7 * U, "credits: %llu",
+          (unsigned long long)aio_counter_available(x->e, imm));
+    CHECK(aio_word_load(&lane[AIO_LANE_DONE]) == 6, "DONE %llu", (unsigned long long)lane[AIO_LANE_DONE]);
+    CHECK(count_rec(x, AIO_REC_WATCH, ANY) == 0, "a lane pushed a watch record");
+    CHECK_OK(aio_watch_remove(x->e, id));
+    __atomic_store_n(&lane[AIO_LANE_ENTRY + 6 % n], ((uint64_t)imm << 32) | 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&lane[AIO_LANE_HEAD], 7, __ATOMIC_RELEASE);
+    sleep_us(50000);
+    CHECK(aio_counter_available(x->e, imm) == 7 * U, "a removed lane was still read");
+    return 0;
+}
+
 /* ------------------------------------------------------------------ two processes */
 
 typedef struct peer_info {
@@ -2488,6 +2524,7 @@ static const test_t TESTS[] = {
     {"two_process", t_two_process},   {"remote_error", t_remote_error},
     {"idle_cpu", t_idle},             {"idle_waiting", t_idle_waiting},
     {"watch", t_watch},
+    {"lane", t_lane},
     {"register_dev", t_register_dev},
     {"poll_ring", t_poll_ring},       {"submit", t_submit},
     {"submit_quiet", t_submit_quiet}, {"spin_window", t_spin_window},
