@@ -1,6 +1,6 @@
 """Where a WriteImm round trip's microseconds go, from both sides (a diagnostic, not a test).
 
-    python benchmarks/latency_timeline.py [--route tcp|default] [--iters 3000] [--rounds 3]
+    python benchmarks/latency_timeline.py [--route tcp|default] [--iters 3000] [--rounds 3] [--posted]
 
 Two processes play WriteImm ping-pong with ``open_engine()`` defaults (``--route tcp``: tcp
 only, ``same_host=None``, as ``aiote bench --provider tcp`` runs; ``default``: the same-host
@@ -18,6 +18,11 @@ then again with ``--think-ns`` set to the Python part measured here: if the C co
 much work per hop lands where aiote does, the gap is the interpreter's work per hop and
 nothing else (the poller and the hand-off are the same code). Also prints the loop thread's
 CPU time per round trip. Uses engine internals to place its stamps; figures are medians.
+
+``--posted``: each side posts its WriteImm (``post_write_imm``) and awaits the previous one's
+:class:`~aiote.Transfer` before posting the next, instead of awaiting each write to its
+completion: no event-loop wake-up for the write's own completion (the C core's default
+ping-pong does not wait for it either; ``--await-write`` is the awaited form).
 """
 
 from __future__ import annotations
@@ -64,7 +69,18 @@ def stamp(engine: Any) -> tuple[list[int], list[int]]:
     return woke, posted
 
 
-async def pong(route: str, iters: int) -> None:
+async def send_imm(e: Any, theirs: Any, imm: int, posted: bool, prev: Any) -> Any:
+    """One WriteImm: awaited to its completion, or posted (``posted``) after awaiting the
+    previous one's Transfer ``prev``; returns what the next call awaits first."""
+    if not posted:
+        await e.write_imm(theirs, imm, timeout=30)
+        return None
+    if prev is not None:
+        await prev
+    return e.post_write_imm(theirs, imm)
+
+
+async def pong(route: str, iters: int, posted: bool) -> None:
     async with aiote.open_engine(**ROUTES[route]) as e:
         mr = await e.register(np.zeros(64, np.uint8))
         print(bytes(mr.descriptor).hex(), flush=True)
@@ -72,23 +88,26 @@ async def pong(route: str, iters: int) -> None:
         ping = e.imm_counter(4)
         woke, posted = stamp(e)
         resumed = []
+        prev = None
         for _ in range(iters + WARM):
             await ping.wait(1, timeout=30)
             resumed.append(pc())
-            await e.write_imm(theirs, 5, timeout=30)
+            prev = await send_imm(e, theirs, 5, posted, prev)
+        if prev is not None:
+            await prev
         print(json.dumps({"woke": woke, "posted": posted[-len(resumed):], "resumed": resumed}), flush=True)
         sys.stdin.readline()
 
 
-def start_pong(route: str, iters: int) -> subprocess.Popen[str]:
+def start_pong(route: str, iters: int, posted: bool) -> subprocess.Popen[str]:
     """The other side, a process of its own (this script with ``--pong``)."""
     return subprocess.Popen(
-        [sys.executable, __file__, "--pong", route, "--iters", str(iters)],
+        [sys.executable, __file__, "--pong", route, "--iters", str(iters), *(["--posted"] if posted else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
 
 
-async def ping(child: subprocess.Popen[str], route: str, iters: int) -> dict[str, float]:
+async def ping(child: subprocess.Popen[str], route: str, iters: int, posted: bool) -> dict[str, float]:
     assert child.stdin is not None and child.stdout is not None
     async with aiote.open_engine(**ROUTES[route]) as e:
         mr = await e.register(np.zeros(64, np.uint8))
@@ -99,13 +118,16 @@ async def ping(child: subprocess.Popen[str], route: str, iters: int) -> dict[str
         woke, posted = stamp(e)
         t0s, t2s = [], []
         c0 = 0.0
+        prev = None
         for i in range(iters + WARM):
             if i == WARM:
                 c0 = time.thread_time()
             t0s.append(pc())
-            await e.write_imm(theirs, 4, timeout=30)
+            prev = await send_imm(e, theirs, 4, posted, prev)
             await counter.wait(1, timeout=30)
             t2s.append(pc())
+        if prev is not None:
+            await prev
         cpu = (time.thread_time() - c0) / iters * 1e6
         peer = json.loads(child.stdout.readline())
         child.stdin.write("bye\n")
@@ -140,10 +162,11 @@ def timeline(t0s: list[int], t2s: list[int], posted: list[int], woke: list[int],
     }
 
 
-def c_core(route: str, iters: int, think_ns: int) -> float:
-    """The C core's one-way p50 (µs) of the same ping-pong, each side awaiting its write."""
+def c_core(route: str, iters: int, think_ns: int, posted: bool) -> float:
+    """The C core's one-way p50 (µs) of the same ping-pong, each side awaiting its write
+    (unless ``posted``)."""
     prov = ["--provider", "tcp", "--nic", "lo"] if route == "tcp" else ["--provider", "shm"]
-    args = [str(cbench()), "pingpong", str(iters), *prov, "--await-write"]
+    args = [str(cbench()), "pingpong", str(iters), *prov, *([] if posted else ["--await-write"])]
     if think_ns:
         args += ["--think-ns", str(think_ns)]
     out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120)
@@ -155,26 +178,30 @@ def main() -> None:
     ap.add_argument("--route", default="tcp", choices=sorted(ROUTES))
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--posted", action="store_true", help="post_write_imm, awaited later (see above)")
     ap.add_argument("--pong", metavar="ROUTE", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("FI_PROVIDER", "tcp,ofi_rxm,shm")
     if args.pong:
-        asyncio.run(pong(args.pong, args.iters))
+        asyncio.run(pong(args.pong, args.iters, args.posted))
         return
     why = build_cbench()
     if why:
         sys.exit(f"the C bench could not be built: {why}")
     rows: list[dict[str, float]] = []
     for k in range(args.rounds):
-        row = asyncio.run(ping(start_pong(args.route, args.iters), args.route, args.iters))
+        child = start_pong(args.route, args.iters, args.posted)
+        row = asyncio.run(ping(child, args.route, args.iters, args.posted))
         python_us = row["peer woke -> task resumed"] + row["peer resumed -> pong posted"]
         row["aiote one-way p50"] = row["rtt"] / 2
-        row["C core one-way p50"] = c_core(args.route, args.iters, 0)
-        row["C core + Python's us as think time"] = c_core(args.route, args.iters, int(python_us * 1e3))
+        row["C core one-way p50"] = c_core(args.route, args.iters, 0, args.posted)
+        think = int(python_us * 1e3)
+        row["C core + Python's us as think time"] = c_core(args.route, args.iters, think, args.posted)
         rows.append(row)
         print(f"round {k + 1}/{args.rounds}: aiote {row['aiote one-way p50']:.1f} us one-way, "
               f"C core {row['C core one-way p50']:.1f}", file=sys.stderr)
-    print(f"WriteImm ping-pong, route {args.route}, {args.iters} round trips, "
+    how = "posted" if args.posted else "awaited"
+    print(f"WriteImm ping-pong ({how}), route {args.route}, {args.iters} round trips, "
           f"median of {args.rounds} rounds (us)")
     for name in rows[0]:
         vals = [r[name] for r in rows]
