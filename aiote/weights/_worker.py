@@ -224,7 +224,8 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
         r = await _push(st, cmd)
         return dict(r, t0=t0, t1=time.time())
     if op == "rail":
-        return {"walls": await _rail(st, cmd)}
+        walls, end = await _rail(st, cmd)
+        return {"walls": walls, "end": end}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -284,9 +285,13 @@ def _flat_shards(st: _State) -> None:
         at += -(-n // 8) * 8
 
 
-async def _rail(st: _State, cmd: dict[str, Any]) -> list[float]:
-    """Seconds of each of ``repeats`` single ``engine.write`` calls of ``nbytes`` into the
-    region ``desc`` (after one warm-up): what one write of everything costs on this route."""
+async def _rail(st: _State, cmd: dict[str, Any]) -> tuple[list[float], float]:
+    """Seconds of each of ``repeats`` rounds (after one warm-up) of writing ``nbytes`` into
+    each region of ``descs`` (or the one ``desc``) at once: one ``engine.write`` each, or with
+    ``chunk``, writes of ``chunk`` bytes with ``window`` in flight per region, the first round
+    starting at epoch time ``at`` if given (so that several workers start together); and the
+    epoch time the last round ended. What moving the bytes costs on this route, alone or
+    beside other flows."""
     from .._core._descriptor import MemoryDescriptor
 
     xp: Any = np
@@ -294,18 +299,32 @@ async def _rail(st: _State, cmd: dict[str, Any]) -> list[float]:
         import cupy
 
         xp = cupy
-    buf = xp.ones(cmd["nbytes"], xp.uint8)
+    n = cmd["nbytes"]
+    chunk = cmd.get("chunk") or n
+    buf = xp.ones(n, xp.uint8)
     mr = await st.engine.register(buf, remote_write=False, remote_read=False)
-    desc = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["desc"]))
+    descs = [MemoryDescriptor.from_bytes(bytes.fromhex(d)) for d in cmd.get("descs") or [cmd["desc"]]]
+    window = anyio.Semaphore(cmd.get("window", 8) * len(descs))
+
+    async def one(desc: MemoryDescriptor, at: int) -> None:
+        async with window:
+            k = min(chunk, n - at)
+            await st.engine.write(mr, desc, length=k, src_offset=at, dst_offset=at, timeout=60)
+
     walls = []
     try:
+        await anyio.sleep(max(0.0, cmd.get("at", 0.0) - time.time()))
         for _ in range(cmd.get("repeats", 3) + 1):
             t = time.perf_counter()
-            await st.engine.write(mr, desc, length=cmd["nbytes"], timeout=60)
+            async with anyio.create_task_group() as tg:
+                for at in range(0, n, chunk):
+                    for desc in descs:
+                        tg.start_soon(one, desc, at)
             walls.append(time.perf_counter() - t)
+        end = time.time()
     finally:
         await st.engine.unregister(mr, timeout=30)
-    return walls[1:]
+    return walls[1:], end
 
 
 async def _push(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
