@@ -20,16 +20,15 @@ bf16. Lines, all measured in this run:
   ranks: all_gather of the trainers' shards, then rank 0 broadcasts the whole model to every
   inference rank in 256 MiB buckets, each keeping its half (a copy);
 - bound: ``max(max_s out(s), max_r in(r)) / B`` from the plan, B the C core's write
-  throughput between two processes on the same provider (``aiote bench write``), same run.
+  throughput between two processes on the same provider (``aiote bench write``), same run;
+  beside it what the host moves with the push's 4 (trainer, receiver) flows at once (4 pairs of
+  processes, the sum of their figures): where that is below 4 x B the ranks share the host's
+  cores and the bound cannot be reached (the most reachable fraction is printed).
 
 GPU (``--gpu``, 2 GPUs): one trainer process on GPU 0 pushes the whole model into one
-inference process on GPU 1 over the CUDA-IPC rail (``register_sources``), its tensors in one
-allocation each, then in one flat parameter buffer; the sender's push time and the end-to-end
-time (push command sent -> the receiver's ``wait_version`` returned, through two worker
-processes' pipes). Beside it, same run: ``cudaMemcpyPeerAsync`` GPU 0 -> GPU 1 of the same
-bytes, peer access on, warmed up, CUDA events, as one copy (the ceiling) and one copy per plan
-write; NCCL broadcast of the same bytes (torch.distributed, 2 ranks); one aiote write of all
-the bytes.
+inference process on GPU 1 over the CUDA-IPC rail, beside ``cudaMemcpyPeerAsync`` of the same
+bytes (1, 2 and 4 concurrent copies: the ceiling) and NCCL broadcast, each with the source
+freshly written by the GPU and warm; see ``benchmarks/weights_gpu.py``.
 Baselines whose library is missing are skipped with a line saying so.
 
 Trainer GPUs -> inference GPUs (``--gpu --trainers N --inference M``, N + M GPUs): DeepSeek-V3's
@@ -49,7 +48,6 @@ inference ranks, computed and validated (not run), with its planning time and th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -262,33 +260,35 @@ def kimi_plan_report(fp8: str = "float8_e4m3", expert_shards: bool = False) -> d
 # ------------------------------------------------------------------ link figure (C core, same run)
 
 
-def c_core_link(providers: Sequence[str]) -> dict[str, float]:
-    """GB/s of 16 MiB writes between two processes, C core alone and aiote, per provider."""
+def c_core_link(providers: Sequence[str], pairs: int = 1) -> dict[str, float]:
+    """GB/s of 16 MiB writes between two processes, C core alone and aiote, per provider: with
+    ``pairs`` > 1, that many pairs of processes run at once (``aiote bench write`` each) and
+    the figure is the median pair's (``<provider>_sum``: all pairs together)."""
     with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "b.json")
+        outs = [os.path.join(d, f"b{i}.json") for i in range(pairs)]
         cmd = [
             *python_module("aiote"),  # the aiote this script imported, wherever it runs from
-            "bench",
-            "write",
-            "--sizes",
-            "16MiB",
-            "--provider",
-            ",".join(providers),
-            "--repeats",
-            "3",
-            "--total",
-            "2GiB",
-            "--json",
-            out,
+            "bench", "write", "--sizes", "16MiB", "--provider", ",".join(providers),
+            "--repeats", "3", "--total", "2GiB" if pairs == 1 else "1GiB",
         ]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600,
-                       env=child_env())
-        with open(out) as f:
-            rows = json.load(f)["rows"]
+        procs = [
+            subprocess.Popen([*cmd, "--json", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=child_env())
+            for out in outs
+        ]
+        for p in procs:
+            if p.wait(timeout=600):
+                raise RuntimeError("aiote bench write failed")
+        runs = []
+        for out in outs:
+            with open(out) as f:
+                runs.append(json.load(f)["rows"])
     res: dict[str, float] = {}
-    for r in rows:
-        res[r["provider"]] = float(r["c_gbps"])
-        res[r["provider"] + "_aiote"] = float(r["py_gbps"])
+    for prov in providers:
+        c = [float(r["c_gbps"]) for rows in runs for r in rows if r["provider"] == prov]
+        py = [float(r["py_gbps"]) for rows in runs for r in rows if r["provider"] == prov]
+        res[prov], res[prov + "_sum"] = statistics.median_low(c), sum(c)
+        res[prov + "_aiote"] = statistics.median_low(py)
     return res
 
 
@@ -315,8 +315,10 @@ async def aiote_run(
                 tg.start_soon(one)
         senders, receivers = workers[:n_s], workers[n_s:]
         targets: list[W.TargetShard] = []
+        smallest = 256 << 20
         for r, (w, sp) in enumerate(zip(receivers, specs, strict=True)):
             tg_, nbytes = W.pack_targets(r, sp, sources)
+            smallest = min(smallest, nbytes)
             desc = (await w.call(op="alloc", nbytes=nbytes, arena=route == "default"))["desc"]
             targets += W.with_desc(tg_, bytes.fromhex(desc))
         t0 = time.perf_counter()
@@ -329,6 +331,7 @@ async def aiote_run(
             )
         for r, w in enumerate(receivers):
             await w.call(op="receiver", plan=plan.receiver(r).to_json())
+        links = await route_links(senders, sorted({t.desc.hex() for t in targets}), repeats, smallest)
         walls: list[float] = []
         stats: list[list[dict[str, Any]]] = []
         for v in range(1, repeats + 2):
@@ -345,11 +348,35 @@ async def aiote_run(
                 walls.append(wall)
                 stats.append(got)
         k = walls.index(statistics.median_low(walls))
-        return {"wall_s": walls[k], "walls": walls, "stats": stats[k], "report": report, "plan_s": plan_s}
+        return {
+            "wall_s": walls[k], "walls": walls, "stats": stats[k], "report": report, "plan_s": plan_s, **links
+        }
     finally:
         with anyio.CancelScope(shield=True):
             for w in workers:
                 await w.aclose()
+
+
+async def route_links(
+    senders: list[Worker], descs: list[str], repeats: int, n: int = 256 << 20
+) -> dict[str, float]:
+    """This route's own figures, from the push's workers, before the push (aiote writes of
+    16 MiB, 8 in flight per flow, into the receivers' regions): ``route_gbps`` one flow alone
+    (trainer 0 -> the first receiver), ``route_all_gbps`` every (trainer, receiver) flow at
+    once, all bytes over the wall from their common start to the last one's end."""
+    alone = await senders[0].call(
+        reply_timeout=300, op="rail", descs=descs[:1], nbytes=n, chunk=16 << 20, repeats=repeats
+    )
+    at = time.time() + 3.0  # every sender starts then, its buffer registered
+    for w in senders:
+        await w.send(op="rail", descs=descs, nbytes=n, chunk=16 << 20, repeats=repeats, at=at)
+    wall = max([(await w.reply(300))["end"] for w in senders]) - at
+    flows = len(senders) * len(descs)
+    return {
+        "route_gbps": n / statistics.median_low(alone["walls"]) / GB,
+        "route_all_gbps": flows * n * (repeats + 1) / wall / GB,
+        "flows": flows,
+    }
 
 
 # ------------------------------------------------------------------ gloo (what open frameworks do)
@@ -447,7 +474,7 @@ def gloo_run(trainers: int, receivers: int, shard_bytes: int, repeats: int) -> d
 # ------------------------------------------------------------------ GPU
 
 
-async def gpu_run(size_gb: float, repeats: int) -> None:
+async def gpu_run(size_gb: float, repeats: int, ipc_streams: list[int]) -> None:
     try:
         import cupy
 
@@ -456,192 +483,16 @@ async def gpu_run(size_gb: float, repeats: int) -> None:
     except Exception as exc:  # no CuPy, no CUDA, one GPU
         print(f"--gpu skipped: {exc}")
         return
+    import weights_gpu
+
     sources, specs = llama_model(size_gb, 1, 1)
-    nbytes = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
-    tg_, n = W.pack_targets(0, specs[0], sources)
-    plan0 = W.plan(sources, tg_, chunk_bytes=256 << 20)
-    print(
-        f"GPU model: {len(sources)} tensors, {nbytes / GB:.2f} GB bf16, 1 trainer (GPU 0) -> "
-        f"1 inference rank (GPU 1), {len(plan0.sender(0).writes)} plan writes"
-    )
-    peer = _peer_copy(plan0, n, repeats)
-    print(
-        f"GPU ceiling, one cudaMemcpyPeerAsync of all {nbytes / GB:.2f} GB (peer access on, "
-        f"CUDA events, median of {repeats}): {peer['one']:.4f} s = {nbytes / peer['one'] / GB:.1f} GB/s"
-    )
-    print(
-        f"GPU reference, one cudaMemcpyPeerAsync per plan write ({peer['writes']} copies, one stream): "
-        f"{peer['loop']:.4f} s = {nbytes / peer['loop'] / GB:.1f} GB/s"
-    )
-    nccl = _nccl(nbytes, repeats)
-    if nccl is not None:
-        print(f"GPU NCCL broadcast (torch.distributed): {nccl:.4f} s = {nbytes / nccl / GB:.1f} GB/s")
-    for flat in (False, True):
-        r = await _gpu_aiote(sources, specs, repeats, flat)
-        layout = "one flat parameter buffer" if flat else "one allocation per tensor"
-        for what, t in (("sender's push", r["push_s"]), ("end to end", r["wall_s"])):
-            line = (
-                f"GPU aiote push over CUDA IPC, {layout}, {what}: {t:.4f} s = {nbytes / t / GB:.1f} GB/s "
-                f"(median of {repeats}); aiote / ceiling = {peer['one'] / t:.2f}"
-            )
-            if nccl is not None:
-                line += f", aiote / NCCL = {nccl / t:.2f}"
-            print(line)
-        s = r["stats"]
-        print(
-            f"  {s['writes']} writes, {s['write_s']:.4f} s of writes summed, notify "
-            f"{s['notify_s'] * 1e3:.2f} ms, direct {s['direct_bytes'] / GB:.2f} GB, peak staging "
-            f"{s['peak_staging_bytes'] / 2**20:.0f} MiB; command to push start "
-            f"{r['dispatch_s'] * 1e3:.2f} ms, push end to receiver's wait return "
-            f"{r['notice_s'] * 1e3:.2f} ms; "
-            f"one aiote write of all the bytes: {r['rail_s']:.4f} s = {nbytes / r['rail_s'] / GB:.1f} GB/s"
-        )
-
-
-async def _gpu_aiote(sources: Any, specs: Any, repeats: int, flat: bool) -> dict[str, Any]:
-    """One trainer worker on GPU 0 pushing into one inference worker on GPU 1: medians of the
-    sender's push time and the end-to-end time (command sent -> receiver's wait returned)."""
-    tx = await spawn_worker("asyncio", "default", gpu=0)
-    rx = await spawn_worker("asyncio", "default", gpu=1)
-    try:
-        tg_, n = W.pack_targets(0, specs[0], sources)
-        desc = (await rx.call(op="alloc", nbytes=n))["desc"]
-        plan = W.plan(sources, W.with_desc(tg_, bytes.fromhex(desc)), chunk_bytes=256 << 20)
-        await tx.call(
-            op="sender", plan=plan.sender(0).to_json(), max_tmp_bytes=1 << 30, register_sources=True
-        )
-        await rx.call(op="receiver", plan=plan.receiver(0).to_json())
-        rows: list[dict[str, Any]] = []
-        for v in range(1, repeats + 2):
-            await tx.call(reply_timeout=300, op="prepare", version=v, fill="fast", flat=flat)
-            t0, t = time.time(), time.perf_counter()
-            await tx.send(op="push", version=v, prepared=True, timeout=300)
-            got = await rx.call(reply_timeout=300, op="wait", version=v, timeout=300)
-            wall = time.perf_counter() - t
-            rep = await tx.reply(300)
-            st = rep["stats"]
-            rows.append(
-                dict(
-                    wall_s=wall,
-                    push_s=st["wall_s"],
-                    stats=st,
-                    dispatch_s=rep["t0"] - t0,
-                    notice_s=got["at"] - rep["t1"],
-                )
-            )
-        rail = await tx.call(reply_timeout=300, op="rail", desc=desc, nbytes=n, repeats=repeats)
-    finally:
-        await tx.aclose()
-        await rx.aclose()
-    rows = rows[1:]
-    mid = sorted(rows, key=lambda x: x["wall_s"])[(len(rows) - 1) // 2]
-    return dict(
-        mid,
-        wall_s=statistics.median_low([x["wall_s"] for x in rows]),
-        push_s=statistics.median_low([x["push_s"] for x in rows]),
-        rail_s=statistics.median_low(rail["walls"]),
-    )
-
-
-def _peer_copy(plan: W.Plan, region: int, repeats: int) -> dict[str, Any]:
-    """cudaMemcpyPeerAsync GPU 0 -> GPU 1 of the bytes the plan writes: one copy of them all
-    (the ceiling), and one copy per plan write on one stream (the per-write reference). Peer
-    access enabled and one warm-up outside the timing; CUDA events; medians of ``repeats``."""
-    import cupy
-
-    rt = cupy.cuda.runtime
-    for d, o in ((0, 1), (1, 0)):
-        with cupy.cuda.Device(d), contextlib.suppress(rt.CUDARuntimeError):  # already enabled
-            rt.deviceEnablePeerAccess(o)
-    writes = plan.sender(0).writes
-    nbytes = sum(w.nbytes for w in writes)
-    with cupy.cuda.Device(0):
-        src = cupy.ones(nbytes, cupy.uint8)
-        stream = cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.Device(1):
-        dst = cupy.zeros(region, cupy.uint8)
-    offs, at = [], 0
-    for w in writes:  # the sources one after another, each write into its target offset
-        offs.append((at, w.offset, w.nbytes))
-        at += w.nbytes
-
-    def timed(copies: list[tuple[int, int, int]]) -> float:
-        walls = []
-        with cupy.cuda.Device(0):
-            for _ in range(repeats + 1):
-                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record(stream)
-                for so, do, k in copies:
-                    rt.memcpyPeerAsync(dst.data.ptr + do, 1, src.data.ptr + so, 0, k, stream.ptr)
-                stop.record(stream)
-                stop.synchronize()
-                walls.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-        return float(statistics.median_low(walls[1:]))
-
-    return {"one": timed([(0, 0, nbytes)]), "loop": timed(offs), "writes": len(writes)}
-
-
-def _nccl(nbytes: int, repeats: int) -> float | None:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("NCCL baseline skipped: torch is not installed")
-        return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--nccl-rank",
-                str(r),
-                "--gloo-shard",
-                str(nbytes),
-                "--gloo-port",
-                str(port),
-                "--repeats",
-                str(repeats),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    out = procs[0].communicate(timeout=600)[0]
-    procs[1].wait(timeout=60)
-    for line in out.splitlines():
-        if line.startswith("NCCL "):
-            return float(statistics.median_low(json.loads(line[5:])))
-    return None
-
-
-def nccl_rank(rank: int, nbytes: int, port: int, repeats: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2)
-    buf = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    walls = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dist.broadcast(buf, src=0)
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t)
-    if rank == 0:
-        print("NCCL " + json.dumps(walls[1:]), flush=True)
-    dist.destroy_process_group()
+    await weights_gpu.run(sources, specs, repeats, ipc_streams)
 
 
 # ------------------------------------------------------------------ main
 
 
-def _print_aiote(route: str, r: dict[str, Any], link: float, gloo_s: float | None) -> None:
+def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, gloo_s: float | None) -> None:
     rep = r["report"]
     bound = max(max(rep.out_bytes.values()), max(rep.in_bytes.values())) / (link * GB)
     wall = r["wall_s"]
@@ -654,10 +505,17 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, gloo_s: float | Non
         f"  bound at the C core's {link:.2f} GB/s per rank: {bound:.3f} s -> "
         f"fraction of bound {bound / wall:.2f}"
     )
-    host = rep.total_bytes / (link * GB)  # every pair shares this host's cores and memory
+    own = max(max(rep.out_bytes.values()), max(rep.in_bytes.values())) / (r["route_gbps"] * GB)
     print(
-        f"  one host moves about one link's worth at a time here: total / B = {host:.3f} s -> "
-        f"fraction {host / wall:.2f}"
+        f"  this route's own link (aiote, one flow alone, same workers) {r['route_gbps']:.2f} GB/s: "
+        f"bound {own:.3f} s -> fraction {own / wall:.2f}"
+    )
+    host = rep.total_bytes / (r["route_all_gbps"] * GB)  # every flow shares this host's cores
+    print(
+        f"  the push's {r['flows']} flows at once on this route move {r['route_all_gbps']:.2f} GB/s in all "
+        f"(C core, 4 pairs of processes at once: {host_gbps:.2f}, an upper estimate: they start apart): "
+        f"total / that = {host:.3f} s -> fraction {host / wall:.2f}"
+        + (f"; so at most {own / host:.2f} of this route's bound is reachable here" if host > own else "")
     )
     if gloo_s:
         print(f"  vs gloo all_gather + broadcast {gloo_s:.3f} s: {gloo_s / wall:.2f}x faster")
@@ -695,6 +553,11 @@ async def main(a: argparse.Namespace) -> None:
             "link, 16 MiB writes between two processes (C core / aiote): "
             + ", ".join(f"{p} {link[p]:.2f} / {link[p + '_aiote']:.2f} GB/s" for p in providers)
         )
+        shared = c_core_link(providers, pairs=4)  # the push's 4 (trainer, receiver) flows at once
+        print(
+            "the same with 4 pairs of processes at once (C core, median pair / all 4): "
+            + ", ".join(f"{p} {shared[p]:.2f} / {shared[p + '_sum']:.2f} GB/s" for p in providers)
+        )
         sources, specs = llama_model(a.size, 2, 2)
         total = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
         print(
@@ -710,9 +573,9 @@ async def main(a: argparse.Namespace) -> None:
             )
         for route, prov in zip(routes, providers, strict=True):
             r = await aiote_run(route, sources, specs, a.repeats, a.max_tmp_mib << 20, a.chunk_mib << 20)
-            _print_aiote(route, r, link[prov], gloo["wall_s"] if gloo else None)
+            _print_aiote(route, r, link[prov], shared[prov + "_sum"], gloo["wall_s"] if gloo else None)
     if a.gpu:
-        await gpu_run(a.size, a.repeats)
+        await gpu_run(a.size, a.repeats, [int(x) for x in a.ipc_streams.split(",")])
     if not a.no_kimi:
         layouts = [
             ("float8_e4m3", False, "FP8 e4m3 linear weights, whole tensors in mesh groups"),
@@ -748,6 +611,8 @@ if __name__ == "__main__":
     ap.add_argument("--no-kimi", action="store_true")
     ap.add_argument("--kimi-only", action="store_true")
     ap.add_argument("--gpu", action="store_true", help="the 2-GPU benchmark instead of the CPU one")
+    ap.add_argument("--ipc-streams", default="1,4",
+                    help="with --gpu: the engine's ipc_streams values to run aiote with (default 1,4)")
     ap.add_argument("--trainers", type=int, default=None,
                     help="trainer ranks -> --inference ranks, DeepSeek-V3 shapes (with --gpu: one GPU each)")
     ap.add_argument("--inference", type=int, default=None, help="inference ranks (one TP replica)")
@@ -764,13 +629,10 @@ if __name__ == "__main__":
     ap.add_argument("--gloo-trainers", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--gloo-shard", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--nccl-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gloo_rank is not None:
         gloo_rank(
             args.gloo_rank, args.gloo_world, args.gloo_trainers, args.gloo_shard, args.gloo_port, args.repeats
         )
-    elif args.nccl_rank is not None:
-        nccl_rank(args.nccl_rank, args.gloo_shard, args.gloo_port, args.repeats)
     else:
         anyio.run(main, args)

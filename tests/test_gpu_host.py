@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 
 import anyio
 import numpy as np
@@ -181,6 +182,40 @@ async def test_ipc_credit_lane() -> None:
         await anyio.sleep(0.2)
         assert (await peer.call(op="counter", imm=33))["available"] == 0  # no credit twice
         assert 0 < e.stats()["gpu_lane_credits"] - before < 600
+
+
+async def test_ipc_rail_several_streams() -> None:
+    """``ipc_streams=3``: concurrent CUDA-IPC writes take the streams in turn; each write's
+    bytes are in place before its immediate counts, and every byte lands once."""
+    n, k = 3 << 20, 6
+    part = n // k
+    async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend=SLOW, ipc_streams=3) as peer:
+        e = peer.engine
+        src = _device(n, seed=9)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="shared")
+        async with anyio.create_task_group() as tg:
+            for i in range(k):
+                write = partial(e.write, mr, dst, length=part, src_offset=i * part, dst_offset=i * part)
+                tg.start_soon(partial(write, imm=6))
+        await peer.wait(imm=6, n=k, timeout=20)
+        assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part])
+        assert e.stats()["gpu_ipc"] == k
+        gpu = e._gpu
+        assert gpu is not None and len(gpu._ipc_out) == 2  # lines 1 and 2 beside the first
+        # once the owner's credit lane is open: only the first line's writes use it (a lane is
+        # published in order by one stream), the others go by message; each counted once
+        lanes = e.stats()["gpu_lane_credits"]
+        for _ in range(3):
+            async with anyio.create_task_group() as tg:
+                for i in range(k):
+                    write = partial(e.write, mr, dst, length=part, src_offset=i * part, dst_offset=i * part)
+                    tg.start_soon(partial(write, imm=7))
+            await peer.wait(imm=7, n=k, timeout=20)
+        assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part])
+        assert e.stats()["gpu_lane_credits"] - lanes <= 3 * k // 3
+        await anyio.sleep(0.2)
+        assert (await peer.call(op="counter", imm=7))["available"] == 0  # no credit twice
 
 
 async def test_stream_ordering() -> None:

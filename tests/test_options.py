@@ -90,6 +90,8 @@ async def test_an_option_object_of_the_wrong_type_is_an_invalid_argument(name: s
         ("local", aiote.SameHostOptions(same_host=""), "same_host"),
         ("gpu", aiote.GpuOptions(gpu_backend="nosuch"), "gpu_backend"),
         ("gpu", aiote.GpuOptions(stage_chunk=1), "stage_chunk"),
+        ("gpu", aiote.GpuOptions(ipc_streams=0), "ipc_streams"),
+        ("gpu", aiote.GpuOptions(ipc_streams=17), "ipc_streams"),
     ],
 )
 async def test_an_option_object_is_checked_as_its_keywords(name: str, opts: object, match: str) -> None:

@@ -26,14 +26,15 @@ cupy, NGPU = require_cuda()
 pytestmark = pytest.mark.anyio
 
 
-async def _gpu_world(backend: str, route: str, gpu_ipc: bool, tmp: Path) -> None:
+async def _gpu_world(backend: str, route: str, gpu_ipc: bool, tmp: Path, ipc_streams: int = 1) -> None:
     sources, specs = model_2x2()
     rx_gpu = 1 if NGPU > 1 else 0
     workers: list[Worker] = []
     try:
-        senders = [await spawn_worker(backend, route, gpu=0, gpu_ipc=gpu_ipc) for _ in range(2)]
+        kw = {"gpu_ipc": gpu_ipc, "ipc_streams": ipc_streams}
+        senders = [await spawn_worker(backend, route, gpu=0, **kw) for _ in range(2)]
         workers += senders
-        receivers = [await spawn_worker(backend, route, gpu=rx_gpu, gpu_ipc=gpu_ipc) for _ in range(2)]
+        receivers = [await spawn_worker(backend, route, gpu=rx_gpu, **kw) for _ in range(2)]
         workers += receivers
         targets: dict[int, list[W.TargetShard]] = {}
         for r, w in enumerate(receivers):
@@ -70,9 +71,11 @@ async def _gpu_world(backend: str, route: str, gpu_ipc: bool, tmp: Path) -> None
                 await w.aclose()
 
 
-async def test_gpu_push_over_the_cuda_ipc_rail(anyio_backend: str, tmp_path: Path) -> None:
-    """2 trainers on GPU 0 -> 2 inference ranks on GPU 1 (one host), two versions."""
-    await _gpu_world(anyio_backend, "default", True, tmp_path)
+@pytest.mark.parametrize("ipc_streams", [1, 4])
+async def test_gpu_push_over_the_cuda_ipc_rail(anyio_backend: str, tmp_path: Path, ipc_streams: int) -> None:
+    """2 trainers on GPU 0 -> 2 inference ranks on GPU 1 (one host), two versions; IPC writes
+    on one stream, or taking 4 in turn (the engine's ``ipc_streams``)."""
+    await _gpu_world(anyio_backend, "default", True, tmp_path, ipc_streams)
 
 
 async def test_gpu_push_staged_over_tcp(anyio_backend: str, tmp_path: Path) -> None:

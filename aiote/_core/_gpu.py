@@ -330,7 +330,9 @@ class UvmWatcher:
 class GpuSupport:
     """The GPU side of one engine (created on first use)."""
 
-    def __init__(self, engine: GpuOwner, backend: str, *, chunk: int, ipc: bool, direct: bool) -> None:
+    def __init__(
+        self, engine: GpuOwner, backend: str, *, chunk: int, ipc: bool, direct: bool, ipc_streams: int = 1
+    ) -> None:
         self.e = engine
         self.b: _Backend = device_backend(backend)
         self.code = GPU_BACKEND_CUDA if self.b.kind == "cuda" else GPU_BACKEND_HOST
@@ -343,6 +345,10 @@ class GpuSupport:
         self._lines: dict[int, _Line] = {}
         self._watchers: dict[int, UvmWatcher] = {}
         self._out: dict[int, _Line] = {}
+        # CUDA-IPC writes: ipc_streams lines per device taken in turn (line 0 is self._out's)
+        self.ipc_streams = ipc_streams
+        self._ipc_out: dict[int, _Line] = {}
+        self._ipc_turn = itertools.count()
         self._in: dict[int, _Line] = {}
         self._regions: dict[int, MemoryRegion] = {}
         self._parts: dict[tuple[bytes, int], int] = {}
@@ -366,11 +372,19 @@ class GpuSupport:
                 )
         return self._free_words.pop()
 
-    def _line(self, table: dict[int, _Line], device: int) -> _Line:
-        line = table.get(device)
+    def _line(self, table: dict[int, _Line], device: int, key: int | None = None) -> _Line:
+        k = device if key is None else key
+        line = table.get(k)
         if line is None:
-            line = table[device] = _Line(self, self.b.stream(device), device)
+            line = table[k] = _Line(self, self.b.stream(device), device)
         return line
+
+    def _ipc_line(self, device: int) -> _Line:
+        """The line of the next CUDA-IPC write from ``device``: one of ``ipc_streams``, in turn."""
+        k = next(self._ipc_turn) % self.ipc_streams
+        if k == 0:
+            return self._line(self._out, device)
+        return self._line(self._ipc_out, device, device * 64 + k)
 
     def on_watch(self, token: int, value: int) -> None:
         line = self._lines.get(token)
@@ -564,11 +578,14 @@ class GpuSupport:
         dev = mr._dev
         assert dev is not None
         self.counts["gpu_ipc"] += 1
-        line = self._line(self._out, dev.device)
+        line = self._ipc_line(dev.device)
         self._user_stream(line, stream)
         if length:
             self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
-        credit = self.lanes.take(dev.device, rdesc, imm, 1)
+        # a lane's entries must be published in order, by one stream (the first IPC line, which
+        # paged writes use too): a write on another of ``ipc_streams`` is credited by a message
+        first = line is self._line(self._out, dev.device)
+        credit = self.lanes.take(dev.device, rdesc, imm, 1) if first else None
         if credit is not None:
             self.counts["gpu_lane_credits"] += 1
         ev = self.e._event()

@@ -192,6 +192,12 @@ class GpuOptions:
     """While a GPU completion or a :class:`UvmWatcher` is awaited, the poller reads the
     watched words at least this often (1 us to 1 s; it sleeps otherwise)."""
 
+    ipc_streams: int = 1
+    """Streams per GPU that CUDA-IPC writes take in turn (1 to 16). With more than one,
+    writes posted together run concurrently on several copy engines, and each completes on
+    its own (no order between writes; each write's immediate still follows its own bytes).
+    What it gains is measured in docs/weights.md."""
+
 
 _GROUPS = (
     ("transport", TransportOptions),
@@ -273,6 +279,7 @@ def check_options(
         p = dataclasses.replace(p, pollers=as_index(p.pollers, "pollers", lo=1, hi=17))
     watch = as_index(g.watch_interval_us, "watch_interval_us", lo=1, hi=1_000_001)
     g = dataclasses.replace(g, watch_interval_us=watch)
+    g = dataclasses.replace(g, ipc_streams=as_index(g.ipc_streams, "ipc_streams", lo=1, hi=17))
     backend = g.gpu_backend
     if not (isinstance(backend, str) and (backend in ("cuda", "host") or backend.startswith("host:"))):
         raise InvalidArgument("gpu_backend must be 'cuda' or 'host'")

@@ -153,13 +153,15 @@ class Registration(EngineState):
 
     def _gpu_support(self) -> GpuSupport:
         if self._gpu is None:
-            backend, chunk, ipc, direct = self._gpu_cfg
+            backend, chunk, ipc, direct, ipc_streams = self._gpu_cfg
             if direct is None:  # register GPU memory with the NICs when every NIC can
                 direct = backend == "cuda" and all(lib.aio_rail_hmem(self._h, r.index) for r in self._rails)
             # the GPU side calls up into the messages and transfers layers: only the whole
             # Engine (the one class instantiated) is a GpuOwner
             owner = cast("GpuOwner", self)
-            self._gpu = GpuSupport(owner, backend, chunk=chunk, ipc=ipc, direct=direct)
+            self._gpu = GpuSupport(
+                owner, backend, chunk=chunk, ipc=ipc, direct=direct, ipc_streams=ipc_streams
+            )
         return self._gpu
 
     def uvm_watcher(self, *, initial: int = 0) -> UvmWatcher:

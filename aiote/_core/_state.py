@@ -65,7 +65,7 @@ class EngineState:
         self._arena = arena
         self._arena_full_logged = False
         self._gpu: GpuSupport | None = None
-        self._gpu_cfg = (gpu.gpu_backend, gpu.stage_chunk, bool(gpu.gpu_ipc), gpu_direct)
+        self._gpu_cfg = (gpu.gpu_backend, gpu.stage_chunk, bool(gpu.gpu_ipc), gpu_direct, gpu.ipc_streams)
         self._retry = retry if retry is not None else RetryPolicy()
         self._stripe_min = transport.stripe_min
         # streams > 1: the main provider's rails come in runs of `streams` on one NIC; a

@@ -31,6 +31,7 @@ _log = get_logger(component="weights")
 VERSION_BITS = 24
 _VMASK = (1 << VERSION_BITS) - 1
 _ONCE = RetryPolicy(attempts=0)  # a completion immediate must count exactly once
+_THREAD_COPY = 1 << 20  # host staging copies of at least this many bytes run in a worker thread
 
 
 def version_imm(tag: int, version: int) -> int:
@@ -501,7 +502,11 @@ class WeightSender:
             st.direct_bytes += n
         else:  # a staged write is never merged: run == [w]
             t = time.monotonic()
-            self._transform(w, ctx.tensors[w.source], off)
+            if self._xp is np and w.nbytes >= _THREAD_COPY:  # NumPy copies release the GIL:
+                # off the loop's thread, so completions go on and the lanes copy in parallel
+                await anyio.to_thread.run_sync(self._transform, w, ctx.tensors[w.source], off)
+            else:
+                self._transform(w, ctx.tensors[w.source], off)
             st.transform_s += time.monotonic() - t
             assert self._staging_mr is not None
             mr, src_off = self._staging_mr, off

@@ -127,17 +127,21 @@ async def spawn_worker(
     timeout: float = 60.0,
     gpu: int | None = None,
     gpu_ipc: bool = True,
+    ipc_streams: int = 1,
 ) -> Worker:
     """Starts a worker process (``route``: ``"tcp"`` for tcp loopback only, ``"default"`` for
     ``open_engine()``'s defaults, shm to same-host peers; ``gpu``: its tensors and buffers are
     CuPy arrays on that GPU; ``gpu_ipc=False``: GPU writes are staged through host memory
-    over the NIC instead of the CUDA-IPC rail). Raises RuntimeError/TimeoutError if it does
+    over the NIC instead of the CUDA-IPC rail; ``ipc_streams``: the engine's option of that
+    name). Raises RuntimeError/TimeoutError if it does
     not come up. Costs a Python process that imports aiote and opens an engine."""
     args = python_module("aiote.weights._worker", "--backend", backend, "--route", route)
     if gpu is not None:
         args += ["--gpu", str(gpu)]
     if not gpu_ipc:
         args += ["--gpu-ipc", "no"]
+    if ipc_streams != 1:
+        args += ["--ipc-streams", str(ipc_streams)]
     proc = await anyio.open_process(args, stdin=-1, stdout=-1, stderr=None, env=child_env())
     w = Worker(proc, b"")
     try:
@@ -220,7 +224,8 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
         r = await _push(st, cmd)
         return dict(r, t0=t0, t1=time.time())
     if op == "rail":
-        return {"walls": await _rail(st, cmd)}
+        walls, end = await _rail(st, cmd)
+        return {"walls": walls, "end": end}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -232,8 +237,11 @@ def _prepare(st: _State, cmd: dict[str, Any]) -> None:
     v = cmd["version"]
     if cmd.get("flat") and not st.shards:
         _flat_shards(st)
+    if cmd.get("fill") == "gpu" and st.gpu is not None and st.shards:
+        _gpu_fill(st, v)  # written in place by the GPU, as an optimizer step writes them
+        return
     for s in st.tx.plan.sources:
-        if cmd.get("fill") == "fast":
+        if cmd.get("fill") in ("fast", "gpu"):
             new = fast_shard(s, v)
         else:
             new = source_tensor(s.name, s.shape, s.dtype, v, cmd.get("seed", 0))[s.rows[0] : s.rows[1]]
@@ -249,6 +257,16 @@ def _prepare(st: _State, cmd: dict[str, Any]) -> None:
         import cupy
 
         cupy.cuda.get_current_stream().synchronize()
+
+
+def _gpu_fill(st: _State, version: int) -> None:
+    """Every shard set in place, on the GPU, to the value :func:`fast_shard` gives it."""
+    import cupy
+
+    assert st.tx is not None
+    for s in st.tx.plan.sources:
+        st.shards[s.name].fill((zlib.crc32(s.name.encode()) % 97 + version + s.rows[0] % 7) % 120)
+    cupy.cuda.get_current_stream().synchronize()
 
 
 def _flat_shards(st: _State) -> None:
@@ -267,9 +285,13 @@ def _flat_shards(st: _State) -> None:
         at += -(-n // 8) * 8
 
 
-async def _rail(st: _State, cmd: dict[str, Any]) -> list[float]:
-    """Seconds of each of ``repeats`` single ``engine.write`` calls of ``nbytes`` into the
-    region ``desc`` (after one warm-up): what one write of everything costs on this route."""
+async def _rail(st: _State, cmd: dict[str, Any]) -> tuple[list[float], float]:
+    """Seconds of each of ``repeats`` rounds (after one warm-up) of writing ``nbytes`` into
+    each region of ``descs`` (or the one ``desc``) at once: one ``engine.write`` each, or with
+    ``chunk``, writes of ``chunk`` bytes with ``window`` in flight per region, the first round
+    starting at epoch time ``at`` if given (so that several workers start together); and the
+    epoch time the last round ended. What moving the bytes costs on this route, alone or
+    beside other flows."""
     from .._core._descriptor import MemoryDescriptor
 
     xp: Any = np
@@ -277,18 +299,32 @@ async def _rail(st: _State, cmd: dict[str, Any]) -> list[float]:
         import cupy
 
         xp = cupy
-    buf = xp.ones(cmd["nbytes"], xp.uint8)
+    n = cmd["nbytes"]
+    chunk = cmd.get("chunk") or n
+    buf = xp.ones(n, xp.uint8)
     mr = await st.engine.register(buf, remote_write=False, remote_read=False)
-    desc = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["desc"]))
+    descs = [MemoryDescriptor.from_bytes(bytes.fromhex(d)) for d in cmd.get("descs") or [cmd["desc"]]]
+    window = anyio.Semaphore(cmd.get("window", 8) * len(descs))
+
+    async def one(desc: MemoryDescriptor, at: int) -> None:
+        async with window:
+            k = min(chunk, n - at)
+            await st.engine.write(mr, desc, length=k, src_offset=at, dst_offset=at, timeout=60)
+
     walls = []
     try:
+        await anyio.sleep(max(0.0, cmd.get("at", 0.0) - time.time()))
         for _ in range(cmd.get("repeats", 3) + 1):
             t = time.perf_counter()
-            await st.engine.write(mr, desc, length=cmd["nbytes"], timeout=60)
+            async with anyio.create_task_group() as tg:
+                for at in range(0, n, chunk):
+                    for desc in descs:
+                        tg.start_soon(one, desc, at)
             walls.append(time.perf_counter() - t)
+        end = time.time()
     finally:
         await st.engine.unregister(mr, timeout=30)
-    return walls[1:]
+    return walls[1:], end
 
 
 async def _push(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -308,9 +344,10 @@ async def _push(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"stats": d}
 
 
-async def _serve(route: str, gpu: int | None, gpu_ipc: bool) -> None:
+async def _serve(route: str, gpu: int | None, gpu_ipc: bool, ipc_streams: int = 1) -> None:
     kw: dict[str, Any] = {"same_host": None} if route == "tcp" else {}
     kw["gpu_ipc"] = gpu_ipc
+    kw["ipc_streams"] = ipc_streams
     if gpu is not None:
         import cupy
 
@@ -343,8 +380,9 @@ def main() -> None:
     ap.add_argument(
         "--gpu-ipc", default="yes", choices=["yes", "no"], help="no: stage GPU writes over the NIC"
     )
+    ap.add_argument("--ipc-streams", type=int, default=1, help="the engine's ipc_streams")
     a = ap.parse_args()
-    anyio.run(_serve, a.route, a.gpu, a.gpu_ipc == "yes", backend=a.backend)
+    anyio.run(_serve, a.route, a.gpu, a.gpu_ipc == "yes", a.ipc_streams, backend=a.backend)
 
 
 if __name__ == "__main__":
