@@ -405,18 +405,17 @@ class Messages(Observed):
             return item
         w = _RecvWaiter(self._event())
         self._recv_waiters.append(w)
-        # an shm rail (no wait object) is polled more often while a task waits (the pollers of
-        # an engine without one sleep on their rails' wait objects: nothing to tell them)
-        polled = bool(self._shm_rails)
-        if polled:
-            lib.aio_waiters_add(self._h, 1)
+        # the pollers are kicked (their spin restarts) and an shm rail, which has no wait object,
+        # is polled more often while a task waits. On a tcp-only engine the kick still pays: a
+        # stream of 1 MiB messages went at 0.66 of the C core without it, 0.90 with it
+        lib.aio_waiters_add(self._h, 1)
         try:
             try:
                 if not await wait_until(w.event, _end(timeout)):
                     assert timeout is not None
                     raise timeout_error("recv", timeout)
             finally:
-                if polled and not self._closed:
+                if not self._closed:
                     lib.aio_waiters_add(self._h, -1)
         except BaseException:
             if w.item is not None:  # delivered, but the receive was cancelled: give it back
