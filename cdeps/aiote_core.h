@@ -465,9 +465,10 @@ void aio_get_stats(aio_engine *e, aio_stats *out);
  * connection failed meanwhile, completes with -FI_ETIMEDOUT (the caller's retry policy posts it
  * anew). While it waits, later handed requests to the same connection (rail and peer) wait
  * behind it, in order; the poller's other work (other rails, other peers, direct copies) goes
- * on (aio_stats.posts_handed_waited counts the requests that waited). mode: 0 (default) only
- * on tcp rails: every eligible write of 16 KiB or more (its bytes are copied into the socket by
- * the poller, never by the posting thread), and smaller requests when the rail is busy; 1 hand
+ * on (aio_stats.posts_handed_waited counts the requests that waited). mode: 0 (default) on
+ * tcp rails: every eligible write of 16 KiB or more (its bytes are copied into the socket by
+ * the poller, never by the posting thread), and smaller requests when the rail is busy; on shm
+ * rails requests under 16 KiB when the rail is busy, and those behind handed ones; 1 hand
  * over every eligible request, on any rail (tests); -1 never. -FI_EINVAL for another mode. */
 int aio_engine_set_hand_posts(aio_engine *e, int mode);
 

@@ -182,6 +182,13 @@ async def test_ipc_credit_lane() -> None:
         await anyio.sleep(0.2)
         assert (await peer.call(op="counter", imm=33))["available"] == 0  # no credit twice
         assert 0 < e.stats()["gpu_lane_credits"] - before < 600
+        # an open lane with nothing awaited keeps no poller awake: once idle the owner sleeps
+        # its long steps (its shm rail's short steps after the stats call last 200 ms: about
+        # 2,700 sleeps in 2 s; with the lane read every 100 us there were about 17,000)
+        s0 = (await peer.call(op="stats"))["stats"]
+        await anyio.sleep(2.0)
+        s1 = (await peer.call(op="stats"))["stats"]
+        assert s1["sleeps"] - s0["sleeps"] < 8000, (s0["sleeps"], s1["sleeps"])
 
 
 async def test_ipc_rail_several_streams() -> None:
@@ -213,7 +220,7 @@ async def test_ipc_rail_several_streams() -> None:
                     tg.start_soon(partial(write, imm=7))
             await peer.wait(imm=7, n=k, timeout=20)
         assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part])
-        assert e.stats()["gpu_lane_credits"] - lanes <= 3 * k // 3
+        assert 0 < e.stats()["gpu_lane_credits"] - lanes <= k  # the first line's share
         await anyio.sleep(0.2)
         assert (await peer.call(op="counter", imm=7))["available"] == 0  # no credit twice
 

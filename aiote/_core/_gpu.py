@@ -181,9 +181,10 @@ class _Line:
         return bool(self.waiters)
 
     def fence(self, cb: Callable[[], None], credit: Credit | None = None) -> None:
-        self.seq += 1
-        self.gpu.b.signal(self.stream, self.word[2], self.seq, credit)
-        self.waiters.append((self.seq, cb))
+        seq = self.seq + 1
+        self.gpu.b.signal(self.stream, self.word[2], seq, credit)  # raises: nothing enqueued
+        self.seq = seq
+        self.waiters.append((seq, cb))
         self.watch.arm(self.seen)
 
     async def wait(self) -> None:
@@ -408,7 +409,30 @@ class GpuSupport:
             if then is not None:
                 then()
 
-        line.fence(done, credit)
+        try:
+            line.fence(done, credit)
+        except BaseException:  # the fence's kernel was not launched: nothing to wait for
+            mr._dev_pending -= 1
+            raise
+
+    def _track_credit(
+        self, mr: MemoryRegion, line: _Line, then: Callable[[], None], device: int, rdesc: MemoryDescriptor,
+        imm: int | None, weight: int,
+    ) -> Credit | None:
+        """:meth:`_track`, the fence also publishing the write's credit through the owner's
+        credit lane when one takes it (returned; None: credit it by a message). A fence that
+        could not be launched gives the lane's entry back (a later one must not publish past an
+        entry never written)."""
+        credit = self.lanes.take(device, rdesc, imm, weight)
+        try:
+            self._track(mr, line, then, credit)
+        except BaseException:
+            if credit is not None:
+                self.lanes.untake(device, rdesc, credit)
+            raise
+        if credit is not None:
+            self.counts["gpu_lane_credits"] += 1
+        return credit
 
     async def _fenced(self, mr: MemoryRegion, line: _Line, credit: Credit | None = None) -> None:
         ev = self.e._event()
@@ -585,11 +609,8 @@ class GpuSupport:
         # a lane's entries must be published in order, by one stream (the first IPC line, which
         # paged writes use too): a write on another of ``ipc_streams`` is credited by a message
         first = line is self._line(self._out, dev.device)
-        credit = self.lanes.take(dev.device, rdesc, imm, 1) if first else None
-        if credit is not None:
-            self.counts["gpu_lane_credits"] += 1
         ev = self.e._event()
-        self._track(mr, line, ev.set, credit)
+        credit = self._track_credit(mr, line, ev.set, dev.device, rdesc, imm if first else None, 1)
 
         async def finish(timeout: float | None, retry: Any) -> None:
             await ev.wait()
@@ -623,10 +644,9 @@ class GpuSupport:
             if peer is not None:
                 self.counts["gpu_ipc"] += 1
                 self.b.paged_copy(peer, dev.ptr, dst_offs, src_offs, page, line.stream)
-                credit = self.lanes.take(dev.device, rdesc, imm, n)
-                if credit is not None:
-                    self.counts["gpu_lane_credits"] += 1
-                await self._fenced(mr, line, credit)
+                ev = self.e._event()
+                credit = self._track_credit(mr, line, ev.set, dev.device, rdesc, imm, n)
+                await ev.wait()
                 if imm is not None and credit is None:
                     await self.credit(rdesc, imm, n, timeout, retry)
                     await self.lanes.offer(dev.device, rdesc, timeout, retry)
@@ -804,9 +824,11 @@ class GpuSupport:
     def close(self) -> None:
         for w in list(self._watchers.values()):
             w.close()
+        # a fence still pending (a close that timed out) may yet store into a lane: keep them mapped
+        pending = any(line.busy for line in self._lines.values())
         for line in list(self._lines.values()):
             line.close()
-        self.lanes.close()
+        self.lanes.close(keep_mapped=pending)
         for base in self._ipc.values():
             if base:
                 with contextlib.suppress(Exception):  # best effort at close

@@ -126,7 +126,9 @@ class LaneOut:
         if t - self._checked < _CHECK_EVERY:
             return True
         self._checked = t
-        if select.select([self._pidfd], [], [], 0)[0]:  # the owner's process ended
+        poll = select.poll()  # (select.select refuses descriptors of 1024 and over)
+        poll.register(self._pidfd, select.POLLIN)
+        if poll.poll(0):  # the owner's process ended
             self._dead = True
             return False
         return True
@@ -144,13 +146,22 @@ class LaneOut:
         entry = self._dev + 8 * (ENTRY + s % self.entries)
         return entry, ((imm & 0xFFFFFFFF) << 32) | weight, self._dev + 8 * HEAD, s + 1
 
-    def close(self) -> None:
-        """Unmaps the lane and removes its file (the owner may keep its own mapping)."""
+    def untake(self, credit: tuple[int, int, int, int]) -> None:
+        """Gives back the entry of ``credit``, the last one :meth:`take` reserved, whose kernel
+        was not launched."""
+        if self.seq == credit[3]:
+            self.seq -= 1
+
+    def close(self, keep_mapped: bool = False) -> None:
+        """Unmaps the lane and removes its file (the owner may keep its own mapping).
+        ``keep_mapped``: a kernel may still store into it; the mapping is left for good."""
         with contextlib.suppress(OSError):
             os.unlink(_path(self.tag))
         if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1
+        if keep_mapped:
+            return
         if self._mm is not None:
             with contextlib.suppress(Exception):
                 self.b.unmap_host(self._host)
@@ -215,6 +226,12 @@ class Lanes:
         lane = self._out.get((device, rdesc.address))
         return None if lane is None else lane.take(imm, weight)
 
+    def untake(self, device: int, rdesc: MemoryDescriptor, credit: Credit) -> None:
+        """Gives back a credit :meth:`take` returned whose kernel was not launched."""
+        lane = self._out.get((device, rdesc.address))
+        if lane is not None:
+            lane.untake(credit)
+
     async def offer(self, device: int, rdesc: MemoryDescriptor, timeout: float | None, retry: Any) -> None:
         """Makes a lane to ``rdesc``'s owner and offers it (one internal message), once per
         (device, owner); a failure only leaves the credits on messages."""
@@ -244,12 +261,13 @@ class Lanes:
         except (OSError, ValueError) as exc:
             _log.warning("credit lane offer not taken", reason=str(exc))
 
-    def close(self) -> None:
-        """Stops reading the peers' lanes and closes this engine's own."""
+    def close(self, keep_mapped: bool = False) -> None:
+        """Stops reading the peers' lanes and closes this engine's own (``keep_mapped``: a
+        kernel of this engine may still store into them, see :meth:`LaneOut.close`)."""
         for lane_in in self._in:
             lane_in.close()
         self._in.clear()
         for lane in self._out.values():
             if lane is not None:
-                lane.close()
+                lane.close(keep_mapped)
         self._out.clear()

@@ -177,9 +177,10 @@ def _loop_timed_waits(loop: asyncio.AbstractEventLoop) -> _LoopTimedWaits:
     """The timed-wait service of ``loop`` (made on first use, dropped with the loop). The last
     loop's is kept beside the registry (a weak reference to the loop): every timed wait looks
     it up, and a weak dictionary's lookup costs a few times more."""
-    last = _LAST_TIMED_WAITS
-    if last[0]() is loop:
-        return last[1]  # type: ignore[no-any-return]
+    global _LAST_TIMED_WAITS
+    ref, last = _LAST_TIMED_WAITS  # one tuple, replaced whole: another thread's loop never mixes in
+    if ref() is loop:
+        return last  # type: ignore[no-any-return]
     try:
         timers = _LOOP_TIMED_WAITS.get(loop)
         if timers is None:
@@ -189,12 +190,12 @@ def _loop_timed_waits(loop: asyncio.AbstractEventLoop) -> _LoopTimedWaits:
         if timers is None:
             timers = _LOOP_TIMED_WAITS_STRONG[loop] = _LoopTimedWaits()
     with contextlib.suppress(TypeError):  # no weak references: not kept
-        _LAST_TIMED_WAITS[:] = [weakref.ref(loop), timers]
+        _LAST_TIMED_WAITS = (weakref.ref(loop), timers)
     return timers
 
 
 _LOOP_TIMED_WAITS_STRONG: dict[asyncio.AbstractEventLoop, _LoopTimedWaits] = {}
-_LAST_TIMED_WAITS: list[Any] = [lambda: None, None]  # [weak reference to a loop, its service]
+_LAST_TIMED_WAITS: tuple[Any, Any] = (lambda: None, None)  # (weak reference to a loop, its service)
 
 
 class _Event:

@@ -78,6 +78,7 @@ static void counter_credit(aio_engine *e, uint32_t imm, uint64_t units, int rece
         if (s->want && s->avail >= s->want) {
             s->want = 0;
             atomic_fetch_sub(&e->nwant, 1);
+            atomic_fetch_sub(&e->ncwant, 1);
             fire = 1;
         }
     }
@@ -144,11 +145,17 @@ int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units) {
     cslot *s = counter_find(e, imm, 1);
     if (!s) ready = -FI_ENOMEM;
     else if (s->avail >= units) {
-        if (s->want) atomic_fetch_sub(&e->nwant, 1);
+        if (s->want) {
+            atomic_fetch_sub(&e->nwant, 1);
+            atomic_fetch_sub(&e->ncwant, 1);
+        }
         s->want = 0;
         ready = 1;
     } else {
-        if (!s->want) atomic_fetch_add(&e->nwant, 1);
+        if (!s->want) {
+            atomic_fetch_add(&e->nwant, 1);
+            atomic_fetch_add(&e->ncwant, 1);
+        }
         s->want = units;
     }
     pthread_mutex_unlock(&e->cnt_mu);

@@ -319,7 +319,9 @@ struct aio_engine {
     int64_t nl_checked;  /* last time the poller drained it while spinning */
     _Atomic int64_t ops_in_flight;
     _Atomic int64_t want_below; /* a poster waits for queue space: report when in flight <= it (-1: none) */
-    _Atomic int32_t nwant;      /* counters with an armed watch (a task awaits an immediate) */
+    _Atomic int32_t nwant;      /* counters with an armed watch (a task awaits an immediate), plus
+                                 * tasks awaiting a message (aio_waiters_add) */
+    _Atomic int32_t ncwant;     /* counters with an armed watch alone (credit lanes: poller.c) */
     _Atomic int32_t quiet_waiters; /* tasks awaiting a quiet group's record (aio_quiet_waiters) */
     /* low-latency waits (aio_poll_ring) made by the loop thread */
     _Atomic uint64_t st_loop_polls;

@@ -20,8 +20,9 @@
  * the wake fifos of its shm rails, and on poller 0 the netlink socket; with a timeout, since
  * not every rail has a wait object: 1 ms steps while work of ours is in flight or a rail has
  * none; 50 us while a task awaits something only such a rail reports; watch_us while words
- * are watched (at most LANE_WAIT_US while credit lanes are read and a task awaits a counter);
- * else sleep_ms. Whoever gives a poller work kicks it: post_seq is bumped (its
+ * other than credit lanes are watched; LANE_WAIT_US while lanes are read and a task awaits a
+ * counter (a lane's credit arriving while nobody waits is read at the next pass, at most
+ * sleep_ms later, or at once when a task arms a watch: that kicks poller 0); else sleep_ms. Whoever gives a poller work kicks it: post_seq is bumped (its
  * spin restarts), and its kick eventfd written only if it sleeps. The sleeper sets `sleeping`
  * and then looks at post_seq once more, the kicker bumps post_seq and then reads `sleeping`
  * (seq_cst both): one of them sees the other, so no kick is lost and none costs a system
@@ -325,10 +326,15 @@ static void poll_wait(poll_state *s, int64_t inflight, int fd_broken, int wake_s
      * come on one, tells nobody that it arrived: while a task awaits one, poll it every
      * 50 us rather than every millisecond */
     long short_us = (!s->all_fd && !wake_sleep && atomic_load(&e->nwant) > 0) ? 50 : 0;
-    if (s->watcher && atomic_load(&e->nwatch) > 0 && (!short_us || e->cfg.watch_us < short_us))
-        short_us = e->cfg.watch_us; /* watched words: read them again soon */
-    if (s->watcher && atomic_load(&e->nlane) > 0 && atomic_load(&e->nwant) > 0 && short_us > LANE_WAIT_US)
-        short_us = LANE_WAIT_US; /* a task awaits a credit, which a lane may bring (watch.c) */
+    /* watched words (GPU completions, UVM words): read them again soon. Credit lanes stay
+     * watched for the engine's life, so they alone do not count: an engine with lanes and
+     * nothing awaited sleeps as long as any other */
+    int32_t nlane = atomic_load(&e->nlane);
+    if (s->watcher && atomic_load(&e->nwatch) > nlane && (!short_us || e->cfg.watch_us < short_us))
+        short_us = e->cfg.watch_us;
+    /* a task awaits a counter (not a message), and a lane may bring its credit (watch.c) */
+    if (s->watcher && nlane > 0 && atomic_load(&e->ncwant) > 0 && (!short_us || short_us > LANE_WAIT_US))
+        short_us = LANE_WAIT_US;
     s->slept = 1;
     if (short_us) {
         struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};

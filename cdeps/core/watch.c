@@ -23,8 +23,9 @@
  * counter's record pushed after it) and advances the lane's DONE word, which the producer
  * reads before it reuses an entry. So a credit costs the reader one read of the head per
  * pass, and no message, no record of its own and no loop wake-up beyond the waiter's. While
- * a task awaits a counter (nwant) and lanes are read, the poller reads them every LANE_WAIT_US
- * at least (poller.c): such a credit is what the task most likely awaits. */
+ * a task awaits a counter (ncwant) and lanes are read, the poller reads them every LANE_WAIT_US
+ * at least (poller.c): such a credit is what the task most likely awaits. Lanes alone keep no
+ * poller from its long sleep: an engine with lanes and nothing awaited costs what it did. */
 #include "internal.h"
 
 #include "poller.h"
