@@ -675,14 +675,17 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
             query(prom, e.replace("$job", ".*").replace("$__rate_interval", "1m"))
 
 
-def test_bench_observe_prints_paired_figures() -> None:
-    """``aiote bench --observe`` (a tiny run): every setting's figures, paired with "off"."""
+def test_bench_observe_prints_paired_figures(tmp_path: Path) -> None:
+    """``aiote bench --observe`` (a tiny run): every setting's figures, paired with "off", on
+    stdout and in the ``--json`` file."""
+    saved = tmp_path / "observe.json"
     cmd = python_module("aiote", "bench", "write", "--observe", "--sizes", "4KiB", "--total", "1MiB",
-                        "--repeats", "1")
+                        "--repeats", "1", "--json", str(saved))
     with started(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env()) as bench:
         out, err = bench.communicate(timeout=120)  # (its serving processes: killed with it, if left)
     assert bench.returncode == 0, err[-2000:]
     rows = json.loads(out.splitlines()[-1])["rows"]
+    assert json.loads(saved.read_text())["rows"] == rows
     (gbps,) = [row for row in rows if row["mode"] == "write" and row["unit"] == "GB/s"]
     (cpu,) = [row for row in rows if row["mode"] == "write" and row["unit"] == "s/GB"]
     assert gbps["off"]["median"] > 0

@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -142,7 +143,8 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Runs ``aiote bench --observe``; prints the table on stderr and the JSON on stdout."""
+    """Runs ``aiote bench --observe``; prints the table on stderr and the JSON on stdout (and
+    writes it to ``--json FILE`` when given)."""
     if args.mode == "all":
         args.mode = DEFAULT_MODES
     cases = _cases(args, [int(w) for w in _split(args.window)])
@@ -158,4 +160,6 @@ def main(args: argparse.Namespace) -> int:
               "aiote": aiote.__version__, "machine": _machine(), "date": time.strftime("%Y-%m-%d"),
               "rows": rows}
     print(json.dumps(result))
+    if getattr(args, "json_file", None):
+        Path(args.json_file).write_text(json.dumps(result, indent=2))
     return 0
