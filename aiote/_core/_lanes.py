@@ -192,6 +192,10 @@ class LaneIn:
         self.id = int(lib.aio_lane_add(h, ffi.cast("uint64_t*", int(self.words.ctypes.data)), entries))
         if self.id < 0:
             self.words[PID] = 0
+            del self.words
+            with contextlib.suppress(BufferError):
+                self._mm.close()  # nothing reads it: unmapped now, not when collected
+            self._mm = None
             raise ValueError(f"cannot watch a credit lane ({self.id})")
 
     def close(self) -> None:
@@ -216,6 +220,7 @@ class Lanes:
         self.b = backend
         self._out: dict[tuple[int, EngineAddress], LaneOut | None] = {}
         self._in: list[LaneIn] = []
+        self._closed = False
 
     def take(self, device: int, rdesc: MemoryDescriptor, imm: int | None, weight: int) -> Credit | None:
         """The credit of an IPC write from ``device`` to ``rdesc`` published by the write's own
@@ -251,7 +256,10 @@ class Lanes:
             _log.info("credit lane not offered", reason=str(exc))
 
     def open(self, payload: bytes) -> None:
-        """A peer's offer (an internal message): opens and watches its lane."""
+        """A peer's offer (an internal message): opens and watches its lane (not once
+        :meth:`close` ran: an offer arriving while the engine closes is dropped)."""
+        if self._closed:
+            return
         offer = parse_offer(payload)
         if offer is None:
             _log.warning("malformed credit lane offer dropped", length=len(payload))
@@ -264,6 +272,7 @@ class Lanes:
     def close(self, keep_mapped: bool = False) -> None:
         """Stops reading the peers' lanes and closes this engine's own (``keep_mapped``: a
         kernel of this engine may still store into them, see :meth:`LaneOut.close`)."""
+        self._closed = True
         for lane_in in self._in:
             lane_in.close()
         self._in.clear()
