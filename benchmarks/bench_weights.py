@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+from weights_multi import free_port  # (a sibling script: benchmarks/ is on the path)
 
 from aiote import weights as W
 from aiote._spawn import child_env, python_module
@@ -433,9 +433,7 @@ def gloo_run(trainers: int, receivers: int, shard_bytes: int, repeats: int) -> d
     except ImportError:
         print("gloo baseline skipped: torch is not installed (pip install torch==2.13.0, the CPU wheel)")
         return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     world = trainers + receivers
     procs = [
         subprocess.Popen(

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent
-LATENCY = {"imm-latency": "WriteImm", "sendrecv-latency": "send/recv"}  # rows in µs (lower is better)
 
 
 def build(tree: Path) -> None:
@@ -52,9 +51,17 @@ def bench(tree: Path, args: argparse.Namespace, provider: str) -> list[dict[str,
         return rows
 
 
+def _latency() -> dict[str, str]:
+    """The latency modes (rows in µs, lower is better) and their labels, as ``aiote bench``
+    names them; imported once the trees are built (aiote needs its extension)."""
+    from aiote.cli._benchout import LATENCY_LABEL
+
+    return LATENCY_LABEL
+
+
 def key(row: dict[str, Any]) -> str:
-    if row["mode"] in LATENCY:
-        what = LATENCY[row["mode"]]
+    if row["mode"] in _latency():
+        what = _latency()[row["mode"]]
         return f"{row['provider']} {what} one-way {'p50' if row['size'] == 50 else 'p99'} (us)"
     size = row["size"]
     human = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
@@ -62,7 +69,7 @@ def key(row: dict[str, Any]) -> str:
 
 
 def value(row: dict[str, Any], who: str) -> float:
-    unit = "us" if row["mode"] in LATENCY else "gbps"
+    unit = "us" if row["mode"] in _latency() else "gbps"
     v = row.get(f"{who}_{unit}")
     if v is None and unit == "us":
         v = row.get(f"{who}_gbps")  # older trees kept microseconds there

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 from typing import Any
 
 import numpy as np
+from weights_multi import free_port  # (a sibling script: benchmarks/ is on the path)
 
 from aiote import weights as W
 from aiote.weights._worker import spawn_worker
@@ -145,9 +145,7 @@ def nccl(nbytes: int, repeats: int) -> dict[str, float] | None:
     except ImportError:
         print("NCCL baseline skipped: torch is not installed")
         return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = [sys.executable, __file__, str(nbytes), str(port), str(repeats)]
     procs = [subprocess.Popen([*args, str(r)], stdout=subprocess.PIPE, text=True) for r in range(2)]
     out = procs[0].communicate(timeout=600)[0]

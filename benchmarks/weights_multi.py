@@ -216,7 +216,8 @@ def specs_of(params: list[Param], tp: int, i: int) -> list[tuple[str, str, list[
 # ------------------------------------------------------------------ parent
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free tcp port on loopback (the torch.distributed rendezvous of a baseline)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -276,7 +277,7 @@ def run(a: argparse.Namespace) -> dict[str, Any] | None:
     cfg = {"trainers": a.trainers, "inference": a.inference, "layers": layers, "tiny": a.tiny, "gpu": a.gpu,
            "repeats": a.repeats, "chunk": a.chunk_mib << 20, "max_tmp": a.max_tmp_mib << 20,
            "bucket": a.bucket_mib << 20, "note": note}
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     env.setdefault("NVSHMEM_DISABLE_NVLS", "1")

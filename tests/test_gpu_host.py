@@ -201,11 +201,15 @@ async def test_ipc_rail_several_streams() -> None:
         src = _device(n, seed=9)
         mr = await e.register(src)
         dst = await peer.register("g", n, device="shared")
-        async with anyio.create_task_group() as tg:
-            for i in range(k):
-                write = partial(e.write, mr, dst, length=part, src_offset=i * part, dst_offset=i * part)
-                tg.start_soon(partial(write, imm=6))
-        await peer.wait(imm=6, n=k, timeout=20)
+
+        async def write_all(imm: int) -> None:  # k concurrent writes, one part each
+            async with anyio.create_task_group() as tg:
+                for i in range(k):
+                    write = partial(e.write, mr, dst, length=part, src_offset=i * part, dst_offset=i * part)
+                    tg.start_soon(partial(write, imm=imm))
+            await peer.wait(imm=imm, n=k, timeout=20)
+
+        await write_all(6)
         assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part])
         assert e.stats()["gpu_ipc"] == k
         gpu = e._gpu
@@ -214,11 +218,7 @@ async def test_ipc_rail_several_streams() -> None:
         # published in order by one stream), the others go by message; each counted once
         lanes = e.stats()["gpu_lane_credits"]
         for _ in range(3):
-            async with anyio.create_task_group() as tg:
-                for i in range(k):
-                    write = partial(e.write, mr, dst, length=part, src_offset=i * part, dst_offset=i * part)
-                    tg.start_soon(partial(write, imm=7))
-            await peer.wait(imm=7, n=k, timeout=20)
+            await write_all(7)
         assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part])
         assert 0 < e.stats()["gpu_lane_credits"] - lanes <= k  # the first line's share
         await anyio.sleep(0.2)

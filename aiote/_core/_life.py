@@ -34,23 +34,34 @@ class OpLife(Completions):
         """Runs ``attempt(time_left)``, re-running it after a broken connection as the retry
         policy says (see :class:`RetryPolicy`). The policy is checked before anything is
         posted, and is in force (``connect_timeout`` included) for every group it posts.
-        (``Observed._observed`` repeats these steps for an observed operation: keep the two
-        alike.)"""
+        (``Observed._observed`` takes these steps for an observed operation, in one coroutine
+        of its own, around the same :meth:`_enter_attempts` and :meth:`_leave_attempts`.)"""
         _check_retry(retry)
         end = _end(timeout)
-        token = _POLICY.set(retry) if retry is not None else None
-        self._busy += 1
+        token = self._enter_attempts(retry)
         try:
             try:
                 await attempt(timeout)
             except PeerUnreachable as exc:
                 await self._retry_after(exc, attempt, end, retry or self._retry, what)
         finally:
-            self._busy -= 1
-            if token is not None:
-                _POLICY.reset(token)
-            if self._book.due:
-                self._maybe_sweep()
+            self._leave_attempts(token)
+
+    def _enter_attempts(self, retry: RetryPolicy | None) -> Any:
+        """An awaited operation starts (its arguments checked): ``retry`` in force for every
+        group it posts, the engine busy with it. Returns what :meth:`_leave_attempts` takes."""
+        token = _POLICY.set(retry) if retry is not None else None
+        self._busy += 1
+        return token
+
+    def _leave_attempts(self, token: Any) -> None:
+        """An awaited operation ends, however: its policy out of force, the engine no longer
+        busy with it, and the peers' book swept when a sweep is due."""
+        self._busy -= 1
+        if token is not None:
+            _POLICY.reset(token)
+        if self._book.due:
+            self._maybe_sweep()
 
     async def _retry_after(
         self,

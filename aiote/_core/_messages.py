@@ -349,9 +349,7 @@ class Messages(Observed):
             return int(lib.aio_submit_sendv(h, token, rail, fa, head, len(head), body, nbytes, budget, gout))
 
         self._sends[key] = n + 1
-        names = self._send_names.get(key)
-        if names is None:
-            names = self._send_names[key] = frozenset({key})
+        names = frozenset((key,))
         if self._obs is not None:
             self._obs.unit = data.nbytes
         try:

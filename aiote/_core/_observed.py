@@ -10,7 +10,7 @@ from typing import Any
 from ._errors import PeerUnreachable
 from ._life import OpLife
 from ._observe import Observer, _OpRecord
-from ._records import _GROUPS, _POLICY, _check_retry, _end, _GroupTap
+from ._records import _GROUPS, _check_retry, _end, _GroupTap
 from ._retry import RetryPolicy
 
 
@@ -47,28 +47,24 @@ class Observed(OpLife):
         retry: RetryPolicy | None,
         what: str,
     ) -> None:
-        """``OpLife._attempts`` as one observed operation: the same steps (keep the two alike),
-        in one coroutine rather than one around the other (a coroutine layer is a good share of
-        what observing costs). The record is made once the arguments passed their checks
-        (refused arguments are no operation) and is ``_GROUPS`` while the operation runs (the
-        groups it begins are its, its re-posts retries: see :meth:`Observer._counting`)."""
+        """``OpLife._attempts`` as one observed operation: the same steps, around the same
+        ``_enter_attempts`` and ``_leave_attempts``, in one coroutine rather than one around the
+        other (a coroutine layer is a good share of what observing costs). The record is made
+        once the arguments passed their checks (refused arguments are no operation) and is
+        ``_GROUPS`` while the operation runs (the groups it begins are its, its re-posts
+        retries: see :meth:`Observer._counting`)."""
         _check_retry(retry)
         end = _end(timeout)
         rec = _OpRecord(obs, what)
         token = _GROUPS.set(rec)
-        policy = _POLICY.set(retry) if retry is not None else None
-        self._busy += 1
+        policy = self._enter_attempts(retry)
         try:
             try:
                 await attempt(timeout)
             except PeerUnreachable as exc:
                 await self._retry_after(exc, attempt, end, retry or self._retry, what)
             finally:
-                self._busy -= 1
-                if policy is not None:
-                    _POLICY.reset(policy)
-                if self._book.due:
-                    self._maybe_sweep()
+                self._leave_attempts(policy)
         except BaseException as failed:
             _GROUPS.reset(token)
             obs._end(rec, failed)

@@ -128,7 +128,6 @@ class EngineState:
         me = self._address_bytes
         # every message's header (sender address, internal flag), indexed by ``internal``
         self._msg_head = (_MSG_HEADER.pack(len(me)) + me, _MSG_HEADER.pack(len(me) | _INTERNAL) + me)
-        self._send_names: dict[tuple[int, int], frozenset[tuple[int, int]]] = {}
         self._router = Router(
             [r.provider for r in rails],
             [r.domain for r in rails],

@@ -211,10 +211,9 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
             how = HOLD_NONE;
         else if (r->is_tcp)
             how = it->op == AIO_OP_WRITE && it->length >= HAND_MIN_BYTES ? HOLD_HAND : HOLD_TRY;
-        else if (r->is_shm && it->length < HAND_MIN_BYTES)
-            how = HOLD_TRY; /* a small request (an immediate) need not wait for the poller's pass */
-        else if (r->is_shm && atomic_load(&r->ndeferred) > 0)
-            how = HOLD_TRY; /* a larger one behind handed ones: queued behind them, in order */
+        else if (r->is_shm && (it->length < HAND_MIN_BYTES || atomic_load(&r->ndeferred) > 0))
+            how = HOLD_TRY; /* a small one need not wait for the poller's pass; a larger one
+                               behind handed ones queues behind them, in order */
     }
     if (!hold_rail(h, r, how)) {
         /* the poller holds the rail (it is moving data): it posts this request when it is done */
