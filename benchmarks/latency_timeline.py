@@ -73,20 +73,33 @@ async def send_imm(e: Any, theirs: Any, imm: int, posted: bool, prev: Any) -> An
     """One WriteImm: awaited to its completion, or posted (``posted``) after awaiting the
     previous one's Transfer ``prev``; returns what the next call awaits first."""
     if not posted:
-        await e.write_imm(theirs, imm, timeout=30)
+        await e.write_imm(theirs, imm)  # as aiote bench imm-latency (its stall bound only)
         return None
     if prev is not None:
         await prev
     return e.post_write_imm(theirs, imm)
 
 
-async def pong(route: str, iters: int, posted: bool) -> None:
+def poller_cpu(cpu: int | None) -> set[int] | None:
+    """``--poller-cpus``: pins the engine's poller threads, opened next, to ``cpu`` (they take
+    the opening thread's affinity); returns the affinity to give the loop thread back."""
+    if cpu is None:
+        return None
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    return mine
+
+
+async def pong(route: str, iters: int, posted: bool, cpu: int | None = None) -> None:
+    back = poller_cpu(cpu)
     async with aiote.open_engine(**ROUTES[route]) as e:
+        if back:
+            os.sched_setaffinity(0, back)
         mr = await e.register(np.zeros(64, np.uint8))
         print(bytes(mr.descriptor).hex(), flush=True)
         theirs = aiote.MemoryDescriptor.from_bytes(bytes.fromhex(sys.stdin.readline().strip()))
         ping = e.imm_counter(4)
-        woke, posted = stamp(e)
+        woke, handed = stamp(e)  # (not `posted`: that names the mode)
         resumed = []
         prev = None
         for _ in range(iters + WARM):
@@ -95,27 +108,32 @@ async def pong(route: str, iters: int, posted: bool) -> None:
             prev = await send_imm(e, theirs, 5, posted, prev)
         if prev is not None:
             await prev
-        print(json.dumps({"woke": woke, "posted": posted[-len(resumed):], "resumed": resumed}), flush=True)
+        print(json.dumps({"woke": woke, "posted": handed[-len(resumed):], "resumed": resumed}), flush=True)
         sys.stdin.readline()
 
 
-def start_pong(route: str, iters: int, posted: bool) -> subprocess.Popen[str]:
+def start_pong(route: str, iters: int, posted: bool, cpu: int | None) -> subprocess.Popen[str]:
     """The other side, a process of its own (this script with ``--pong``)."""
     return subprocess.Popen(
-        [sys.executable, __file__, "--pong", route, "--iters", str(iters), *(["--posted"] if posted else [])],
+        [sys.executable, __file__, "--pong", route, "--iters", str(iters), *(["--posted"] if posted else []),
+         *(["--poller-cpus", f"{cpu},{cpu}"] if cpu is not None else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
 
 
-async def ping(child: subprocess.Popen[str], route: str, iters: int, posted: bool) -> dict[str, float]:
+async def ping(child: subprocess.Popen[str], route: str, iters: int, posted: bool,
+               cpu: int | None = None) -> dict[str, float]:
     assert child.stdin is not None and child.stdout is not None
+    back = poller_cpu(cpu)
     async with aiote.open_engine(**ROUTES[route]) as e:
+        if back:
+            os.sched_setaffinity(0, back)
         mr = await e.register(np.zeros(64, np.uint8))
         theirs = aiote.MemoryDescriptor.from_bytes(bytes.fromhex(child.stdout.readline().strip()))
         child.stdin.write(bytes(mr.descriptor).hex() + "\n")
         child.stdin.flush()
         counter = e.imm_counter(5)
-        woke, posted = stamp(e)
+        woke, handed = stamp(e)
         t0s, t2s = [], []
         c0 = 0.0
         prev = None
@@ -133,7 +151,7 @@ async def ping(child: subprocess.Popen[str], route: str, iters: int, posted: boo
         child.stdin.write("bye\n")
         child.stdin.flush()
     child.wait(30)  # it exits once told (bye): no wait in practice
-    return timeline(t0s, t2s, posted[-len(t0s):], woke, peer, cpu)
+    return timeline(t0s, t2s, handed[-len(t0s):], woke, peer, cpu)
 
 
 def timeline(t0s: list[int], t2s: list[int], posted: list[int], woke: list[int], peer: dict[str, Any],
@@ -179,19 +197,24 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--posted", action="store_true", help="post_write_imm, awaited later (see above)")
+    ap.add_argument("--poller-cpus", default=None, metavar="A,B",
+                    help="pin this side's poller threads to CPU A and the other side's to CPU B "
+                         "(the loop threads stay free): how thread placement moves the figures")
     ap.add_argument("--pong", metavar="ROUTE", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("FI_PROVIDER", "tcp,ofi_rxm,shm")
     if args.pong:
-        asyncio.run(pong(args.pong, args.iters, args.posted))
+        cpus = [int(c) for c in args.poller_cpus.split(",")] if args.poller_cpus else [None, None]
+        asyncio.run(pong(args.pong, args.iters, args.posted, cpus[1]))
         return
     why = build_cbench()
     if why:
         sys.exit(f"the C bench could not be built: {why}")
     rows: list[dict[str, float]] = []
     for k in range(args.rounds):
-        child = start_pong(args.route, args.iters, args.posted)
-        row = asyncio.run(ping(child, args.route, args.iters, args.posted))
+        cpus = [int(c) for c in args.poller_cpus.split(",")] if args.poller_cpus else [None, None]
+        child = start_pong(args.route, args.iters, args.posted, cpus[1])
+        row = asyncio.run(ping(child, args.route, args.iters, args.posted, cpus[0]))
         python_us = row["peer woke -> task resumed"] + row["peer resumed -> pong posted"]
         row["aiote one-way p50"] = row["rtt"] / 2
         row["C core one-way p50"] = c_core(args.route, args.iters, 0, args.posted)

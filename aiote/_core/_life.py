@@ -47,6 +47,39 @@ class OpLife(Completions):
         finally:
             self._leave_attempts(token)
 
+    async def _run_kept(
+        self, post: Callable[[Any, int, int], int], n: int, refs: Any, items: Any,
+        timeout: float | None, retry: RetryPolicy | None, what: str,
+    ) -> None:
+        """``_attempts(lambda t: _run_group(post, n, refs, t, what, None, None, items))`` in one
+        coroutine, for a kept single-route request (see ``_memo_post``) on an engine that does
+        not observe: the same steps (policy, deadline, busy count, begin, post, wait, retries),
+        without the four coroutine layers between the call and the wait. Every layer is paid
+        twice per operation, when it suspends and when it resumes, on the loop thread that
+        both sides of a round trip wait for."""
+        if self._obs is not None:
+            await self._attempts(
+                lambda t: self._run_group(post, n, refs, t, what, None, None, items), timeout, retry, what
+            )
+            return
+        _check_retry(retry)
+        end = _end(timeout)
+        token = self._enter_attempts(retry)
+        try:
+            try:
+                st = self._begin(n, refs, None, None, items)
+                if st.first == n and not self._closed:  # posted and sealed: only the wait is left
+                    await self._await_group(st.op, end, timeout, what)
+                else:
+                    await self._finish(st, post, n, end, timeout, what)
+            except PeerUnreachable as exc:
+                await self._retry_after(
+                    exc, lambda t: self._run_group(post, n, refs, t, what, None, None, items),
+                    end, retry or self._retry, what,
+                )
+        finally:
+            self._leave_attempts(token)
+
     def _enter_attempts(self, retry: RetryPolicy | None) -> Any:
         """An awaited operation starts (its arguments checked): ``retry`` in force for every
         group it posts, the engine busy with it. Returns what :meth:`_leave_attempts` takes."""

@@ -3,7 +3,7 @@ memoized fast path of repeated single-route writes."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any
 
@@ -113,20 +113,15 @@ class Transfers(Rows):
         memos[key] = m
         return m
 
-    async def _memo_post(
+    def _memo_post(
         self, m: tuple[Any, ...], refs: Any, timeout: float | None, retry: Any, what: str
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
         """Posts a memoized single-route request again. Memos are made only for host regions
         over one route, from arguments that passed validation, and used only while the region
         is registered, the descriptor is the same object and no link is down: the request is
         the one the full path would build (it saves ~10 us of validation and packing)."""
-        _, _, table, post, items = m
-        await self._attempts(
-            lambda t: self._run_group(post, len(table), (refs, table), t, what, None, None, items),
-            timeout,
-            retry,
-            what,
-        )
+        _, _, table, post, items = m  # the coroutine of _run_kept itself: no layer of its own
+        return self._run_kept(post, len(table), (refs, table), items, timeout, retry, what)
 
     async def _write_host(
         self,

@@ -274,6 +274,7 @@ typedef struct aio_poller {
     uint64_t drun;              /* aio__direct_run passes (poller 0's tell aio__direct_copy its pass) */
     aio_record *stash;          /* records the ring could not take (see RING_STASH); poller only */
     int nstash;
+    int signal_due;             /* a record of this poller's awaits its eventfd signal (ring.c) */
 } aio_poller;
 
 struct aio_engine {

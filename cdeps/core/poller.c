@@ -179,11 +179,13 @@ static int poll_pass(poll_state *s, int64_t *t_poll) {
     aio_engine *e = s->e;
     int got = aio__direct_run(q);
     *t_poll = now_ns(); /* idle gaps end here: reading a large message is not idle */
+    aio__ring_signal_due(q); /* the queue's records (copies made, handed requests failed) */
     for (int i = 0; i < q->nrails; i++) {
         aio_rail *r = q->rails[i];
         pthread_mutex_lock(&r->mu);
         got += aio__progress_locked(e, r);
         pthread_mutex_unlock(&r->mu);
+        aio__ring_signal_due(q); /* the loop may run now: the rail is free for its next post */
     }
     if (s->watcher) got += aio__poll_watches(e);
     atomic_fetch_add_explicit(&e->st_polls, 1, memory_order_relaxed);
@@ -194,6 +196,7 @@ static int poll_pass(poll_state *s, int64_t *t_poll) {
             aio__drain_netlink(e);
         }
     }
+    aio__ring_signal_due(q);
     return got;
 }
 
@@ -273,6 +276,7 @@ static int wake_arm(poll_state *s) {
         more += aio__progress_locked(s->e, r);
         pthread_mutex_unlock(&r->mu);
     }
+    aio__ring_signal_due(q);
     if (more || atomic_load(&q->post_seq) != s->seen_seq) {
         for (int i = 0; i < q->nrails; i++)
             if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 0);
@@ -346,12 +350,14 @@ static void poll_wait(poll_state *s, int64_t inflight, int fd_broken, int wake_s
         for (int i = 0; i < q->nrails; i++)
             if (q->rails[i]->wake_word) atomic_store(q->rails[i]->wake_word, 0);
     poll_events(s, evs, ne);
+    aio__ring_signal_due(q); /* netlink's link records */
 }
 
 /* Goes to sleep, unless work came meanwhile (a kick, a provider with work pending, a peer's
  * request on an shm rail). */
 static void poll_sleep(poll_state *s, int64_t inflight) {
     aio_poller *q = s->q;
+    aio__ring_signal_due(q); /* never sleep on a record the loop was not told of */
     atomic_store(&q->sleeping, 1);
     if (atomic_load(&q->post_seq) != s->seen_seq) {
         atomic_store(&q->sleeping, 0);

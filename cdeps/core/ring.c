@@ -37,7 +37,14 @@
  * sleep until a poller's record signals the eventfd (a wake-up of another thread, then of the
  * loop), it drives the rails' CQs itself, skipping a rail whose lock the poller holds (the
  * poller pushes what it reads), polls for LOOP_POLL_SPIN_NS, then sleeps on the rails' wait
- * objects and the armed eventfd together. */
+ * objects and the armed eventfd together.
+ *
+ * A poller's records signal the eventfd only once it has let go of the rail it read them under
+ * (aio__ring_signal_due, after each rail's pass): the loop a signal wakes is often on the
+ * poller's own CPU, preempts it at once, and would find the rail still locked by a poller that
+ * cannot run, so that the request it posts next goes to the poller's queue and leaves only
+ * once the loop sleeps again (a WriteImm ping-pong's hop then waits out the loop's work after
+ * its post). Other threads signal at once. */
 #include "internal.h"
 
 #include <poll.h>
@@ -144,7 +151,17 @@ void aio__ring_put(aio_engine *e, const aio_record *r, int quiet) {
             atomic_load(&e->ovf_count) == 0)
             return;
     }
+    if (q) { /* a poller: once it lets go of the rail (aio__ring_signal_due) */
+        q->signal_due = 1;
+        return;
+    }
     ring_signal(e);
+}
+
+void aio__ring_signal_due(aio_poller *q) {
+    if (!q->signal_due) return;
+    q->signal_due = 0;
+    ring_signal(q->e);
 }
 
 int aio_drain(aio_engine *e, aio_record *out, int max) {

@@ -21,5 +21,8 @@ AIO_INTERNAL void aio__ring_put(aio_engine *e, const aio_record *r, int quiet);
 static inline void aio__ring_push(aio_engine *e, const aio_record *r) { aio__ring_put(e, r, 0); }
 /* A poller moves its stash into the ring: 1 while some is left (it must produce nothing). */
 AIO_INTERNAL int aio__stash_flush(aio_poller *q);
+/* A poller thread's records signal the loop once the poller lets go of the rail it read them
+ * under (see ring.c): the signal they await, if any, now. */
+AIO_INTERNAL void aio__ring_signal_due(aio_poller *q);
 
 #endif
