@@ -51,16 +51,14 @@ class OpLife(Completions):
         self, post: Callable[[Any, int, int], int], n: int, refs: Any, items: Any,
         timeout: float | None, retry: RetryPolicy | None, what: str,
     ) -> None:
-        """``_attempts(lambda t: _run_group(post, n, refs, t, what, None, None, items))`` in one
-        coroutine, for a kept single-route request (see ``_memo_post``) on an engine that does
-        not observe: the same steps (policy, deadline, busy count, begin, post, wait, retries),
-        without the four coroutine layers between the call and the wait. Every layer is paid
-        twice per operation, when it suspends and when it resumes, on the loop thread that
-        both sides of a round trip wait for."""
+        """``_attempts(lambda t: _run_group(post, n, refs, t, what, None, None, items))`` for a
+        kept single-route request (see ``_memo_post``), with fewer coroutine layers (each is
+        paid when the operation suspends and again when it resumes, on the loop thread both
+        sides of a round trip wait for): on an engine that does not observe, the whole life in
+        this one coroutine (the same steps: policy, deadline, busy count, begin, post, wait,
+        retries); observed, ``_attempts`` around :meth:`_kept_once`."""
         if self._obs is not None:
-            await self._attempts(
-                lambda t: self._run_group(post, n, refs, t, what, None, None, items), timeout, retry, what
-            )
+            await self._attempts(partial(self._kept_once, post, n, refs, items, what), timeout, retry, what)
             return
         _check_retry(retry)
         end = _end(timeout)
@@ -73,12 +71,23 @@ class OpLife(Completions):
                 else:
                     await self._finish(st, post, n, end, timeout, what)
             except PeerUnreachable as exc:
-                await self._retry_after(
-                    exc, lambda t: self._run_group(post, n, refs, t, what, None, None, items),
-                    end, retry or self._retry, what,
-                )
+                again = partial(self._kept_once, post, n, refs, items, what)
+                await self._retry_after(exc, again, end, retry or self._retry, what)
         finally:
             self._leave_attempts(token)
+
+    async def _kept_once(
+        self, post: Callable[[Any, int, int], int], n: int, refs: Any, items: Any, what: str,
+        timeout: float | None,
+    ) -> None:
+        """One attempt of a kept request: :meth:`_run_group` without its layer over
+        :meth:`_finish` (no rails, route or names to pass on)."""
+        end = _end(timeout)
+        st = self._begin(n, refs, None, None, items)
+        if st.first == n and not self._closed:
+            await self._await_group(st.op, end, timeout, what)
+        else:
+            await self._finish(st, post, n, end, timeout, what)
 
     def _enter_attempts(self, retry: RetryPolicy | None) -> Any:
         """An awaited operation starts (its arguments checked): ``retry`` in force for every
