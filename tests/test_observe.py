@@ -73,8 +73,7 @@ def by_name(spans: InMemorySpanExporter) -> dict[str, list[ReadableSpan]]:
 
 async def test_an_engine_without_observe_runs_no_observability_code() -> None:
     """Without ``observe=`` the only observability code an operation runs is the layer's
-    ``_attempts`` forwarder or ``_run_kept``'s test (one ``is None`` test, no allocation of its
-    own): a profile hook
+    ``_attempts`` forwarder (one ``is None`` test, no allocation of its own): a profile hook
     sees no call into _observe.py, _metrics.py or _tracing.py, whatever the operation."""
     files = ("_observe.py", "_metrics.py", "_tracing.py", "_observed.py")
     async with engine_pair(**TCP) as (a, b):
@@ -105,9 +104,7 @@ async def test_an_engine_without_observe_runs_no_observability_code() -> None:
         finally:
             sys.setprofile(None)
     assert set(calls) <= {("_observed.py", "_attempts")}, calls
-    # write_paged and send; a kept write and write_imm (the same descriptor again) go through
-    # OpLife._run_kept, whose only observability code is its own `_obs is None` test
-    assert calls[("_observed.py", "_attempts")] == 20 * 2
+    assert calls[("_observed.py", "_attempts")] == 20 * 4  # write, write_imm, write_paged, send
 
 
 def test_aiote_imports_and_runs_without_the_extras() -> None:

@@ -3,7 +3,7 @@ a broken connection, deadlines, cancellation (settle) and stranded rows after a 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any
 
@@ -47,47 +47,21 @@ class OpLife(Completions):
         finally:
             self._leave_attempts(token)
 
-    async def _run_kept(
-        self, post: Callable[[Any, int, int], int], n: int, refs: Any, items: Any,
-        timeout: float | None, retry: RetryPolicy | None, what: str,
-    ) -> None:
-        """``_attempts(lambda t: _run_group(post, n, refs, t, what, None, None, items))`` for a
-        kept single-route request (see ``_memo_post``), with fewer coroutine layers (each is
-        paid when the operation suspends and again when it resumes, on the loop thread both
-        sides of a round trip wait for): on an engine that does not observe, the whole life in
-        this one coroutine (the same steps: policy, deadline, busy count, begin, post, wait,
-        retries); observed, ``_attempts`` around :meth:`_kept_once`."""
-        if self._obs is not None:
-            await self._attempts(partial(self._kept_once, post, n, refs, items, what), timeout, retry, what)
-            return
-        _check_retry(retry)
-        end = _end(timeout)
-        token = self._enter_attempts(retry)
-        try:
-            try:
-                st = self._begin(n, refs, None, None, items)
-                if st.first == n and not self._closed:  # posted and sealed: only the wait is left
-                    await self._await_group(st.op, end, timeout, what)
-                else:
-                    await self._finish(st, post, n, end, timeout, what)
-            except PeerUnreachable as exc:
-                again = partial(self._kept_once, post, n, refs, items, what)
-                await self._retry_after(exc, again, end, retry or self._retry, what)
-        finally:
-            self._leave_attempts(token)
-
-    async def _kept_once(
+    def _kept_once(
         self, post: Callable[[Any, int, int], int], n: int, refs: Any, items: Any, what: str,
         timeout: float | None,
-    ) -> None:
-        """One attempt of a kept request: :meth:`_run_group` without its layer over
-        :meth:`_finish` (no rails, route or names to pass on)."""
-        end = _end(timeout)
+    ) -> Coroutine[Any, Any, bool]:
+        """One attempt of a kept request (see ``_memo_post``): :meth:`_run_group` (no rails,
+        route or names to pass on) begun in this call, returning the coroutine that finishes it
+        (the group's wait alone when the transport took every request at once), so that it
+        adds no coroutine layer under :meth:`_attempts` (each layer is paid when the operation
+        suspends and again when it resumes, on the loop thread both sides of a round trip
+        wait for). ``timeout`` was checked by :meth:`_attempts`, or is what its deadline left."""
+        end = None if timeout is None else now() + timeout
         st = self._begin(n, refs, None, None, items)
         if st.first == n and not self._closed:
-            await self._await_group(st.op, end, timeout, what)
-        else:
-            await self._finish(st, post, n, end, timeout, what)
+            return self._await_group(st.op, end, timeout, what)
+        return self._finish(st, post, n, end, timeout, what)
 
     def _enter_attempts(self, retry: RetryPolicy | None) -> Any:
         """An awaited operation starts (its arguments checked): ``retry`` in force for every

@@ -120,8 +120,9 @@ class Transfers(Rows):
         over one route, from arguments that passed validation, and used only while the region
         is registered, the descriptor is the same object and no link is down: the request is
         the one the full path would build (it saves ~10 us of validation and packing)."""
-        _, _, table, post, items = m  # the coroutine of _run_kept itself: no layer of its own
-        return self._run_kept(post, len(table), (refs, table), items, timeout, retry, what)
+        _, _, table, post, items = m  # _attempts' coroutine itself: no layer of its own
+        return self._attempts(partial(self._kept_once, post, len(table), (refs, table), items, what),
+                              timeout, retry, what)
 
     async def _write_host(
         self,

@@ -22,6 +22,13 @@
 #include "poller.h"
 #include "ring.h"
 
+/* An armed watch more or fewer: counted in nwant (with the tasks awaiting a message) and in
+ * ncwant (watches alone: credit lanes, poller.c). Caller holds cnt_mu. */
+static inline void watches_add(aio_engine *e, int32_t delta) {
+    atomic_fetch_add(&e->nwant, delta);
+    atomic_fetch_add(&e->ncwant, delta);
+}
+
 static inline uint32_t hash32(uint32_t x) {
     x ^= x >> 16;
     x *= 0x7feb352dU;
@@ -77,8 +84,7 @@ static void counter_credit(aio_engine *e, uint32_t imm, uint64_t units, int rece
         if (received) s->total += units;
         if (s->want && s->avail >= s->want) {
             s->want = 0;
-            atomic_fetch_sub(&e->nwant, 1);
-            atomic_fetch_sub(&e->ncwant, 1);
+            watches_add(e, -1);
             fire = 1;
         }
     }
@@ -145,17 +151,11 @@ int aio_counter_watch(aio_engine *e, uint32_t imm, uint64_t units) {
     cslot *s = counter_find(e, imm, 1);
     if (!s) ready = -FI_ENOMEM;
     else if (s->avail >= units) {
-        if (s->want) {
-            atomic_fetch_sub(&e->nwant, 1);
-            atomic_fetch_sub(&e->ncwant, 1);
-        }
+        if (s->want) watches_add(e, -1);
         s->want = 0;
         ready = 1;
     } else {
-        if (!s->want) {
-            atomic_fetch_add(&e->nwant, 1);
-            atomic_fetch_add(&e->ncwant, 1);
-        }
+        if (!s->want) watches_add(e, 1);
         s->want = units;
     }
     pthread_mutex_unlock(&e->cnt_mu);
