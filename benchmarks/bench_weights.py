@@ -472,7 +472,7 @@ def gloo_run(trainers: int, receivers: int, shard_bytes: int, repeats: int) -> d
 # ------------------------------------------------------------------ GPU
 
 
-async def gpu_run(size_gb: float, repeats: int, ipc_streams: list[int]) -> None:
+async def gpu_run(size_gb: float, repeats: int, ipc_streams: list[int], memories: tuple[str, ...]) -> None:
     try:
         import cupy
 
@@ -484,7 +484,7 @@ async def gpu_run(size_gb: float, repeats: int, ipc_streams: list[int]) -> None:
     import weights_gpu
 
     sources, specs = llama_model(size_gb, 1, 1)
-    await weights_gpu.run(sources, specs, repeats, ipc_streams)
+    await weights_gpu.run(sources, specs, repeats, ipc_streams, memories)
 
 
 # ------------------------------------------------------------------ main
@@ -538,7 +538,7 @@ async def main(a: argparse.Namespace) -> None:
 
         a.trainers, a.inference = a.trainers or 2, a.inference or 2
         a.chunk_mib = a.chunk_mib or 256
-        a.max_tmp_mib = a.max_tmp_mib or 2048
+        a.max_tmp_mib = a.max_tmp_mib or 4096
         await anyio.to_thread.run_sync(weights_multi.run, a)
         return
     a.chunk_mib = a.chunk_mib or 16
@@ -573,7 +573,8 @@ async def main(a: argparse.Namespace) -> None:
             r = await aiote_run(route, sources, specs, a.repeats, a.max_tmp_mib << 20, a.chunk_mib << 20)
             _print_aiote(route, r, link[prov], shared[prov + "_sum"], gloo["wall_s"] if gloo else None)
     if a.gpu:
-        await gpu_run(a.size, a.repeats, [int(x) for x in a.ipc_streams.split(",")])
+        await gpu_run(a.size, a.repeats, [int(x) for x in a.ipc_streams.split(",")],
+                      tuple(a.rx_memory.split(",")))
     if not a.no_kimi:
         layouts = [
             ("float8_e4m3", False, "FP8 e4m3 linear weights, whole tensors in mesh groups"),
@@ -602,7 +603,7 @@ if __name__ == "__main__":
     ap.add_argument("--routes", default="tcp,default", help="tcp, default (shm), or both")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tmp-mib", type=int, default=None,
-                    help="each sender's staging pool (default 256; 2048 with --trainers)")
+                    help="each sender's staging pool (default 256; 4096 with --trainers)")
     ap.add_argument("--chunk-mib", type=int, default=None,
                     help="the plan's chunk_bytes (default 16; 256 with --trainers)")
     ap.add_argument("--no-gloo", action="store_true")
@@ -611,6 +612,10 @@ if __name__ == "__main__":
     ap.add_argument("--gpu", action="store_true", help="the 2-GPU benchmark instead of the CPU one")
     ap.add_argument("--ipc-streams", default="1,4",
                     help="with --gpu: the engine's ipc_streams values to run aiote with (default 1,4)")
+    ap.add_argument("--rx-memory", default="cuda,alloc_gpu",
+                    help="with --gpu: the receivers' GPU memory, cuda (cudaMalloc, opened with "
+                         "cudaIpcOpenMemHandle) and/or alloc_gpu (Engine.alloc_gpu, VMM shared as a "
+                         "descriptor); with --trainers the last one given (default cuda,alloc_gpu)")
     ap.add_argument("--trainers", type=int, default=None,
                     help="trainer ranks -> --inference ranks, DeepSeek-V3 shapes (with --gpu: one GPU each)")
     ap.add_argument("--inference", type=int, default=None, help="inference ranks (one TP replica)")

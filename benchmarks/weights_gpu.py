@@ -184,16 +184,19 @@ def nccl_rank(rank: int, nbytes: int, port: int, repeats: int) -> None:
     dist.destroy_process_group()
 
 
-async def aiote_push(sources: Any, specs: Any, repeats: int, flat: bool, ipc_streams: int) -> dict[str, Any]:
+async def aiote_push(
+    sources: Any, specs: Any, repeats: int, flat: bool, ipc_streams: int, memory: str
+) -> dict[str, Any]:
     """One trainer worker on GPU 0 pushing into one inference worker on GPU 1: medians of the
     sender's push time and the end to end time (command sent -> receiver's wait returned),
     fresh (every shard rewritten by the GPU before each version) and warm (the same shards
-    pushed again as the next version)."""
+    pushed again as the next version). ``memory``: the receiver's targets in ``"cuda"``
+    (cudaMalloc, opened with cudaIpcOpenMemHandle) or ``"alloc_gpu"`` (Engine.alloc_gpu)."""
     tx = await spawn_worker("asyncio", "default", gpu=0, ipc_streams=ipc_streams)
     rx = await spawn_worker("asyncio", "default", gpu=1, ipc_streams=ipc_streams)
     try:
         tg_, n = W.pack_targets(0, specs[0], sources)
-        desc = (await rx.call(op="alloc", nbytes=n))["desc"]
+        desc = (await rx.call(op="alloc", nbytes=n, memory=memory))["desc"]
         plan = W.plan(sources, W.with_desc(tg_, bytes.fromhex(desc)), chunk_bytes=256 << 20)
         await tx.call(
             op="sender", plan=plan.sender(0).to_json(), max_tmp_bytes=1 << 30, register_sources=True
@@ -291,7 +294,10 @@ def print_push(
     print(f"  one aiote write of all the bytes (warm): {_gbps(nbytes, r['rail_s'])}")
 
 
-async def run(sources: Any, specs: Any, repeats: int, ipc_streams: list[int]) -> None:
+async def run(
+    sources: Any, specs: Any, repeats: int, ipc_streams: list[int],
+    memories: tuple[str, ...] = ("cuda", "alloc_gpu"),
+) -> None:
     """The whole one-pair GPU benchmark (see the module's docstring)."""
     nbytes = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
     tg_, n = W.pack_targets(0, specs[0], sources)
@@ -303,11 +309,13 @@ async def run(sources: Any, specs: Any, repeats: int, ipc_streams: list[int]) ->
     peer = peer_copy(plan0, n, repeats)
     nc = nccl(nbytes, repeats)
     ceil = print_baselines(nbytes, peer, nc)
-    for streams in ipc_streams:
-        for flat in (False, True):
-            r = await aiote_push(sources, specs, repeats, flat, streams)
-            layout = "one flat parameter buffer" if flat else "one allocation per tensor"
-            print_push(nbytes, r, layout, streams, ceil, nc)
+    for memory in memories:
+        for streams in ipc_streams:
+            for flat in (False, True):
+                r = await aiote_push(sources, specs, repeats, flat, streams, memory)
+                layout = "one flat parameter buffer" if flat else "one allocation per tensor"
+                where = "Engine.alloc_gpu" if memory == "alloc_gpu" else "cudaMalloc"
+                print_push(nbytes, r, f"{layout}, targets in {where}", streams, ceil, nc)
 
 
 if __name__ == "__main__":  # an NCCL rank: NBYTES PORT REPEATS RANK

@@ -276,7 +276,7 @@ def run(a: argparse.Namespace) -> dict[str, Any] | None:
         note = f"{layers} layers (--layers), {layers * one / GB:.1f} GB of bfloat16 shards per trainer"
     cfg = {"trainers": a.trainers, "inference": a.inference, "layers": layers, "tiny": a.tiny, "gpu": a.gpu,
            "repeats": a.repeats, "chunk": a.chunk_mib << 20, "max_tmp": a.max_tmp_mib << 20,
-           "bucket": a.bucket_mib << 20, "note": note}
+           "bucket": a.bucket_mib << 20, "note": note, "rx_memory": a.rx_memory.split(",")[-1]}
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -633,8 +633,11 @@ async def rank_main(ctx: Ctx) -> None:
         else:
             specs = specs_of(params, ctx.I, me)
             _, nbytes = W.pack_targets(me, specs, sources)
-            buf = xp.zeros(nbytes, xp.uint8) if ctx.gpu else None
-            mem = await W.register_targets(engine, me, specs, sources, buffer=buf)
+            if ctx.gpu and cfg["rx_memory"] == "alloc_gpu":  # VMM, mapped by the senders as a descriptor
+                mem = await W.register_targets(engine, me, specs, sources, gpu=ctx.rank)
+            else:
+                buf = xp.zeros(nbytes, xp.uint8) if ctx.gpu else None
+                mem = await W.register_targets(engine, me, specs, sources, buffer=buf)
         got = ctx.gather(None if mem is None else mem.targets)
         targets = [t for part in got if part for t in part]
         t0 = time.perf_counter()

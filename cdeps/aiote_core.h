@@ -398,6 +398,14 @@ void aio_clear_eventfd(aio_engine *e);
 #define AIO_MAX_WATCHES 4096
 int aio_watch_add(aio_engine *e, const volatile uint64_t *word, uint64_t last, uint64_t token);
 int aio_watch_remove(aio_engine *e, int id);
+/* A watched word is expected to change in about `after_ns` from now (a GPU copy of known size
+ * just enqueued): from then, for `window_ns`, poller 0 reads the watched words every few
+ * microseconds instead of every cfg.watch_us, so the completion is seen soon after it
+ * happens, without reading finely through the whole copy. Overlapping hints merge (the
+ * earliest start, the latest end); a change seen ends nothing early. Poller 0 takes the
+ * hint at its next wake-up (within cfg.watch_us): no kick, so a hint costs two atomic
+ * updates, and a wrong guess only the fine reads of its window. */
+void aio_watch_soon(aio_engine *e, int64_t after_ns, int64_t window_ns);
 /* Credit lanes: a ring of credits in memory this process shares with a peer process, whose
  * GPU stream (the CUDA-IPC rail: the copy's stream, right after the copy) publishes them, so
  * that a credit needs no message. Layout, in 64-bit words: [AIO_LANE_HEAD] credits published

@@ -14,6 +14,7 @@ import pytest
 from _cuda import require_cuda
 
 import aiote
+from aiote._core import _vmm
 from aiote.testing import digest, pattern, spawn_peer
 
 cupy, NGPU = require_cuda()
@@ -114,15 +115,22 @@ async def test_staged_mixed_and_paged() -> None:
             assert await peer.digest("g", d * page, page) == digest(host[s * page : (s + 1) * page])
 
 
-async def test_ipc_rail_between_processes() -> None:
+@pytest.mark.parametrize("memory", ["cuda", "alloc_gpu"])
+async def test_ipc_rail_between_processes(memory: str) -> None:
+    """The CUDA-IPC rail into a peer's ``cudaMalloc`` memory (CuPy's pool: an IPC handle) and
+    into its ``Engine.alloc_gpu`` memory (a VMM allocation: a descriptor it hands over)."""
     n = 32 << 20
     target = 1 if NGPU > 1 else 0
     async with spawn_peer() as peer:
         e = peer.engine
         src, host = _gpu_pattern(n, 6)
+        if memory == "alloc_gpu":
+            src = e.alloc_gpu(n)
+            src.set(host)
         mr = await e.register(src)
-        dst = await peer.register("g", n, device="cuda", gpu=target)
-        assert dst.device_id == target
+        dst = await peer.register("g", n, device=memory, gpu=target)
+        assert dst.device_id == target and dst.gpu is not None
+        assert _vmm.is_handle(dst.gpu.ipc_handle) == (memory == "alloc_gpu")
         await e.write(mr, dst, imm=5)
         await peer.wait(imm=5, timeout=60)
         assert await peer.digest("g") == digest(host)

@@ -25,6 +25,7 @@ from _weights_util import e4m3_reference
 
 import aiote
 from aiote import weights as W
+from aiote._core import _vmm
 from aiote.testing import engine_pair
 from aiote.weights._worker import Worker, WorkerError, source_tensor, spawn_worker
 
@@ -540,6 +541,12 @@ async def test_register_targets_and_typed_views(anyio_backend: str) -> None:
         assert mem.shapes == {"qk": (6, 4), "o": (4, 4), "mixed": (12, 0)}
         with pytest.raises(aiote.InvalidArgument, match="at least"):
             await W.register_targets(b, 0, specs, sources, buffer=np.zeros(8, np.uint8))
+        with pytest.raises(aiote.InvalidArgument, match="not both"):
+            await W.register_targets(b, 0, specs, sources, buffer=np.zeros(1 << 12, np.uint8), gpu=0)
+        async with aiote.open_engine(provider="tcp", gpu_backend="host") as g:  # gpu=: Engine.alloc_gpu
+            gm = await W.register_targets(g, 0, specs, sources, gpu=0)
+            d = gm.region.descriptor.gpu
+            assert d is not None and _vmm.is_handle(d.ipc_handle) and gm.view("qk").shape == (6, 4)
         p = W.plan(sources, mem.targets)
         rx = W.WeightReceiver(b, p.receiver(0))
         q = np.arange(32, dtype=np.float32).reshape(8, 4)

@@ -26,7 +26,9 @@ cupy, NGPU = require_cuda()
 pytestmark = pytest.mark.anyio
 
 
-async def _gpu_world(backend: str, route: str, gpu_ipc: bool, tmp: Path, ipc_streams: int = 1) -> None:
+async def _gpu_world(
+    backend: str, route: str, gpu_ipc: bool, tmp: Path, ipc_streams: int = 1, memory: str = "cuda"
+) -> None:
     sources, specs = model_2x2()
     rx_gpu = 1 if NGPU > 1 else 0
     workers: list[Worker] = []
@@ -39,7 +41,8 @@ async def _gpu_world(backend: str, route: str, gpu_ipc: bool, tmp: Path, ipc_str
         targets: dict[int, list[W.TargetShard]] = {}
         for r, w in enumerate(receivers):
             tg, n = W.pack_targets(r, specs(r, 2), sources)
-            targets[r] = W.with_desc(tg, bytes.fromhex((await w.call(op="alloc", nbytes=n))["desc"]))
+            desc = (await w.call(op="alloc", nbytes=n, memory=memory))["desc"]
+            targets[r] = W.with_desc(tg, bytes.fromhex(desc))
         plan = W.plan(sources, [t for r in (0, 1) for t in targets[r]], chunk_bytes=512)
         plan.validate()
         for s, w in enumerate(senders):
@@ -71,11 +74,14 @@ async def _gpu_world(backend: str, route: str, gpu_ipc: bool, tmp: Path, ipc_str
                 await w.aclose()
 
 
-@pytest.mark.parametrize("ipc_streams", [1, 4])
-async def test_gpu_push_over_the_cuda_ipc_rail(anyio_backend: str, tmp_path: Path, ipc_streams: int) -> None:
+@pytest.mark.parametrize(("ipc_streams", "memory"), [(1, "cuda"), (4, "cuda"), (1, "alloc_gpu")])
+async def test_gpu_push_over_the_cuda_ipc_rail(
+    anyio_backend: str, tmp_path: Path, ipc_streams: int, memory: str
+) -> None:
     """2 trainers on GPU 0 -> 2 inference ranks on GPU 1 (one host), two versions; IPC writes
-    on one stream, or taking 4 in turn (the engine's ``ipc_streams``)."""
-    await _gpu_world(anyio_backend, "default", True, tmp_path, ipc_streams)
+    on one stream, or taking 4 in turn (the engine's ``ipc_streams``); the targets in
+    ``cudaMalloc`` memory or in ``Engine.alloc_gpu`` memory (mapped through a descriptor)."""
+    await _gpu_world(anyio_backend, "default", True, tmp_path, ipc_streams, memory)
 
 
 async def test_gpu_push_staged_over_tcp(anyio_backend: str, tmp_path: Path) -> None:

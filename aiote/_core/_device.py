@@ -20,12 +20,14 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from . import _vmm
 from ._errors import AioteError, InvalidArgument
 
 # a credit lane's stores after a copy: (entry address, entry, head address, head)
@@ -124,6 +126,11 @@ class _Backend:
         """``stream`` runs nothing more until the work submitted to ``other`` so far is done."""
         raise NotImplementedError
 
+    def alloc(self, nbytes: int, device: int) -> Any:
+        """A zero-filled GPU array of ``nbytes`` on ``device`` that same-host peers map
+        through a shared descriptor (:mod:`._vmm`)."""
+        raise NotImplementedError
+
     def ipc_export(self, buf: DeviceBuffer) -> tuple[bytes, int]:
         """A handle another process on this host can open, and ``buf``'s offset in it."""
         raise NotImplementedError
@@ -219,6 +226,7 @@ class CudaBackend(_Backend):
         self._mods: dict[int, Any] = {}
         self._fns: dict[tuple[int, str], Any] = {}
         self._libcuda: Any = None
+        self._vmm_api: _vmm.CudaVmm | None = None
 
     def _module(self, device: int) -> Any:
         mod = self._mods.get(device)
@@ -319,7 +327,31 @@ class CudaBackend(_Backend):
             self._libcuda = ctypes.CDLL("libcuda.so.1")
         return self._libcuda
 
+    def _driver_vmm(self) -> _vmm.CudaVmm:
+        if self._vmm_api is None:
+            self._vmm_api = _vmm.CudaVmm(self._cuda())
+        return self._vmm_api
+
+    def alloc(self, nbytes: int, device: int) -> Any:
+        cp, vmm = self.cp, self._driver_vmm()
+        with cp.cuda.Device(device):
+            self.rt.free(0)  # the device's primary context, which the driver calls below use
+            rec = vmm.alloc(nbytes, device)
+            try:
+                mem = cp.cuda.UnownedMemory(rec.base, rec.size, rec, device_id=device)
+                arr = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+                arr.fill(0)
+            except BaseException:
+                _free_vmm(vmm, rec.base, rec.fd, rec.token, device, cp)
+                raise
+        _vmm.publish(rec)
+        weakref.finalize(rec, _free_vmm, vmm, rec.base, rec.fd, rec.token, device, cp)
+        return arr
+
     def ipc_export(self, buf: DeviceBuffer) -> tuple[bytes, int]:
+        rec = _vmm.lookup(buf.ptr)
+        if rec is not None:
+            return _vmm.handle(rec, buf.ptr)
         base = ctypes.c_uint64()
         size = ctypes.c_size_t()
         with self.cp.cuda.Device(buf.device):
@@ -333,10 +365,14 @@ class CudaBackend(_Backend):
 
     def ipc_open(self, handle: bytes, device: int) -> int:
         with self.cp.cuda.Device(device):
+            if _vmm.is_handle(handle):
+                self.rt.free(0)  # the device's primary context
+                return self._driver_vmm().open(handle, device)
             return int(self.rt.ipcOpenMemHandle(handle, 1))  # cudaIpcMemLazyEnablePeerAccess
 
     def ipc_close(self, base: int) -> None:
-        self.rt.ipcCloseMemHandle(base)
+        if self._vmm_api is None or not self._vmm_api.close(base):
+            self.rt.ipcCloseMemHandle(base)
 
     def own_stream(self, s: Any, device: int) -> Any:
         if isinstance(s, self.cp.cuda.Stream):
@@ -446,7 +482,13 @@ class HostBackend(_Backend):
         other.submit(done.set)
         stream.submit(lambda: done.wait(60))
 
+    def alloc(self, nbytes: int, device: int) -> Any:
+        return _vmm.HostFdArray(nbytes, device)
+
     def ipc_export(self, buf: DeviceBuffer) -> tuple[bytes, int]:
+        rec = _vmm.lookup(buf.ptr)
+        if rec is not None:
+            return _vmm.handle(rec, buf.ptr)
         name = getattr(buf.owner, "shm_name", None)
         if not name:
             raise InvalidArgument(
@@ -457,6 +499,8 @@ class HostBackend(_Backend):
     def ipc_open(self, handle: bytes, device: int) -> int:
         from multiprocessing import shared_memory
 
+        if _vmm.is_handle(handle):
+            return _vmm.host_open(handle)
         name = handle.rstrip(b"\0").decode()
         shm = shared_memory.SharedMemory(name=name)
         _SHM_OPEN[id(shm)] = shm
@@ -466,6 +510,8 @@ class HostBackend(_Backend):
         return base
 
     def ipc_close(self, base: int) -> None:
+        if _vmm.host_close(base):
+            return
         shm = _SHM_BY_BASE.pop(base, None)
         if shm is not None:
             _SHM_OPEN.pop(id(shm), None)
@@ -476,6 +522,13 @@ class HostBackend(_Backend):
         if not isinstance(s, _HostStream):
             raise InvalidArgument(f"stream must be a stream of this backend, not {type(s).__name__}")
         return s
+
+
+def _free_vmm(vmm: _vmm.CudaVmm, base: int, fd: int, token: bytes, device: int, cp: Any) -> None:
+    """Frees an :meth:`CudaBackend.alloc` allocation once its array's memory is gone."""
+    with contextlib.suppress(Exception), cp.cuda.Device(device):  # CUDA may be gone at exit
+        vmm.close(base)
+    _vmm.forget(token, base, fd)
 
 
 _SHM_OPEN: dict[int, Any] = {}

@@ -411,6 +411,7 @@ class GpuSupport:
         self._user_stream(line, stream)
         if length:
             self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
+            line.expect(length)
         # a lane's entries must be published in order, by one stream (the first IPC line, which
         # paged writes use too): a write on another of ``ipc_streams`` is credited by a message
         first = line is self._line(self._out, dev.device)
@@ -449,6 +450,7 @@ class GpuSupport:
             if peer is not None:
                 self.counts["gpu_ipc"] += 1
                 self.b.paged_copy(peer, dev.ptr, dst_offs, src_offs, page, line.stream)
+                line.expect(n * page)
                 ev = self.e._event()
                 credit = self._track_credit(mr, line, ev.set, dev.device, rdesc, imm, n)
                 await ev.wait()

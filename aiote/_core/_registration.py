@@ -69,6 +69,27 @@ class Registration(EngineState):
             return np.zeros(shp, dt)
         return out
 
+    def alloc_gpu(self, nbytes: int, *, device: int = 0) -> Any:
+        """A zero-filled GPU array of ``nbytes`` bytes (``uint8``; a CuPy array, or with
+        ``gpu_backend="host"`` an emulated one) on GPU ``device``, made to be written by
+        same-host peers: register it like any GPU array, and a peer's CUDA-IPC rail maps it
+        through a file descriptor it fetches from this process (the CUDA virtual-memory API)
+        instead of ``cudaIpcOpenMemHandle``, so copies into it run at the link's pace even
+        from a source the peer has just written (docs/gpu.md). Peers on other hosts, or that
+        cannot fetch the descriptor, stage as for any GPU region.
+
+        The memory is freed when the array and every view of it are gone (a registered
+        region keeps it); a peer that mapped it keeps its mapping until it closes. Raises
+        :class:`InvalidArgument` (``nbytes`` not a positive int), :class:`GpuUnavailable`,
+        :class:`AioteError` (the driver refused, e.g. out of memory), :class:`EngineClosed`.
+        Costs one ``cuMemCreate`` (the size rounded up to the GPU's granularity, 2 MiB),
+        a mapping, a fill, and, for the first such allocation of the process, a thread
+        blocked on a Unix socket that hands the descriptor to peers of the same user."""
+        self._check_open()
+        n = as_index(nbytes, "nbytes", lo=1)
+        dev = as_index(device, "device", hi=1 << 16)
+        return self._gpu_support().b.alloc(n, dev)
+
     async def register(
         self, buffer: Any, *, remote_write: bool = True, remote_read: bool = True
     ) -> MemoryRegion:

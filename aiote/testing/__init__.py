@@ -161,7 +161,8 @@ class PeerProcess:
         """Registers a buffer in the peer (``fill``: "zeros" or "pattern"); its descriptor.
         ``device``: None (host memory), ``"arena"`` (host memory from the peer engine's
         :meth:`~aiote.Engine.alloc_host`), ``"cuda"`` (a CuPy array on GPU ``gpu``), ``"host"``
-        or ``"shared"`` (a :class:`HostDeviceArray`, for a peer with ``gpu_backend="host"``).
+        or ``"shared"`` (a :class:`HostDeviceArray`, for a peer with ``gpu_backend="host"``),
+        ``"alloc_gpu"`` (the peer engine's :meth:`~aiote.Engine.alloc_gpu` on GPU ``gpu``).
         Raises :class:`PeerError` if the peer fails it; costs one :meth:`call` and the peer's
         registration."""
         r = await self.call(

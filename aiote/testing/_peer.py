@@ -34,8 +34,8 @@ def _device_array(kind: str, size: int, gpu: int, fill: np.ndarray) -> tuple[Any
 def _host_bytes(arr: Any) -> np.ndarray:
     if isinstance(arr, np.ndarray):
         return arr
-    if isinstance(arr, HostDeviceArray):
-        return arr.host
+    if isinstance(getattr(arr, "host", None), np.ndarray):  # HostDeviceArray, emulated alloc_gpu
+        return np.asarray(arr.host)
     return np.asarray(arr.get())  # a CuPy array: copied to the host
 
 
@@ -118,6 +118,13 @@ async def _register(
         arena = engine.alloc_host(cmd["size"])
         arena[:] = arr
         arr = arena
+    elif cmd.get("device") == "alloc_gpu":  # Engine.alloc_gpu: shared as a descriptor
+        dev = engine.alloc_gpu(cmd["size"], device=cmd.get("gpu", 0))
+        if isinstance(getattr(dev, "host", None), np.ndarray):  # the host GPU emulation
+            dev.host[:] = arr
+        else:
+            dev.set(arr)
+        arr = dev
     elif cmd.get("device"):
         arr, _ = _device_array(cmd["device"], cmd["size"], cmd.get("gpu", 0), arr)
     arrays[name] = arr

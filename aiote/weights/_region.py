@@ -36,7 +36,8 @@ class TargetRegion:
         t = next(t for t in self.targets if t.name == name)
         rows, width = self.shapes[name]  # width 0: ``rows`` is the element count
         n = (rows * width if width else rows) * itemsize(t.dtype)
-        flat = self.buffer[t.offset : t.offset + n].view(storage(t.dtype))
+        buf = getattr(self.buffer, "host", self.buffer)  # the host GPU emulation: its NumPy view
+        flat = buf[t.offset : t.offset + n].view(storage(t.dtype))
         return flat.reshape(rows, width) if width else flat
 
 
@@ -47,19 +48,27 @@ async def register_targets(
     sources: Sequence[SourceShard],
     *,
     buffer: Any = None,
+    gpu: int | None = None,
     align: int = 256,
 ) -> TargetRegion:
     """Lays out inference ``rank``'s targets (``(name, dtype, pieces)`` specs, see
     :func:`pack_targets`) in one buffer and registers it once with ``engine`` (remote writes
     allowed, remote reads refused). ``buffer``: a C-contiguous NumPy or CuPy ``uint8`` array of
-    at least the size needed (e.g. GPU memory); None: ``engine.alloc_host`` (the host arena,
-    the fastest same-host path).
+    at least the size needed (e.g. GPU memory); None: ``engine.alloc_gpu(size, device=gpu)``
+    when ``gpu`` is given (GPU memory that same-host senders' CUDA-IPC rail copies into at the
+    link's pace, the fastest GPU path), else ``engine.alloc_host`` (the host arena, the
+    fastest same-host path for host memory).
 
-    Raises :class:`~aiote.InvalidArgument` for a buffer too small or not ``uint8``,
+    Raises :class:`~aiote.InvalidArgument` for a buffer too small or not ``uint8``, or both
+    ``buffer`` and ``gpu`` given; what ``engine.alloc_gpu`` raises;
     ``PlanError`` for bad specs, and what ``engine.register`` raises. Costs one registration
     (and the buffer's allocation when not given)."""
     targets, nbytes = pack_targets(rank, specs, sources, align=align)
-    if buffer is None:
+    if buffer is not None and gpu is not None:
+        raise InvalidArgument("register_targets: pass buffer or gpu, not both")
+    if buffer is None and gpu is not None:
+        buffer = engine.alloc_gpu(max(nbytes, 1), device=gpu)
+    elif buffer is None:
         buffer = engine.alloc_host(max(nbytes, 1))
     elif str(getattr(buffer, "dtype", "")) != "uint8" or int(buffer.size) < nbytes:
         raise InvalidArgument(f"buffer must be a uint8 array of at least {nbytes} bytes")

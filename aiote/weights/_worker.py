@@ -172,7 +172,10 @@ async def _op(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
         if st.gpu is not None:
             import cupy  # type: ignore[import-not-found,unused-ignore]
 
-            st.buf = cupy.zeros(cmd["nbytes"], cupy.uint8)
+            if cmd.get("memory") == "alloc_gpu":  # VMM, shared with peers as a descriptor
+                st.buf = e.alloc_gpu(cmd["nbytes"], device=st.gpu)
+            else:  # cudaMalloc (CuPy's pool), opened by peers with cudaIpcOpenMemHandle
+                st.buf = cupy.zeros(cmd["nbytes"], cupy.uint8)
         else:
             st.buf = e.alloc_host(cmd["nbytes"]) if cmd.get("arena") else np.zeros(cmd["nbytes"], np.uint8)
         st.mr = await e.register(st.buf)

@@ -333,6 +333,10 @@ struct aio_engine {
     int32_t watch_hi;        /* slots [0, watch_hi) may be in use */
     _Atomic int32_t nwatch;
     _Atomic int32_t nlane;   /* of them, credit lanes */
+    /* a watched word is expected to change in [fine_from, fine_until) (CLOCK_MONOTONIC ns):
+     * poller 0 reads the words every WATCH_FINE_US then (aio_watch_soon) */
+    _Atomic int64_t fine_from;
+    _Atomic int64_t fine_until;
 
     /* direct same-host copies: this engine's table (as a target), under mr_mu */
     direct_table *dtab;

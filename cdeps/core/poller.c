@@ -20,7 +20,7 @@
  * the wake fifos of its shm rails, and on poller 0 the netlink socket; with a timeout, since
  * not every rail has a wait object: 1 ms steps while work of ours is in flight or a rail has
  * none; 50 us while a task awaits something only such a rail reports; watch_us while words
- * other than credit lanes are watched; LANE_WAIT_US while lanes are read and a task awaits a
+ * other than credit lanes are watched (finer in an expected change's window: watch.c); LANE_WAIT_US while lanes are read and a task awaits a
  * counter (a lane's credit arriving while nobody waits is read at the next pass, at most
  * sleep_ms later, or at once when a task arms a watch: that kicks poller 0); else sleep_ms. Whoever gives a poller work kicks it: post_seq is bumped (its
  * spin restarts), and its kick eventfd written only if it sleeps. The sleeper sets `sleeping`
@@ -79,6 +79,19 @@
 #define WAKE_IDLE_NS 200000000LL
 /* The longest sleep of poller 0 while credit lanes are read and a task awaits a counter. */
 #define LANE_WAIT_US 20
+#define WATCH_FINE_US 5 /* reads of the watched words inside an expected change's window */
+
+/* How long poller 0 may sleep while words other than lanes are watched: watch_us, less up
+ * to an expected change's window (aio_watch_soon), WATCH_FINE_US inside it. */
+static long watch_sleep_us(aio_engine *e) {
+    long w = e->cfg.watch_us;
+    int64_t now = now_ns(), from = atomic_load(&e->fine_from), until = atomic_load(&e->fine_until);
+    if (until <= now) return w;
+    if (from <= now) return WATCH_FINE_US < w ? WATCH_FINE_US : w;
+    long to = (long)((from - now) / 1000);
+    if (to < WATCH_FINE_US) to = WATCH_FINE_US;
+    return to < w ? to : w;
+}
 
 /* Tells poller q there is work (its spin restarts), waking it if it sleeps. */
 static void kick_poller(aio_poller *q) {
@@ -334,8 +347,10 @@ static void poll_wait(poll_state *s, int64_t inflight, int fd_broken, int wake_s
      * watched for the engine's life, so they alone do not count: an engine with lanes and
      * nothing awaited sleeps as long as any other */
     int32_t nlane = atomic_load(&e->nlane);
-    if (s->watcher && atomic_load(&e->nwatch) > nlane && (!short_us || e->cfg.watch_us < short_us))
-        short_us = e->cfg.watch_us;
+    if (s->watcher && atomic_load(&e->nwatch) > nlane) {
+        long w = watch_sleep_us(e);
+        if (!short_us || w < short_us) short_us = w;
+    }
     /* a task awaits a counter (not a message), and a lane may bring its credit (watch.c) */
     if (s->watcher && nlane > 0 && atomic_load(&e->ncwant) > 0 && (!short_us || short_us > LANE_WAIT_US))
         short_us = LANE_WAIT_US;

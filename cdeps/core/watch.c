@@ -25,7 +25,13 @@
  * pass, and no message, no record of its own and no loop wake-up beyond the waiter's. While
  * a task awaits a counter (ncwant) and lanes are read, the poller reads them every LANE_WAIT_US
  * at least (poller.c): such a credit is what the task most likely awaits. Lanes alone keep no
- * poller from its long sleep: an engine with lanes and nothing awaited costs what it did. */
+ * poller from its long sleep: an engine with lanes and nothing awaited costs what it did.
+ *
+ * Expected changes. The GPU side knows roughly when a copy it enqueued ends (its bytes over
+ * the link's rate, after the work already on that stream) and says so (aio_watch_soon): in
+ * that window poller 0 reads every WATCH_FINE_US, and before it sleeps until the window
+ * opens (at most watch_us). So a copy of milliseconds is seen done within microseconds,
+ * where watch_us alone would add up to a whole interval. */
 #include "internal.h"
 
 #include "poller.h"
@@ -118,6 +124,18 @@ int aio_watch_remove(aio_engine *e, int id) {
     atomic_fetch_sub(&e->nwatch, 1);
     pthread_mutex_unlock(&e->watch_mu);
     return 0;
+}
+
+void aio_watch_soon(aio_engine *e, int64_t after_ns, int64_t window_ns) {
+    if (after_ns < 0) after_ns = 0;
+    if (window_ns < 0) window_ns = 0;
+    int64_t now = now_ns(), from = now + after_ns, until = from + window_ns;
+    int64_t f = atomic_load(&e->fine_from), u = atomic_load(&e->fine_until);
+    /* a window still to come or under way merges; one already over is replaced */
+    int64_t nf = (u > now && f < from) ? f : from;
+    while (!atomic_compare_exchange_weak(&e->fine_from, &f, nf)) nf = (u > now && f < from) ? f : from;
+    while (u < until && !atomic_compare_exchange_weak(&e->fine_until, &u, until)) {
+    }
 }
 
 /* Reads every watched word; one record per change. Returns the number of changes. */
