@@ -63,6 +63,41 @@ async def test_without_an_arena_alloc_host_is_ordinary_memory() -> None:
         del small
 
 
+async def test_large_arena_copies_are_made_in_two_halves() -> None:
+    """From 8 MiB on, a copy into or out of a peer's arena is made by the poller and a helper
+    thread at once (cdeps/core/copier.c): every byte in place, the immediate after both
+    halves; below that, and outside an arena (the kernel's copy), one copy."""
+    async with spawn_peer("tcp") as peer:
+        e = peer.engine
+        size = (9 << 20) + 13  # halves not page-aligned, an odd tail
+        d = await peer.register("dst", size + 100, device="arena")
+        src = e.alloc_host(size + 3)
+        src[:] = pattern(size + 3, seed=81)
+        ms = await e.register(src)
+        before = e.stats()
+        await e.write(ms, d, length=size, src_offset=3, dst_offset=100, imm=82, timeout=30)
+        await peer.wait(imm=82)  # credited only once both halves are in
+        assert await peer.digest("dst", 100, size) == digest(src[3:])
+        local = zeros(size)
+        ml = await e.register(local)
+        await e.read(ml, d, length=size - 1, src_offset=101, dst_offset=1, timeout=30)
+        assert np.array_equal(local[1:], src[4:])
+        await e.write(ms, d, length=(7 << 20), dst_offset=0, imm=83, timeout=30)  # one memcpy
+        await peer.wait(imm=83)
+        assert await peer.digest("dst", 0, 7 << 20) == digest(src[: 7 << 20])
+        st = e.stats()
+        assert st["direct_mapped"] - before["direct_mapped"] == 3  # the route: the arena's memcpy
+        assert st["direct_split"] - before["direct_split"] == 2  # the 9 MiB write and read
+        # outside an arena the kernel copies (process_vm_writev), in one piece
+        d2 = await peer.register("plain", size, device=None)
+        await e.write(ms, d2, length=size, src_offset=3, imm=84, timeout=30)
+        await peer.wait(imm=84)
+        assert await peer.digest("plain", 0, size) == digest(src[3:])
+        st2 = e.stats()
+        assert st2["direct_copies"] - st["direct_copies"] == 1 and st2["direct_mapped"] == st["direct_mapped"]
+        assert st2["direct_split"] == st["direct_split"]
+
+
 async def test_writes_and_reads_into_a_peers_arena_are_memcpys() -> None:
     async with spawn_peer("tcp") as peer:
         e = peer.engine

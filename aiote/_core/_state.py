@@ -201,7 +201,8 @@ class EngineState:
         ``spin_window_ns``: the poller's adaptive spin window as of its last activity, 0 for the
         base ``spin_us``; ``direct_copies``: same-host copies this engine made directly (reads,
         and writes into peers' arenas), ``direct_mapped``: those of them into or out of a
-        peer's arena (``memcpy``); ``arena_bytes``: bytes of this engine's arena handed out by
+        peer's arena (``memcpy``), ``direct_split``: those of them of 8 MiB or more, made in
+        two halves by the poller and a helper thread at once; ``arena_bytes``: bytes of this engine's arena handed out by
         :meth:`alloc_host` (page-rounded);
         ``tcp_buffers_set``: tcp sockets whose send buffer the engine set, see ``open_engine``'s
         ``tcp_send_buffer``; ``posts_handed``: tcp writes and reads the loop thread handed to
@@ -237,6 +238,7 @@ class EngineState:
             "tcp_buffers_set": st.tcp_tuned,
             "posts_handed": st.posts_handed,
             "posts_handed_waited": st.posts_handed_waited,
+            "direct_split": st.direct_split,
             "pollers": int(lib.aio_engine_num_pollers(self._h)),
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),

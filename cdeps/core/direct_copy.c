@@ -21,6 +21,7 @@
 
 #include <sys/uio.h>
 
+#include "copier.h"
 #include "direct_copy.h"
 #include "direct_table.h"
 
@@ -39,6 +40,37 @@ static int slot_refuses(direct_slot *s, const aio_op_desc *d) {
     uint32_t need = d->op == AIO_OP_READ ? AIO_ACCESS_REMOTE_READ : AIO_ACCESS_REMOTE_WRITE;
     return key == 0 || key != d->rkey || d->raddr < base || d->raddr - base > len ||
            d->length > len - (d->raddr - base) || !(atomic_load_explicit(&s->access, memory_order_relaxed) & need);
+}
+
+/* One direct copy's parts (copier.c calls these, for the whole copy or for each half). */
+typedef struct {
+    direct_peer *p;
+    const aio_op_desc *d;
+    char *there; /* the peer's bytes, mapped here (its arena), or NULL */
+    char *here;  /* ours */
+} part_ctx;
+
+static int mapped_part(void *arg, uint64_t off, uint64_t len) {
+    part_ctx *c = arg;
+    if (c->d->op == AIO_OP_READ) memcpy(c->here + off, c->there + off, len);
+    else memcpy(c->there + off, c->here + off, len);
+    return 0;
+}
+
+static int vm_part(void *arg, uint64_t off, uint64_t len) {
+    part_ctx *c = arg;
+    int rd = c->d->op == AIO_OP_READ;
+    uint64_t done = 0;
+    while (done < len) {
+        struct iovec lio = {.iov_base = c->here + off + done, .iov_len = len - done};
+        struct iovec rio = {.iov_base = (void *)(uintptr_t)(c->d->raddr + off + done), .iov_len = len - done};
+        ssize_t k = rd ? process_vm_readv(c->p->pid, &lio, 1, &rio, 1, 0)
+                       : process_vm_writev(c->p->pid, &lio, 1, &rio, 1, 0);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) return k == 0 ? -FI_EFAULT : errno == ESRCH ? -FI_ECONNRESET : -errno;
+        done += (uint64_t)k;
+    }
+    return 0;
 }
 
 /* Makes one direct copy (poller 0's thread, the only one that copies: a peer's slot has one busy
@@ -62,28 +94,13 @@ int aio__direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     } else if (in_arena(p, d->raddr, d->length)) {
         /* in the peer's arena, mapped here: a plain copy, then a release fence so that whoever
          * learns of the completion (the immediate, a message) finds the bytes */
-        char *there = p->amap + (d->raddr - p->abase);
-        char *here = (char *)((aio_mr *)d->mr)->buf + d->offset;
-        if (d->op == AIO_OP_READ) memcpy(here, there, d->length);
-        else memcpy(there, here, d->length);
+        part_ctx c = {p, d, p->amap + (d->raddr - p->abase), (char *)((aio_mr *)d->mr)->buf + d->offset};
+        rc = aio__split(e, d->length, mapped_part, &c);
         atomic_thread_fence(memory_order_seq_cst);
         atomic_fetch_add_explicit(&e->st_mapped, 1, memory_order_relaxed);
     } else { /* outside the arena: the kernel copies between the two address spaces */
-        aio_mr *m = d->mr;
-        uint64_t done = 0;
-        int rd = d->op == AIO_OP_READ;
-        while (done < d->length) {
-            struct iovec lio = {.iov_base = (char *)m->buf + d->offset + done, .iov_len = d->length - done};
-            struct iovec rio = {.iov_base = (void *)(uintptr_t)(d->raddr + done), .iov_len = d->length - done};
-            ssize_t k = rd ? process_vm_readv(p->pid, &lio, 1, &rio, 1, 0)
-                           : process_vm_writev(p->pid, &lio, 1, &rio, 1, 0);
-            if (k < 0 && errno == EINTR) continue;
-            if (k <= 0) {
-                rc = k == 0 ? -FI_EFAULT : errno == ESRCH ? -FI_ECONNRESET : -errno;
-                break;
-            }
-            done += (uint64_t)k;
-        }
+        part_ctx c = {p, d, NULL, (char *)((aio_mr *)d->mr)->buf + d->offset};
+        rc = vm_part(&c, 0, d->length); /* not split: the kernel's copy gained nothing in halves */
     }
     atomic_fetch_and(&s->busy, ~bit);
     return rc;

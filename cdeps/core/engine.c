@@ -19,6 +19,7 @@
 #include <stdarg.h>
 #include <sys/eventfd.h>
 
+#include "copier.h"
 #include "direct_table.h"
 #include "link.h"
 #include "poller.h"
@@ -114,6 +115,7 @@ int aio_engine_num_rails(aio_engine *e) { return e->nrails; }
 void aio_engine_destroy(aio_engine *e) {
     if (!e) return;
     aio__pollers_join(e);
+    aio__copier_free(e); /* no poller copies any more */
     /* endpoints first: nothing can touch memory after this */
     for (int i = 0; i < e->nrails; i++) {
         aio_rail *r = e->rails[i];

@@ -22,4 +22,5 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->tcp_tuned = atomic_load(&e->st_tuned);
     o->posts_handed = atomic_load(&e->st_handed);
     o->posts_handed_waited = atomic_load(&e->st_handed_waited);
+    o->direct_split = atomic_load(&e->st_split);
 }
