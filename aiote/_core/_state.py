@@ -202,8 +202,8 @@ class EngineState:
         base ``spin_us``; ``direct_copies``: same-host copies this engine made directly (reads,
         and writes into peers' arenas), ``direct_mapped``: those of them into or out of a
         peer's arena (``memcpy``), ``direct_split``: those of them of 8 MiB or more, made in
-        two halves by the poller and a helper thread at once; ``arena_bytes``: bytes of this engine's arena handed out by
-        :meth:`alloc_host` (page-rounded);
+        two halves by the poller and a helper thread at once; ``arena_bytes``: bytes of this
+        engine's arena handed out by :meth:`alloc_host` (page-rounded);
         ``tcp_buffers_set``: tcp sockets whose send buffer the engine set, see ``open_engine``'s
         ``tcp_send_buffer``; ``posts_handed``: tcp writes and reads the loop thread handed to
         the poller to post because the poller was busy on their NIC; ``posts_handed_waited``:
