@@ -401,8 +401,10 @@ int aio_watch_remove(aio_engine *e, int id);
 /* A watched word is expected to change in about `after_ns` from now (a GPU copy of known size
  * just enqueued): from then, for `window_ns`, poller 0 reads the watched words every few
  * microseconds instead of every cfg.watch_us, so the completion is seen soon after it
- * happens, without reading finely through the whole copy. Overlapping hints merge (the
- * earliest start, the latest end); a change seen ends nothing early. Poller 0 takes the
+ * happens, without reading finely through the whole copy. A hint given while another window
+ * is still to come or under way merges with it into one (the earliest start, the latest end:
+ * copies queued back to back are read finely from the first's end to the last's); a change
+ * seen ends nothing early. Poller 0 takes the
  * hint at its next wake-up (within cfg.watch_us): no kick, so a hint costs two atomic
  * updates, and a wrong guess only the fine reads of its window. */
 void aio_watch_soon(aio_engine *e, int64_t after_ns, int64_t window_ns);

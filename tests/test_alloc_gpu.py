@@ -59,21 +59,24 @@ async def test_descriptor_fetch_server_and_pidfd_fallback() -> None:
                 os.close(fd)
 
         assert same_memory(_vmm.fetch(h))  # over this process's descriptor server
-        # a handle whose server cannot be reached: pidfd_getfd (we hold ptrace rights on ourselves)
-        other = h[:-8] + bytes(8)
+        # a handle whose server cannot be reached: pidfd_getfd (we hold ptrace rights on ourselves),
+        # the descriptor checked to be the same file; one whose file differs (a reused number) refused
+        nonce_at = 4 + 4 + 4 + 8 + 16
+        other = h[:nonce_at] + bytes(8) + h[nonce_at + 8 :]
         assert same_memory(_vmm.fetch(other, timeout=1.0))
+        with pytest.raises(aiote.AioteError, match="reused"):
+            _vmm.fetch(other[:-8] + bytes(8), timeout=1.0)
         # a wrong token is refused by the server (no fallback: the server was reached)
         token_off = 4 + 4 + 4 + 8
         with pytest.raises(aiote.AioteError, match="does not offer"):
             _vmm.fetch(h[:token_off] + bytes(16) + h[token_off + 16 :])
-        # freed: the token is forgotten, the descriptor closed
-        fd = rec.fd
+        # freed: the token is forgotten, the record gone
+        base = rec.base
         del arr, rec
         gc.collect()
         with pytest.raises(aiote.AioteError, match="does not offer"):
             _vmm.fetch(h)
-        with pytest.raises(OSError):
-            os.fstat(fd)
+        assert _vmm.lookup(base) is None
         with pytest.raises(aiote.InvalidArgument):
             e.alloc_gpu(0)
         with pytest.raises(aiote.InvalidArgument):

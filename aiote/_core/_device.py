@@ -341,10 +341,11 @@ class CudaBackend(_Backend):
                 mem = cp.cuda.UnownedMemory(rec.base, rec.size, rec, device_id=device)
                 arr = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
                 arr.fill(0)
+                cp.cuda.get_current_stream().synchronize()  # zeroed before a peer can write it
+                _vmm.publish(rec)
             except BaseException:
                 _free_vmm(vmm, rec.base, rec.fd, rec.token, device, cp)
                 raise
-        _vmm.publish(rec)
         weakref.finalize(rec, _free_vmm, vmm, rec.base, rec.fd, rec.token, device, cp)
         return arr
 
@@ -527,6 +528,7 @@ class HostBackend(_Backend):
 def _free_vmm(vmm: _vmm.CudaVmm, base: int, fd: int, token: bytes, device: int, cp: Any) -> None:
     """Frees an :meth:`CudaBackend.alloc` allocation once its array's memory is gone."""
     with contextlib.suppress(Exception), cp.cuda.Device(device):  # CUDA may be gone at exit
+        cp.cuda.runtime.deviceSynchronize()  # no kernel or copy of ours still uses it (cudaFree's wait)
         vmm.close(base)
     _vmm.forget(token, base, fd)
 

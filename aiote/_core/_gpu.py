@@ -411,7 +411,7 @@ class GpuSupport:
         self._user_stream(line, stream)
         if length:
             self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
-            line.expect(length)
+            line.expect(length, alone=stream is None)
         # a lane's entries must be published in order, by one stream (the first IPC line, which
         # paged writes use too): a write on another of ``ipc_streams`` is credited by a message
         first = line is self._line(self._out, dev.device)
@@ -450,7 +450,7 @@ class GpuSupport:
             if peer is not None:
                 self.counts["gpu_ipc"] += 1
                 self.b.paged_copy(peer, dev.ptr, dst_offs, src_offs, page, line.stream)
-                line.expect(n * page)
+                line.expect(n * page, alone=stream is None)
                 ev = self.e._event()
                 credit = self._track_credit(mr, line, ev.set, dev.device, rdesc, imm, n)
                 await ev.wait()
@@ -637,7 +637,7 @@ class GpuSupport:
             line.close()
         self.lanes.close(keep_mapped=pending)
         for base in self._ipc.values():
-            if base:
+            if base and not pending:  # a copy still under way may write there: keep it mapped
                 with contextlib.suppress(Exception):  # best effort at close
                     self.b.ipc_close(base)
         self._ipc.clear()

@@ -57,7 +57,7 @@ class _Watch:
             self.id = -1
 
 
-_PROBE_BYTES = 4 << 20  # copies this large tell a line its pace
+_PROBE_BYTES = 64 << 20  # copies this large tell a line its pace (fixed costs well below theirs)
 
 
 class _Line:
@@ -87,22 +87,28 @@ class _Line:
     def busy(self) -> bool:
         return bool(self.waiters)
 
-    def expect(self, nbytes: int) -> None:
+    def expect(self, nbytes: int, alone: bool = True) -> None:
         """Tells the poller when the copy of ``nbytes`` just enqueued (its fence comes next)
         should end, after the work already on this stream (``aio_watch_soon``): it reads the
-        completion word finely around then instead of every ``watch_interval_us``."""
+        completion word finely around then instead of every ``watch_interval_us``. ``alone``:
+        the copy waits for nothing but this stream (no caller's stream), so its time tells the
+        stream's pace."""
         t = time.monotonic_ns()
         idle = not self.waiters
         start = t if idle else max(t, self.est_end)
         self.est_end = start + int(nbytes / self.rate)
-        if idle and nbytes >= _PROBE_BYTES:
+        if idle and alone and nbytes >= _PROBE_BYTES:
             self._probe = (self.seq + 1, t, nbytes)
         ahead = self.est_end - t
         lib.aio_watch_soon(self.gpu.e._h, ahead - ahead // 16 - 20_000, 200_000 + ahead // 4)
 
     def fence(self, cb: Callable[[], None], credit: Credit | None = None) -> None:
         seq = self.seq + 1
-        self.gpu.b.signal(self.stream, self.word[2], seq, credit)  # raises: nothing enqueued
+        try:
+            self.gpu.b.signal(self.stream, self.word[2], seq, credit)  # raises: nothing enqueued
+        except BaseException:
+            self._probe = None  # its fence never comes
+            raise
         self.seq = seq
         self.waiters.append((seq, cb))
         self.watch.arm(self.seen)
@@ -118,7 +124,8 @@ class _Line:
         p = self._probe
         if p is not None and self.seen >= p[0]:  # a copy that ran alone: the stream's pace
             self._probe = None
-            self.rate = min(max(p[2] / max(time.monotonic_ns() - p[1], 1), 0.5), 2000.0)
+            seen = min(max(p[2] / max(time.monotonic_ns() - p[1], 1), 0.5), 2000.0)
+            self.rate = (self.rate + seen) / 2  # (one slow copy does not set the pace alone)
         while self.waiters and self.waiters[0][0] <= self.seen:
             _, cb = self.waiters.popleft()
             try:

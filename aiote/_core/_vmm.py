@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import secrets
 import socket
 import struct
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +42,8 @@ import numpy as np
 from ._errors import AioteError
 
 _MAGIC = b"AFD1"
-_HANDLE = struct.Struct("<4sIIQ16s8s")  # magic, pid, fd, size, token, server nonce
+# magic, pid, fd, size, token, server nonce, the descriptor's st_dev and st_ino
+_HANDLE = struct.Struct("<4sIIQ16s8sQQ")
 _NONCE = secrets.token_bytes(8)  # this process's descriptor server: its socket's name
 
 
@@ -87,7 +90,9 @@ def lookup(ptr: int) -> Shared | None:
 
 def handle(rec: Shared, ptr: int) -> tuple[bytes, int]:
     """The IPC handle of ``rec`` and ``ptr``'s offset in it."""
-    return _HANDLE.pack(_MAGIC, os.getpid(), rec.fd, rec.size, rec.token, _NONCE), ptr - rec.base
+    st = os.fstat(rec.fd)
+    h = _HANDLE.pack(_MAGIC, os.getpid(), rec.fd, rec.size, rec.token, _NONCE, st.st_dev, st.st_ino)
+    return h, ptr - rec.base
 
 
 def is_handle(h: bytes) -> bool:
@@ -120,13 +125,18 @@ class _Server:
 
     def offer(self, token: bytes, fd: int) -> None:
         with self._lock:
-            self._fds[token] = fd
             if self._sock is None or self._pid != os.getpid():  # first use, or after a fork
+                self._fds.clear()  # (a fork's child: its parent's tokens are not its own)
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.bind(_sock_name(os.getpid(), _NONCE))
-                s.listen(64)
+                try:
+                    s.bind(_sock_name(os.getpid(), _NONCE))
+                    s.listen(64)
+                    threading.Thread(target=self._serve, args=(s,), name="aiote-fdshare", daemon=True).start()
+                except BaseException:
+                    s.close()
+                    raise
                 self._sock, self._pid = s, os.getpid()
-                threading.Thread(target=self._serve, args=(s,), name="aiote-fdshare", daemon=True).start()
+            self._fds[token] = fd
 
     def forget(self, token: bytes) -> None:
         with self._lock:
@@ -136,8 +146,11 @@ class _Server:
         while True:
             try:
                 conn, _ = s.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if exc.errno in (errno.EBADF, errno.EINVAL):  # the socket is gone
+                    return
+                time.sleep(0.01)  # out of descriptors, an aborted connection: go on serving
+                continue
             with conn, contextlib.suppress(OSError):
                 self._answer(conn)
 
@@ -145,7 +158,12 @@ class _Server:
         conn.settimeout(2.0)
         cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _pid, uid, _gid = struct.unpack("3i", cred)
-        token = conn.recv(16)
+        token = b""
+        while len(token) < 16:
+            got = conn.recv(16 - len(token))
+            if not got:
+                return
+            token += got
         with self._lock:
             fd = self._fds.get(token) if uid == os.getuid() else None
             if fd is None:
@@ -159,19 +177,23 @@ _SERVER = _Server()
 
 def fetch(h: bytes, *, timeout: float = 2.0) -> int:
     """A descriptor of this process for the allocation ``h`` names (the caller closes it):
-    from the owner's server, else, only where that server cannot be reached at all (another
-    network namespace), with ``pidfd_getfd``. Raises :class:`AioteError` when the owner
-    refuses (the allocation is gone, or another user asks) or neither way works. Blocks for
-    one local round trip, at most ``timeout`` seconds."""
-    _m, pid, fd, _size, token, nonce = _HANDLE.unpack(h)
+    from the owner's server, else, only where no such socket exists here (the owner is in
+    another network namespace), with ``pidfd_getfd``, checked to be the same file (device
+    and inode) so that a reused descriptor number or pid is never taken for it. Raises
+    :class:`AioteError` when the owner refuses (the allocation is gone, or another user
+    asks), its server does not answer, or neither way works. Blocks for one local round
+    trip, at most ``timeout`` seconds."""
+    _m, pid, fd, _size, token, nonce, dev, ino = _HANDLE.unpack(h)
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         c.settimeout(timeout)
         c.connect(_sock_name(pid, nonce))
     except OSError as exc:
         c.close()
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise AioteError(f"cannot fetch the peer's GPU memory descriptor: its socket: {exc}") from None
         try:
-            return _pidfd_getfd(pid, fd)
+            return _same_file(_pidfd_getfd(pid, fd), dev, ino)
         except OSError as exc2:
             raise AioteError(
                 f"cannot fetch the peer's GPU memory descriptor: its socket: {exc}; pidfd_getfd: {exc2}"
@@ -182,11 +204,25 @@ def fetch(h: bytes, *, timeout: float = 2.0) -> int:
             msg, fds, _flags, _addr = socket.recv_fds(c, 1, 1)
         except OSError as exc:
             raise AioteError(f"cannot fetch the peer's GPU memory descriptor: {exc}") from None
+    for x in fds:
+        os.set_inheritable(x, False)
     if msg == b"\1" and len(fds) == 1:
-        return fds[0]
+        try:
+            return _same_file(fds[0], dev, ino)
+        except OSError as exc:
+            raise AioteError(f"cannot fetch the peer's GPU memory descriptor: {exc}") from None
     for x in fds:
         os.close(x)
     raise AioteError("the peer does not offer that GPU memory (freed, or owned by another user)")
+
+
+def _same_file(fd: int, dev: int, ino: int) -> int:
+    """``fd`` if it is the file the handle names, else closed and OSError."""
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (dev, ino):
+        os.close(fd)
+        raise OSError(errno.ESTALE, "not the descriptor the handle names (reused)")
+    return fd
 
 
 def _pidfd_getfd(pid: int, fd: int) -> int:
@@ -221,8 +257,8 @@ class HostFdArray:
         self.host: np.ndarray = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)
         self.device_id = device
         self._rec = Shared(int(self.host.ctypes.data), size, fd)
+        weakref.finalize(self, forget, self._rec.token, self._rec.base, fd)  # also if publish fails
         publish(self._rec)
-        weakref.finalize(self, forget, self._rec.token, self._rec.base, fd)
 
     @property
     def nbytes(self) -> int:
@@ -287,6 +323,7 @@ class _Access(ctypes.Structure):
 
 
 _PINNED, _POSIX_FD, _ON_DEVICE, _READWRITE, _RECOMMENDED = 1, 1, 1, 3, 1
+_VMM_RDMA_ATTR = 126  # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
 _U64 = ctypes.c_uint64
 
 
@@ -334,6 +371,9 @@ class CudaVmm:
         """``cuMemCreate`` of ``nbytes`` (rounded up to the recommended granularity) on
         ``device``, mapped there and exported as a descriptor."""
         prop = _Prop(_PINNED, _POSIX_FD, _ON_DEVICE, device)
+        rdma = ctypes.c_int(0)  # NICs with FI_HMEM may register it (when the GPU allows)
+        if self.cu.cuDeviceGetAttribute(ctypes.byref(rdma), _VMM_RDMA_ATTR, device) == 0 and rdma.value:
+            prop.rdma = 1
         gran = ctypes.c_size_t()
         self._ok("cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(prop), _RECOMMENDED)
         g = max(int(gran.value), 1)
@@ -344,6 +384,7 @@ class CudaVmm:
             fd = ctypes.c_int(-1)
             self._ok("cuMemExportToShareableHandle", ctypes.byref(fd), _U64(h.value), _POSIX_FD, _U64(0))
             try:
+                os.set_inheritable(fd.value, False)  # a child process must not keep the memory
                 base = self._map(int(h.value), size, [device])
             except BaseException:
                 os.close(fd.value)

@@ -356,7 +356,7 @@ static void poll_wait(poll_state *s, int64_t inflight, int fd_broken, int wake_s
         short_us = LANE_WAIT_US;
     s->slept = 1;
     if (short_us) {
-        struct timespec ts = {.tv_sec = 0, .tv_nsec = short_us * 1000L};
+        struct timespec ts = {.tv_sec = short_us / 1000000L, .tv_nsec = (short_us % 1000000L) * 1000L};
         ne = epoll_pwait2(q->epfd, evs, AIO_MAX_RAILS * 2 + 2, &ts, NULL);
     } else {
         ne = epoll_wait(q->epfd, evs, AIO_MAX_RAILS * 2 + 2, timeout);
