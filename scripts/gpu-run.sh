@@ -20,7 +20,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
     "$PY" -c 'import sys, cupy, numpy; print("python", sys.version.split()[0], "cupy", cupy.__version__, "numpy", numpy.__version__)'
 } 2>&1 | tee "$OUTDIR/gpu-env.txt"
 "$PY" setup.py -q build_ext --inplace >"$OUTDIR/build.txt" 2>&1 || { tail -30 "$OUTDIR/build.txt"; exit 1; }
-"$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py tests/test_gpu_host.py tests/test_moe_gpu.py tests/test_weights_gpu.py 2>&1 | tee "$OUTDIR/gpu-tests.txt"
+"$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py tests/test_gpu_host.py tests/test_moe_gpu.py tests/test_weights_gpu.py tests/test_alloc_gpu.py 2>&1 | tee "$OUTDIR/gpu-tests.txt"
 "$PY" examples/gpu_layers.py 2>&1 | tee -a "$OUTDIR/gpu-tests.txt"
 "$PY" benchmarks/bench_gpu.py --json "$OUTDIR/gpu-bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/gpu-bench.txt"
 "$PY" benchmarks/bench_weights.py --gpu ${WEIGHTS_ARGS:-} 2>&1 | tee "$OUTDIR/weights-bench.txt"
