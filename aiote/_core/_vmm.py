@@ -241,7 +241,33 @@ def _pidfd_getfd(pid: int, fd: int) -> int:
 # ------------------------------------------------------------------ host emulation
 
 
-class HostFdArray:
+class HostGpuView:
+    """What an emulated GPU array of the host GPU backend shows: ``host`` (its NumPy bytes),
+    ``device_id``, and ``__cuda_array_interface__`` over ``host`` (read-only when
+    ``_readonly``). Subclasses set the three attributes."""
+
+    host: np.ndarray
+    device_id: int
+    _readonly: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """The size in bytes (0 once a shared ``HostDeviceArray`` is closed). O(1), raises
+        nothing."""
+        return int(self.host.nbytes)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": (self.host.nbytes,),
+            "typestr": "|u1",
+            "data": (int(self.host.ctypes.data), self._readonly),
+            "strides": None,
+            "version": 3,
+        }
+
+
+class HostFdArray(HostGpuView):
     """Emulated GPU memory (``gpu_backend="host"``) in a ``memfd``, shareable with peers of
     this host as :meth:`Engine.alloc_gpu` memory is. ``host`` is its NumPy view."""
 
@@ -259,21 +285,6 @@ class HostFdArray:
         self._rec = Shared(int(self.host.ctypes.data), size, fd)
         weakref.finalize(self, forget, self._rec.token, self._rec.base, fd)  # also if publish fails
         publish(self._rec)
-
-    @property
-    def nbytes(self) -> int:
-        """The size in bytes. O(1), raises nothing."""
-        return int(self.host.nbytes)
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.host.nbytes,),
-            "typestr": "|u1",
-            "data": (int(self.host.ctypes.data), False),
-            "strides": None,
-            "version": 3,
-        }
 
 
 _HOST_MAPS: dict[int, mmap.mmap] = {}

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .._core._device import _HostStream
+from .._core._vmm import HostGpuView
 
 __all__ = ["HostDeviceArray", "HostStream"]
 
@@ -21,7 +22,7 @@ def HostStream(device: int = 0) -> Any:
     return _HostStream(device, 0.0)
 
 
-class HostDeviceArray:
+class HostDeviceArray(HostGpuView):
     """Host memory that presents itself as GPU memory (``__cuda_array_interface__``), for the
     engine's host GPU backend: the staging pipeline, credit ordering and IPC rail then run on
     a machine without CUDA. ``host`` is the NumPy view to fill and check. ``shared=True``
@@ -43,21 +44,6 @@ class HostDeviceArray:
         self.shm_offset = 0
         self.device_id = device
         self._readonly = readonly
-
-    @property
-    def nbytes(self) -> int:
-        """The size in bytes (0 after :meth:`close` of a shared one). O(1), raises nothing."""
-        return int(self.host.nbytes)
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.host.nbytes,),
-            "typestr": "|u1",
-            "data": (int(self.host.ctypes.data), self._readonly),
-            "strides": None,
-            "version": 3,
-        }
 
     def close(self) -> None:
         """Releases the shared-memory segment (the view becomes invalid). Idempotent; a no-op
