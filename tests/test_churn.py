@@ -41,12 +41,13 @@ async def main():
 anyio.run(main)
 """
 
-# tcp under asyncio: 1,000 peers, past the default max_peers (1,024 addresses). Elsewhere 400:
-# past the 255 same-host attachments and the 256 addresses of the old hand-over cliff, not past
-# max_peers over tcp (the engine's logic is the same under both loops; forgetting past max_peers
-# is checked under asyncio and in PeerBook's tests)
-PEERS = 1000
-FEW_PEERS = 400
+# 400 peers: past the 255 same-host attachments and (tcp under trio) the 256 addresses of the old
+# hand-over cliff. tcp under asyncio goes past max_peers instead, given as 300 (its addresses are
+# then reused below 256; the bound's logic is the same at the default 1,024, which PeerBook's
+# tests below feed; 1,000 peers to pass that took 40 s of CI). The engine's logic is the same
+# under both loops.
+PEERS = 400
+SMALL_BOUND = 300
 PER_PROCESS = 50
 AT_ONCE = 2
 WARM = 50  # peers served before the starting figures are taken (libfabric's pools, caches)
@@ -61,19 +62,23 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-async def _churn(route: str, peers: int) -> None:
-    kw = {} if route == "same-host" else {"same_host": None}
-    bound = 1024  # max_peers' default
+async def _churn(route: str, peers: int, bound: int | None = None) -> None:
+    kw: dict[str, object] = {} if route == "same-host" else {"same_host": None}
+    if bound is not None:
+        kw["max_peers"] = bound
+    else:
+        bound = 1024  # max_peers' default
     async with aiote.open_engine(**kw) as e:
         src = np.full(1 << 20, 7, np.uint8)
         mr = await e.register(src)
         served = 0
         start: tuple[int, int] | None = None
         high = 0  # the most peer addresses kept at once
+        top_fa = 0  # the highest libfabric address a peer had
         last: dict[str, int] = {}
 
         async def serve() -> None:
-            nonlocal served, start, high
+            nonlocal served, start, high, top_fa
             while served < peers:
                 _, msg = await e.recv(timeout=120)
                 if msg == b"ok":
@@ -86,6 +91,7 @@ async def _churn(route: str, peers: int) -> None:
                 await e.write(mr, msg, imm=5, timeout=30)
                 after = e.stats()
                 high = max(high, after["peers"])
+                top_fa = max(top_fa, max(e._book.fa.values(), default=0))
                 last.update(handed=after["posts_handed"] - before["posts_handed"],
                             direct=after["direct_copies"] - before["direct_copies"])
 
@@ -117,8 +123,9 @@ async def _churn(route: str, peers: int) -> None:
             assert st["direct_copies"] == 0
             assert last["handed"] >= 1, last
             assert st["posts_handed"] >= peers
-            assert max(book.fa.values()) >= 256
-            if peers == PEERS:  # past max_peers addresses those unused since the last sweep go
+            if peers <= bound:  # (past it, forgotten addresses are reused below 256)
+                assert top_fa >= 256, top_fa
+            if peers > bound:  # past max_peers addresses those unused since the last sweep go
                 assert st["peers_forgotten"] > 0
             assert high <= bound + bound // 4 + 16, high
         assert len(book) <= bound + bound // 4
@@ -130,7 +137,7 @@ async def _churn(route: str, peers: int) -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("route", ["same-host", "tcp"])
 async def test_hundreds_of_peers_come_and_go(route: str, anyio_backend: str) -> None:
-    await _churn(route, PEERS if anyio_backend != "trio" and route == "tcp" else FEW_PEERS)
+    await _churn(route, PEERS, SMALL_BOUND if anyio_backend != "trio" and route == "tcp" else None)
 
 
 @pytest.mark.anyio
