@@ -7,7 +7,8 @@ writer writes ``size`` bytes with an immediate and the owner awaits its counter.
 one-way time p50/p99 (writer's call -> owner's task resumed) and, at p50, when the writer's
 stream got the copy's completion kernel (``fence_post``), when the writer's loop saw it
 (``fence_seen``), when the write returned, and, with messages, when the credit message reached
-the owner (``on_part``). ``AIOTE_CREDIT_LANES=0`` compares with a message per credit.
+the owner (``on_part``). Then the same for a ``write_imm`` alone (after those writes: it goes
+on the rail's stream). ``AIOTE_CREDIT_LANES=0`` compares with a message per credit.
 
     python benchmarks/bench_ipc_credit.py [--iters 300] [--engine-opts JSON]
     python benchmarks/bench_ipc_credit.py --host     # the host GPU emulation, on any machine
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-SIZES = (16, 1 << 20)
+SIZES = (16, 1 << 20, 0)  # 0: a write_imm (after the writes above)
 MARKS: dict[str, list[float]] = {}
 
 
@@ -76,7 +77,7 @@ async def _side(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any]) 
             MARKS.clear()
             for i in range(iters):
                 await asyncio.sleep(0.001)
-                imm = 1 + i + (100000 if size > 16 else 0)
+                imm = 1 + i + (100000 if size > 16 else 200000 if size == 0 else 0)
                 if rank == 1:
                     conn.send(0)
                     await e.imm_counter(imm).wait(1, timeout=5)
@@ -84,7 +85,10 @@ async def _side(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any]) 
                 else:
                     conn.recv()
                     _mark("w_start")
-                    await e.write(src, peer, length=size, imm=imm)
+                    if size:
+                        await e.write(src, peer, length=size, imm=imm)
+                    else:
+                        await e.write_imm(peer, imm)
                     _mark("w_ret")
             out[size] = {k: v[20:] for k, v in MARKS.items()}
         st = e.stats()
@@ -123,7 +127,8 @@ def main() -> None:
             if len(d.get(name, [])) >= len(base):
                 at.append(f"{name} {np.median(np.array(d[name][: len(base)]) - base) * 1e6:.0f}")
         one = (np.array(o["r_woke"][: len(base)]) - base) * 1e6
-        print(f"{size:>8} B: one-way p50 {np.median(one):.0f} us, p99 {np.percentile(one, 99):.0f} us; "
+        what = f"{size:>8} B" if size else "write_imm"
+        print(f"{what}: one-way p50 {np.median(one):.0f} us, p99 {np.percentile(one, 99):.0f} us; "
               f"at p50 (us after the call): {', '.join(at)}")
 
 

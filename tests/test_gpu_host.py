@@ -14,7 +14,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import anyio
 import numpy as np
@@ -191,16 +194,25 @@ async def test_ipc_credit_lane() -> None:
         assert s1["sleeps"] - s0["sleeps"] < 8000, (s0["sleeps"], s1["sleeps"])
 
 
+N3, K3 = 3 << 20, 6  # the region and the writes of the tests with three IPC streams
+
+
+@asynccontextmanager
+async def _three_streams(seed: int) -> AsyncIterator[tuple[Any, HostDeviceArray, Any, Any]]:
+    """A peer process on slow copies, this engine with ``ipc_streams=3``: (peer, source array,
+    its region, the peer's shared "GPU" region of ``N3`` bytes)."""
+    async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend=SLOW, ipc_streams=3) as peer:
+        src = _device(N3, seed=seed)
+        mr = await peer.engine.register(src)
+        yield peer, src, mr, await peer.register("g", N3, device="shared")
+
+
 async def test_ipc_rail_several_streams() -> None:
     """``ipc_streams=3``: concurrent CUDA-IPC writes take the streams in turn; each write's
     bytes are in place before its immediate counts, and every byte lands once."""
-    n, k = 3 << 20, 6
-    part = n // k
-    async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend=SLOW, ipc_streams=3) as peer:
+    k, part = K3, N3 // K3
+    async with _three_streams(seed=9) as (peer, src, mr, dst):
         e = peer.engine
-        src = _device(n, seed=9)
-        mr = await e.register(src)
-        dst = await peer.register("g", n, device="shared")
 
         async def write_all(imm: int) -> None:  # k concurrent writes, one part each
             async with anyio.create_task_group() as tg:
@@ -223,6 +235,33 @@ async def test_ipc_rail_several_streams() -> None:
         assert 0 < e.stats()["gpu_lane_credits"] - lanes <= k  # the first line's share
         await anyio.sleep(0.2)
         assert (await peer.call(op="counter", imm=7))["available"] == 0  # no credit twice
+
+
+async def test_write_imm_after_posted_ipc_writes_on_several_streams() -> None:
+    """``write_imm`` to a GPU region this engine writes over the CUDA-IPC rail goes on the rail's
+    first stream, which first waits for the others: its credit comes after the bytes of every
+    write posted before it, none of them awaited, on any of ``ipc_streams`` (the copies take 5 ms
+    each). The first is sent by a message once those copies are done and opens the owner's credit
+    lane; the next ones go through the lane (the route asserted); each is counted once."""
+    k, part = K3, N3 // K3
+    async with _three_streams(seed=21) as (peer, src, mr, dst):
+        e = peer.engine
+        for v in range(3):
+            src.host[:] = pattern(N3, 30 + v)  # (the previous round's copies are all done)
+            posted = [
+                e.post_write(mr, dst, length=part, src_offset=i * part, dst_offset=i * part) for i in range(k)
+            ]
+            lanes = e.stats()["gpu_lane_credits"]
+            await e.write_imm(dst, 41, timeout=30)
+            await peer.wait(imm=41, n=1, timeout=20)
+            assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part])
+            assert e.stats()["gpu_lane_credits"] - lanes == (1 if v else 0)
+            for t in posted:
+                await t.wait(timeout=30)
+        st = e.stats()
+        assert st["gpu_ipc_imm"] == 3 and st["gpu_ipc"] == 3 * k
+        await anyio.sleep(0.2)
+        assert (await peer.call(op="counter", imm=41))["available"] == 0  # no credit twice
 
 
 async def test_stream_ordering() -> None:

@@ -397,6 +397,39 @@ class GpuSupport:
         peer = None if mr._dev is None else self._ipc_ptr(rdesc, mr._dev.device)
         return None if peer is None else self._ipc_write(mr, rdesc, peer, *args)
 
+    def start_ipc_imm(self, rdesc: MemoryDescriptor, imm: int, scratch: MemoryRegion) -> _Finish | None:
+        """A ``write_imm`` to a GPU region this engine writes over the CUDA-IPC rail, started now
+        on the first IPC line of the device its writes come from: the line first waits for the
+        work on the others, so the credit follows every copy this engine put on them, and the
+        kernel after it publishes the credit through the owner's credit lane when the lane takes
+        it (else the finish sends it by a message once that work is done, and offers the lane).
+        None: go the host way (no IPC write was made yet, or from several devices, or the region
+        is out of the rail's reach). ``imm`` was checked by the caller; ``scratch`` (the engine's
+        own small region) counts the fence as its work in flight, which closing waits for."""
+        devices = {line.device for line in self._out.values()}
+        if len(devices) != 1:
+            return None
+        (device,) = devices
+        if self._ipc_ptr(rdesc, device) is None:
+            return None
+        line = self._line(self._out, device)
+        for other in self._ipc_out.values():
+            if other.device == device and other.busy:
+                self.b.wait(line.stream, other.stream)
+        line.expect(0, alone=False)
+        ev = self.e._event()
+        credit = self._track_credit(scratch, line, ev.set, device, rdesc, imm, 1)
+        self.counts["gpu_ipc_imm"] += 1
+
+        async def finish(timeout: float | None, retry: Any) -> None:
+            with deadline(timeout, "write_imm"):
+                await ev.wait()
+                if credit is None:
+                    await self.credit(rdesc, imm, 1, timeout, retry)
+                    await self.lanes.offer(device, rdesc, timeout, retry)
+
+        return finish
+
     def _ipc_write(
         self, mr: MemoryRegion, rdesc: MemoryDescriptor, peer: int, length: int, src_offset: int,
         dst_offset: int, imm: int | None, stream: Any,

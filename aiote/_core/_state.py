@@ -219,7 +219,8 @@ class EngineState:
         GPU: ``gpu_ipc`` / ``gpu_staged`` / ``gpu_direct``: operations sent through CUDA IPC /
         staged through pinned host memory / posted on GPU memory the NICs registered (FI_HMEM),
         ``gpu_parts_in``: staged parts this engine copied into its GPU memory,
-        ``gpu_lane_credits``: IPC writes credited through a credit lane (no message);
+        ``gpu_lane_credits``: IPC writes credited through a credit lane (no message),
+        ``gpu_ipc_imm``: ``write_imm`` calls sent on the CUDA-IPC rail's stream (after its copies);
         ``pollers``: the native poller threads that drive the rails (``open_engine``'s ``pollers``).
         O(1) but ``stranded``: O(pending). Raises :class:`EngineClosed` once the engine closed."""
         st = ffi.new("aio_stats*")

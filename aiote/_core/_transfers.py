@@ -17,6 +17,7 @@ from ._posted import Transfer
 from ._records import _MEMO_MAX, _check_retry, _end, _plain, _staged
 from ._retry import RetryPolicy
 from ._rows import Rows
+from ._util import check_timeout
 from ._wire import _Credits
 
 
@@ -167,10 +168,14 @@ class Transfers(Rows):
         """Zero-byte write carrying ``imm`` to the owner of ``remote``: its
         ``imm_counter(imm)`` gains one credit. For a GPU region the credit comes after the
         owner's copies of earlier writes into GPU memory; ``stream``: sent only after the work
-        submitted to that CUDA stream so far (e.g. the kernel that produced the data). Raises
-        as :meth:`write`. Cost: one zero-byte work request, no payload (a repeat to the same
-        descriptor object reuses the kept request, skipping validation); to a staged GPU region,
-        one internal message to its owner instead."""
+        submitted to that CUDA stream so far (e.g. the kernel that produced the data). To a GPU
+        region this engine has written over the CUDA-IPC rail (same host), the credit goes on
+        that rail's stream after every copy this engine put there, awaited or not, and reaches
+        the owner through its credit lane (no message; by one once those copies are done when
+        the lane is not open yet). Raises as :meth:`write`. Cost: one zero-byte work request,
+        no payload (a repeat to the same descriptor object reuses the kept request, skipping
+        validation); to a staged GPU region, one internal message to its owner instead; over
+        the CUDA-IPC rail, one kernel launch and the wait for its completion word."""
         m = self._kept_imm(remote, imm, stream)
         if m is not None:
             await self._memo_post(m, None, timeout, retry, "write_imm")
@@ -178,16 +183,25 @@ class Transfers(Rows):
         if imm is None:
             raise InvalidArgument("write_imm needs an immediate")
         rdesc = self._remote(remote)
+        assert self._scratch is not None
+        gpu = self._gpu if rdesc.gpu is not None and stream is None else None
+        if gpu is not None:  # after this engine's CUDA-IPC copies, on their rail's stream
+            check_timeout(timeout)
+            _check_retry(retry)
+            self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
+            finish = gpu.start_ipc_imm(rdesc, imm, self._scratch)
+            if finish is not None:
+                await finish(timeout, retry)
+                return
         if stream is not None or _staged(rdesc):
-            assert self._scratch is not None
             self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
             await self._gpu_support().write(self._scratch, rdesc, 0, 0, 0, imm, timeout, retry, stream)
             return
-        assert self._scratch is not None
         rows, full = self._rows(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE, gpu_ok=True)
         table = self._table(rows)
         if len(full) == 1:  # one NIC each side: no failover to arrange
-            keep = rdesc is remote and not self._router.down
+            # (not kept for a GPU region: this engine may reach it over the CUDA-IPC rail later)
+            keep = rdesc is remote and not self._router.down and rdesc.gpu is None
             m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if keep else None
             if m is None:  # bytes, a link down, or an imm that is not a plain int: no memo
                 await self._attempts(

@@ -23,7 +23,7 @@ _CREDITS_SEEN_MAX = 1 << 16  # credit messages remembered for de-duplication
 _Credits = dict[tuple[Any, int, EngineAddress], int]
 _MSG_HEADER = struct.Struct("<H")  # the sender's address length; the top bit marks internal messages
 _INTERNAL = 0x8000
-_GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_direct", "gpu_parts_in", "gpu_lane_credits")
+_GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_direct", "gpu_parts_in", "gpu_lane_credits", "gpu_ipc_imm")
 
 # libfabric error numbers (rdma/fi_errno.h)
 _FI_EINVAL = 22
