@@ -132,6 +132,8 @@ static void eng_free(eng_t *x) {
     memset(x, 0, sizeof(*x));
 }
 
+static int32_t g_watch_us; /* the next engines' watch interval (0: the default) */
+
 /* An engine with `nrails` rails of the provider (x->rail: the first) driven by `pollers`
  * poller threads, its region registered on all of them. */
 static int eng_init_p(eng_t *x, const char *prov, const char *nic, uint64_t region_len, int nrails,
@@ -143,6 +145,7 @@ static int eng_init_p(eng_t *x, const char *prov, const char *nic, uint64_t regi
     cfg.ring_capacity = 4096;
     cfg.spin_ns = 20000;
     cfg.sleep_ms = 100;
+    cfg.watch_us = g_watch_us;
     int ret = aio_engine_create(&cfg, &x->e, err, sizeof(err));
     CHECK(ret == 0, "aio_engine_create: %s (%s)", aio_strerror(ret), err);
     if (pollers != 1) CHECK_OK(aio_engine_set_pollers(x->e, pollers));
@@ -1393,6 +1396,66 @@ static int t_watch(fix_t *f) {
     return 0;
 }
 
+/* Median of `n` latencies (ms) from a plain store into a watched word (no kick, as a GPU's) to
+ * its record; `hint_ms` >= 0: each store is made inside a window announced with aio_watch_soon
+ * that long before (the poller takes the hint at its next wake-up, within watch_us). */
+static double store_to_record_ms(eng_t *x, volatile uint64_t *word, uint64_t token, int n, int hint_ms) {
+    double lat[16];
+    for (int i = 0; i < n && i < 16; i++) {
+        if (hint_ms >= 0) {
+            aio_watch_soon(x->e, (int64_t)hint_ms * 1000000, 20 * 1000000LL);
+            sleep_us((long)hint_ms * 1000 + 2000);
+        } else {
+            sleep_us(7000 + 3000 * i); /* anywhere in the poller's long steps */
+        }
+        __atomic_store_n((uint64_t *)word, (uint64_t)(i + 1), __ATOMIC_RELEASE);
+        double t0 = now_s();
+        aio_record rec;
+        if (wait_rec(x, AIO_REC_WATCH, token, 2.0, &rec) != 0) return -1.0;
+        lat[i] = (now_s() - t0) * 1e3;
+    }
+    for (int i = 1; i < n; i++) /* insertion sort: n is small */
+        for (int j = i; j > 0 && lat[j] < lat[j - 1]; j--) {
+            double t = lat[j];
+            lat[j] = lat[j - 1];
+            lat[j - 1] = t;
+        }
+    return lat[n / 2];
+}
+
+/* aio_watch_soon: with a 50 ms watch interval, a store outside any window is seen at the poller's
+ * next long step (median of 5 well past 3 ms); inside a window announced with a hint (the
+ * completion a GPU copy should reach then) it is seen within the fine steps' microseconds; once
+ * the window is over the poller goes back to its long steps (it does not spin). */
+static int t_watch_soon(fix_t *f) {
+    eng_t x;
+    g_watch_us = 50000;
+    int ret = eng_init(&x, f->prov, f->nic, 0);
+    g_watch_us = 0;
+    if (ret) return ret;
+    static uint64_t word __attribute__((aligned(8)));
+    word = 0;
+    int id = aio_watch_add(x.e, &word, 0, 91);
+    CHECK(id >= 0, "aio_watch_add: %d", id);
+    sleep_us(100000); /* past the spin after the add's kick */
+    double slow = store_to_record_ms(&x, &word, 91, 5, -1);
+    double fast = store_to_record_ms(&x, &word, 91, 5, 60);
+    printf("    (store to record, median of 5: %.2f ms without a hint, %.3f ms inside a window)\n", slow, fast);
+    CHECK(slow > 3.0, "without a hint a store was seen in %.2f ms: the poller reads too often", slow);
+    CHECK(fast >= 0 && fast < 3.0, "inside a window a store took %.2f ms to be seen", fast);
+    sleep_us(100000); /* the last window (20 ms) is over */
+    aio_stats s0, s1;
+    aio_get_stats(x.e, &s0);
+    double w0 = now_s();
+    sleep_us(500000);
+    aio_get_stats(x.e, &s1);
+    double polls = (double)(s1.polls - s0.polls) / (now_s() - w0);
+    CHECK(polls < 500, "after the window the poller read %.0f times a second", polls);
+    CHECK_OK(aio_watch_remove(x.e, id));
+    eng_free(&x);
+    return 0;
+}
+
 /* Credit lanes: entries published by another thread (as a GPU stream would, no kick) are
  * credited to their counters, DONE follows the head, a waiting counter's record fires. */
 static int t_lane(fix_t *f) {
@@ -2523,7 +2586,7 @@ static const test_t TESTS[] = {
     {"mr_close_busy", t_mr_close_busy}, {"eventfd", t_eventfd},
     {"two_process", t_two_process},   {"remote_error", t_remote_error},
     {"idle_cpu", t_idle},             {"idle_waiting", t_idle_waiting},
-    {"watch", t_watch},
+    {"watch", t_watch},               {"watch_soon", t_watch_soon},
     {"lane", t_lane},
     {"register_dev", t_register_dev},
     {"poll_ring", t_poll_ring},       {"submit", t_submit},
