@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-SIZES = (16, 1 << 20, 0)  # 0: a write_imm (after the writes above)
+SIZES = (16, 1 << 20, 0)  # 0: a write_imm (after the writes above); --sizes for others
 MARKS: dict[str, list[float]] = {}
 
 
@@ -49,35 +49,35 @@ def _patch() -> None:
         setattr(cls, name, wrapped)
 
 
-def _arrays(rank: int, host: bool) -> tuple[Any, Any]:
-    """The owner's region and the writer's source: CuPy arrays, or with ``host`` the host GPU
-    emulation's (``gpu_backend="host"``, no GPU needed)."""
+def _arrays(rank: int, host: bool, n: int) -> tuple[Any, Any]:
+    """The owner's region and the writer's source of ``n`` bytes: CuPy arrays, or with
+    ``host`` the host GPU emulation's (``gpu_backend="host"``, no GPU needed)."""
     if host:
         from aiote.testing import HostDeviceArray
 
-        return HostDeviceArray(1 << 20, shared=True), HostDeviceArray(1 << 20)
+        return HostDeviceArray(n, shared=True), HostDeviceArray(n)
     import cupy
 
     cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-    return cupy.zeros(1 << 20, cupy.uint8), cupy.ones(1 << 20, cupy.uint8)
+    return cupy.zeros(n, cupy.uint8), cupy.ones(n, cupy.uint8)
 
 
-async def _side(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any]) -> None:
+async def _side(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any], sizes: list[int]) -> None:
     import aiote
 
     _patch()
-    dst, src_arr = _arrays(rank, opts.get("gpu_backend") == "host")
+    dst, src_arr = _arrays(rank, opts.get("gpu_backend") == "host", max(max(sizes), 1 << 20))
     async with aiote.open_engine(**opts) as e:
         mr = await e.register(dst)
         src = await e.register(src_arr)
         conn.send(bytes(mr.descriptor))
         peer = aiote.MemoryDescriptor.from_bytes(conn.recv())
         out = {}
-        for size in SIZES:
+        for k, size in enumerate(sizes):
             MARKS.clear()
             for i in range(iters):
                 await asyncio.sleep(0.001)
-                imm = 1 + i + (100000 if size > 16 else 200000 if size == 0 else 0)
+                imm = 1 + i + 100000 * k
                 if rank == 1:
                     conn.send(0)
                     await e.imm_counter(imm).wait(1, timeout=5)
@@ -95,8 +95,8 @@ async def _side(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any]) 
         q.put((rank, out, (st["gpu_ipc"], st["gpu_lane_credits"])))
 
 
-def _child(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any]) -> None:
-    asyncio.run(_side(rank, conn, q, iters, opts))
+def _child(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any], sizes: list[int]) -> None:
+    asyncio.run(_side(rank, conn, q, iters, opts, sizes))
 
 
 def main() -> None:
@@ -104,14 +104,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--engine-opts", default="{}", help="JSON of open_engine() keyword arguments")
     p.add_argument("--host", action="store_true", help="the host GPU emulation (no GPU)")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bytes per write (0: write_imm)")
     args = p.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
     opts = json.loads(args.engine_opts)
     if args.host:
         opts["gpu_backend"] = "host"
     mp.set_start_method("spawn")
     a, b = mp.Pipe()
     q: Any = mp.Queue()
-    procs = [mp.Process(target=_child, args=(r, c, q, args.iters, opts)) for r, c in ((0, a), (1, b))]
+    procs = [mp.Process(target=_child, args=(r, c, q, args.iters, opts, sizes)) for r, c in ((0, a), (1, b))]
     for proc in procs:
         proc.start()
     res = {r: (o, n) for r, o, n in (q.get() for _ in procs)}
@@ -119,7 +121,7 @@ def main() -> None:
         proc.join()
     lanes = os.environ.get("AIOTE_CREDIT_LANES", "1")
     print(f"IPC writes, of them credited through a lane: {res[0][1]} (AIOTE_CREDIT_LANES={lanes}, {opts})")
-    for size in SIZES:
+    for size in sizes:
         w, o = res[0][0][size], res[1][0][size]
         base = np.array(w["w_start"])
         at = []

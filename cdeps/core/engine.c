@@ -77,6 +77,7 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     pthread_mutex_init(&e->cnt_mu, NULL);
     pthread_mutex_init(&e->mr_mu, NULL);
     pthread_mutex_init(&e->watch_mu, NULL);
+    pthread_mutex_init(&e->fine_mu, NULL);
     pthread_mutex_init(&e->dmu, NULL);
     e->dfd = -1;
     e->afd = -1;
@@ -159,6 +160,7 @@ void aio_engine_destroy(aio_engine *e) {
     free(e->cslots);
     free(e->watches);
     pthread_mutex_destroy(&e->watch_mu);
+    pthread_mutex_destroy(&e->fine_mu);
     pthread_mutex_destroy(&e->ring_mu);
     pthread_mutex_destroy(&e->groups_mu);
     pthread_mutex_destroy(&e->cnt_mu);

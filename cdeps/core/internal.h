@@ -35,7 +35,7 @@
  *   a rail's mu (every libfabric call on that rail: FI_THREAD_DOMAIN, we serialize)
  *       -> the rail's pool_mu, a poller's qmu, groups_mu, cnt_mu, ring_mu
  *   watch_mu -> cnt_mu, ring_mu (a credit lane's entries are credited under watch_mu)
- *   pool_mu, qmu, groups_mu, cnt_mu, ring_mu, mr_mu, dmu, shm_wake.c's own_mu -> nothing
+ *   pool_mu, qmu, groups_mu, cnt_mu, ring_mu, mr_mu, dmu, fine_mu, shm_wake.c's own_mu -> nothing
  *   (groups_mu and cnt_mu are let go before a record is pushed).
  * No thread holds two rails' locks at once (a rail hold is let go before another is taken). */
 #ifndef AIOTE_CORE_INTERNAL_H
@@ -338,6 +338,7 @@ struct aio_engine {
      * poller 0 reads the words every WATCH_FINE_US then (aio_watch_soon) */
     _Atomic int64_t fine_from;
     _Atomic int64_t fine_until;
+    pthread_mutex_t fine_mu; /* aio_watch_soon's writers, one at a time (the poller reads without it) */
 
     /* direct same-host copies: this engine's table (as a target), under mr_mu */
     direct_table *dtab;

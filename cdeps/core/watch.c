@@ -130,16 +130,17 @@ void aio_watch_soon(aio_engine *e, int64_t after_ns, int64_t window_ns) {
     if (after_ns < 0) after_ns = 0;
     if (window_ns < 0) window_ns = 0;
     int64_t now = now_ns(), from = now + after_ns, until = from + window_ns;
-    /* writers one at a time (watch_mu: poller 0 reads the two words without it); a window
-     * still to come or under way merges with this one into one (the earliest start, the
-     * latest end), one already over is replaced. The end is stored first, so a reader that
-     * sees the new start never pairs it with an old end that is over. */
-    pthread_mutex_lock(&e->watch_mu);
+    /* writers one at a time (fine_mu, their own: not watch_mu, which poller 0 holds while it
+     * reads the words, every few microseconds in a window; it reads these two without a
+     * lock); a window still to come or under way merges with this one into one (the earliest
+     * start, the latest end), one already over is replaced. The end is stored first, so a
+     * reader that sees the new start never pairs it with an old end that is over. */
+    pthread_mutex_lock(&e->fine_mu);
     int64_t f = atomic_load(&e->fine_from), u = atomic_load(&e->fine_until);
     int open = u > now;
     atomic_store(&e->fine_until, open && u > until ? u : until);
     atomic_store(&e->fine_from, open && f < from ? f : from);
-    pthread_mutex_unlock(&e->watch_mu);
+    pthread_mutex_unlock(&e->fine_mu);
 }
 
 /* Reads every watched word; one record per change. Returns the number of changes. */
