@@ -8,7 +8,8 @@ one-way time p50/p99 (writer's call -> owner's task resumed) and, at p50, when t
 stream got the copy's completion kernel (``fence_post``), when the writer's loop saw it
 (``fence_seen``), when the write returned, and, with messages, when the credit message reached
 the owner (``on_part``). Then the same for a ``write_imm`` alone (after those writes: it goes
-on the rail's stream). ``AIOTE_CREDIT_LANES=0`` compares with a message per credit.
+on the rail's stream). ``AIOTE_CREDIT_LANES=0`` compares with a message per credit;
+``BENCH_PROFILE=1`` prints the writer's profile (cProfile) over the first size's writes.
 
     python benchmarks/bench_ipc_credit.py [--iters 300] [--engine-opts JSON]
     python benchmarks/bench_ipc_credit.py --host     # the host GPU emulation, on any machine
@@ -73,8 +74,15 @@ async def _side(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any], 
         conn.send(bytes(mr.descriptor))
         peer = aiote.MemoryDescriptor.from_bytes(conn.recv())
         out = {}
+        prof = None
+        if rank == 0 and os.environ.get("BENCH_PROFILE"):
+            import cProfile
+
+            prof = cProfile.Profile()
         for k, size in enumerate(sizes):
             MARKS.clear()
+            if prof is not None and k == 0:
+                prof.enable()
             for i in range(iters):
                 await asyncio.sleep(0.001)
                 imm = 1 + i + 100000 * k
@@ -90,6 +98,11 @@ async def _side(rank: int, conn: Any, q: Any, iters: int, opts: dict[str, Any], 
                     else:
                         await e.write_imm(peer, imm)
                     _mark("w_ret")
+            if prof is not None and k == 0:
+                import pstats
+
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(35)
             out[size] = {k: v[20:] for k, v in MARKS.items()}
         st = e.stats()
         q.put((rank, out, (st["gpu_ipc"], st["gpu_lane_credits"])))
