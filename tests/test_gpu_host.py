@@ -264,6 +264,30 @@ async def test_write_imm_after_posted_ipc_writes_on_several_streams() -> None:
         assert (await peer.call(op="counter", imm=41))["available"] == 0  # no credit twice
 
 
+async def test_write_imm_after_staged_writes_goes_after_the_owners_copies() -> None:
+    """An engine that staged bytes to an owner (host memory into its GPU region: the owner
+    copies them, 5 ms a copy) sends its ``write_imm`` to that owner by message, ordered after
+    those copies, even though it also writes to it over the CUDA-IPC rail (the route asserted:
+    not on the rail's stream)."""
+    n = 1 << 20
+    async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend=SLOW, stage_chunk=128 << 10) as peer:
+        e = peer.engine
+        mg = await e.register(_device(n, seed=3))
+        dst = await peer.register("g", 2 * n, device="shared")
+        for _ in range(2):  # over the rail: the first offers the owner's lane, the second uses it
+            await e.write(mg, dst, length=4096, imm=50)
+            await peer.wait(imm=50, n=1, timeout=20)
+        assert e.stats()["gpu_lane_credits"] == 1
+        host = pattern(n, 8).copy()
+        mh = await e.register(host)
+        await e.write(mh, dst, dst_offset=n)  # staged: 8 copies by the owner
+        assert e.stats()["gpu_staged"] == 1 and e.stats()["gpu_ipc"] == 2
+        await e.write_imm(dst, 51, timeout=30)
+        await peer.wait(imm=51, n=1, timeout=20)
+        assert await peer.digest("g", n, n) == digest(host)
+        assert e.stats()["gpu_ipc_imm"] == 0
+
+
 async def test_stream_ordering() -> None:
     """``stream=``: the write starts after the work submitted to that stream (here a slow
     'kernel' that fills the source)."""

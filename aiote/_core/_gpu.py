@@ -154,6 +154,9 @@ class GpuSupport:
         # CUDA-IPC writes: ipc_streams lines per device taken in turn (line 0 is self._out's)
         self.ipc_streams = ipc_streams
         self._ipc_out: dict[int, _Line] = {}
+        # owners this engine staged bytes to (their own copies into GPU memory come after the
+        # message: an immediate to them goes by message too, after those copies)
+        self._staged_to: set[EngineAddress] = set()
         self._ipc_turn = itertools.count()
         self._in: dict[int, _Line] = {}
         self._regions: dict[int, MemoryRegion] = {}
@@ -404,10 +407,12 @@ class GpuSupport:
         kernel after it publishes the credit through the owner's credit lane when the lane takes
         it (else the finish sends it by a message once that work is done, and offers the lane).
         None: go the host way (no IPC write was made yet, or from several devices, or the region
-        is out of the rail's reach). ``imm`` was checked by the caller; ``scratch`` (the engine's
-        own small region) counts the fence as its work in flight, which closing waits for."""
+        is out of the rail's reach, or this engine staged bytes to its owner, whose copies into
+        GPU memory must come before the credit: its message is ordered after them). ``imm`` was
+        checked by the caller; ``scratch`` (the engine's own small region) counts the fence as
+        its work in flight, which closing waits for."""
         devices = {line.device for line in self._out.values()}
-        if len(devices) != 1:
+        if len(devices) != 1 or rdesc.address in self._staged_to:
             return None
         (device,) = devices
         if self._ipc_ptr(rdesc, device) is None:
@@ -546,6 +551,8 @@ class GpuSupport:
         retry: Any,
     ) -> None:
         assert rdesc.gpu is not None
+        if len(data):
+            self._staged_to.add(rdesc.address)
         count = len(data) if page else len(data) // 2
         head = _PART.pack(
             _K_PART,
