@@ -264,11 +264,12 @@ async def test_write_imm_after_posted_ipc_writes_on_several_streams() -> None:
         assert (await peer.call(op="counter", imm=41))["available"] == 0  # no credit twice
 
 
-async def test_write_imm_after_staged_writes_goes_after_the_owners_copies() -> None:
+async def test_credits_after_staged_writes_go_after_the_owners_copies() -> None:
     """An engine that staged bytes to an owner (host memory into its GPU region: the owner
-    copies them, 5 ms a copy) sends its ``write_imm`` to that owner by message, ordered after
-    those copies, even though it also writes to it over the CUDA-IPC rail (the route asserted:
-    not on the rail's stream)."""
+    copies them, 5 ms a copy) credits that owner by message, ordered after those copies, even
+    though the owner's credit lane is open: an IPC write's immediate and a ``write_imm`` (which
+    still goes on the rail's stream, after its copies) both count only once the staged bytes
+    are in GPU memory (the routes asserted: no lane credit)."""
     n = 1 << 20
     async with spawn_peer(peer_gpu_backend=SLOW, gpu_backend=SLOW, stage_chunk=128 << 10) as peer:
         e = peer.engine
@@ -285,7 +286,13 @@ async def test_write_imm_after_staged_writes_goes_after_the_owners_copies() -> N
         await e.write_imm(dst, 51, timeout=30)
         await peer.wait(imm=51, n=1, timeout=20)
         assert await peer.digest("g", n, n) == digest(host)
-        assert e.stats()["gpu_ipc_imm"] == 0
+        host[:] = pattern(n, 9)
+        await e.write(mh, dst, dst_offset=n)  # staged again, then an IPC write's immediate
+        await e.write(mg, dst, length=4096, imm=52)
+        await peer.wait(imm=52, n=1, timeout=20)
+        assert await peer.digest("g", n, n) == digest(host)
+        st = e.stats()
+        assert st["gpu_ipc_imm"] == 1 and st["gpu_ipc"] == 3 and st["gpu_lane_credits"] == 1
 
 
 async def test_stream_ordering() -> None:

@@ -155,7 +155,7 @@ class GpuSupport:
         self.ipc_streams = ipc_streams
         self._ipc_out: dict[int, _Line] = {}
         # owners this engine staged bytes to (their own copies into GPU memory come after the
-        # message: an immediate to them goes by message too, after those copies)
+        # message: a credit to them goes by message too, after those copies; _track_credit)
         self._staged_to: set[EngineAddress] = set()
         self._ipc_turn = itertools.count()
         self._in: dict[int, _Line] = {}
@@ -228,10 +228,12 @@ class GpuSupport:
         imm: int | None, weight: int,
     ) -> Credit | None:
         """:meth:`_track`, the fence also publishing the write's credit through the owner's
-        credit lane when one takes it (returned; None: credit it by a message). A fence that
-        could not be launched gives the lane's entry back (a later one must not publish past an
-        entry never written)."""
-        credit = self.lanes.take(device, rdesc, imm, weight)
+        credit lane when one takes it (returned; None: credit it by a message). Not to an owner
+        this engine staged bytes to: its own copies of them come before the credit, and its
+        message is ordered after them. A fence that could not be launched gives the lane's entry
+        back (a later one must not publish past an entry never written)."""
+        staged = rdesc.address in self._staged_to
+        credit = None if staged else self.lanes.take(device, rdesc, imm, weight)
         try:
             self._track(mr, line, then, credit)
         except BaseException:
@@ -406,13 +408,13 @@ class GpuSupport:
         work on the others, so the credit follows every copy this engine put on them, and the
         kernel after it publishes the credit through the owner's credit lane when the lane takes
         it (else the finish sends it by a message once that work is done, and offers the lane).
-        None: go the host way (no IPC write was made yet, or from several devices, or the region
-        is out of the rail's reach, or this engine staged bytes to its owner, whose copies into
-        GPU memory must come before the credit: its message is ordered after them). ``imm`` was
-        checked by the caller; ``scratch`` (the engine's own small region) counts the fence as
-        its work in flight, which closing waits for."""
+        To an owner this engine staged bytes to, the credit goes by that message (see
+        :meth:`_track_credit`). None: go the host way (no IPC write was made yet, or from several
+        devices, or the region is out of the rail's reach). ``imm`` was checked by the caller;
+        ``scratch`` (the engine's own small region) counts the fence as its work in flight,
+        which closing waits for."""
         devices = {line.device for line in self._out.values()}
-        if len(devices) != 1 or rdesc.address in self._staged_to:
+        if len(devices) != 1:
             return None
         (device,) = devices
         if self._ipc_ptr(rdesc, device) is None:

@@ -172,8 +172,8 @@ class Transfers(Rows):
         region this engine has written over the CUDA-IPC rail (same host), the credit goes on
         that rail's stream after every copy this engine put there, awaited or not, and reaches
         the owner through its credit lane (no message; by one once those copies are done when
-        the lane is not open yet; by one after the owner's copies when this engine also staged
-        bytes to it). Raises as :meth:`write`. Cost: one zero-byte work request,
+        the lane is not open yet, or after the owner's own copies when this engine staged bytes
+        to it). Raises as :meth:`write`. Cost: one zero-byte work request,
         no payload (a repeat to the same descriptor object reuses the kept request, skipping
         validation); to a staged GPU region, one internal message to its owner instead; over
         the CUDA-IPC rail, one kernel launch and the wait for its completion word."""
