@@ -123,10 +123,10 @@ async def _churn(route: str, peers: int, bound: int | None = None) -> None:
             assert st["direct_copies"] == 0
             assert last["handed"] >= 1, last
             assert st["posts_handed"] >= peers
-            if peers <= bound:  # (past it, forgotten addresses are reused below 256)
-                assert top_fa >= 256, top_fa
             if peers > bound:  # past max_peers addresses those unused since the last sweep go
                 assert st["peers_forgotten"] > 0
+            else:  # (past it, forgotten addresses are reused below 256)
+                assert top_fa >= 256, top_fa
             assert high <= bound + bound // 4 + 16, high
         assert len(book) <= bound + bound // 4
         assert rss <= start[0] * 1.05, (start, rss)

@@ -232,8 +232,8 @@ class GpuSupport:
         this engine staged bytes to: its own copies of them come before the credit, and its
         message is ordered after them. A fence that could not be launched gives the lane's entry
         back (a later one must not publish past an entry never written)."""
-        staged = rdesc.address in self._staged_to
-        credit = None if staged else self.lanes.take(device, rdesc, imm, weight)
+        lane = imm is not None and rdesc.address not in self._staged_to
+        credit = self.lanes.take(device, rdesc, imm, weight) if lane else None
         try:
             self._track(mr, line, then, credit)
         except BaseException:
@@ -248,6 +248,17 @@ class GpuSupport:
         ev = self.e._event()
         self._track(mr, line, ev.set, credit)
         await ev.wait()
+
+    async def _credited(
+        self, ev: Any, credit: Credit | None, rdesc: MemoryDescriptor, imm: int | None, weight: int,
+        device: int, timeout: float | None, retry: Any,
+    ) -> None:
+        """Waits for an IPC fence (``ev``); then, for an immediate no lane took (``credit``
+        None), credits it by a message and offers the owner a lane (once per device and owner)."""
+        await ev.wait()
+        if imm is not None and credit is None:
+            await self.credit(rdesc, imm, weight, timeout, retry)
+            await self.lanes.offer(device, rdesc, timeout, retry)
 
     # ------------------------------------------------------------------ registration
 
@@ -430,10 +441,7 @@ class GpuSupport:
 
         async def finish(timeout: float | None, retry: Any) -> None:
             with deadline(timeout, "write_imm"):
-                await ev.wait()
-                if credit is None:
-                    await self.credit(rdesc, imm, 1, timeout, retry)
-                    await self.lanes.offer(device, rdesc, timeout, retry)
+                await self._credited(ev, credit, rdesc, imm, 1, device, timeout, retry)
 
         return finish
 
@@ -459,10 +467,7 @@ class GpuSupport:
         credit = self._track_credit(mr, line, ev.set, dev.device, rdesc, imm if first else None, 1)
 
         async def finish(timeout: float | None, retry: Any) -> None:
-            await ev.wait()
-            if imm is not None and credit is None:
-                await self.credit(rdesc, imm, 1, timeout, retry)
-                await self.lanes.offer(dev.device, rdesc, timeout, retry)
+            await self._credited(ev, credit, rdesc, imm, 1, dev.device, timeout, retry)
 
         return finish
 
@@ -493,10 +498,7 @@ class GpuSupport:
                 line.expect(n * page, alone=stream is None)
                 ev = self.e._event()
                 credit = self._track_credit(mr, line, ev.set, dev.device, rdesc, imm, n)
-                await ev.wait()
-                if imm is not None and credit is None:
-                    await self.credit(rdesc, imm, n, timeout, retry)
-                    await self.lanes.offer(dev.device, rdesc, timeout, retry)
+                await self._credited(ev, credit, rdesc, imm, n, dev.device, timeout, retry)
                 return
             if mr._shadow is not None:  # gather the pages into the shadow the NICs read
                 shadow = int(mr._shadow.ctypes.data)

@@ -1401,7 +1401,8 @@ static int t_watch(fix_t *f) {
  * that long before (the poller takes the hint at its next wake-up, within watch_us). */
 static double store_to_record_ms(eng_t *x, volatile uint64_t *word, uint64_t token, int n, int hint_ms) {
     double lat[16];
-    for (int i = 0; i < n && i < 16; i++) {
+    if (n > 16) n = 16;
+    for (int i = 0; i < n; i++) {
         if (hint_ms >= 0) {
             aio_watch_soon(x->e, (int64_t)hint_ms * 1000000, 20 * 1000000LL);
             sleep_us((long)hint_ms * 1000 + 2000);
