@@ -464,6 +464,7 @@ typedef struct aio_stats {
     uint64_t posts_handed;   /* requests aio_post handed to the poller to post (below) */
     uint64_t posts_handed_waited; /* ... of which their connection's queue was full at first */
     uint64_t direct_split;   /* arena copies made in two halves, poller 0 and a helper thread */
+    uint64_t posts_peer_gone; /* requests not posted: their shm peer's process is gone (-FI_EHOSTDOWN) */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
 

@@ -12,4 +12,4 @@ echo "== mypy (strict)";   .venv/bin/mypy
 echo "== docs";            site=$(mktemp -d); .venv/bin/mkdocs build --strict -q -d "$site"; rm -rf "$site"
 echo "== C core tests";    make -s -C cdeps test
 echo "== C core tests under ASan/UBSan"; make -s -C cdeps asan
-echo "== python tests";    .venv/bin/python -m pytest -q "$@"
+echo "== python tests";    .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -315,3 +315,50 @@ async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | Non
             )
             assert isinstance(error, aiote.PeerUnreachable), error
             assert after_kill < policy.connect_timeout + 3.0, (after_kill, error)
+
+
+_HOLDER = r"""
+import anyio, aiote, numpy as np
+async def main():
+    async with aiote.open_engine() as e:
+        mr = await e.register(np.zeros(4096, np.uint8))
+        print(e.address.hex(), bytes(mr.descriptor).hex(), flush=True)
+        await anyio.sleep(3600)
+anyio.run(main)
+"""
+
+
+async def test_nothing_is_posted_to_a_same_host_peer_whose_process_is_gone() -> None:
+    """libfabric's shm provider takes a lock in the target's shared region and spins on it for
+    ever if the target was killed holding it. So the core looks at the target's lock file before
+    posting (once per call and peer) and refuses requests to a dead one: a message and a bare
+    immediate to a killed peer raise PeerUnreachable ("process is gone") long before the retry
+    policy's connect_timeout (final: not posted again), counted in ``posts_peer_gone``,
+    nothing left in flight; the route is the default same-host one (shm)."""
+    import sys
+    import time
+
+    policy = aiote.RetryPolicy(connect_timeout=30.0)
+    async with await anyio.open_process([sys.executable, "-c", _HOLDER]) as proc:
+        assert proc.stdout is not None
+        line = b""
+        while not line.endswith(b"\n"):
+            line += await proc.stdout.receive()
+        addr, desc = (bytes.fromhex(x) for x in line.decode().split())
+        async with aiote.open_engine(retry=policy) as e:
+            assert e.route(addr).provider == "shm", e.route(addr)
+            await e.send(addr, b"hello", timeout=10)
+            await e.write_imm(desc, 1, timeout=10)
+            assert e.stats()["posts_peer_gone"] == 0
+            proc.kill()
+            await proc.wait()
+            for what, call in [("send", lambda: e.send(addr, b"x", timeout=60)),
+                               ("write_imm", lambda: e.write_imm(desc, 2, timeout=60)),
+                               ("send", lambda: e.send(addr, b"y" * 4096, timeout=60))]:
+                before = e.stats()["posts_peer_gone"]
+                t0 = time.monotonic()
+                with pytest.raises(aiote.PeerUnreachable, match="process is gone"):
+                    await call()
+                assert time.monotonic() - t0 < 5.0, what
+                assert e.stats()["posts_peer_gone"] > before, what
+            await eventually(lambda: e.stats()["ops_in_flight"] == 0, "nothing left in flight")

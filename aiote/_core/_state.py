@@ -207,7 +207,9 @@ class EngineState:
         ``tcp_buffers_set``: tcp sockets whose send buffer the engine set, see ``open_engine``'s
         ``tcp_send_buffer``; ``posts_handed``: tcp writes and reads the loop thread handed to
         the poller to post because the poller was busy on their NIC; ``posts_handed_waited``:
-        those of them that found their connection's queue full, its peer slow or stopped), the
+        those of them that found their connection's queue full, its peer slow or stopped;
+        ``posts_peer_gone``: requests refused before posting because their same-host peer's
+        process was gone, which fail with :class:`PeerUnreachable`), the
         operations and regions in flight (``pending``: groups whose completion record the loop
         has not read yet; a posted transfer's quiet record is read at the next wake-up), and
         ``peers``: peer NIC addresses resolved (each is
@@ -239,6 +241,7 @@ class EngineState:
             "tcp_buffers_set": st.tcp_tuned,
             "posts_handed": st.posts_handed,
             "posts_handed_waited": st.posts_handed_waited,
+            "posts_peer_gone": st.posts_peer_gone,
             "direct_split": st.direct_split,
             "pollers": int(lib.aio_engine_num_pollers(self._h)),
             "loop_polls": int(lib.aio_loop_polls(self._h)),

@@ -199,6 +199,8 @@ typedef struct shm_wpeer {
     int state; /* 0: not looked up, 1: fd and word valid, -1: cannot be woken (not aiote's) */
     int fd;
     _Atomic uint32_t *word;
+    int lockfd; /* looked up (state != 0): the owner's aiote-<token>.lock, or -1 (not aiote's) */
+    int dead;   /* its owner's process was found gone (shm_wake.c, aio__shm_peer_gone) */
 } shm_wpeer;
 
 struct aio_mr {
@@ -363,6 +365,7 @@ struct aio_engine {
     _Atomic uint64_t st_tuned;
     _Atomic uint64_t st_handed;  /* requests handed to the poller to post (post.c) */
     _Atomic uint64_t st_handed_waited; /* ... of which the provider refused for room at first */
+    _Atomic uint64_t st_gone;    /* requests not posted: their shm peer's process is gone */
     _Atomic int32_t hand_posts;  /* aio_engine_set_hand_posts */
 
     /* stats */

@@ -107,8 +107,9 @@ static int post_progress(aio_engine *e, aio_rail *r, int64_t deadline, int64_t *
 #define HOLD_MAX_POSTS 32
 
 typedef struct {
-    aio_rail *r; /* the rail whose lock is held, or NULL */
-    int posts;   /* requests posted under this hold */
+    aio_rail *r;      /* the rail whose lock is held, or NULL */
+    int posts;        /* requests posted under this hold */
+    uint64_t live_fa; /* an shm peer found alive under this hold, plus one (0: none) */
 } rail_hold;
 
 static void release_rail(rail_hold *h) {
@@ -143,6 +144,17 @@ static int hold_rail(rail_hold *h, aio_rail *r, int how) {
     }
     h->r = r;
     h->posts = 0;
+    h->live_fa = 0;
+    return 1;
+}
+
+/* Whether a request to `peer` on the rail held by h may go to the provider: not to an shm peer
+ * whose process is gone (aio__shm_peer_gone: its provider would spin on a lock in the dead
+ * peer's region), looked at once per peer and hold (a batch to one peer pays one flock call). */
+static int hold_peer_lives(rail_hold *h, uint64_t peer) {
+    if (!h->r->is_shm || h->live_fa == peer + 1) return 1;
+    if (aio__shm_peer_gone(h->r, peer)) return 0;
+    h->live_fa = peer + 1;
     return 1;
 }
 
@@ -222,6 +234,11 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
             return 1;
         }
         hold_rail(h, r, HOLD_WAIT); /* no op free: wait for the lock, and drive completions, as below */
+    }
+    /* (a request with a direct code: its peer's pidfd was looked at, aio__direct_check) */
+    if (!it->direct && !hold_peer_lives(h, it->peer)) { /* nothing posted */
+        atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
+        return -FI_EHOSTDOWN;
     }
     int64_t idle = 0; /* when the self-driven progress found nothing for POST_IDLE_NS: give up */
     while (!(op = op_start(e, r, g, m, it))) {
@@ -372,6 +389,11 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     if (hlen > r->slot_size || blen > r->slot_size || len > r->slot_size) return -FI_EMSGSIZE;
     int64_t deadline = now_ns() + budget_ns;
     pthread_mutex_lock(&r->mu);
+    if (r->is_shm && aio__shm_peer_gone(r, peer)) { /* see hold_peer_lives: nothing posted */
+        pthread_mutex_unlock(&r->mu);
+        atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
+        return -FI_EHOSTDOWN;
+    }
     aio_op *op = NULL;
     for (;;) {
         if (r->send_nfree > 0 && (op = aio__op_get(r))) break;

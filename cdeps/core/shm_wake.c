@@ -33,7 +33,17 @@
  * miss each other. With every rail woken this way or by its own wait fd, and nothing of its own
  * in flight (a completion of our request needs no sender to wake us: then it keeps the short
  * steps), and idle for WAKE_IDLE_NS (poller.c), the poller sleeps for sleep_ms (100 ms by default); a peer
- * that is not aiote (no word to read) is then served at that pace. */
+ * that is not aiote (no word to read) is then served at that pace.
+ *
+ * A dead peer. libfabric's shm provider puts a request into the target's queues under a spinlock
+ * that lives in the target's shared region; a target killed while it held that lock (in its own
+ * progress) leaves every later sender spinning in fi_send / fi_write for ever. So before a
+ * request goes to the provider, the posting code (post.c, handoff.c) asks aio__shm_peer_gone:
+ * the target's owner lock file (opened once per address, beside its wake-up files) can be
+ * locked shared at once only when no process holds it, i.e. the owner died (or closed its last
+ * endpoint). Such a request fails with -FI_EHOSTDOWN and nothing is posted. One flock call per
+ * call and peer while the target lives; a target that dies while a sender already spins on its
+ * lock is beyond this. */
 #include "internal.h"
 
 #include <dirent.h>
@@ -185,6 +195,7 @@ void aio__shm_wpeer_forget(shm_wpeer *w) {
         close(w->fd);
         munmap((void *)w->word, 4096);
     }
+    if (w->state != 0 && w->lockfd >= 0) close(w->lockfd);
     memset(w, 0, sizeof(*w));
 }
 
@@ -217,49 +228,76 @@ void aio__shm_own_release(aio_rail *r) {
     pthread_mutex_unlock(&own_mu);
 }
 
-/* After a request to `fa` went to (or was refused by) an shm rail's provider: wake the target's
- * poller if it sleeps. Caller holds r->mu. */
-void aio__shm_wake(aio_rail *r, uint64_t fa) {
-    if (!r->is_shm || fa >= WAKE_MAX_ADDR) return;
+/* How to wake the peer at `fa` and tell whether it lives, looked up at its first use: its wake
+ * word and fifo, and its owner's lock file (aiote-<token>.lock, held by the owning process for
+ * its life: see "Owned shm names"). NULL for an address out of reach. Caller holds r->mu. */
+static shm_wpeer *wpeer_of(aio_rail *r, uint64_t fa) {
+    if (!r->is_shm || fa >= WAKE_MAX_ADDR) return NULL;
     if (fa >= r->wcap) {
         uint32_t cap = r->wcap ? r->wcap : 64;
         while (cap <= fa) cap *= 2;
         shm_wpeer *t = realloc(r->wpeers, cap * sizeof(*t));
-        if (!t) return;
+        if (!t) return NULL;
         memset(t + r->wcap, 0, (cap - r->wcap) * sizeof(*t));
         r->wpeers = t, r->wcap = cap;
     }
     shm_wpeer *w = &r->wpeers[fa];
-    if (w->state == 0) {
-        w->state = -1;
-        char name[256] = {0};
-        size_t l = sizeof(name) - 1;
-        if (fi_av_lookup(r->av, fa, name, &l) == 0 && l < sizeof(name) &&
-            !strncmp(name, OWN_PREFIX, strlen(OWN_PREFIX)) && !strchr(name, '/')) {
-            char path[300];
-            snprintf(path, sizeof(path), "/dev/shm/%s.w", name);
-            int wfd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-            void *m = MAP_FAILED;
-            if (wfd >= 0) {
-                m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, wfd, 0);
-                close(wfd);
-            }
-            snprintf(path, sizeof(path), "/dev/shm/%s.p", name);
-            int pfd = m != MAP_FAILED ? open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC) : -1;
-            if (pfd >= 0) {
-                w->fd = pfd;
-                w->word = m;
-                w->state = 1;
-            } else if (m != MAP_FAILED) {
-                munmap(m, 4096);
-            }
-        }
+    if (w->state != 0) return w;
+    w->state = -1;
+    w->lockfd = -1;
+    char name[256] = {0};
+    size_t l = sizeof(name) - 1;
+    size_t pl = strlen(OWN_PREFIX);
+    if (fi_av_lookup(r->av, fa, name, &l) != 0 || l >= sizeof(name) || strncmp(name, OWN_PREFIX, pl) ||
+        strchr(name, '/'))
+        return w;
+    char path[300];
+    if (strlen(name) > pl + 16 && name[pl + 16] == '-') { /* aiote-<16 hex token>-<n> */
+        snprintf(path, sizeof(path), "/dev/shm/" OWN_PREFIX "%.16s.lock", name + pl);
+        w->lockfd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     }
-    if (w->state != 1) return;
+    snprintf(path, sizeof(path), "/dev/shm/%s.w", name);
+    int wfd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    void *m = MAP_FAILED;
+    if (wfd >= 0) {
+        m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, wfd, 0);
+        close(wfd);
+    }
+    snprintf(path, sizeof(path), "/dev/shm/%s.p", name);
+    int pfd = m != MAP_FAILED ? open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC) : -1;
+    if (pfd >= 0) {
+        w->fd = pfd;
+        w->word = m;
+        w->state = 1;
+    } else if (m != MAP_FAILED) {
+        munmap(m, 4096);
+    }
+    return w;
+}
+
+/* After a request to `fa` went to (or was refused by) an shm rail's provider: wake the target's
+ * poller if it sleeps. Caller holds r->mu. */
+void aio__shm_wake(aio_rail *r, uint64_t fa) {
+    shm_wpeer *w = wpeer_of(r, fa);
+    if (!w || w->state != 1) return;
     atomic_thread_fence(memory_order_seq_cst); /* our queue write, then their word: see above */
     if (atomic_load_explicit(w->word, memory_order_relaxed)) {
         char c = 0;
         ssize_t n = write(w->fd, &c, 1); /* a full fifo already wakes it */
         (void)n;
     }
+}
+
+/* Whether the aiote process that owns the shm endpoint at `fa` is gone: its lock file can be
+ * locked (shared) at once, so nobody holds it (the kernel dropped the owner's lock as it died,
+ * or its last endpoint closed). Sticky. Costs one flock call while the owner lives. Caller
+ * holds r->mu. */
+int aio__shm_peer_gone(aio_rail *r, uint64_t fa) {
+    shm_wpeer *w = wpeer_of(r, fa);
+    if (!w || w->lockfd < 0) return 0;
+    if (w->dead) return 1;
+    if (flock(w->lockfd, LOCK_SH | LOCK_NB) != 0) return 0; /* EWOULDBLOCK: it lives */
+    flock(w->lockfd, LOCK_UN);
+    w->dead = 1;
+    return 1;
 }

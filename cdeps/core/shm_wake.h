@@ -17,5 +17,9 @@ AIO_INTERNAL void aio__shm_own_release(aio_rail *r);
 /* After a request to `fa` went to (or was refused by) an shm rail's provider: wakes the
  * target's poller if it sleeps. Caller holds r->mu. */
 AIO_INTERNAL void aio__shm_wake(aio_rail *r, uint64_t fa);
+/* Whether the aiote process behind shm address `fa` is gone (sticky; one flock call while it
+ * lives). A request to it must not be posted: libfabric's shm provider would spin for ever on a
+ * lock in its region that it may have held as it died. Caller holds r->mu. */
+AIO_INTERNAL int aio__shm_peer_gone(aio_rail *r, uint64_t fa);
 
 #endif

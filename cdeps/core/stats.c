@@ -22,5 +22,6 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->tcp_tuned = atomic_load(&e->st_tuned);
     o->posts_handed = atomic_load(&e->st_handed);
     o->posts_handed_waited = atomic_load(&e->st_handed_waited);
+    o->posts_peer_gone = atomic_load(&e->st_gone);
     o->direct_split = atomic_load(&e->st_split);
 }
