@@ -123,6 +123,8 @@ int aio__progress_locked(aio_engine *e, aio_rail *r) {
             }
             if (fl & FI_REMOTE_WRITE || fl & FI_REMOTE_READ) continue;
             if (is_recv_op(r, ctx)) {
+                if (atomic_load_explicit(&e->msg_rail, memory_order_relaxed) != r->index)
+                    atomic_store_explicit(&e->msg_rail, r->index, memory_order_relaxed);
                 aio_record rec = {0};
                 rec.kind = AIO_REC_RECV;
                 rec.rail = r->index;

@@ -326,6 +326,7 @@ struct aio_engine {
     _Atomic int32_t nwant;      /* counters with an armed watch (a task awaits an immediate), plus
                                  * tasks awaiting a message (aio_waiters_add) */
     _Atomic int32_t ncwant;     /* counters with an armed watch alone (credit lanes: poller.c) */
+    _Atomic int32_t msg_rail;   /* the rail the last message came in on (aio_waiters_add kicks its poller) */
     _Atomic int32_t quiet_waiters; /* tasks awaiting a quiet group's record (aio_quiet_waiters) */
     /* low-latency waits (aio_poll_ring) made by the loop thread */
     _Atomic uint64_t st_loop_polls;

@@ -176,6 +176,7 @@ int t_handed(fix_t *f);
 int t_handed_stall(fix_t *f);
 int t_pollers(fix_t *f);
 int t_ring_nomem(fix_t *f);
+int t_recv_kick(fix_t *f);
 
 /* test_core.c */
 void report(const char *prov, const char *name, int rc, double dt);

@@ -29,7 +29,7 @@ static const test_t TESTS[] = {
     {"direct", t_direct},             {"direct_retire", t_direct_retire},
     {"tcp_sndbuf", t_tcp_sndbuf},     {"handed", t_handed},
     {"handed_stall", t_handed_stall}, {"pollers", t_pollers},
-    {"ring_nomem", t_ring_nomem},
+    {"ring_nomem", t_ring_nomem},     {"recv_kick", t_recv_kick},
 };
 
 void report(const char *prov, const char *name, int rc, double dt) {

@@ -547,3 +547,61 @@ int t_ring_nomem(fix_t *f) {
     printf("    (%s while posting)\n", draining ? "drained" : "not drained");
     return 0;
 }
+
+uint64_t aio_test_kicks(aio_engine *e, int q);
+int32_t aio_test_msg_rail(aio_engine *e);
+
+/* A task that starts to await a message kicks the poller of the rail the last message came in
+ * on, and no other (kicking every poller kept pollers spinning that no message would come
+ * through: on 2 vCPUs they took the CPUs the event loops needed). Two rails, two pollers. */
+int t_recv_kick(fix_t *f) {
+    if (strcmp(f->prov, "tcp")) {
+        printf("    (tcp only)\n");
+        return 0;
+    }
+    eng_t x, y;
+    if (eng_init_p(&x, f->prov, f->nic, 0, 2, 2) || eng_init_p(&y, f->prov, f->nic, 0, 2, 2)) {
+        eng_free(&x);
+        eng_free(&y);
+        return -1;
+    }
+    int rc = -1;
+    do {
+        aio_rail_info yi;
+        uint64_t peer;
+        if (aio_rail_get_info(y.e, 1, &yi) || aio_av_insert(x.e, 1, yi.addr, yi.addr_len, &peer)) {
+            fail_msg(__FILE__, __LINE__, "rail 1 of the receiver not reachable");
+            break;
+        }
+        int64_t g = aio_group_open(x.e, g_token++);
+        const char msg[8] = "kick-me";
+        if (g < 0 || aio_post_send(x.e, g, 1, peer, msg, sizeof(msg), 1000000000LL) != 1 ||
+            aio_group_seal(x.e, g)) {
+            fail_msg(__FILE__, __LINE__, "the message was not posted on rail 1");
+            break;
+        }
+        aio_record r;
+        if (wait_rec(&y, AIO_REC_RECV, ANY, TIMEOUT, &r) || r.rail != 1) {
+            fail_msg(__FILE__, __LINE__, "no message on the receiver's rail 1 (rail %d)", (int)r.rail);
+            break;
+        }
+        if (aio_recv_repost(y.e, 1, (uint32_t)r.a)) break;
+        if (aio_test_msg_rail(y.e) != 1) {
+            fail_msg(__FILE__, __LINE__, "last message's rail %d, want 1", aio_test_msg_rail(y.e));
+            break;
+        }
+        uint64_t k0 = aio_test_kicks(y.e, 0), k1 = aio_test_kicks(y.e, 1);
+        aio_waiters_add(y.e, 1);
+        uint64_t d0 = aio_test_kicks(y.e, 0) - k0, d1 = aio_test_kicks(y.e, 1) - k1;
+        aio_waiters_add(y.e, -1);
+        if (d1 != 1 || d0 != 0) {
+            fail_msg(__FILE__, __LINE__, "a message awaited kicked poller 0 %llu times and poller 1 "
+                     "(rail 1's) %llu times, want 0 and 1", (unsigned long long)d0, (unsigned long long)d1);
+            break;
+        }
+        rc = 0;
+    } while (0);
+    eng_free(&x);
+    eng_free(&y);
+    return rc;
+}
