@@ -39,6 +39,11 @@ extern "C" {
  * the shards of one logical write add up to exactly one unit at the receiver. */
 #define AIO_CREDIT_UNIT 65536ULL
 
+/* The error (negated, as libfabric's) of a request the core refused because its same-host
+ * (shm) peer's process is gone: nothing was posted. Private to aiote, outside libfabric's and
+ * the system's error numbers, so that it is never confused with a provider's EHOSTDOWN. */
+#define AIO_EPEERGONE 4095
+
 /* record kinds */
 #define AIO_REC_GROUP 1   /* a sealed group finished: token = group token, status */
 #define AIO_REC_RECV 2    /* a message arrived: rail, a = slot, b = length, status */

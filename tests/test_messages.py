@@ -318,9 +318,10 @@ async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | Non
 
 
 _HOLDER = r"""
-import anyio, aiote, numpy as np
+import sys, anyio, aiote, numpy as np
 async def main():
-    async with aiote.open_engine() as e:
+    kw = {} if sys.argv[1] == "direct" else {"provider": "shm", "same_host_direct": False}
+    async with aiote.open_engine(**kw) as e:
         mr = await e.register(np.zeros(4096, np.uint8))
         print(e.address.hex(), bytes(mr.descriptor).hex(), flush=True)
         await anyio.sleep(3600)
@@ -328,33 +329,45 @@ anyio.run(main)
 """
 
 
-async def test_nothing_is_posted_to_a_same_host_peer_whose_process_is_gone() -> None:
+@pytest.mark.parametrize("direct", [True, False])
+async def test_nothing_is_posted_to_a_same_host_peer_whose_process_is_gone(direct: bool) -> None:
     """libfabric's shm provider takes a lock in the target's shared region and spins on it for
     ever if the target was killed holding it. So the core looks at the target's lock file before
     posting (once per call and peer) and refuses requests to a dead one: a message and a bare
     immediate to a killed peer raise PeerUnreachable ("process is gone") long before the retry
     policy's connect_timeout (final: not posted again), counted in ``posts_peer_gone``,
-    nothing left in flight; the route is the default same-host one (shm)."""
+    nothing left in flight; the route is the default same-host one (shm). Between shm engines
+    without direct copies (``provider="shm", same_host_direct=False``) a write goes to the shm
+    transport too, and is refused the same way."""
     import sys
     import time
 
+    import numpy as np
+
     policy = aiote.RetryPolicy(connect_timeout=30.0)
-    async with await anyio.open_process([sys.executable, "-c", _HOLDER]) as proc:
+    async with await anyio.open_process([sys.executable, "-c", _HOLDER, "direct" if direct else "-"]) as proc:
         assert proc.stdout is not None
         line = b""
         while not line.endswith(b"\n"):
             line += await proc.stdout.receive()
         addr, desc = (bytes.fromhex(x) for x in line.decode().split())
-        async with aiote.open_engine(retry=policy) as e:
+        # without direct copies, an engine reaches a same-host region over shm only on an shm engine
+        kw = {} if direct else {"provider": "shm", "same_host_direct": False}
+        async with aiote.open_engine(retry=policy, **kw) as e:
             assert e.route(addr).provider == "shm", e.route(addr)
+            assert e.route(aiote.MemoryDescriptor.from_bytes(desc)).provider == "shm"
+            mine = await e.register(np.ones(4096, np.uint8))
             await e.send(addr, b"hello", timeout=10)
             await e.write_imm(desc, 1, timeout=10)
+            await e.write(mine, desc, timeout=10)
+            assert (e.stats()["direct_copies"] > 0) == direct
             assert e.stats()["posts_peer_gone"] == 0
             proc.kill()
             await proc.wait()
             for what, call in [("send", lambda: e.send(addr, b"x", timeout=60)),
                                ("write_imm", lambda: e.write_imm(desc, 2, timeout=60)),
-                               ("send", lambda: e.send(addr, b"y" * 4096, timeout=60))]:
+                               ("send", lambda: e.send(addr, b"y" * 4096, timeout=60)),
+                               *([] if direct else [("write", lambda: e.write(mine, desc, timeout=60))])]:
                 before = e.stats()["posts_peer_gone"]
                 t0 = time.monotonic()
                 with pytest.raises(aiote.PeerUnreachable, match="process is gone"):

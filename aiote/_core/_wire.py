@@ -49,7 +49,7 @@ _ELSEWHERE = bytes(16)  # a host id no engine has: routes a same-host peer as a 
 _DIRECT_SLOTS = int(lib.AIO_DIRECT_SLOTS)
 _FI_ECANCELED = 125
 _ENOENT = 2
-_EHOSTDOWN = 112  # the core refused a request: its same-host peer is gone (aio__shm_peer_gone)
+_PEER_GONE = 4095  # AIO_EPEERGONE: the core refused a request, its same-host peer is gone
 
 
 def _strerror(code: int) -> str:
@@ -58,8 +58,8 @@ def _strerror(code: int) -> str:
 
 
 def _peer_gone(msg: str, code: int) -> PeerUnreachable:
-    """The core refused a request to a same-host peer whose process is gone (``-EHOSTDOWN``,
-    see cdeps' ``aio__shm_peer_gone``): final, never posted again."""
+    """The core refused a request to a same-host peer whose process is gone
+    (``-AIO_EPEERGONE``, see cdeps' ``aio__shm_peer_gone``): final, never posted again."""
     exc = PeerUnreachable(msg, code, 0)
     exc._final = True  # type: ignore[attr-defined]  # not posted again
     return exc
@@ -67,7 +67,7 @@ def _peer_gone(msg: str, code: int) -> PeerUnreachable:
 
 def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
     code = -status
-    if code == _EHOSTDOWN:  # refused by the core before posting (its same-host peer is gone)
+    if code == _PEER_GONE:  # refused by the core before posting (its same-host peer is gone)
         return _peer_gone(f"{what} failed: the same-host peer's process is gone; not posted", code)
     msg = f"{what} failed: {_strerror(code)} (libfabric error {code}, provider error {prov_errno})"
     if code in _PEER_ERRORS or (code == _FI_ECANCELED and prov_errno in _PEER_ERRORS):
@@ -115,7 +115,7 @@ def _post_error(code: int, what: str, posted: int) -> AioteError:
         return InvalidArgument(f"{what}: message too large for the transport{tail}")
     if c == _FI_EINVAL:
         return InvalidArgument(f"{what}: the transport rejected the request as invalid{tail}")
-    if c == _EHOSTDOWN:
+    if c == _PEER_GONE:
         return _peer_gone(f"{what}: the same-host peer's process is gone; nothing was posted to it{tail}", c)
     if c in _PEER_ERRORS:
         return PeerUnreachable(f"{what}: {_strerror(c)}{tail}", c, 0)

@@ -108,13 +108,13 @@ int aio__direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
 
 /* The checks of a direct copy, made in place for a request that moves no bytes itself (a bare
  * immediate to a same-host peer): the peer's process alive, the slot's key, bounds and right.
- * 0, -FI_EINVAL (bad code), -FI_EHOSTDOWN (the peer died: nothing posted, counted as
+ * 0, -FI_EINVAL (bad code), -AIO_EPEERGONE (the peer died: nothing posted, counted as
  * posts_peer_gone) or -FI_EACCES. No busy mark: nothing of the region is touched. */
 int aio__direct_check(aio_engine *e, const aio_op_desc *d) {
     direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
     if (aio__peer_gone(p)) {
         atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
-        return -FI_EHOSTDOWN;
+        return -AIO_EPEERGONE;
     }
     if (slot_refuses(&p->t->slots[d->direct & 0xffff], d)) return -FI_EACCES;
     return 0;

@@ -36,6 +36,7 @@ void aio__set_err(char *err, size_t errlen, const char *fmt, ...) {
 
 const char *aio_strerror(int code) {
     if (code < 0) code = -code;
+    if (code == AIO_EPEERGONE) return "the same-host peer's process is gone";
     return fi_strerror(code);
 }
 

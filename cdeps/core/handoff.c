@@ -105,11 +105,12 @@ static ssize_t dq_post(aio_engine *e, aio_rail *r, aio_op *op) {
     const aio_op_desc *d = &op->d;
     aio_mr *m = d->mr;
     /* never to an shm peer whose process is gone (its provider would spin on a lock in the dead
-     * peer's region: shm_wake.c): the request fails as its peer's, nothing posted (an immediate
-     * after a direct copy: the copy looked at the peer's pidfd) */
-    if (r->is_shm && op->dpost && !d->direct && aio__shm_peer_gone(r, d->peer)) {
+     * peer's region: shm_wake.c): the request fails as its peer's, nothing posted. The immediate
+     * after a direct copy too: its peer may have died since the copy, or while the immediate
+     * waited here for room in the peer's full queue */
+    if (r->is_shm && aio__shm_peer_gone(r, d->peer)) {
         atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
-        return -FI_EHOSTDOWN;
+        return -AIO_EPEERGONE;
     }
     ssize_t ret = op->dpost ? aio__post_one(r, d, op)
                             : fi_writedata(r->ep, (char *)m->buf + d->offset, 0, m->desc[op->rail],

@@ -238,7 +238,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     /* (a request with a direct code: its peer's pidfd was looked at, aio__direct_check) */
     if (!it->direct && !hold_peer_lives(h, it->peer)) { /* nothing posted */
         atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
-        return -FI_EHOSTDOWN;
+        return -AIO_EPEERGONE;
     }
     int64_t idle = 0; /* when the self-driven progress found nothing for POST_IDLE_NS: give up */
     while (!(op = op_start(e, r, g, m, it))) {
@@ -392,7 +392,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     if (r->is_shm && aio__shm_peer_gone(r, peer)) { /* see hold_peer_lives: nothing posted */
         pthread_mutex_unlock(&r->mu);
         atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
-        return -FI_EHOSTDOWN;
+        return -AIO_EPEERGONE;
     }
     aio_op *op = NULL;
     for (;;) {

@@ -41,9 +41,9 @@
  * request goes to the provider, the posting code (post.c, handoff.c) asks aio__shm_peer_gone:
  * the target's owner lock file (opened once per address, beside its wake-up files) can be
  * locked shared at once only when no process holds it, i.e. the owner died (or closed its last
- * endpoint). Such a request fails with -FI_EHOSTDOWN and nothing is posted. One flock call per
- * call and peer while the target lives; a target that dies while a sender already spins on its
- * lock is beyond this. */
+ * endpoint). Such a request fails with -AIO_EPEERGONE and nothing is posted. One flock call per
+ * request while the target lives (per posting call and peer for a batch, post.c); a target that
+ * dies while a sender already spins on its lock is beyond this. */
 #include "internal.h"
 
 #include <dirent.h>
@@ -254,7 +254,14 @@ static shm_wpeer *wpeer_of(aio_rail *r, uint64_t fa) {
     char path[300];
     if (strlen(name) > pl + 16 && name[pl + 16] == '-') { /* aiote-<16 hex token>-<n> */
         snprintf(path, sizeof(path), "/dev/shm/" OWN_PREFIX "%.16s.lock", name + pl);
-        w->lockfd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        w->lockfd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+        struct stat st;
+        if (w->lockfd < 0 && errno == ENOENT) {
+            w->dead = 1; /* a live owner holds its lock file: it is gone (and its files swept) */
+        } else if (w->lockfd >= 0 && (fstat(w->lockfd, &st) != 0 || !S_ISREG(st.st_mode))) {
+            close(w->lockfd);
+            w->lockfd = -1;
+        }
     }
     snprintf(path, sizeof(path), "/dev/shm/%s.w", name);
     int wfd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
@@ -290,12 +297,13 @@ void aio__shm_wake(aio_rail *r, uint64_t fa) {
 
 /* Whether the aiote process that owns the shm endpoint at `fa` is gone: its lock file can be
  * locked (shared) at once, so nobody holds it (the kernel dropped the owner's lock as it died,
- * or its last endpoint closed). Sticky. Costs one flock call while the owner lives. Caller
- * holds r->mu. */
+ * or its last endpoint closed), or it was already gone at the first look. Sticky. Costs one
+ * flock call while the owner lives. Caller holds r->mu. */
 int aio__shm_peer_gone(aio_rail *r, uint64_t fa) {
     shm_wpeer *w = wpeer_of(r, fa);
-    if (!w || w->lockfd < 0) return 0;
+    if (!w) return 0;
     if (w->dead) return 1;
+    if (w->lockfd < 0) return 0;
     if (flock(w->lockfd, LOCK_SH | LOCK_NB) != 0) return 0; /* EWOULDBLOCK: it lives */
     flock(w->lockfd, LOCK_UN);
     w->dead = 1;
