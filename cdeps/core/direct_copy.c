@@ -24,6 +24,7 @@
 #include "copier.h"
 #include "direct_copy.h"
 #include "direct_table.h"
+#include "shm_wake.h"
 
 /* Whether [raddr, raddr + len) of the peer's memory lies in its arena, mapped here. */
 static int in_arena(const direct_peer *p, uint64_t raddr, uint64_t len) {
@@ -112,10 +113,7 @@ int aio__direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
  * posts_peer_gone) or -FI_EACCES. No busy mark: nothing of the region is touched. */
 int aio__direct_check(aio_engine *e, const aio_op_desc *d) {
     direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
-    if (aio__peer_gone(p)) {
-        atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
-        return -AIO_EPEERGONE;
-    }
+    if (aio__peer_gone(p)) return aio__peer_gone_refusal(e);
     if (slot_refuses(&p->t->slots[d->direct & 0xffff], d)) return -FI_EACCES;
     return 0;
 }

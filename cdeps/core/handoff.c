@@ -108,10 +108,7 @@ static ssize_t dq_post(aio_engine *e, aio_rail *r, aio_op *op) {
      * peer's region: shm_wake.c): the request fails as its peer's, nothing posted. The immediate
      * after a direct copy too: its peer may have died since the copy, or while the immediate
      * waited here for room in the peer's full queue */
-    if (r->is_shm && aio__shm_peer_gone(r, d->peer)) {
-        atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
-        return -AIO_EPEERGONE;
-    }
+    if (r->is_shm && aio__shm_peer_gone(r, d->peer)) return aio__peer_gone_refusal(e);
     ssize_t ret = op->dpost ? aio__post_one(r, d, op)
                             : fi_writedata(r->ep, (char *)m->buf + d->offset, 0, m->desc[op->rail],
                                            d->data, d->peer, d->raddr, d->rkey, &op->ctx);

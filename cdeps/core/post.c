@@ -236,10 +236,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
         hold_rail(h, r, HOLD_WAIT); /* no op free: wait for the lock, and drive completions, as below */
     }
     /* (a request with a direct code: its peer's pidfd was looked at, aio__direct_check) */
-    if (!it->direct && !hold_peer_lives(h, it->peer)) { /* nothing posted */
-        atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
-        return -AIO_EPEERGONE;
-    }
+    if (!it->direct && !hold_peer_lives(h, it->peer)) return aio__peer_gone_refusal(e);
     int64_t idle = 0; /* when the self-driven progress found nothing for POST_IDLE_NS: give up */
     while (!(op = op_start(e, r, g, m, it))) {
         if (!post_progress(e, r, deadline, &idle)) break;
@@ -389,10 +386,9 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     if (hlen > r->slot_size || blen > r->slot_size || len > r->slot_size) return -FI_EMSGSIZE;
     int64_t deadline = now_ns() + budget_ns;
     pthread_mutex_lock(&r->mu);
-    if (r->is_shm && aio__shm_peer_gone(r, peer)) { /* see hold_peer_lives: nothing posted */
+    if (r->is_shm && aio__shm_peer_gone(r, peer)) { /* see hold_peer_lives */
         pthread_mutex_unlock(&r->mu);
-        atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
-        return -AIO_EPEERGONE;
+        return aio__peer_gone_refusal(e);
     }
     aio_op *op = NULL;
     for (;;) {

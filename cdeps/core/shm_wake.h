@@ -21,5 +21,11 @@ AIO_INTERNAL void aio__shm_wake(aio_rail *r, uint64_t fa);
  * lives). A request to it must not be posted: libfabric's shm provider would spin for ever on a
  * lock in its region that it may have held as it died. Caller holds r->mu. */
 AIO_INTERNAL int aio__shm_peer_gone(aio_rail *r, uint64_t fa);
+/* A request refused because its same-host peer is gone: counted (posts_peer_gone), and the
+ * error it fails with. Nothing was posted. */
+static inline int aio__peer_gone_refusal(aio_engine *e) {
+    atomic_fetch_add_explicit(&e->st_gone, 1, memory_order_relaxed);
+    return -AIO_EPEERGONE;
+}
 
 #endif

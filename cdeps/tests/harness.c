@@ -59,7 +59,7 @@ int32_t g_watch_us; /* the next engines' watch interval (0: the default) */
 /* An engine with `nrails` rails of the provider (x->rail: the first) driven by `pollers`
  * poller threads, its region registered on all of them. */
 int eng_init_p(eng_t *x, const char *prov, const char *nic, uint64_t region_len, int nrails,
-                      int pollers) {
+               int pollers) {
     memset(x, 0, sizeof(*x));
     char err[512] = "";
     aio_engine_config cfg;
@@ -180,21 +180,28 @@ int post_all(eng_t *x, int64_t g, const aio_op_desc *it, int64_t n, double timeo
     return 0;
 }
 
-aio_op_desc op_to(eng_t *src, eng_t *dst, int op, uint64_t loff, uint64_t roff,
-                         uint64_t len, int flags, uint64_t data) {
+/* A request from src's region (at loff) to the remote address raddr under key rkey. */
+aio_op_desc op_at(eng_t *src, int op, uint64_t loff, uint64_t raddr, uint64_t rkey, uint64_t len,
+                  int flags, uint64_t data) {
     aio_op_desc d;
     memset(&d, 0, sizeof(d));
     d.mr = src->mr;
     d.offset = loff;
     d.length = len;
     d.peer = src->peer;
-    d.raddr = aio_mr_remote_base(dst->mr, dst->rail) + roff;
-    d.rkey = aio_mr_key(dst->mr, dst->rail);
+    d.raddr = raddr;
+    d.rkey = rkey;
     d.data = data;
     d.rail = src->rail;
     d.op = op;
     d.flags = flags;
     return d;
+}
+
+aio_op_desc op_to(eng_t *src, eng_t *dst, int op, uint64_t loff, uint64_t roff, uint64_t len, int flags,
+                  uint64_t data) {
+    return op_at(src, op, loff, aio_mr_remote_base(dst->mr, dst->rail) + roff, aio_mr_key(dst->mr, dst->rail),
+                 len, flags, data);
 }
 
 /* Opens a group, posts the items, seals it and waits for its record (whatever its status). */

@@ -122,6 +122,7 @@ int wait_rec(eng_t *x, int kind, uint64_t token, double timeout, aio_record *out
 int wait_take(eng_t *x, uint32_t imm, uint64_t units, double timeout);
 int wait_total(eng_t *x, uint32_t imm, uint64_t units, double timeout);
 int post_all(eng_t *x, int64_t g, const aio_op_desc *it, int64_t n, double timeout);
+aio_op_desc op_at(eng_t *src, int op, uint64_t loff, uint64_t raddr, uint64_t rkey, uint64_t len, int flags, uint64_t data);
 aio_op_desc op_to(eng_t *src, eng_t *dst, int op, uint64_t loff, uint64_t roff, uint64_t len, int flags, uint64_t data);
 int group_record(eng_t *x, const aio_op_desc *it, int64_t n, aio_record *r);
 int run_group(eng_t *x, const aio_op_desc *it, int64_t n, aio_record *rec);

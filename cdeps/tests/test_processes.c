@@ -44,21 +44,9 @@ static void my_info(eng_t *x, peer_info *pi) {
     pi->len = x->len;
 }
 
-aio_op_desc op_remote(eng_t *src, const peer_info *pi, int op, uint64_t loff, uint64_t roff,
-                             uint64_t len, int flags, uint64_t data) {
-    aio_op_desc d;
-    memset(&d, 0, sizeof(d));
-    d.mr = src->mr;
-    d.offset = loff;
-    d.length = len;
-    d.peer = src->peer;
-    d.raddr = pi->base + roff;
-    d.rkey = pi->key;
-    d.data = data;
-    d.rail = src->rail;
-    d.op = op;
-    d.flags = flags;
-    return d;
+aio_op_desc op_remote(eng_t *src, const peer_info *pi, int op, uint64_t loff, uint64_t roff, uint64_t len,
+                      int flags, uint64_t data) {
+    return op_at(src, op, loff, pi->base + roff, pi->key, len, flags, data);
 }
 
 
