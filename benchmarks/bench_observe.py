@@ -1,19 +1,23 @@
-"""What observability costs per operation, measured finely interleaved in one process.
+"""What observability costs per operation, with every setting on the very same engines.
 
-Four engines, one per setting (``off``; ``metrics``; ``tracing``: metrics and spans for the
-operations inside a sampled span, none here; ``tracing-all``: a span for every operation),
-each writing to a peer engine of its own in this process, all open for the whole run. A round
-runs a block of operations on each setting in turn (the order rotating each round); the
-figures are the medians over the rounds of each block's event-loop CPU per operation
-(``time.thread_time``) and wall time per operation, and of the paired differences from
-``off`` in the same round. Fine interleaving keeps a shared machine's drift out of the pairs,
-which ``aiote bench --observe`` (whole cases, seconds apart) cannot on a busy machine.
+One writing engine and its peer, in this process, open for the whole run. A block of operations
+runs with each setting in turn, the writer switched to it between blocks
+(``Engine._observe_as``: a private hook, used so that the settings differ by nothing but the
+observation code; nothing is in flight between blocks). Settings: ``off``; ``metrics``;
+``tracing`` (these operations run outside any trace, so they get no span); ``tracing-all`` (a
+span for every operation, through the SDK's batch processor to an exporter that drops them).
+
+Each round runs a block of each setting, the order rotating each round. Per block: the
+event-loop CPU per operation (``time.thread_time``), and the p50 of the operations' own wall
+times. The figures are the medians over the rounds of each setting's paired difference from
+``off`` in the same round (interquartile range in brackets).
 
 Cases: an awaited ``write_imm`` (the latency path: one operation per round trip to the
 poller), and a ``TransferBatch`` of 16 writes of 64 KiB submitted again and again (the
-throughput path of ``aiote bench write``: one operation per MiB), tcp over loopback.
+throughput path of ``aiote bench write``: one operation per MiB; its ratio is the throughput
+kept), tcp over loopback.
 
-    python benchmarks/bench_observe.py [--rounds 60] [--ops 200] [--json out.json]
+    python benchmarks/bench_observe.py [--rounds 60] [--ops 200] [--backend trio] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -37,54 +40,52 @@ from aiote.cli import _observe
 SETTINGS = _observe.VARIANTS  # off, metrics, tracing, tracing-all
 
 
-async def _cases(stack: AsyncExitStack, setting: str) -> dict[str, Callable[[], Awaitable[None]]]:
-    """The operations of one setting's engine: {case: one operation}."""
-    a = await stack.enter_async_context(aiote.open_engine(observe=_observe.variant(setting), same_host=None))
-    b = await stack.enter_async_context(aiote.open_engine(same_host=None))
-    dst = await b.register(np.zeros(16 << 16, np.uint8))
-    src = await a.register(np.ones(16 << 16, np.uint8))
-    await a.connect(dst.descriptor, timeout=30)
-    batch = a.batch()
-    for k in range(16):
-        batch.write(src, dst.descriptor, length=1 << 16, src_offset=k << 16, dst_offset=k << 16)
-    d = dst.descriptor
-
-    async def write_imm() -> None:
-        await a.write_imm(d, 1)
-
-    async def write_batch() -> None:
-        await batch.submit(timeout=60)
-
-    return {"write_imm": write_imm, "batch 16 x 64 KiB": write_batch}
-
-
 async def run(rounds: int, ops: int) -> dict[str, Any]:
     cpu: dict[tuple[str, str], list[float]] = {}
-    wall: dict[tuple[str, str], list[float]] = {}
-    async with AsyncExitStack() as stack:
-        cases = {s: await _cases(stack, s) for s in SETTINGS}
+    p50: dict[tuple[str, str], list[float]] = {}
+    async with aiote.open_engine(same_host=None) as a, \
+            aiote.open_engine(same_host=None) as b:
+        dst = await b.register(np.zeros(16 << 16, np.uint8))
+        src = await a.register(np.ones(16 << 16, np.uint8))
+        await a.connect(dst.descriptor, timeout=30)
+        batch = a.batch()
+        for k in range(16):
+            batch.write(src, dst.descriptor, length=1 << 16, src_offset=k << 16, dst_offset=k << 16)
+        d = dst.descriptor
+        settings = {s: _observe.variant(s) for s in SETTINGS}
+        cases: dict[str, tuple[Callable[[], Awaitable[None]], int]] = {
+            "write_imm": (lambda: a.write_imm(d, 1), ops),
+            "batch 16 x 64 KiB": (lambda: batch.submit(timeout=60), max(1, ops // 4)),
+        }
+        clock = time.perf_counter_ns
         for r in range(rounds):
             order = SETTINGS[r % len(SETTINGS):] + SETTINGS[: r % len(SETTINGS)]
-            for name in cases[SETTINGS[0]]:
-                n = ops if name == "write_imm" else max(1, ops // 10)
+            for name, (op, n) in cases.items():
                 for s in order:
-                    op = cases[s][name]
+                    a._observe_as(settings[s])
                     await op()  # (warm)
-                    c0, w0 = time.thread_time(), time.perf_counter()
-                    for _ in range(n):
+                    walls = [0] * n
+                    c0 = time.thread_time()
+                    for i in range(n):
+                        t0 = clock()
                         await op()
+                        walls[i] = clock() - t0
                     cpu.setdefault((name, s), []).append((time.thread_time() - c0) / n * 1e6)
-                    wall.setdefault((name, s), []).append((time.perf_counter() - w0) / n * 1e6)
+                    p50.setdefault((name, s), []).append(statistics.median(walls) / 1e3)
     rows = []
-    for name in cases[SETTINGS[0]]:
+    for name in cases:
         for s in SETTINGS:
             row: dict[str, Any] = {"case": name, "setting": s}
-            for what, figures in (("cpu_us", cpu), ("wall_us", wall)):
+            for what, figures in (("cpu_us", cpu), ("p50_us", p50)):
                 mine, off = figures[(name, s)], figures[(name, "off")]
                 added = [x - y for x, y in zip(mine, off, strict=True)]
                 row[what] = statistics.median(mine)
                 row[f"{what}_added"] = statistics.median(added)
                 row[f"{what}_added_iqr"] = statistics.quantiles(added, n=4)[::2]
+                if what == "p50_us":
+                    ratios = [y / x for x, y in zip(mine, off, strict=True)]  # throughput kept
+                    row["throughput_ratio"] = statistics.median(ratios)
+                    row["throughput_ratio_iqr"] = statistics.quantiles(ratios, n=4)[::2]
             rows.append(row)
     return {"rounds": rounds, "ops": ops, "python": platform.python_version(),
             "platform": platform.platform(), "aiote": aiote.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -94,19 +95,21 @@ async def run(rounds: int, ops: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--ops", type=int, default=200, help="write_imm per block (batches: a tenth)")
+    ap.add_argument("--ops", type=int, default=200, help="write_imm per block (batches: a quarter)")
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--json", dest="json_file")
     args = ap.parse_args()
     result = anyio.run(run, args.rounds, args.ops, backend=args.backend)
     result["backend"] = args.backend
     sys.stderr.write(f"\n{'case':20} {'setting':12} {'loop CPU us/op':>15} {'added (IQR)':>24} "
-                     f"{'wall us/op':>11} {'added (IQR)':>24}\n")
+                     f"{'p50 us':>9} {'added (IQR)':>24} {'throughput kept':>16}\n")
     for r in result["rows"]:
-        c, w = r["cpu_us_added_iqr"], r["wall_us_added_iqr"]
+        c, w, t = r["cpu_us_added_iqr"], r["p50_us_added_iqr"], r["throughput_ratio_iqr"]
         sys.stderr.write(f"{r['case']:20} {r['setting']:12} {r['cpu_us']:15.2f} "
-                         f"{r['cpu_us_added']:+8.2f} ({c[0]:+.2f}..{c[1]:+.2f}) {r['wall_us']:11.2f} "
-                         f"{r['wall_us_added']:+8.2f} ({w[0]:+.2f}..{w[1]:+.2f})\n")
+                         f"{r['cpu_us_added']:+8.2f} ({c[0]:+.2f}..{c[1]:+.2f}) {r['p50_us']:9.2f} "
+                         f"{r['p50_us_added']:+8.2f} ({w[0]:+.2f}..{w[1]:+.2f}) "
+                         + (f"x{r['throughput_ratio']:.3f} ({t[0]:.3f}..{t[1]:.3f})"
+                            if "batch" in r["case"] else "") + "\n")
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump(result, f, indent=2)

@@ -276,6 +276,85 @@ async def test_repeated_operations_count_exactly_through_the_runs_and_their_fold
     assert sample(reg, "aiote_transfer_duration_seconds_count", op="write", route="tcp") == 350
 
 
+@pytest.mark.parametrize("route", ["default", "tcp"])
+async def test_repeats_outside_any_span_or_call_count_as_inside_one(route: str) -> None:
+    """A repeated request (a kept ``write``/``write_imm``, a batch re-submitted) outside any
+    span, flow call or observed operation is observed without a record (its table's run);
+    the same repeats inside a sampled span or a flow call are observed with one. Both count
+    the same operations and bytes, on the route they ran (the default engines: same host);
+    inside the span or the call every repeat has its span, the call has their bytes; a
+    repeat that fails is an error, not a duration."""
+    reg, (provider, spans) = CollectorRegistry(), tracing()
+    opts = TCP if route == "tcp" else {}
+    obs = aiote.Observability(registry=reg, tracer_provider=provider)
+    async with aiote.open_engine(observe=obs, **opts) as a, aiote.open_engine(**opts) as b:
+        mb = await b.register(np.zeros(1 << 16, np.uint8))
+        ma = await a.register(np.ones(1 << 16, np.uint8))
+        d = mb.descriptor
+        batch = a.batch().write(ma, d, length=100).write(ma, d, length=200, dst_offset=4096)
+        app = provider.get_tracer("app")
+        observer = a.observer
+        assert observer is not None
+        for _ in range(5):  # outside: the record-less path, no span
+            assert observer._plain()
+            await a.write(ma, d, length=1000)
+            await a.write_imm(d, 1)
+            await batch.submit()
+        with app.start_as_current_span("request"):
+            assert not observer._plain()
+            for _ in range(5):
+                await a.write(ma, d, length=1000)
+                await a.write_imm(d, 1)
+                await batch.submit()
+        with observer.flow_call("test", "call") as call:
+            assert not observer._plain()
+            for _ in range(5):
+                await a.write(ma, d, length=1000)
+        assert call.bytes == 5 * 1000
+        assert observer._plain()
+        observer.flush()
+        (label,) = {s.labels["route"] for m in reg.collect() if m.name == "aiote_transfer_bytes"
+                    for s in m.samples if s.labels.get("op") == "write"}
+        expect = {"tcp": "tcp", "default": "direct"}[route]
+        assert label == expect  # (the route it ran on)
+        assert sample(reg, "aiote_transfer_bytes_total", op="write", route=label) == 15 * 1000
+        assert sample(reg, "aiote_transfer_duration_seconds_count", op="write", route=label) == 15
+        assert sample(reg, "aiote_transfer_duration_seconds_count", op="write_imm", route=label) == 10
+        assert sample(reg, "aiote_transfer_duration_seconds_count", op="batch", route=label) == 10
+        assert sample(reg, "aiote_transfer_bytes_total", op="batch", route=label) == 10 * 300
+        assert sample(reg, "aiote_operations_in_flight") == 0
+        got = Counter(x.name for x in spans.get_finished_spans())
+        assert got == {"request": 1, "aiote.test.call": 1, "aiote.write": 10, "aiote.write_imm": 5,
+                       "aiote.batch": 5}  # (the call's span is the parent of its writes')
+        await b.aclose()  # the peer gone: a repeat of the kept request fails
+        with pytest.raises(aiote.PeerUnreachable):
+            await a.write_imm(d, 1, retry=GONE)
+        assert sample(reg, "aiote_transfer_errors_total", op="write_imm", error="PeerUnreachable") == 1
+        assert sample(reg, "aiote_transfer_duration_seconds_count", op="write_imm", route=label) == 10
+        assert sample(reg, "aiote_operations_in_flight") == 0
+
+
+async def test_an_engine_switched_between_observers_counts_into_the_one_in_force() -> None:
+    """``Engine._observe_as`` (what the cost benchmarks switch settings with): operations count
+    into the observer in force when they run, none while off; an observer is kept per
+    ``Observability`` object and closed with the engine (its series stay)."""
+    r1, r2 = CollectorRegistry(), CollectorRegistry()
+    o1, o2 = aiote.Observability(registry=r1), aiote.Observability(registry=r2)
+    async with aiote.open_engine(**TCP) as a, aiote.open_engine(**TCP) as b:
+        d = (await b.register(np.zeros(64, np.uint8))).descriptor
+        await a.write_imm(d, 1)
+        for obs, n in ((o1, 2), (None, 3), (o2, 1), (o1, 4)):
+            a._observe_as(obs)
+            assert (a.observer is None) == (obs is None)
+            for _ in range(n):
+                await a.write_imm(d, 1)
+        assert len(a._observers) == 2
+        with pytest.raises(aiote.InvalidArgument):
+            a._observe_as(aiote.Observability(spans="some"))
+    assert sample(r1, "aiote_transfer_duration_seconds_count", op="write_imm", route="tcp") == 6
+    assert sample(r2, "aiote_transfer_duration_seconds_count", op="write_imm", route="tcp") == 1
+
+
 async def test_engines_sharing_a_registry_add_up_and_separate_ones_do_not_collide() -> None:
     shared, own = CollectorRegistry(), CollectorRegistry()
     async with (

@@ -11,6 +11,7 @@ from .._native import ffi, lib
 from ._descriptor import MemoryDescriptor
 from ._errors import InvalidArgument, PeerUnreachable
 from ._memory import MemoryRegion
+from ._observe import Tries
 from ._posted import Transfer
 from ._records import _check_retry, _end
 from ._retry import RetryPolicy
@@ -215,7 +216,13 @@ class TransferBatch:
         # through once per completion of a batch re-submitted in a loop; observed in place
         end = _end(timeout)
         obs = eng._obs
-        rec, token = (None, None) if obs is None else obs._enter(what)
+        rec = token = tries = None
+        t0 = 0
+        if obs is not None:  # observed as its one group (no record) where nothing else asks for one
+            if obs._plain():
+                t0 = obs._kept_start()
+            else:
+                rec, token = obs._enter(what)
         try:
             try:
                 eng._opening += 1
@@ -224,13 +231,19 @@ class TransferBatch:
                 finally:
                     eng._opening -= 1
             except PeerUnreachable as exc:
+                if obs is not None and rec is None:
+                    attempt = tries = Tries(attempt)
                 await eng._retry_after(exc, attempt, end, eng._retry, what)
         except BaseException as exc:
             if rec is not None:
                 rec.obs._leave(rec, token, exc)
+            elif obs is not None:
+                obs._kept_end(rows, what, t0, tries, exc)
             raise
         if rec is not None:
             rec.obs._leave(rec, token, None)
+        elif obs is not None:
+            obs._kept_end(rows, what, t0, tries, None)
 
     async def _submit(
         self,

@@ -136,8 +136,8 @@ class Engine(Collective):
                 await self._bridge.stop()
             h = self._h
             self._closed = True
-            if self._obs is not None:  # its last native read, before the engine is gone
-                self._obs._close()
+            for obs in self._observers:  # their last native read, before the engine is gone
+                obs._close()
             await anyio.to_thread.run_sync(lib.aio_engine_destroy, h)
         for op in self._ops.close():
             op.event.set()

@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import numpy as np
+
 from ._errors import PeerUnreachable
 from ._life import OpLife
-from ._observe import Observer, _OpRecord
+from ._observe import Observer, Tries, _OpRecord, check_observe
 from ._records import _GROUPS, _check_retry, _end, _GroupTap
 from ._retry import RetryPolicy
 
@@ -23,6 +25,28 @@ class Observed(OpLife):
         requests through it), or None when it was opened without ``observe``. O(1), raises
         nothing."""
         return self._obs
+
+    def _observe_as(self, observe: Any) -> None:
+        """Observes this engine's operations from now on as ``observe`` (an
+        :class:`Observability`, or None: not at all) says, through an observer kept per
+        ``observe`` object (made and bound the first time, closed with the engine). For the
+        benchmarks of what observing costs, which run every setting on the same engines, so
+        that the settings differ by nothing but the observation code. Call it only while no
+        operation of this engine is in flight and the engine is open. Raises InvalidArgument
+        for an unusable ``observe`` (see ``open_engine``)."""
+        self._check_open()
+        if observe is None:
+            self._obs = None
+            return
+        for obs in self._observers:
+            if obs.options is observe:
+                self._obs = obs
+                return
+        check_observe(observe)
+        made = Observer(observe, self._rails, self._h)
+        made._bind(self._bridge, self._event)
+        self._observers.append(made)
+        self._obs = made
 
     def _attempts(  # returns OpLife's coroutine itself: no coroutine of its own
         self,
@@ -71,6 +95,38 @@ class Observed(OpLife):
             raise
         _GROUPS.reset(token)
         obs._end(rec, None)
+
+    async def _observed_kept(
+        self,
+        obs: Observer,
+        table: np.ndarray,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        what: str,
+    ) -> None:
+        """``OpLife._attempts`` of an operation whose every attempt posts ``table`` as its one
+        group (a kept request, a batch), observed without a record when
+        :meth:`Observer._plain` said so: its start time and, at its end, its table's run
+        (what :meth:`_observed` counts for it, without the record, the ``_GROUPS`` binding and
+        the group's tap)."""
+        _check_retry(retry)
+        end = _end(timeout)
+        t0 = obs._kept_start()
+        policy = self._enter_attempts(retry)
+        tries = None
+        try:
+            try:
+                await attempt(timeout)
+            except PeerUnreachable as exc:
+                tries = Tries(attempt)
+                await OpLife._retry_after(self, exc, tries, end, retry or self._retry, what)
+            finally:
+                self._leave_attempts(policy)
+        except BaseException as failed:
+            obs._kept_end(table, what, t0, tries, failed)
+            raise
+        obs._kept_end(table, what, t0, tries, None)
 
     def _retry_after(  # the slow path: posting again after a broken connection
         self,

@@ -154,6 +154,7 @@ class EngineState:
         self._direct_codes: dict[int, tuple[MemoryDescriptor, tuple[int, int]]] = {}
         # metrics and spans (see _observe.py); None: off, one `is None` test per operation
         self._obs: Observer | None = Observer(observe, rails, handle) if observe is not None else None
+        self._observers: list[Observer] = [self._obs] if self._obs is not None else []  # (see _observe_as)
 
     # ------------------------------------------------------------------ properties
 

@@ -122,8 +122,11 @@ class Transfers(Rows):
         is registered, the descriptor is the same object and no link is down: the request is
         the one the full path would build (it saves ~10 us of validation and packing)."""
         _, _, table, post, items = m  # _attempts' coroutine itself: no layer of its own
-        return self._attempts(partial(self._kept_once, post, len(table), (refs, table), items, what),
-                              timeout, retry, what)
+        attempt = partial(self._kept_once, post, len(table), (refs, table), items, what)
+        obs = self._obs
+        if obs is not None and obs._plain():  # observed as its one group: no record
+            return self._observed_kept(obs, table, attempt, timeout, retry, what)
+        return self._attempts(attempt, timeout, retry, what)
 
     async def _write_host(
         self,

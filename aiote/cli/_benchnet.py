@@ -34,6 +34,8 @@ from aiote import Engine, EngineAddress, MemoryDescriptor, MemoryRegion
 from aiote._native._fabric_paths import libfabric_dirs
 from aiote.testing import answer_pings, ready_line
 
+from . import _observe
+
 CDEPS = Path(__file__).resolve().parents[2] / "cdeps"  # a source checkout's C core
 CSRC = Path(__file__).resolve().parents[1] / "_native" / "csrc"  # the same sources, in a wheel
 CBENCH = CDEPS / "build" / "aiote_cbench"  # where a source checkout builds it
@@ -188,6 +190,13 @@ class _Server:
         self.sunk = 0
         self.sink_waiter: tuple[bytes, Any, int] | None = None  # (sender, id, n)
         self.c_procs: list[anyio.abc.Process] = []
+        self.observe: dict[str, aiote.Observability | None] = {}  # (op "observe": one per setting)
+
+    def observing(self, setting: str) -> aiote.Observability | None:
+        """The ``observe=`` of ``setting`` (one of ``_observe.VARIANTS``), made once."""
+        if setting not in self.observe:
+            self.observe[setting] = _observe.variant(setting)
+        return self.observe[setting]
 
     async def reply(self, to: bytes, rid: Any, body: dict[str, Any]) -> None:
         body["id"] = rid
@@ -235,6 +244,13 @@ class _Server:
                 arr.fill(0x5A)  # touched: reads of untouched pages would read the kernel's zero page
                 self.regions[name] = await e.register(arr, remote_write=True, remote_read=True)
                 body["desc"] = bytes(self.regions[name].descriptor).hex()
+            elif op == "observe":  # aiote bench --observe: this engine observed as the setting says
+                e._observe_as(self.observing(cmd["setting"]))
+            elif op == "observe-pong":  # aiote bench --observe: pongs in blocks, each block observed
+                remote = MemoryDescriptor.from_bytes(bytes.fromhex(cmd["remote"]))  # as its setting says
+                for name in cmd["order"]:
+                    e._observe_as(self.observing(name))
+                    await answer_pings(e, remote, cmd["ping"], cmd["pong"], cmd["per"])
             elif op == "wait":
                 await e.imm_counter(cmd["imm"]).wait(cmd["n"], timeout=cmd.get("wait_timeout", 120))
             elif op == "sink":  # replies once n more bulk messages arrived

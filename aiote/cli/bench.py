@@ -517,7 +517,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--observe", action="store_true",
                     help="the cost of observability: write and imm-latency (or the modes given) with "
                          "metrics, and metrics and tracing, against neither, paired in one run")
-    ap.add_argument("--observe-setting", choices=_observe.VARIANTS, default=None, help=argparse.SUPPRESS)
     _observe.add_arguments(ap)
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
 
@@ -612,7 +611,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     nic_sets: list[tuple[str, ...] | None] = [tuple(_split(n)) for n in args.nics] if args.nics else [None]
     exporter = _observe.Exporter(args, "bench")  # --metrics-port, --trace-dir
-    observe = _observe.variant(args.observe_setting) if args.observe_setting else exporter.observe
+    observe = exporter.observe
     try:
         return _main(args, providers, loops, nic_sets, observe)
     finally:
