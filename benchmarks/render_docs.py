@@ -195,11 +195,12 @@ def versus_lines(versus: list[dict[str, Any]]) -> list[str]:
                                 "measured by the same rounds' `aiote bench write`), median of the rounds' "
                                 "ratios: " + figs + "."]
     for prov, label in (("tcp", "tcp"), ("shm", "same-host")):
-        for setting in ("default", "low-latency"):
+        for setting in ("default", "low-latency", "send/recv"):
             for v in versus:
                 if v["kind"] == "rtt" and v["path"] == label and v["setting"] == setting:
-                    how = "" if setting == "default" else ", low-latency setting"
-                    out += ["", f"aiote WriteImm round trip ({prov}{how}) against UCXX asyncio ({label}): "
+                    how = ", low-latency setting" if setting == "low-latency" else ""
+                    what = "send/recv round trip (8 B)" if setting == "send/recv" else "WriteImm round trip"
+                    out += ["", f"aiote {what} ({prov}{how}) against UCXX asyncio ({label}): "
                                 f"median of the rounds' ratios **{v['ratio']:.2f}** (target < 1; faster in "
                                 f"{v['ahead']} of {v['rounds']} rounds; rounds: {_ratios(v)}). Medians of "
                                 f"the round trips: {v['aiote_rtt_us']:.1f} µs against "

@@ -178,6 +178,27 @@ def test_head_to_head_compares_within_each_round_then_takes_the_median() -> None
     assert "low-latency: aiote 30.0 us, UCXX asyncio 60.0 us, ratio 0.50 (faster in 2 of 2 rounds" in text
 
 
+def test_head_to_head_sets_the_send_recv_round_trip_against_ucxx_apart_from_writeimm() -> None:
+    """The ``sendrecv-latency`` job (aiote's 8-byte send/recv ping-pong) is compared with UCXX's
+    round trip (a send/recv ping-pong too) as a setting of its own; its rows never stand in for
+    the WriteImm round trip, nor the WriteImm rows for it."""
+    rounds = []
+    for one_way, ucxx, sr in ((50.0, 80.0, 30.0), (25.0, 40.0, 25.0), (60.0, 100.0, 45.0)):
+        recs, jobs = _round(1.0, 1.1, 0.5, one_way=one_way, ucxx=ucxx)
+        jobs["sendrecv-latency"] = {"provider": "tcp", "rows": [_aiote_row("sendrecv-latency", 50, sr),
+                                                                 _aiote_row("sendrecv-latency", 99, 3 * sr)]}
+        rounds.append((recs, jobs))
+    got = run.head_to_head(rounds, window=64)
+    rtt = {v["setting"]: v for v in got if v["kind"] == "rtt"}
+    assert rtt["send/recv"]["ratios"] == pytest.approx([60 / 80, 50 / 40, 90 / 100])
+    assert rtt["send/recv"]["ahead"] == 2 and rtt["send/recv"]["aiote_rtt_us"] == pytest.approx(60.0)
+    assert rtt["default"]["ratios"] == pytest.approx([100 / 80, 50 / 40, 120 / 100])
+    # a WriteImm job's rows are not read as send/recv, nor the send/recv job's as WriteImm
+    assert run.load_aiote([rounds[0][1]["imm-latency"]], 64, run._SENDRECV_MODES)["rtt_us"] == {}
+    assert run.load_aiote([rounds[0][1]["sendrecv-latency"]], 64)["rtt_us"] == {}
+    assert "round trip tcp       send/recv  : aiote 60.0 us, UCXX asyncio 80.0 us" in run.versus_table(got)
+
+
 def test_head_to_head_sets_aiote_and_the_best_peer_against_bare_sockets_of_the_same_round(
     tmp_path: Path,
 ) -> None:

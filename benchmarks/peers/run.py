@@ -106,14 +106,14 @@ def run_one(
 def run_aiote(
     python: str, args: argparse.Namespace, timeout: float, keep: str | None = None, repeats: int | None = None
 ) -> dict[str, Any]:
-    """``aiote bench write``, ``aiote bench imm-latency`` and ``aiote bench imm-latency
-    --low-latency`` on tcp and shm, and ``aiote bench write --arena`` on shm, with the peers'
-    sizes, window and repeats (``repeats`` overrides them), right before the peers (same run);
-    their JSON by job name (``write``, ``write-arena``, ``imm-latency``, ``imm-latency-low``; a
-    job that failed is missing). Runs in a scratch
-    directory so that a source tree in the current directory (maybe not built) does not shadow
-    the installed aiote. Its tables are echoed; with ``keep`` (the --json file), its JSON is kept
-    beside it as ``<keep stem>.aiote-<job>.json``."""
+    """``aiote bench write``, ``aiote bench imm-latency``, ``aiote bench imm-latency --low-latency``
+    and ``aiote bench sendrecv-latency`` on tcp and shm, and ``aiote bench write --arena`` on
+    shm, with the peers' sizes, window and repeats (``repeats`` overrides them), right before
+    the peers (same run); their JSON by job name (``write``, ``write-arena``, ``imm-latency``,
+    ``imm-latency-low``, ``sendrecv-latency``; a job that failed is missing). Runs in a
+    scratch directory so that a source tree in the current directory (maybe not built) does
+    not shadow the installed aiote. Its tables are echoed; with ``keep`` (the --json file),
+    its JSON is kept beside it as ``<keep stem>.aiote-<job>.json``."""
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="aiote-peers-") as tmp:
         common = ["--provider", "tcp,shm", "--repeats", str(repeats or args.repeats)]
@@ -128,6 +128,8 @@ def run_aiote(
             + (["--total", args.total] if args.total else []),
             "imm-latency": ["imm-latency", *common, *iters],
             "imm-latency-low": ["imm-latency", "--low-latency", *common, *iters],
+            # an 8-byte send/recv ping-pong: the same exchange as UCXX's round trip (two-sided)
+            "sendrecv-latency": ["sendrecv-latency", *common, *iters],
         }
         for name, argv in jobs.items():
             target = Path(tmp) / f"{name}.json"
@@ -168,6 +170,7 @@ _AIOTE_PATH = {
 }
 _GBPS_KEYS = ("py_gbps", "aiote_gbps", "python_gbps", "gbps")
 _LATENCY_MODES = ("imm-latency", "write-imm-latency", "writeimm-latency", "imm_latency", "write_imm")
+_SENDRECV_MODES = ("sendrecv-latency",)
 
 
 def _path_of(provider: Any) -> str | None:
@@ -204,14 +207,17 @@ def _preference(row: Mapping[str, Any], window: int | None) -> tuple[int, int, i
     )
 
 
-def load_aiote(data: Any, window: int | None = None) -> dict[str, Any]:
+def load_aiote(
+    data: Any, window: int | None = None, latency_modes: Sequence[str] = _LATENCY_MODES
+) -> dict[str, Any]:
     """aiote's figures from ``aiote bench --json`` output (one dict, or a list of them):
 
     ``{"write": {(path, size): gbps}, "rtt_us": {path: {"p50": us, "p99": us}}}``
 
-    ``rtt_us`` is the WriteImm round trip; aiote reports one-way latency (round trip / 2) in rows
-    of mode ``imm-latency`` whose ``size`` is the percentile, so it is doubled here. Fields named
-    ``rtt_us_p50`` / ``rtt_us_p99`` are taken as round trips already.
+    ``rtt_us`` is the WriteImm round trip (``latency_modes``: the rows it is read from;
+    ``_SENDRECV_MODES``: the send/recv round trip instead); aiote reports one-way latency (round
+    trip / 2) in rows of mode ``imm-latency`` whose ``size`` is the percentile, so it is doubled
+    here. Fields named ``rtt_us_p50`` / ``rtt_us_p99`` are taken as round trips already.
     """
     best: dict[tuple[str, str, int], tuple[tuple[int, int, int], float]] = {}
 
@@ -229,7 +235,7 @@ def load_aiote(data: Any, window: int | None = None) -> dict[str, Any]:
             value = next((row[k] for k in _GBPS_KEYS if isinstance(row.get(k), (int, float))), None)
             if value is not None and isinstance(row.get("size"), int):
                 offer(("write", path, int(row["size"])), pref, float(value))
-        elif mode in _LATENCY_MODES:
+        elif mode in latency_modes:
             for pct in (50, 99):
                 rtt = row.get(f"rtt_us_p{pct}")
                 one_way = row.get(f"p{pct}_us", row.get(f"one_way_us_p{pct}"))
@@ -369,7 +375,8 @@ def head_to_head(
       (``aiote_of_sockets``) and best peer / sockets (``peer_of_sockets``);
     - ``kind: rtt``: per (path, setting: default or low-latency), ``ratio`` = median of aiote's
       WriteImm round trip / UCXX asyncio's round trip of the round (< 1 meets the target),
-      ``ahead`` (rounds with ratio < 1).
+      ``ahead`` (rounds with ratio < 1); setting ``send/recv``: aiote's 8-byte send/recv round
+      trip (default setting) against the same UCXX round trip (also a send/recv ping-pong).
     """
     med = statistics.median
     writes: dict[tuple[str, int, str], list[Mapping[str, Any]]] = {}
@@ -383,10 +390,12 @@ def head_to_head(
                 if w["ratio"] is not None:
                     sk = bare.get((w["path"], w["size"])) if memory == "numpy" else None
                     writes.setdefault((w["path"], w["size"], memory), []).append({**w, "sockets_gbps": sk})
-        for setting, job in (("default", "imm-latency"), ("low-latency", "imm-latency-low")):
+        for setting, job in (("default", "imm-latency"), ("low-latency", "imm-latency-low"),
+                             ("send/recv", "sendrecv-latency")):
             if job not in jobs:
                 continue
-            got = load_aiote([jobs[job]], window)
+            modes = _SENDRECV_MODES if job == "sendrecv-latency" else _LATENCY_MODES
+            got = load_aiote([jobs[job]], window, modes)
             for r in compare({"write": {}, "rtt_us": got["rtt_us"]}, recs)["rtt"]:
                 if r["ratio"] is not None:
                     rtts.setdefault((r["path"], setting), []).append(r)
