@@ -206,7 +206,7 @@ async def test_a_finalizer_freeing_while_the_allocator_holds_its_lock_neither_ha
             gc.set_threshold(1, 1, 1)
             try:
                 keep = []
-                for i in range(3000):
+                for i in range(1000):
                     c = Cycle()
                     c.me, c.a = c, e.alloc_host(4096 * (1 + i % 5))  # type: ignore[attr-defined]
                     if i % 7 == 0:

@@ -41,13 +41,13 @@ async def main():
 anyio.run(main)
 """
 
-# 400 peers: past the 255 same-host attachments and (tcp under trio) the 256 addresses of the old
-# hand-over cliff. tcp under asyncio goes past max_peers instead, given as 300 (its addresses are
+# 300 peers: past the 255 same-host attachments and (tcp under trio) the 256 addresses of the old
+# hand-over cliff. tcp under asyncio goes past max_peers instead, given as 200 (its addresses are
 # then reused below 256; the bound's logic is the same at the default 1,024, which PeerBook's
 # tests below feed; 1,000 peers to pass that took 40 s of CI). The engine's logic is the same
 # under both loops.
-PEERS = 400
-SMALL_BOUND = 300
+PEERS = 300
+SMALL_BOUND = 200
 PER_PROCESS = 50
 AT_ONCE = 2
 WARM = 50  # peers served before the starting figures are taken (libfabric's pools, caches)
@@ -113,7 +113,7 @@ async def _churn(route: str, peers: int, bound: int | None = None) -> None:
         assert start is not None
         rss, fds = _rss_kib(), _fds()
         book = e._book
-        # the route it ran on: the 1,000th peer's writes were direct copies (same host) or
+        # the route it ran on: the last peer's writes were direct copies (same host) or
         # tcp writes handed to the poller (each peer's second write: its connection has
         # carried a request), at peer addresses past the old 256 cliff
         if route == "same-host":
