@@ -15,7 +15,11 @@ _CSRC = {  # source in the checkout -> place in the package
         f"cdeps/core/{p.name}": f"aiote/_native/csrc/core/{p.name}"
         for p in sorted((_HERE / "cdeps" / "core").glob("*.[ch]"))
     },
-    "cdeps/bench/aiote_cbench.c": "aiote/_native/csrc/bench/aiote_cbench.c",
+    # the C bench: aiote_cbench.c (main) and its parts, with their header
+    **{
+        f"cdeps/bench/{p.name}": f"aiote/_native/csrc/bench/{p.name}"
+        for p in sorted((_HERE / "cdeps" / "bench").glob("*.[ch]"))
+    },
 }
 
 

@@ -68,7 +68,9 @@ def test_wheel_holds_every_package(wheel: Path) -> None:
     # the C core's and the C bench's sources, for aiote bench's C baseline: every file of the core
     core = sorted(p.name for p in (ROOT / "cdeps" / "core").glob("*.[ch]"))
     assert "internal.h" in core and "engine.c" in core
-    for src in ("aiote_core.h", *(f"core/{n}" for n in core), "bench/aiote_cbench.c"):
+    bench = sorted(p.name for p in (ROOT / "cdeps" / "bench").glob("*.[ch]"))
+    assert "aiote_cbench.c" in bench and "cbench.h" in bench
+    for src in ("aiote_core.h", *(f"core/{n}" for n in core), *(f"bench/{n}" for n in bench)):
         assert f"aiote/_native/csrc/{src}" in names
 
 

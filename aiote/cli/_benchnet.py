@@ -87,10 +87,11 @@ def build_cbench() -> str | None:
             return f"could not build the C bench: {r.stderr.strip()[-300:]}"
         _built.append(CBENCH)
         return None
-    bench = CSRC / "bench" / "aiote_cbench.c"
     core = sorted((CSRC / "core").glob("*.c"))  # the core, one file per concern
-    srcs = [CSRC / "aiote_core.h", *sorted((CSRC / "core").glob("*.h")), *core, bench]
-    if not core or not all(p.exists() for p in srcs):
+    bench = sorted((CSRC / "bench").glob("*.c"))  # the bench: aiote_cbench.c (main) and its parts
+    srcs = [CSRC / "aiote_core.h", *sorted((CSRC / "core").glob("*.h")), *core,
+            *sorted((CSRC / "bench").glob("*.h")), *bench]
+    if not core or CSRC / "bench" / "aiote_cbench.c" not in bench or not all(p.exists() for p in srcs):
         return "the C core's sources are neither in a source checkout (cdeps/) nor in this installation"
     cc = shlex.split(os.environ.get("CC") or "cc")  # e.g. "ccache gcc"
     flags = ["-std=gnu11", "-O2", "-pthread", f"-I{CSRC}", *_fabric_cflags()]
@@ -102,7 +103,7 @@ def build_cbench() -> str | None:
         tmp = exe.with_name(f"{exe.name}.{os.getpid()}")
         try:
             cache.mkdir(parents=True, exist_ok=True)
-            r = subprocess.run([*cc, *flags, "-o", str(tmp), str(bench), *map(str, core), "-lfabric"],
+            r = subprocess.run([*cc, *flags, "-o", str(tmp), *map(str, bench), *map(str, core), "-lfabric"],
                                capture_output=True, text=True, timeout=300)
             if r.returncode:
                 return f"could not build the C bench: {r.stderr.strip()[-300:]}"
