@@ -273,6 +273,22 @@ def test_aiote_bench_streams_and_pollers_on_both_sides_and_the_c_core(tmp_path: 
     assert bad.returncode == 2 and "--pollers must be between 1 and 16" in bad.stderr
 
 
+def test_aiote_bench_sendrecv_latency_alone(tmp_path: Path) -> None:
+    """``aiote bench sendrecv-latency``: the send/recv ping-pong alone (what the peers' run sets
+    against UCXX's round trip), beside the C core's, on the route asked for."""
+    out_file = tmp_path / "sr.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "aiote", "bench", "sendrecv-latency", "--provider", "tcp", "--iters", "50",
+         "--repeats", "1", "--json", str(out_file)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out_file.read_text())["rows"]
+    assert [(r["mode"], r["size"], r["provider"]) for r in rows] == [
+        ("sendrecv-latency", 50, "tcp"), ("sendrecv-latency", 99, "tcp")]
+    assert all(0 < r["py_us"] and 0 < r["c_us"] for r in rows), rows
+
+
 def test_aiote_bench_sweeps_sendrecv_over_loops_and_windows(tmp_path: Path) -> None:
     out_file = tmp_path / "bench.json"
     out = subprocess.run(

@@ -25,7 +25,7 @@ TCP = {"same_host": None}
 
 
 async def test_killed_peer_fails_pending_work_in_bounded_time_and_others_go_on() -> None:
-    policy = aiote.RetryPolicy(connect_timeout=2.0)
+    policy = aiote.RetryPolicy(connect_timeout=1.0)
     async with aiote.open_engine(retry=policy, **TCP) as e, spawn_peer(engine=e, **TCP) as victim, spawn_peer(
         engine=e, **TCP
     ) as other:

@@ -71,7 +71,8 @@ ORDER = ("write", "read", "sendrecv", "paged", "imm-latency", "sendrecv-latency"
 WINDOWED = ("write", "read", "sendrecv")
 MSG_SLOTS = 16  # the engine's default message_slots: sends in flight at most
 
-MODES = ("write", "read", "sendrecv", "paged", "imm-latency", "all")
+MODES = ("write", "read", "sendrecv", "paged", "imm-latency", "sendrecv-latency", "all")
+# (sendrecv: message throughput and the 8-byte send/recv ping-pong; sendrecv-latency: the latter alone)
 TRANSFERS = ("write", "read")  # one-sided transfer modes (the ones --arena applies to)
 # writes: besides GB/s (keyed by size), the writer's CPU seconds per GB of the timed part, under
 # these keys of a run's figures: the whole writing process, and the thread that posts and
