@@ -286,7 +286,7 @@ def test_aiote_bench_sendrecv_latency_alone(tmp_path: Path) -> None:
     rows = json.loads(out_file.read_text())["rows"]
     assert [(r["mode"], r["size"], r["provider"]) for r in rows] == [
         ("sendrecv-latency", 50, "tcp"), ("sendrecv-latency", 99, "tcp")]
-    assert all(0 < r["py_us"] and 0 < r["c_us"] for r in rows), rows
+    assert all(r["py_us"] > 0 and r["c_us"] > 0 for r in rows), rows
 
 
 def test_aiote_bench_sweeps_sendrecv_over_loops_and_windows(tmp_path: Path) -> None:
