@@ -114,10 +114,7 @@ void run_write(side_t *s, const opts_t *o, int rank) {
         side_post_blocking(s, 1ULL << 40 | i, &d);
     }
     side_wait_groups(s, warm);
-    s->groups_done = 0;
-    s->polls = s->wakeups = 0;
-    s->post_ns = s->post_max_ns = 0;
-    s->post_calls = 0;
+    side_reset_counts(s);
     aio_stats st0, st1;
     aio_get_stats(s->e, &st0);
 
@@ -238,10 +235,7 @@ void run_paged(side_t *s, const opts_t *o, int rank) {
     /* warm-up: connection set-up and first touch, not timed */
     d.data = IMM_WARM;
     paged_call(s, &d, np, 1ULL << 40);
-    s->groups_done = 0;
-    s->polls = s->wakeups = 0;
-    s->post_ns = s->post_max_ns = 0;
-    s->post_calls = 0;
+    side_reset_counts(s);
     d.data = IMM_MAIN;
     uint64_t stalls = 0;
     int64_t *call_ns = calloc(o->calls, sizeof(int64_t));
@@ -301,10 +295,7 @@ void run_read(side_t *s, const opts_t *o, int rank) {
         side_post_blocking(s, 1ULL << 40 | i, &d);
     }
     side_wait_groups(s, warm);
-    s->groups_done = 0;
-    s->polls = s->wakeups = 0;
-    s->post_ns = s->post_max_ns = 0;
-    s->post_calls = 0;
+    side_reset_counts(s);
     double c0 = cpu_s();
     int64_t t0 = now_ns();
     run_window(s, o, n, 0);
@@ -345,9 +336,7 @@ void run_sendrecv(side_t *s, const opts_t *o, int rank) {
     }
     for (uint64_t i = 0; i < warm; i++) side_send_blocking(s, 1ULL << 40 | i, o->size);
     side_wait_groups(s, warm);
-    s->groups_done = 0;
-    s->polls = s->wakeups = 0;
-    s->post_calls = 0;
+    side_reset_counts(s);
     double c0 = cpu_s();
     int64_t t0 = now_ns();
     uint64_t posted = 0;

@@ -224,32 +224,40 @@ static void side_route(side_t *s, uint64_t k, aio_op_desc *d, uint64_t roff) {
     d->rkey = s->remote.rail[i].key;
 }
 
-/* Request k, a READ of len bytes at roff into loff, on request k's rail. */
-aio_op_desc side_read(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len) {
+/* Request k's common part: len bytes at loff here, at roff there, on request k's rail. */
+static aio_op_desc side_req(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len) {
     aio_op_desc d;
     memset(&d, 0, sizeof(d));
     d.mr = s->mr;
     d.offset = loff;
     d.length = len;
     side_route(s, k, &d, roff);
-    d.op = AIO_OP_READ;
     d.direct = s->direct;
+    return d;
+}
+
+/* Request k, a READ of len bytes at roff into loff, on request k's rail. */
+aio_op_desc side_read(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len) {
+    aio_op_desc d = side_req(s, k, loff, roff, len);
+    d.op = AIO_OP_READ;
     return d;
 }
 
 /* Request k, a write of len bytes from loff to roff carrying imm, on request k's rail. */
 aio_op_desc side_write(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm) {
-    aio_op_desc d;
-    memset(&d, 0, sizeof(d));
-    d.mr = s->mr;
-    d.offset = loff;
-    d.length = len;
-    side_route(s, k, &d, roff);
+    aio_op_desc d = side_req(s, k, loff, roff, len);
     d.data = imm;
     d.op = AIO_OP_WRITE;
     d.flags = AIO_F_DATA;
-    d.direct = s->direct;
     return d;
+}
+
+/* Forgets the warm-up's counts (groups done, polls, wake-ups, posting time) before a timed part. */
+void side_reset_counts(side_t *s) {
+    s->groups_done = 0;
+    s->polls = s->wakeups = 0;
+    s->post_ns = s->post_max_ns = 0;
+    s->post_calls = 0;
 }
 
 /* Posts requests `d[0..n)` into the open group *g (opened first if none), the rest of a group

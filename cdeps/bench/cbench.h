@@ -135,6 +135,7 @@ void side_wait_groups(side_t *s, uint64_t n);
 void side_wait_credit(side_t *s, uint32_t imm, uint64_t units);
 aio_op_desc side_read(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len);
 aio_op_desc side_write(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm);
+void side_reset_counts(side_t *s);
 int side_post_n(side_t *s, int64_t *g, uint64_t *in_group, uint64_t total, uint64_t token,
                 const aio_op_desc *d, int64_t budget_ns);
 void side_post_blocking(side_t *s, uint64_t token, const aio_op_desc *d);
