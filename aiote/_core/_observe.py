@@ -391,20 +391,20 @@ class Observer:
         raising ``exc``, after ``tries`` (None: its first attempt only): what :meth:`_end`
         counts for it, without a record. A success is two additions to its table's run."""
         dt = _clock() - t0
-        if table is self._hit_table and what is self._hit_what:
-            run = self._hit_run
-        else:
-            fast = self._fast.get(id(table))
-            if fast is None or fast[0] is not table or fast[1] is not what:
-                fast = self._new_run(table, what)
-            run = fast[2]
-            self._hit_table, self._hit_what, self._hit_run = table, what, run
-        if exc is None:
-            run[0] += dt
-            run[1 + bisect_left(self._bounds_ns, dt)] += 1
-        else:
+        if exc is not None:  # an error: counted, no duration (as _end does)
             self._ended += 1
             self._failed(_op_name(what), exc)
+        else:
+            if table is self._hit_table and what is self._hit_what:
+                run = self._hit_run
+            else:
+                fast = self._fast.get(id(table))
+                if fast is None or fast[0] is not table or fast[1] is not what:
+                    fast = self._new_run(table, what)
+                run = fast[2]
+                self._hit_table, self._hit_what, self._hit_run = table, what, run
+            run[0] += dt
+            run[1 + bisect_left(self._bounds_ns, dt)] += 1
         if tries is not None and tries.n > 1:
             self.stats.add("aiote_retries", (_op_name(what),), tries.n - 1)
 
@@ -412,7 +412,7 @@ class Observer:
         """The run the operations of ``table`` named ``what`` count in (made; its series too)."""
         if len(self._fast) >= 256 or len(self.stats.runs) >= 256:
             self._fold()
-        op = _OP_NAMES.get(what) or _op_name(what)
+        op = _op_name(what)
         nbytes, route, _ = self._table_info(table)
         self._series_of(op, route)
         fast = self._fast[id(table)] = (table, what, self.stats.run((op, route), nbytes))

@@ -49,7 +49,7 @@ _ELSEWHERE = bytes(16)  # a host id no engine has: routes a same-host peer as a 
 _DIRECT_SLOTS = int(lib.AIO_DIRECT_SLOTS)
 _FI_ECANCELED = 125
 _ENOENT = 2
-_PEER_GONE = 4095  # AIO_EPEERGONE: the core refused a request, its same-host peer is gone
+_PEER_GONE = int(lib.AIO_EPEERGONE)  # the core refused a request: its same-host peer is gone
 
 
 def _strerror(code: int) -> str:

@@ -35,7 +35,19 @@ from aiote.testing import ready_line, stop_process
 
 from . import _benchout, _observe
 from ._benchnet import READY, Remote, bench_buffer, bench_same_host, tuning
-from .bench import CPU_WRITER_MAIN, LATENCY, Case, _cases, _machine, _percentiles, _split, lanes_of, py_case
+from .bench import (
+    CPU_WRITER_MAIN,
+    LATENCY,
+    Case,
+    _cases,
+    _machine,
+    _percentiles,
+    _split,
+    lane_batches,
+    lanes_of,
+    pings,
+    py_case,
+)
 
 __all__ = ["main"]
 
@@ -115,13 +127,7 @@ async def _write_blocks(blocks: _Blocks, args: argparse.Namespace, case: Case) -
     try:
         d = await remote.register("write-dst", region)
         await e.connect(d, timeout=60)
-        batches = []
-        for lane in range(lanes):
-            b = e.batch()
-            for k in range(per):
-                off = (lane * per + k) * size
-                b.write(mr, d, length=size, src_offset=off, dst_offset=off, imm=2)
-            batches.append(b)
+        batches = lane_batches(e, "write", mr, d, size, lanes, per)
         rounds = max(1, args.total // region)
 
         async def lane_run(b: aiote.TransferBatch) -> None:
@@ -161,16 +167,9 @@ async def _imm_blocks(blocks: _Blocks, args: argparse.Namespace, case: Case) -> 
             ))
             for j in range(len(blocks.order)):
                 blocks.enter(j)
-                rtts: list[float] = []
-                c0 = 0.0
-                for i in range(per):
-                    if i == BLOCK_WARM:
-                        c0 = time.thread_time()
-                    t0 = time.perf_counter()
-                    await e.write_imm(theirs, 4)
-                    await pong.wait(1, timeout=30)
-                    if i >= BLOCK_WARM:
-                        rtts.append(time.perf_counter() - t0)
+                await pings(e, theirs, pong, BLOCK_WARM)
+                c0 = time.thread_time()
+                rtts = await pings(e, theirs, pong, args.iters)
                 cpu = (time.thread_time() - c0) / args.iters * 1e6
                 blocks.put(case, j, {**_percentiles(rtts), CPU_WRITER_MAIN: cpu})
     finally:

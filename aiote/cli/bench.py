@@ -131,6 +131,39 @@ def lanes_of(window: int) -> tuple[int, int]:
     return lanes, max(1, window // lanes)
 
 
+def lane_batches(
+    e: aiote.Engine, op: str, mr: aiote.MemoryRegion, d: aiote.MemoryDescriptor, size: int, lanes: int,
+    per: int,
+) -> list[aiote.TransferBatch]:
+    """The ``lanes`` batches of ``per`` transfers of ``size`` each (``op``: "write", each with
+    the immediate 2, or "read") that keep a window in flight (:func:`lanes_of`), over
+    consecutive slots of ``mr`` and ``d``."""
+    batches = []
+    for lane in range(lanes):
+        b = e.batch()
+        for k in range(per):
+            off = (lane * per + k) * size
+            if op == "write":
+                b.write(mr, d, length=size, src_offset=off, dst_offset=off, imm=2)
+            else:
+                b.read(mr, d, length=size, src_offset=off, dst_offset=off)
+        batches.append(b)
+    return batches
+
+
+async def pings(
+    e: aiote.Engine, theirs: aiote.MemoryDescriptor, pong: aiote.ImmCounter, n: int
+) -> list[float]:
+    """``n`` WriteImm round trips (imm 4 out, one credit of ``pong`` back): each one's seconds."""
+    rtts = [0.0] * n
+    for i in range(n):
+        t0 = time.perf_counter()
+        await e.write_imm(theirs, 4)
+        await pong.wait(1, timeout=30)
+        rtts[i] = time.perf_counter() - t0
+    return rtts
+
+
 async def py_transfer(
     remote: Remote, op: str, size: int, total: int, window: int, arena: bool = False,
     cpu: dict[int, float] | None = None,
@@ -148,16 +181,7 @@ async def py_transfer(
     try:
         d = await remote.register(f"{op}-dst", region, arena=arena)
         await e.connect(d, timeout=60)  # every stream's connection, as the C bench connects first
-        batches = []
-        for lane in range(lanes):
-            b = e.batch()
-            for k in range(per):
-                off = (lane * per + k) * size
-                if op == "write":
-                    b.write(mr, d, length=size, src_offset=off, dst_offset=off, imm=2)
-                else:
-                    b.read(mr, d, length=size, src_offset=off, dst_offset=off)
-            batches.append(b)
+        batches = lane_batches(e, op, mr, d, size, lanes, per)
         rounds = max(1, total // (size * lanes * per))
         for b in batches:  # warm-up
             await b.submit(timeout=120)
@@ -264,7 +288,6 @@ async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
     try:
         theirs = await remote.register("pp", 64)
         pong = e.imm_counter(5)
-        rtts: list[float] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(
                 lambda: remote.call(
@@ -272,12 +295,7 @@ async def py_imm_latency(remote: Remote, iters: int) -> dict[int, float]:
                 )
             )
             c0 = time.thread_time()
-            for i in range(iters + WARM):  # warm-up round trips first
-                t0 = time.perf_counter()
-                await e.write_imm(theirs, 4)
-                await pong.wait(1, timeout=30)
-                if i >= WARM:
-                    rtts.append(time.perf_counter() - t0)
+            rtts = (await pings(e, theirs, pong, iters + WARM))[WARM:]  # warm-up round trips first
             cpu = (time.thread_time() - c0) / (iters + WARM) * 1e6
         return {**_percentiles(rtts), CPU_WRITER_MAIN: cpu}
     finally:

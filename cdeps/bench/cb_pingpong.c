@@ -41,6 +41,20 @@ static void pingpong_report(side_t *s, const opts_t *o, const char *mode, int64_
     free(rtt);
 }
 
+/* The answering side's end: its last answers sent, then the pinger's word to stop. */
+static void answerer_done(side_t *s, uint64_t total) {
+    side_wait_groups(s, total);
+    char bye;
+    read_full(s->rfd, &bye, 1);
+}
+
+/* The pinger's room for the timed round trips. */
+static int64_t *rtts_new(const opts_t *o) {
+    int64_t *rtt = calloc(o->iters ? o->iters : 1, sizeof(int64_t));
+    if (!rtt) die("out of memory");
+    return rtt;
+}
+
 void run_pingpong(side_t *s, const opts_t *o, int rank) {
     uint64_t total = o->warmup + o->iters;
     if (rank == 1) {
@@ -53,13 +67,10 @@ void run_pingpong(side_t *s, const opts_t *o, int rank) {
             if (o->await_write)
                 side_wait_groups(s, i + 1);
         }
-        side_wait_groups(s, total);
-        char bye;
-        read_full(s->rfd, &bye, 1);
+        answerer_done(s, total);
         return;
     }
-    int64_t *rtt = calloc(o->iters ? o->iters : 1, sizeof(int64_t));
-    if (!rtt) die("out of memory");
+    int64_t *rtt = rtts_new(o);
     double c0 = 0;
     for (uint64_t i = 0; i < total; i++) {
         if (i == o->warmup) c0 = cpu_s();
@@ -86,13 +97,10 @@ void run_msgpingpong(side_t *s, const opts_t *o, int rank) {
             side_wait_msgs(s, i + 1);
             side_send_blocking(s, i, 8);
         }
-        side_wait_groups(s, total);
-        char bye;
-        read_full(s->rfd, &bye, 1);
+        answerer_done(s, total);
         return;
     }
-    int64_t *rtt = calloc(o->iters ? o->iters : 1, sizeof(int64_t));
-    if (!rtt) die("out of memory");
+    int64_t *rtt = rtts_new(o);
     double c0 = 0;
     for (uint64_t i = 0; i < total; i++) {
         if (i == o->warmup) c0 = cpu_s();
