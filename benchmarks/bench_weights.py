@@ -302,6 +302,7 @@ async def aiote_run(
     repeats: int,
     max_tmp: int,
     chunk: int = 16 << 20,
+    engine_opts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     n_s = len({s.rank for s in sources})
     workers: list[Worker] = []
@@ -309,7 +310,7 @@ async def aiote_run(
         async with anyio.create_task_group() as tg:
 
             async def one() -> None:
-                workers.append(await spawn_worker("asyncio", route))
+                workers.append(await spawn_worker("asyncio", route, engine_opts=engine_opts))
 
             for _ in range(n_s + len(specs)):
                 tg.start_soon(one)
@@ -570,7 +571,10 @@ async def main(a: argparse.Namespace) -> None:
                 f"(median of {len(gloo['walls'])}: " + ", ".join(f"{x:.3f}" for x in gloo["walls"]) + ")"
             )
         for route, prov in zip(routes, providers, strict=True):
-            r = await aiote_run(route, sources, specs, a.repeats, a.max_tmp_mib << 20, a.chunk_mib << 20)
+            r = await aiote_run(
+                route, sources, specs, a.repeats, a.max_tmp_mib << 20, a.chunk_mib << 20,
+                json.loads(a.engine_opts) if a.engine_opts else None,
+            )
             _print_aiote(route, r, link[prov], shared[prov + "_sum"], gloo["wall_s"] if gloo else None)
     if a.gpu:
         await gpu_run(a.size, a.repeats, [int(x) for x in a.ipc_streams.split(",")],
@@ -601,6 +605,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=float, default=2.0, help="model size in GB of bf16 (default 2)")
     ap.add_argument("--routes", default="tcp,default", help="tcp, default (shm), or both")
+    ap.add_argument("--engine-opts", default="",
+                    help="CPU runs: JSON of open_engine() keyword arguments for every worker")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tmp-mib", type=int, default=None,
                     help="each sender's staging pool (default 256; 4096 with --trainers)")

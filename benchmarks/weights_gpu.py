@@ -286,7 +286,8 @@ def print_push(
         print(
             f"  {s['writes']} writes, {s['write_s'] * 1e3:.2f} ms of writes summed, staging wait "
             f"{s['staging_wait_s'] * 1e3:.2f} ms, transform {s['transform_s'] * 1e3:.2f} ms, notify "
-            f"{s['notify_s'] * 1e3:.2f} ms, direct {s['direct_bytes'] / GB:.2f} GB, peak staging "
+            f"{s['notify_s'] * 1e3:.2f} ms ({s.get('imms_behind_writes', 0)} behind the writes), "
+            f"direct {s['direct_bytes'] / GB:.2f} GB, peak staging "
             f"{s['peak_staging_bytes'] / 2**20:.0f} MiB; command to push start "
             f"{x['dispatch_s'] * 1e3:.2f} ms, push end to the receiver's wait return "
             f"{x['notice_s'] * 1e3:.2f} ms"

@@ -265,6 +265,37 @@ async def test_write_imm_after_posted_ipc_writes_on_several_streams() -> None:
         assert (await peer.call(op="counter", imm=41))["available"] == 0  # no credit twice
 
 
+async def test_post_write_imm_goes_behind_posted_ipc_writes() -> None:
+    """``imm_follows_writes`` is true for a GPU region once this engine writes it over the
+    CUDA-IPC rail (not before, and never for a host region), and ``post_write_imm`` then puts
+    the immediate on the rail's stream before it returns: posted right behind writes still in
+    flight on three streams (5 ms copies), none awaited, it counts only after their bytes,
+    once each round, with the route asserted."""
+    k, part = K3, N3 // K3
+    async with _three_streams(seed=23) as (peer, src, mr, dst):
+        e = peer.engine
+        host = await peer.register("h", 4096)
+        assert not e.imm_follows_writes(dst)  # no IPC write made yet: the host way
+        for v in range(3):
+            src.host[:] = pattern(N3, 40 + v)
+            posted = [
+                e.post_write(mr, dst, length=part, src_offset=i * part, dst_offset=i * part) for i in range(k)
+            ]
+            assert e.imm_follows_writes(dst) and not e.imm_follows_writes(host)
+            ipc_imm = e.stats()["gpu_ipc_imm"]
+            t = e.post_write_imm(dst, 43)
+            assert e.stats()["gpu_ipc_imm"] == ipc_imm + 1  # on the rail before it returned
+            assert not any(p.done for p in posted)  # (the copies take 5 ms each)
+            await peer.wait(imm=43, n=1, timeout=20)
+            assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part])
+            await t.wait(timeout=30)
+            for p in posted:
+                await p.wait(timeout=30)
+        assert e.stats()["gpu_ipc"] == 3 * k
+        await anyio.sleep(0.2)
+        assert (await peer.call(op="counter", imm=43))["available"] == 0  # no credit twice
+
+
 async def test_credits_after_staged_writes_go_after_the_owners_copies() -> None:
     """An engine that staged bytes to an owner (host memory into its GPU region: the owner
     copies them, 5 ms a copy) credits that owner by message, ordered after those copies, even

@@ -13,6 +13,7 @@ import pytest
 from _util import digest, pattern, streams_open, zeros
 
 import aiote
+from aiote._core import _fabric
 from aiote.testing import spawn_peer
 
 pytestmark = pytest.mark.anyio
@@ -40,13 +41,32 @@ async def test_streams_are_rails_of_one_nic() -> None:
         assert len({r.address for r in e.rails}) == 3  # three endpoints, three connections per peer
         d = e.domains
         assert d.streams == 3 and d.nics == ("lo", "lo", "lo")
-    async with aiote.open_engine(**TCP) as e:  # tcp with one NIC: two by default
-        assert len(e.rails) == 2 and e.domains.streams == aiote.default_streams("tcp", ["lo"]) == 2
+    two = 4 if _fabric.usable_cores() >= 16 else 2  # tcp with one NIC: 2 by default (4 on 16 cores)
+    async with aiote.open_engine(**TCP) as e:
+        assert len(e.rails) == two and e.domains.streams == aiote.default_streams("tcp", ["lo"]) == two
     async with aiote.open_engine(streams=1, **TCP) as e:
         assert len(e.rails) == 1 and e.domains.streams == 1
     async with aiote.open_engine(nics=["lo", "lo"], **TCP) as e:  # several NICs: one each
         assert len(e.rails) == 2 and e.domains.streams == aiote.default_streams("tcp", ["lo", "lo"]) == 1
     assert aiote.default_streams("shm") == aiote.default_streams("verbs", ["mlx5_0"]) == 1
+    assert [aiote.default_streams("tcp", ["eth0"], cores=c) for c in (2, 15, 16, 64)] == [2, 2, 4, 4]
+    assert aiote.default_streams("tcp", ["eth0", "eth1"], cores=64) == 1
+
+
+async def test_a_host_of_many_cores_opens_four_tcp_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the process may use 16 cores or more, ``open_engine()`` on tcp with one NIC
+    opens four connections per NIC (a poller thread each), and the transfers go over them."""
+    monkeypatch.setattr(_fabric, "usable_cores", lambda: 32)
+    async with aiote.open_engine(**TCP) as a, aiote.open_engine(**TCP) as b:
+        assert a.domains.streams == b.domains.streams == 4 and len(a.rails) == 4
+        assert a.stats()["pollers"] == 4
+        src = np.arange(1 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        ms, md = await a.register(src), await b.register(dst)
+        await a.write(ms, md.descriptor, imm=3)
+        await b.imm_counter(3).wait(1, timeout=10)
+        assert np.array_equal(src, dst)
+        assert len(a.route(md.descriptor).pairs) == 4
 
 
 @pytest.mark.parametrize("bad", [0, 9, True, 1.5, "2"])

@@ -504,6 +504,21 @@ async def test_registered_sources_in_one_flat_buffer_merge_into_few_writes(anyio
             for tgt in tg:
                 want = t[tgt.name].astype(np.float16 if tgt.name == "cast" else np.float32).tobytes()
                 assert dst[tgt.offset : tgt.offset + len(want)].tobytes() == want, (tgt.name, version)
+        # one sender, the layout changing between pushes (each tensor apart: merges within one
+        # only): the merges follow, never a stale one
+        apart = {nm: np.array(t[nm]) for nm in names} | {"own": t["own"], "cast": t["cast"]}
+        async with W.WeightSender(a, p.sender(0), register_sources=True, coalesce_bytes=1024) as tx:
+            for version, tensors, want_writes in ((5, t, 3 + 2), (6, apart, len(names) + 2), (7, t, 3 + 2)):
+                for i, a_ in enumerate(tensors.values()):
+                    a_[...] = np.arange(a_.size, dtype=np.float32).reshape(a_.shape) + 100 * i + version
+                stats = await tx.push(tensors, version=version, timeout=10)
+                await rx.wait_version(version, timeout=10)
+                assert stats.writes == want_writes, (version, stats)
+                for tgt in tg:
+                    want = tensors[tgt.name].astype(np.float16 if tgt.name == "cast" else np.float32)
+                    assert dst[tgt.offset : tgt.offset + want.nbytes].tobytes() == want.tobytes(), version
+            tx.coalesce_bytes = 0  # the cap changed: no merge
+            assert (await tx.push(t, version=8, timeout=10)).writes == planned
         with pytest.raises(aiote.InvalidArgument, match="coalesce_bytes"):
             W.WeightSender(a, p.sender(0), coalesce_bytes=-1)
 

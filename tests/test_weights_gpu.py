@@ -9,6 +9,7 @@ with NumPy ones."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -52,10 +53,15 @@ async def _gpu_world(
         for r, w in enumerate(receivers):
             await w.call(op="receiver", plan=plan.receiver(r).to_json())
         shapes = {s.name: (s.shape, s.dtype) for s in sources}
+        pushed: list[tuple[int, dict[str, Any]]] = []  # (sender, its push's PushStats)
         for v in (1, 2):
+
+            async def push(s: int, v: int) -> None:
+                pushed.append((s, (await senders[s].call(op="push", version=v, timeout=60))["stats"]))
+
             async with anyio.create_task_group() as g:
-                for w in senders:
-                    g.start_soon(lambda w=w, v=v: w.call(op="push", version=v, timeout=60))
+                for s in range(len(senders)):
+                    g.start_soon(push, s, v)
                 for w in receivers:
                     g.start_soon(lambda w=w, v=v: w.call(op="wait", version=v, timeout=60))
             for r, w in enumerate(receivers):
@@ -68,6 +74,10 @@ async def _gpu_world(
         stats = (await senders[0].call(op="stats"))["stats"]
         # the data went over the rail asked for (the zero-byte immediates may take either path)
         assert stats["gpu_ipc" if gpu_ipc else "gpu_staged"] >= 10, stats
+        # over the rail each receiver's immediate went right behind its writes, on the rail
+        lanes = [(s, len(p["bytes_by_receiver"])) for s, p in pushed]
+        assert [p["imms_behind_writes"] for _, p in pushed] == [n if gpu_ipc else 0 for _, n in lanes], pushed
+        assert stats["gpu_ipc_imm"] == (sum(n for s, n in lanes if s == 0) if gpu_ipc else 0), stats
     finally:
         with anyio.CancelScope(shield=True):
             for w in workers:

@@ -26,14 +26,18 @@ def available_providers(names: Sequence[str] = KNOWN_PROVIDERS) -> list[str]:
     return [n for n in names if int(lib.aio_probe(n.encode(), entries, 64)) > 0]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def auto_pollers(rails: int) -> int:
     """``open_engine``'s default ``pollers`` for an engine of ``rails`` rails: one thread per
     rail, up to the cores this process may run on (at least two)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(rails, max(2, cores)))
+    return max(1, min(rails, max(2, usable_cores())))
 
 
 def _open_native(
@@ -168,11 +172,20 @@ def _open_arena(h: Any, size: int) -> Arena | None:
 _DEFAULT_NIC = {"tcp": "lo"}
 
 
-def default_streams(provider: str = "tcp", nics: Sequence[str] | None = None) -> int:
+_MANY_CORES = 16  # from this many usable cores, tcp with one NIC opens 4 streams, not 2
+
+
+def default_streams(
+    provider: str = "tcp", nics: Sequence[str] | None = None, cores: int | None = None
+) -> int:
     """The ``streams`` (connections per NIC) that :func:`open_engine` takes when none is
-    given: 2 on the ``tcp`` provider with one NIC, 1 otherwise. One TCP connection moves
-    large writes at about one core's copy speed and its receive path is the limit on
-    loopback (docs/benchmarks.md); several NICs already give several connections, and shm,
-    verbs and efa do not gain from more. Pure; raises nothing; O(NICs)."""
+    given: on the ``tcp`` provider with one NIC, 2, or 4 where this process may use 16 cores
+    or more (``cores``: that count, default :func:`usable_cores`); 1 otherwise. One TCP
+    connection moves large writes at about one core's copy speed and its receive path is the
+    limit (docs/topology.md), so a host with cores to spare moves more over more
+    connections (each with a poller thread of its own); several NICs already give several
+    connections, and shm, verbs and efa do not gain from more. Raises nothing; O(NICs)."""
     count = 1 if nics is None or isinstance(nics, str) else len(list(nics))
-    return 2 if provider == "tcp" and count == 1 else 1
+    if provider != "tcp" or count != 1:
+        return 1
+    return 4 if (usable_cores() if cores is None else cores) >= _MANY_CORES else 2

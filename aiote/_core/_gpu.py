@@ -413,6 +413,15 @@ class GpuSupport:
         peer = None if mr._dev is None else self._ipc_ptr(rdesc, mr._dev.device)
         return None if peer is None else self._ipc_write(mr, rdesc, peer, *args)
 
+    def ipc_imm_device(self, rdesc: MemoryDescriptor) -> int | None:
+        """The device whose first IPC line a ``write_imm`` to ``rdesc`` goes on (the one device
+        this engine made IPC writes from, when the rail reaches ``rdesc`` from it), or None."""
+        devices = {line.device for line in self._out.values()}
+        if len(devices) != 1:
+            return None
+        (device,) = devices
+        return device if self._ipc_ptr(rdesc, device) is not None else None
+
     def start_ipc_imm(self, rdesc: MemoryDescriptor, imm: int, scratch: MemoryRegion) -> _Finish | None:
         """A ``write_imm`` to a GPU region this engine writes over the CUDA-IPC rail, started now
         on the first IPC line of the device its writes come from: the line first waits for the
@@ -424,11 +433,8 @@ class GpuSupport:
         devices, or the region is out of the rail's reach). ``imm`` was checked by the caller;
         ``scratch`` (the engine's own small region) counts the fence as its work in flight,
         which closing waits for."""
-        devices = {line.device for line in self._out.values()}
-        if len(devices) != 1:
-            return None
-        (device,) = devices
-        if self._ipc_ptr(rdesc, device) is None:
+        device = self.ipc_imm_device(rdesc)
+        if device is None:
             return None
         line = self._line(self._out, device)
         for other in self._ipc_out.values():

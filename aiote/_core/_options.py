@@ -44,7 +44,7 @@ class TransportOptions:
     streams: int | None = None
     """Connections per NIC (1 to 8; each is one more rail on the same NIC, so a peer opened
     with the same ``streams`` is reached over that many connections per NIC). ``None``:
-    :func:`default_streams` (2 on tcp with one NIC, else 1). Every connection to a peer is
+    :func:`default_streams` (2 on tcp with one NIC, 4 there on 16 cores or more, else 1). Every connection to a peer is
     opened when a transfer first reaches it (a zero-byte request in the background); until
     then transfers go whole over the open ones. A write or read of at least ``stripe_min``
     bytes is split across them while fewer operations are in flight than streams (its

@@ -294,7 +294,9 @@ class Transfers(Rows):
         """:meth:`write_imm`, posted now and awaited later (see :meth:`post_write`): the
         immediate is handed to the transport before this returns (one NIC to the peer, no
         ``stream``, room in the queues; otherwise a background task of the engine posts it at
-        once). Raises :class:`InvalidArgument` (or :class:`DescriptorError`) at once for a bad
+        once). Where :meth:`imm_follows_writes` is true for ``remote``, its credit is on the
+        CUDA-IPC rail's stream before this returns, after every write posted before it.
+        Raises :class:`InvalidArgument` (or :class:`DescriptorError`) at once for a bad
         immediate or descriptor, :class:`EngineClosed`. Cost: as :meth:`write_imm` minus its
         awaits; when posted in this call, its completion is quiet (read at the loop's next
         wake-up)."""
@@ -307,6 +309,12 @@ class Transfers(Rows):
             raise InvalidArgument("write_imm needs an immediate")
         rdesc = self._remote(remote)
         assert self._scratch is not None
+        rail = self._gpu if rdesc.gpu is not None and stream is None else None
+        if rail is not None:  # on the CUDA-IPC rail's stream now, after its copies (write_imm)
+            self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
+            finish = rail.start_ipc_imm(rdesc, imm, self._scratch)
+            if finish is not None:
+                return self._background(lambda: finish(None, retry), "write_imm")
         gpu = stream is not None or _staged(rdesc)
         if gpu:
             self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)  # validation only
@@ -316,8 +324,28 @@ class Transfers(Rows):
             again = partial(self.write_imm, rdesc, imm, retry=retry, stream=stream)
             return self._background(again, "write_imm")
         table = self._table(rows)
-        m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if rdesc is remote else None
+        # (not kept for a GPU region: this engine may reach it over the CUDA-IPC rail later)
+        keep = rdesc is remote and rdesc.gpu is None
+        m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if keep else None
         return self._post_now(table, None, "write_imm", retry, m)
+
+    def imm_follows_writes(self, remote: MemoryDescriptor | bytes) -> bool:
+        """Whether a :meth:`write_imm` or :meth:`post_write_imm` (no ``stream``) to ``remote``
+        made now goes on the CUDA-IPC rail (a GPU region of a same-host engine that this engine
+        has written over that rail, from one device; see :meth:`write_imm`), and so is credited
+        at its owner only after the bytes of every write this engine already posted over that
+        rail, awaited or not. A caller whose writes all went over the rail (GPU memory into GPU
+        regions for which this is true) may then post the immediate right after its last write
+        instead of awaiting the writes first; a posted IPC copy cannot fail short of a CUDA
+        error, which stops the immediate's kernel too. Elsewhere (libfabric routes, host
+        memory, staged GPU writes, several NICs) transfers in flight complete in no set order:
+        await the writes, then send the immediate. Raises :class:`DescriptorError`
+        for corrupt descriptor bytes, :class:`EngineClosed`. Cost: O(1), no I/O (the first
+        call for a region may map its IPC handle, as the first write to it does)."""
+        self._check_open()
+        rdesc = self._remote(remote)
+        rail = self._gpu if rdesc.gpu is not None else None
+        return rail is not None and rail.ipc_imm_device(rdesc) is not None
 
     def _post_now(
         self, table: np.ndarray, refs: Any, what: str, retry: RetryPolicy | None, kept: Any = None

@@ -1,9 +1,10 @@
 """Execution of a plan: :class:`WeightSender` on each trainer rank, :class:`WeightReceiver`
-on each inference rank. Built on aiote's public operations only (``register``, ``write``,
-``write_imm``, ``imm_counter``)."""
+on each inference rank. Built on aiote's public operations only (``register``,
+``post_write``, ``post_write_imm``, ``write_imm``, ``imm_follows_writes``, ``imm_counter``)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from .._core._errors import AioteError, InvalidArgument, TransferError, Transfer
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
 from .._core._observe import observed_call
+from .._core._posted import Transfer
 from .._core._retry import RetryPolicy
 from ._dtypes import cast_into, storage
 from ._plan import PlanError, ReceiverPlan, SenderPlan, SourceShard, Write
@@ -52,9 +54,11 @@ class PushStats:
     ``staging_wait_s`` spent waiting for room in the staging pool; ``transform_s`` copying and
     casting into the pool (on GPU: launching the kernels); ``write_s`` the writes' durations
     summed (they overlap, so it can exceed ``wall_s``); ``notify_s`` the completion
-    immediates' durations summed. ``bytes_by_receiver`` the bytes written to each inference
-    rank; ``direct_bytes`` those written straight from registered source tensors;
-    ``peak_staging_bytes`` the most staging memory in use at once."""
+    immediates' durations summed (for one posted behind the writes, from the end of the
+    writes); ``imms_behind_writes`` the receivers whose immediate was posted right behind
+    their writes (over the CUDA-IPC rail) rather than after them. ``bytes_by_receiver`` the
+    bytes written to each inference rank; ``direct_bytes`` those written straight from
+    registered source tensors; ``peak_staging_bytes`` the most staging memory in use at once."""
 
     version: int
     wall_s: float = 0.0
@@ -62,6 +66,7 @@ class PushStats:
     transform_s: float = 0.0
     write_s: float = 0.0
     notify_s: float = 0.0
+    imms_behind_writes: int = 0
     writes: int = 0
     bytes_by_receiver: dict[int, int] = field(default_factory=dict)
     direct_bytes: int = 0
@@ -193,7 +198,9 @@ class WeightSender:
     ``max_tmp_bytes`` in all, an even share of it per receiver in flight), copy the rows
     (and cast) into it, start the write, go on; the pool's room comes back as writes
     complete, so copies overlap the writes. Once every write to a receiver completed (the
-    bytes are in place), one zero-byte write carries the version's immediate to it. With
+    bytes are in place), one zero-byte write carries the version's immediate to it; over the
+    CUDA-IPC rail (:meth:`~aiote.Engine.imm_follows_writes`) it is posted right behind the
+    last write instead, and the rail credits it after their bytes. With
     ``register_sources``, tensors that need no cast and no column slice are written from
     directly, with no staging copy: the allocation each is a view of is registered once
     (kept while passed again), and consecutive writes that read adjacent bytes of it and
@@ -244,6 +251,10 @@ class WeightSender:
             self._lanes[w.dst].append(w)
         self._first_desc = {r: self._descs[ws[0].desc] for r, ws in self._lanes.items()}
         self._imm_descs: dict[int, MemoryDescriptor] = {}
+        self._lane_descs: dict[int, list[int]] = {}
+        # the last push's direct sources (ctx.direct), and per receiver the runs made for them
+        self._direct_seen: dict[str, tuple[tuple[int, int], int]] = {}
+        self._run_cache: dict[int, tuple[int, dict[str, Any], list[list[Write]]]] = {}
         self._sources = {s.name: s for s in plan.sources}
         self._plain_names = sorted({w.source for w in plan.writes if self._plain(w)})
         # name -> (the array last passed, (shape, dtype, address), its xp, its 2-D view)
@@ -256,7 +267,7 @@ class WeightSender:
         # registered allocations: (address, bytes) -> (the flat array, its region)
         self._registered: dict[tuple[int, int], tuple[Any, MemoryRegion]] = {}
         self._busy = False
-        self._unsettled: list[TransferTimeout] = []
+        self._unsettled: list[Transfer] = []  # writes of earlier pushes that timed out
         self._log = _log.bind(rank=plan.rank)
 
     async def __aenter__(self) -> WeightSender:
@@ -335,7 +346,8 @@ class WeightSender:
         tensor, a wrong shape or type, a bad version or timeout, or a push already running.
         If some receivers fail (unreachable, a write error, ``timeout`` passed), the others
         still complete, then it raises :class:`PushFailed` naming each failed rank's error;
-        those ranks got no immediate for ``version``. A write that timed out may still be in
+        those ranks got no immediate for ``version`` (over the CUDA-IPC rail, a rank whose
+        posted writes then timed out gets it once their bytes landed). A write that timed out may still be in
         flight: the next push first waits for it to settle, and raises
         :class:`~aiote.TransferTimeout` (nothing posted) if it has not by its own deadline.
         Cost: ``bytes / link speed`` plus one copy (and cast) of each byte that is not written
@@ -356,9 +368,10 @@ class WeightSender:
         """Waits until the writes an earlier push gave up on (timed out) can no longer land:
         until then they may read the staging buffer and overwrite the bytes of this version."""
         while self._unsettled:
-            exc = self._unsettled[0]
+            posted = self._unsettled[0]
             with anyio.move_on_after(_left(end) if end is not None else float("inf")):
-                await exc.settled()
+                with contextlib.suppress(AioteError):  # (failed or landed: it has ended)
+                    await posted.wait()
                 self._unsettled.pop(0)
                 continue
             raise TransferTimeout("writes of an earlier push that timed out are still in flight")
@@ -415,6 +428,8 @@ class WeightSender:
                 keep[key] = kept
                 self._roots[name] = (v, key, at)
             ctx.direct[name] = (key, at)
+        if ctx.direct != self._direct_seen:  # the merges of _runs change with it
+            self._direct_seen = dict(ctx.direct)
         for _, mr in self._registered.values():  # allocations no longer passed
             await self.engine.unregister(mr, timeout=30)
         self._registered = keep
@@ -424,6 +439,7 @@ class WeightSender:
         return w.src_dtype == w.dst_dtype and w.col0 == 0 and w.col1 == s.width
 
     async def _lane(self, r: int, ctx: _Push, pool: _Pool, imm: int) -> None:
+        early: Transfer | None = None
         try:
             async with anyio.create_task_group() as tg:
                 for run in self._runs(r, ctx, pool):
@@ -433,12 +449,31 @@ class WeightSender:
                         await self._issue(tg, r, run, ctx, pool)
                     except AioteError as exc:  # caught here: out of the group it comes wrapped
                         ctx.errors.setdefault(r, exc)
-            if r not in ctx.errors:
-                t = time.monotonic()
+                if r not in ctx.errors and self._imm_follows(r):
+                    # every write posted, each over the CUDA-IPC rail: the rail credits the
+                    # immediate after their bytes, so it goes now, behind them
+                    early = self.engine.post_write_imm(self._imm_desc(r), imm, retry=_ONCE)
+                    ctx.stats.imms_behind_writes += 1
+            t = time.monotonic()
+            if early is not None:
+                await early.wait(timeout=_left(ctx.end))
+            elif r not in ctx.errors:
                 await self.engine.write_imm(self._imm_desc(r), imm, timeout=_left(ctx.end), retry=_ONCE)
-                ctx.stats.notify_s += time.monotonic() - t
+            else:
+                return
+            ctx.stats.notify_s += time.monotonic() - t
         except AioteError as exc:
             ctx.errors.setdefault(r, exc)
+
+    def _imm_follows(self, r: int) -> bool:
+        """Whether receiver ``r``'s immediate may go right behind its writes: GPU tensors, and
+        every region of ``r`` one the engine's CUDA-IPC rail credits after its writes."""
+        if self._xp is np:
+            return False
+        descs = self._lane_descs.get(r)
+        if descs is None:
+            descs = self._lane_descs[r] = sorted({w.desc for w in self._lanes[r]})
+        return all(self.engine.imm_follows_writes(self._descs[d]) for d in descs)
 
     def _imm_desc(self, r: int) -> MemoryDescriptor:
         return self._first_desc[r]
@@ -457,8 +492,12 @@ class WeightSender:
         of one registered allocation and land on adjacent bytes of one region (at most
         ``coalesce_bytes`` and a quarter of the lane's budget a merge: a merge as large as the
         budget would wait for the one before it). Runs in plan order of their first write;
-        staged writes stay one each."""
+        staged writes stay one each. Kept per receiver while the registered sources and the
+        cap stay the same (the next push of the same tensors reuses them)."""
         cap = min(self.coalesce_bytes, pool.lane_cap // 4)  # several in flight, not one at a time
+        kept = self._run_cache.get(r)
+        if kept is not None and kept[0] == cap and kept[1] is self._direct_seen:
+            return kept[2]
         direct: list[tuple[tuple[int, int], int, int, Write]] = []
         runs: list[tuple[int, list[Write]]] = []
         for i, w in enumerate(self._lanes[r]):
@@ -487,7 +526,9 @@ class WeightSender:
                 size = w.nbytes
             end = (key, at + w.nbytes)
         runs.sort(key=lambda x: x[0])
-        return [run for _, run in runs]
+        out = [run for _, run in runs]
+        self._run_cache[r] = (cap, self._direct_seen, out)
+        return out
 
     async def _issue(self, tg: Any, r: int, run: list[Write], ctx: _Push, pool: _Pool) -> None:
         st = ctx.stats
@@ -510,7 +551,21 @@ class WeightSender:
             st.transform_s += time.monotonic() - t
             assert self._staging_mr is not None
             mr, src_off = self._staging_mr, off
-        tg.start_soon(self._write, r, (w.desc, w.offset, n), mr, src_off, off, ctx, pool)
+        t = time.monotonic()
+        try:
+            posted = self.engine.post_write(
+                mr,
+                self._descs[w.desc],
+                length=n,
+                src_offset=src_off,
+                dst_offset=w.offset,
+                retry=self._retry,
+                stream=self._xp.cuda.get_current_stream() if self._xp is not np else None,
+            )
+        except BaseException:
+            pool.give(r, off, n)
+            raise
+        tg.start_soon(self._write, r, posted, n, off, t, ctx, pool)
 
     @staticmethod
     def _itemsize(dtype: str) -> int:
@@ -523,39 +578,20 @@ class WeightSender:
         cast_into(xp, out, src[w.row0 : w.row1, w.col0 : w.col1], w.src_dtype, w.dst_dtype)
 
     async def _write(
-        self,
-        r: int,
-        where: tuple[int, int, int],
-        mr: MemoryRegion,
-        src_off: int,
-        off: int,
-        ctx: _Push,
-        pool: _Pool,
+        self, r: int, posted: Transfer, n: int, off: int, t: float, ctx: _Push, pool: _Pool
     ) -> None:
-        """One write of ``where`` = (descriptor index, destination offset, bytes)."""
-        desc, dst_off, n = where
+        """Awaits one posted write of ``n`` bytes to receiver ``r`` (from ``t``), then gives
+        its staging room back (kept while a write that timed out may still read it)."""
         st = ctx.stats
-        t = time.monotonic()
         try:
-            if r not in ctx.errors:
-                stream = self._xp.cuda.get_current_stream() if self._xp is not np else None
-                await self.engine.write(
-                    mr,
-                    self._descs[desc],
-                    length=n,
-                    src_offset=src_off,
-                    dst_offset=dst_off,
-                    timeout=_left(ctx.end),
-                    retry=self._retry,
-                    stream=stream,
-                )
-                st.writes += 1
-                st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + n
+            await posted.wait(timeout=_left(ctx.end))
+            st.writes += 1
+            st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + n
         except TransferTimeout as exc:
             # the write may still be in flight: its staging room stays taken for this push,
             # and the next push first waits for it to settle (see _settle_earlier)
             ctx.errors.setdefault(r, exc)
-            self._unsettled.append(exc)
+            self._unsettled.append(posted)
             off = -1
         except AioteError as exc:
             ctx.errors.setdefault(r, exc)

@@ -128,12 +128,14 @@ async def spawn_worker(
     gpu: int | None = None,
     gpu_ipc: bool = True,
     ipc_streams: int = 1,
+    engine_opts: dict[str, Any] | None = None,
 ) -> Worker:
     """Starts a worker process (``route``: ``"tcp"`` for tcp loopback only, ``"default"`` for
     ``open_engine()``'s defaults, shm to same-host peers; ``gpu``: its tensors and buffers are
     CuPy arrays on that GPU; ``gpu_ipc=False``: GPU writes are staged through host memory
     over the NIC instead of the CUDA-IPC rail; ``ipc_streams``: the engine's option of that
-    name). Raises RuntimeError/TimeoutError if it does
+    name; ``engine_opts``: more ``open_engine()`` keyword arguments, JSON-able). Raises
+    RuntimeError/TimeoutError if it does
     not come up. Costs a Python process that imports aiote and opens an engine."""
     args = python_module("aiote.weights._worker", "--backend", backend, "--route", route)
     if gpu is not None:
@@ -142,6 +144,8 @@ async def spawn_worker(
         args += ["--gpu-ipc", "no"]
     if ipc_streams != 1:
         args += ["--ipc-streams", str(ipc_streams)]
+    if engine_opts:
+        args += ["--engine-opts", json.dumps(engine_opts)]
     proc = await anyio.open_process(args, stdin=-1, stdout=-1, stderr=None, env=child_env())
     w = Worker(proc, b"")
     try:
@@ -347,10 +351,13 @@ async def _push(st: _State, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"stats": d}
 
 
-async def _serve(route: str, gpu: int | None, gpu_ipc: bool, ipc_streams: int = 1) -> None:
+async def _serve(
+    route: str, gpu: int | None, gpu_ipc: bool, ipc_streams: int = 1, opts: dict[str, Any] | None = None
+) -> None:
     kw: dict[str, Any] = {"same_host": None} if route == "tcp" else {}
     kw["gpu_ipc"] = gpu_ipc
     kw["ipc_streams"] = ipc_streams
+    kw.update(opts or {})
     if gpu is not None:
         import cupy
 
@@ -384,8 +391,10 @@ def main() -> None:
         "--gpu-ipc", default="yes", choices=["yes", "no"], help="no: stage GPU writes over the NIC"
     )
     ap.add_argument("--ipc-streams", type=int, default=1, help="the engine's ipc_streams")
+    ap.add_argument("--engine-opts", default="{}", help="JSON of more open_engine() keyword arguments")
     a = ap.parse_args()
-    anyio.run(_serve, a.route, a.gpu, a.gpu_ipc == "yes", a.ipc_streams, backend=a.backend)
+    opts = json.loads(a.engine_opts)
+    anyio.run(_serve, a.route, a.gpu, a.gpu_ipc == "yes", a.ipc_streams, opts, backend=a.backend)
 
 
 if __name__ == "__main__":
