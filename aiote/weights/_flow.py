@@ -5,6 +5,8 @@ on each inference rank. Built on aiote's public operations only (``register``,
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -34,6 +36,9 @@ VERSION_BITS = 24
 _VMASK = (1 << VERSION_BITS) - 1
 _ONCE = RetryPolicy(attempts=0)  # a completion immediate must count exactly once
 _THREAD_COPY = 1 << 20  # host staging copies of at least this many bytes run in a worker thread
+# ... and in up to this many threads at once, by rows, one per MiB at least: a host with cores
+# to spare copies (and casts) a chunk at its memory's pace, not one core's
+_COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4)) if hasattr(os, "sched_getaffinity") else 1
 
 
 def version_imm(tag: int, version: int) -> int:
@@ -545,7 +550,7 @@ class WeightSender:
             t = time.monotonic()
             if self._xp is np and w.nbytes >= _THREAD_COPY:  # NumPy copies release the GIL:
                 # off the loop's thread, so completions go on and the lanes copy in parallel
-                await anyio.to_thread.run_sync(self._transform, w, ctx.tensors[w.source], off)
+                await self._copy_in_threads(w, ctx.tensors[w.source], off)
             else:
                 self._transform(w, ctx.tensors[w.source], off)
             st.transform_s += time.monotonic() - t
@@ -571,11 +576,37 @@ class WeightSender:
     def _itemsize(dtype: str) -> int:
         return int(storage(dtype).itemsize)
 
-    def _transform(self, w: Write, src: Any, off: int) -> None:
+    def _transform(self, w: Write, src: Any, off: int, part: tuple[int, int] | None = None) -> None:
+        """Copies (and casts) ``w``'s rows and columns of ``src`` into the staging pool at
+        ``off``; ``part``: only rows ``[a, b)`` of the write."""
         xp = self._xp
         rows, cols = w.row1 - w.row0, w.col1 - w.col0
         out = self._staging[off : off + w.nbytes].view(storage(w.dst_dtype)).reshape(rows, cols)
-        cast_into(xp, out, src[w.row0 : w.row1, w.col0 : w.col1], w.src_dtype, w.dst_dtype)
+        a, b = part or (0, rows)
+        cast_into(xp, out[a:b], src[w.row0 + a : w.row0 + b, w.col0 : w.col1], w.src_dtype, w.dst_dtype)
+
+    async def _copy_in_threads(self, w: Write, src: Any, off: int) -> None:
+        """:meth:`_transform` in worker threads: up to ``_COPY_THREADS`` at once, each a block
+        of rows of at least ``_THREAD_COPY`` bytes. Raises the first part's error."""
+        rows = w.row1 - w.row0
+        k = max(1, min(_COPY_THREADS, rows, w.nbytes // _THREAD_COPY))
+        if k == 1:
+            await anyio.to_thread.run_sync(self._transform, w, src, off)
+            return
+        cuts = [rows * i // k for i in range(k + 1)]
+        errors: list[BaseException] = []
+
+        async def part(a: int, b: int) -> None:
+            try:
+                await anyio.to_thread.run_sync(self._transform, w, src, off, (a, b))
+            except Exception as exc:  # raised as itself below, not wrapped in a group
+                errors.append(exc)
+
+        async with anyio.create_task_group() as g:
+            for a, b in itertools.pairwise(cuts):
+                g.start_soon(part, a, b)
+        if errors:
+            raise errors[0]
 
     async def _write(
         self, r: int, posted: Transfer, n: int, off: int, t: float, ctx: _Push, pool: _Pool
