@@ -35,19 +35,8 @@ from aiote.testing import ready_line, stop_process
 
 from . import _benchout, _observe
 from ._benchnet import READY, Remote, bench_buffer, bench_same_host, tuning
-from .bench import (
-    CPU_WRITER_MAIN,
-    LATENCY,
-    Case,
-    _cases,
-    _machine,
-    _percentiles,
-    _split,
-    lane_batches,
-    lanes_of,
-    pings,
-    py_case,
-)
+from ._benchpy import CPU_WRITER_MAIN, Case, _percentiles, lane_batches, lanes_of, pings, py_case
+from .bench import LATENCY, _cases, _machine, _split
 
 __all__ = ["main"]
 
