@@ -7,6 +7,9 @@ immediates, counters and messages over libfabric), under asyncio and trio.
         await engine.imm_counter(7).wait(1)
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._core._counter import CREDIT_UNIT, ImmCounter
 from ._core._descriptor import EngineAddress, MemoryDescriptor, RailAddress
 from ._core._device import GpuUnavailable
@@ -40,13 +43,20 @@ from ._core._options import GpuOptions, PollerOptions, SameHostOptions, Transpor
 from ._core._retry import RetryPolicy
 from ._core._routing import DomainGroup, Route
 
-# isort: split
-# the flows last: they import the public names above from this package (aiote.moe does)
-from . import (
-    kv,  # the KV-cache flow (prefill/decode), built on the core
-    moe,  # MoE dispatch/combine: all-to-all over one-sided writes
-    weights,  # RL weight updates: trainer ranks push versions into inference ranks
-)
+# the flows: the KV-cache flow (prefill/decode), MoE dispatch/combine, RL weight updates. They
+# import the public names above from this package, and are imported on first use (``aiote.kv``
+# or ``import aiote.kv``), so that ``import aiote`` costs only the core
+_FLOWS = ("kv", "moe", "weights")
+
+if TYPE_CHECKING:
+    from . import kv, moe, weights
+
+
+def __getattr__(name: str) -> Any:
+    """``aiote.kv``, ``aiote.moe`` and ``aiote.weights``, imported on first access."""
+    if name in _FLOWS:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

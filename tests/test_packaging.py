@@ -168,3 +168,26 @@ def test_children_import_the_aiote_this_process_imported(tmp_path: Path) -> None
     r = subprocess.run(python_module("aiote", "--help"), cwd=tmp_path, env=child_env(),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "bench" in r.stdout, r.stderr[-2000:]
+
+
+def test_import_aiote_costs_only_the_core_and_the_flows_come_on_first_use() -> None:
+    """``import aiote`` loads the core, not the flows; ``aiote.kv`` / ``aiote.moe`` /
+    ``aiote.weights`` import their subpackage on first access (and ``import aiote.kv`` as
+    ever), so a process that only moves bytes does not pay for them at start."""
+    code = (
+        "import sys, aiote\n"
+        "flows = ('aiote.kv', 'aiote.moe', 'aiote.weights', 'aiote.membership')\n"
+        "assert not [m for m in flows if m in sys.modules], sorted(m for m in sys.modules if m in flows)\n"
+        "assert aiote.kv.PrefillServer and aiote.weights.WeightSender and aiote.moe.AllToAll\n"
+        "assert all(m in sys.modules for m in flows[:3])\n"
+        "from aiote import kv, moe, weights\n"
+        "assert kv is aiote.kv and weights is sys.modules['aiote.weights']\n"
+        "try:\n"
+        "    aiote.nonesuch\n"
+        "except AttributeError as exc:\n"
+        "    assert 'nonesuch' in str(exc)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
