@@ -58,6 +58,10 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_FLOWS))
+
 __version__ = "0.1.0"
 
 __all__ = [

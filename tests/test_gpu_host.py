@@ -269,8 +269,10 @@ async def test_post_write_imm_goes_behind_posted_ipc_writes() -> None:
     """``imm_follows_writes`` is true for a GPU region once this engine writes it over the
     CUDA-IPC rail (not before, and never for a host region), and ``post_write_imm`` then puts
     the immediate on the rail's stream before it returns: posted right behind writes still in
-    flight on three streams (5 ms copies), none awaited, it counts only after their bytes,
-    once each round, with the route asserted."""
+    flight, none awaited, it counts only after their bytes, once each round, with the route
+    asserted. The writes take the three streams in turn (5 ms copies each) from the second on,
+    so the first stream holds one copy and the others two each: only its wait for them keeps
+    the credit behind their last bytes."""
     k, part = K3, N3 // K3
     async with _three_streams(seed=23) as (peer, src, mr, dst):
         e = peer.engine
@@ -278,8 +280,10 @@ async def test_post_write_imm_goes_behind_posted_ipc_writes() -> None:
         assert not e.imm_follows_writes(dst)  # no IPC write made yet: the host way
         for v in range(3):
             src.host[:] = pattern(N3, 40 + v)
-            posted = [
-                e.post_write(mr, dst, length=part, src_offset=i * part, dst_offset=i * part) for i in range(k)
+            await e.write(mr, dst, length=part, timeout=30)  # part 0, on the first stream
+            posted = [  # parts 1-5 on streams 1, 2, 0, 1, 2
+                e.post_write(mr, dst, length=part, src_offset=i * part, dst_offset=i * part)
+                for i in range(1, k)
             ]
             assert e.imm_follows_writes(dst) and not e.imm_follows_writes(host)
             ipc_imm = e.stats()["gpu_ipc_imm"]
@@ -287,7 +291,7 @@ async def test_post_write_imm_goes_behind_posted_ipc_writes() -> None:
             assert e.stats()["gpu_ipc_imm"] == ipc_imm + 1  # on the rail before it returned
             assert not any(p.done for p in posted)  # (the copies take 5 ms each)
             await peer.wait(imm=43, n=1, timeout=20)
-            assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part])
+            assert await peer.digest("g", 0, k * part) == digest(src.host[: k * part]), v
             await t.wait(timeout=30)
             for p in posted:
                 await p.wait(timeout=30)

@@ -415,8 +415,10 @@ class GpuSupport:
 
     def ipc_imm_device(self, rdesc: MemoryDescriptor) -> int | None:
         """The device whose first IPC line a ``write_imm`` to ``rdesc`` goes on (the one device
-        this engine made IPC writes from, when the rail reaches ``rdesc`` from it), or None."""
+        this engine made IPC writes from, on any of its ``ipc_streams``, when the rail reaches
+        ``rdesc`` from it), or None."""
         devices = {line.device for line in self._out.values()}
+        devices.update(line.device for line in self._ipc_out.values())
         if len(devices) != 1:
             return None
         (device,) = devices

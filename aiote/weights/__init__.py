@@ -23,7 +23,7 @@ See docs/weights.md.
 """
 
 from ._dtypes import DTYPES, E4M3_MAX, cast_into, cast_supported, e4m3_table
-from ._flow import VERSION_BITS, PushFailed, PushStats, WeightReceiver, WeightSender, version_imm
+from ._flow import VERSION_BITS, PushFailed, PushStats, WeightSender, version_imm
 from ._layout import fused_tp, pack_targets, split_rows, with_desc
 from ._plan import (
     Piece,
@@ -38,6 +38,7 @@ from ._plan import (
     Write,
     plan,
 )
+from ._receiver import WeightReceiver
 from ._region import TargetRegion, register_targets
 
 __all__ = [

@@ -1,44 +1,43 @@
-"""Execution of a plan: :class:`WeightSender` on each trainer rank, :class:`WeightReceiver`
-on each inference rank. Built on aiote's public operations only (``register``,
+"""Execution of a plan: :class:`WeightSender` on each trainer rank (the inference ranks'
+side: :mod:`._receiver`). Built on aiote's public operations only (``register``,
 ``post_write``, ``post_write_imm``, ``write_imm``, ``imm_follows_writes``, ``imm_counter``)."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Any
 
 import anyio
 import numpy as np
 
-from .._core._counter import ImmCounter
 from .._core._descriptor import MemoryDescriptor
 from .._core._engine import Engine
 from .._core._errors import AioteError, InvalidArgument, TransferError, TransferTimeout
+from .._core._fabric import usable_cores
 from .._core._log import get_logger
 from .._core._memory import MemoryRegion
 from .._core._observe import observed_call
 from .._core._posted import Transfer
 from .._core._retry import RetryPolicy
 from ._dtypes import cast_into, storage
-from ._plan import PlanError, ReceiverPlan, SenderPlan, SourceShard, Write
+from ._plan import PlanError, SenderPlan, SourceShard, Write
 
-__all__ = ["VERSION_BITS", "PushFailed", "PushStats", "WeightReceiver", "WeightSender", "version_imm"]
+__all__ = ["VERSION_BITS", "PushFailed", "PushStats", "WeightSender", "version_imm"]
 
 _log = get_logger(component="weights")
 VERSION_BITS = 24
 _VMASK = (1 << VERSION_BITS) - 1
 _ONCE = RetryPolicy(attempts=0)  # a completion immediate must count exactly once
 _THREAD_COPY = 1 << 20  # host staging copies of at least this many bytes run in a worker thread
-# ... and in up to this many threads at once, by rows, one per MiB at least: a host with cores
-# to spare copies (and casts) a chunk at its memory's pace, not one core's
-_COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4)) if hasattr(os, "sched_getaffinity") else 1
+# ... and in up to this many threads at once (one per 4 usable cores, at most 4), by rows, one
+# per MiB at least: a host with cores to spare copies (and casts) a chunk at its memory's pace
+_COPY_THREADS = max(1, min(4, usable_cores() // 4))
 
 
 def version_imm(tag: int, version: int) -> int:
@@ -193,6 +192,7 @@ class _Push:
         self.stats = PushStats(version)
         # source name -> (its registered allocation's key, the shard's byte offset in it)
         self.direct: dict[str, tuple[tuple[int, int], int]] = {}
+        self.devices: set[int] | None = None  # the GPUs of the tensors and staging (CuPy)
 
 
 class WeightSender:
@@ -272,7 +272,8 @@ class WeightSender:
         # registered allocations: (address, bytes) -> (the flat array, its region)
         self._registered: dict[tuple[int, int], tuple[Any, MemoryRegion]] = {}
         self._busy = False
-        self._unsettled: list[Transfer] = []  # writes of earlier pushes that timed out
+        # what earlier pushes gave up on while it may still land: each returns once it cannot
+        self._unsettled: list[Callable[[], Awaitable[None]]] = []
         self._log = _log.bind(rank=plan.rank)
 
     async def __aenter__(self) -> WeightSender:
@@ -373,10 +374,9 @@ class WeightSender:
         """Waits until the writes an earlier push gave up on (timed out) can no longer land:
         until then they may read the staging buffer and overwrite the bytes of this version."""
         while self._unsettled:
-            posted = self._unsettled[0]
+            settle = self._unsettled[0]
             with anyio.move_on_after(_left(end) if end is not None else float("inf")):
-                with contextlib.suppress(AioteError):  # (failed or landed: it has ended)
-                    await posted.wait()
+                await settle()
                 self._unsettled.pop(0)
                 continue
             raise TransferTimeout("writes of an earlier push that timed out are still in flight")
@@ -416,6 +416,8 @@ class WeightSender:
             )
             self._xp = xp
         if not self.register_sources:
+            if self._direct_seen:  # (turned off since the last push: no direct source now)
+                self._direct_seen = {}
             return
         keep: dict[tuple[int, int], tuple[Any, MemoryRegion]] = {}
         for name in self._plain_names:
@@ -454,14 +456,17 @@ class WeightSender:
                         await self._issue(tg, r, run, ctx, pool)
                     except AioteError as exc:  # caught here: out of the group it comes wrapped
                         ctx.errors.setdefault(r, exc)
-                if r not in ctx.errors and self._imm_follows(r):
-                    # every write posted, each over the CUDA-IPC rail: the rail credits the
-                    # immediate after their bytes, so it goes now, behind them
-                    early = self.engine.post_write_imm(self._imm_desc(r), imm, retry=_ONCE)
-                    ctx.stats.imms_behind_writes += 1
+                try:
+                    if r not in ctx.errors and self._imm_follows(r, ctx):
+                        # every write posted, each over the CUDA-IPC rail: the rail credits
+                        # the immediate after their bytes, so it goes now, behind them
+                        early = self.engine.post_write_imm(self._imm_desc(r), imm, retry=_ONCE)
+                        ctx.stats.imms_behind_writes += 1
+                except AioteError as exc:  # (raised in the group's body it would come wrapped)
+                    ctx.errors.setdefault(r, exc)
             t = time.monotonic()
             if early is not None:
-                await early.wait(timeout=_left(ctx.end))
+                await self._await_posted(early, ctx)
             elif r not in ctx.errors:
                 await self.engine.write_imm(self._imm_desc(r), imm, timeout=_left(ctx.end), retry=_ONCE)
             else:
@@ -470,10 +475,15 @@ class WeightSender:
         except AioteError as exc:
             ctx.errors.setdefault(r, exc)
 
-    def _imm_follows(self, r: int) -> bool:
-        """Whether receiver ``r``'s immediate may go right behind its writes: GPU tensors, and
-        every region of ``r`` one the engine's CUDA-IPC rail credits after its writes."""
+    def _imm_follows(self, r: int, ctx: _Push) -> bool:
+        """Whether receiver ``r``'s immediate may go right behind its writes: GPU tensors and
+        staging on one device, and every region of ``r`` one the engine's CUDA-IPC rail
+        credits after its writes."""
         if self._xp is np:
+            return False
+        if ctx.devices is None:
+            ctx.devices = {int(v.device.id) for v in ctx.tensors.values()} | {int(self._staging.device.id)}
+        if len(ctx.devices) != 1:
             return False
         descs = self._lane_descs.get(r)
         if descs is None:
@@ -556,21 +566,18 @@ class WeightSender:
             st.transform_s += time.monotonic() - t
             assert self._staging_mr is not None
             mr, src_off = self._staging_mr, off
+        where = (self._descs[w.desc], w.offset, n)
+        if self._xp is np:  # awaited as one engine.write: its stall and gone-peer checks
+            tg.start_soon(self._write, r, where, mr, src_off, off, ctx, pool)
+            return
+        # GPU: on the stream now, so that the lane knows when its last write is posted. Should
+        # the call fail, the room stays taken (a copy it enqueued may still read the staging)
         t = time.monotonic()
-        try:
-            posted = self.engine.post_write(
-                mr,
-                self._descs[w.desc],
-                length=n,
-                src_offset=src_off,
-                dst_offset=w.offset,
-                retry=self._retry,
-                stream=self._xp.cuda.get_current_stream() if self._xp is not np else None,
-            )
-        except BaseException:
-            pool.give(r, off, n)
-            raise
-        tg.start_soon(self._write, r, posted, n, off, t, ctx, pool)
+        posted = self.engine.post_write(
+            mr, where[0], length=n, src_offset=src_off, dst_offset=w.offset, retry=self._retry,
+            stream=self._xp.cuda.get_current_stream(),
+        )
+        tg.start_soon(self._await_write, r, posted, n, off, t, ctx, pool)
 
     @staticmethod
     def _itemsize(dtype: str) -> int:
@@ -609,26 +616,77 @@ class WeightSender:
             raise errors[0]
 
     async def _write(
-        self, r: int, posted: Transfer, n: int, off: int, t: float, ctx: _Push, pool: _Pool
+        self,
+        r: int,
+        where: tuple[MemoryDescriptor, int, int],
+        mr: MemoryRegion,
+        src_off: int,
+        off: int,
+        ctx: _Push,
+        pool: _Pool,
     ) -> None:
-        """Awaits one posted write of ``n`` bytes to receiver ``r`` (from ``t``), then gives
-        its staging room back (kept while a write that timed out may still read it)."""
+        """One awaited write of ``where`` = (descriptor, destination offset, bytes)."""
+        desc, dst_off, n = where
         st = ctx.stats
+        t = time.monotonic()
         try:
-            await posted.wait(timeout=_left(ctx.end))
-            st.writes += 1
-            st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + n
+            if r not in ctx.errors:
+                await self.engine.write(
+                    mr, desc, length=n, src_offset=src_off, dst_offset=dst_off,
+                    timeout=_left(ctx.end), retry=self._retry,
+                )
+                st.writes += 1
+                st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + n
         except TransferTimeout as exc:
             # the write may still be in flight: its staging room stays taken for this push,
             # and the next push first waits for it to settle (see _settle_earlier)
             ctx.errors.setdefault(r, exc)
-            self._unsettled.append(posted)
+            self._unsettled.append(exc.settled)
             off = -1
         except AioteError as exc:
             ctx.errors.setdefault(r, exc)
         finally:
             st.write_s += time.monotonic() - t
             pool.give(r, off, n)
+
+    async def _await_write(
+        self, r: int, posted: Transfer, n: int, off: int, t: float, ctx: _Push, pool: _Pool
+    ) -> None:
+        """Awaits one posted GPU write of ``n`` bytes to receiver ``r`` (from ``t``), then
+        gives its staging room back, unless it may still read it (timed out, cancelled)."""
+        st = ctx.stats
+        going = False
+        try:
+            await self._await_posted(posted, ctx)
+            st.writes += 1
+            st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + n
+        except AioteError as exc:
+            ctx.errors.setdefault(r, exc)
+            going = isinstance(exc, TransferTimeout)
+        finally:
+            st.write_s += time.monotonic() - t
+            pool.give(r, -1 if going or not posted.done else off, n)
+
+    async def _await_posted(self, posted: Transfer, ctx: _Push) -> None:
+        """Awaits a posted write (or immediate) until the push's deadline; raises its error.
+        One that timed out (or stalled), or was still going when the push was cancelled, is
+        kept for the next push to wait for first (see :meth:`_settle_earlier`)."""
+        try:
+            await posted.wait(timeout=_left(ctx.end))
+        except BaseException as exc:
+            if not posted.done or isinstance(exc, TransferTimeout):
+                self._unsettled.append(partial(_settled, posted))
+            raise
+
+
+async def _settled(posted: Transfer) -> None:
+    """Returns once ``posted`` can no longer land (done, or a stalled one let go of)."""
+    try:
+        await posted.wait()
+    except TransferTimeout as exc:  # a stall ended it: its requests may be in the transport
+        await exc.settled()
+    except AioteError:
+        pass
 
 
 def _ptr(a: Any) -> int:
@@ -654,86 +712,3 @@ def _root(xp: Any, a: Any) -> tuple[Any, int]:
         if at >= 0 and at + a.nbytes <= root.nbytes:
             return root.reshape(-1).view(xp.uint8), at
     return a.reshape(-1).view(xp.uint8), 0
-
-
-class WeightReceiver:
-    """Inference rank ``plan.rank``'s side of a plan: learns when a version is complete. The
-    bytes land in memory the application registered itself (the plan's descriptors) and need
-    nothing from this object: a receiver that never waits (passive) gets every byte too.
-
-    Completion: each sender writing to this rank sends one immediate per version once all its
-    bytes here are in place; :meth:`wait_version` waits for ``len(plan.senders)`` of them on
-    the version's own counter. Raises :class:`~aiote.InvalidArgument` for a plan that is not a
-    :class:`ReceiverPlan`; costs nothing else."""
-
-    def __init__(self, engine: Engine, plan: ReceiverPlan) -> None:
-        if not isinstance(plan, ReceiverPlan):
-            raise InvalidArgument(
-                f"plan must be a ReceiverPlan (plan.receiver(rank)), not {type(plan).__name__}"
-            )
-        self.engine = engine
-        self.plan = plan
-        self._complete: set[int] = set()
-        self._waits: dict[int, anyio.Event] = {}
-
-    @property
-    def latest(self) -> int | None:
-        """The highest version known complete, or None. O(1) amortized, no I/O."""
-        return max(self._complete, default=None)
-
-    def is_complete(self, version: int) -> bool:
-        """Whether every byte of ``version`` is known to be in place (a successful wait, or a
-        :meth:`poll` that saw every sender's immediate). O(1), no I/O."""
-        return version in self._complete
-
-    def poll(self, version: int) -> bool:
-        """Without waiting: True if every sender's immediate for ``version`` has arrived (it
-        is then marked complete), else False. Raises :class:`~aiote.InvalidArgument` for a
-        bad version; O(1), one native call."""
-        if version in self._complete:
-            return True
-        c = self.engine.imm_counter(version_imm(self.plan.tag, version))
-        if version not in self._waits and c.available >= len(self.plan.senders):
-            self._done(version, c)
-            return True
-        return False
-
-    def _done(self, version: int, c: ImmCounter) -> None:
-        self._complete.add(version)
-        if len(self._complete) > 64:  # keep the last ones: versions are waited for in order
-            self._complete.discard(min(self._complete))
-        c.release()  # its credits are spent; a late one starts it again from zero
-
-    @observed_call("weights", "wait_version", lambda self: self.engine)
-    async def wait_version(self, version: int, *, timeout: float | None = None) -> None:
-        """Returns once every byte of ``version`` is in place on this rank (every sender's
-        immediate for it arrived). Immediates of other versions are never counted: a late
-        write of ``v`` cannot complete ``v + 1``. Several tasks may wait for the same version.
-
-        Raises :class:`~aiote.TransferTimeout` after ``timeout`` seconds (the version is then
-        not marked complete, and the credits that did arrive stay counted for a later wait),
-        :class:`~aiote.InvalidArgument` for a bad version or timeout,
-        :class:`~aiote.EngineClosed`. Costs nothing while waiting (the engine's poller wakes
-        it)."""
-        c = self.engine.imm_counter(version_imm(self.plan.tag, version))
-        end = _end(timeout)
-        if version in self._complete:
-            await anyio.lowlevel.checkpoint()
-            return
-        other = self._waits.get(version)
-        if other is not None:  # another task waits for the credits: wait for it to finish
-            with anyio.move_on_after(_left(end) if end is not None else float("inf")):
-                await other.wait()
-            if version in self._complete:
-                return
-            if other.is_set():  # that wait failed (timed out): take over
-                return await self.wait_version(version, timeout=_left(end))
-            raise TransferTimeout(f"version {version} did not complete within {timeout:g} s")
-        ev = self._waits[version] = anyio.Event()
-        try:
-            await c.wait(len(self.plan.senders), timeout=timeout)
-            self._waits.pop(version, None)
-            self._done(version, c)
-        finally:
-            self._waits.pop(version, None)
-            ev.set()

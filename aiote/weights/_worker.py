@@ -25,8 +25,9 @@ from .._core._memory import MemoryRegion
 from .._core._retry import RetryPolicy
 from .._spawn import child_env, python_module
 from ._dtypes import cast_into, storage
-from ._flow import PushFailed, WeightReceiver, WeightSender
+from ._flow import PushFailed, WeightSender
 from ._plan import ReceiverPlan, SenderPlan, SourceShard
+from ._receiver import WeightReceiver
 
 __all__ = ["Worker", "WorkerError", "source_tensor", "spawn_worker"]
 
