@@ -42,16 +42,17 @@ class TransportOptions:
     """Connections, message slots and posting (``open_engine(transport=...)``)."""
 
     streams: int | None = None
-    """Connections per NIC (1 to 8; each is one more rail on the same NIC, so a peer opened with the same
-    ``streams`` is reached over that many connections per NIC). ``None``: :func:`default_streams` (2 on
-    tcp with one NIC, 4 there on 16 cores or more, else 1). Every connection to a peer is opened when a
-    transfer first reaches it (a zero-byte request in the background); until then transfers go whole
-    over the open ones. A write or read of at least ``stripe_min`` bytes is split across them while
-    fewer operations are in flight than streams (its immediate, if any, follows as one credit once every
-    piece landed); otherwise, and for smaller ones, the streams take whole transfers in turn, each
-    carrying its immediate, as over a single NIC. On tcp two streams move large writes faster where one
-    TCP connection's receive path is the limit (loopback); the price is a rail's memory and poller work
-    per stream. At most 16 rails (NICs x streams) per engine."""
+    """Connections per NIC (1 to 8; each is one more rail on the same NIC, so a peer opened with
+    the same ``streams`` is reached over that many connections per NIC). ``None``:
+    :func:`default_streams` (2 on tcp with one NIC, 4 there on 16 cores or more, else 1). Every
+    connection to a peer is opened when a transfer first reaches it (a zero-byte request in the
+    background); until then transfers go whole over the open ones. A write or read of at least
+    ``stripe_min`` bytes is split across them while fewer operations are in flight than streams
+    (its immediate, if any, follows as one credit once every piece landed); otherwise, and for
+    smaller ones, the streams take whole transfers in turn, each carrying its immediate, as
+    over a single NIC. On tcp two streams move large writes faster where one TCP connection's
+    receive path is the limit (loopback); the price is a rail's memory and poller work per
+    stream. At most 16 rails (NICs x streams) per engine."""
 
     stripe_min: int = 1 << 20
     """A single write or read of at least this many bytes is split across the NICs (and

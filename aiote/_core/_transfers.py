@@ -188,12 +188,10 @@ class Transfers(Rows):
             raise InvalidArgument("write_imm needs an immediate")
         rdesc = self._remote(remote)
         assert self._scratch is not None
-        gpu = self._gpu if rdesc.gpu is not None and stream is None else None
-        if gpu is not None:  # after this engine's CUDA-IPC copies, on their rail's stream
+        if rdesc.gpu is not None and stream is None:  # after this engine's CUDA-IPC copies
             check_timeout(timeout)
             _check_retry(retry)
-            self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
-            finish = gpu.start_ipc_imm(rdesc, imm, self._scratch)
+            finish = self._start_ipc_imm(rdesc, imm)
             if finish is not None:
                 await finish(timeout, retry)
                 return
@@ -309,12 +307,9 @@ class Transfers(Rows):
             raise InvalidArgument("write_imm needs an immediate")
         rdesc = self._remote(remote)
         assert self._scratch is not None
-        rail = self._gpu if rdesc.gpu is not None and stream is None else None
-        if rail is not None:  # on the CUDA-IPC rail's stream now, after its copies (write_imm)
-            self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
-            finish = rail.start_ipc_imm(rdesc, imm, self._scratch)
-            if finish is not None:
-                return self._background(lambda: finish(None, retry), "write_imm")
+        finish = self._start_ipc_imm(rdesc, imm) if stream is None else None
+        if finish is not None:  # on the CUDA-IPC rail's stream now, after its copies
+            return self._background(lambda: finish(None, retry), "write_imm")
         gpu = stream is not None or _staged(rdesc)
         if gpu:
             self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)  # validation only
@@ -328,6 +323,17 @@ class Transfers(Rows):
         keep = rdesc is remote and rdesc.gpu is None
         m = self._memo(self._imm_memos, (id(rdesc), imm), rdesc, table) if keep else None
         return self._post_now(table, None, "write_imm", retry, m)
+
+    def _start_ipc_imm(self, rdesc: MemoryDescriptor, imm: int) -> Any:
+        """A ``write_imm`` to ``rdesc`` validated and started on the CUDA-IPC rail's stream now
+        (:meth:`GpuSupport.start_ipc_imm`), and what finishes it; None when it does not go that
+        way (a host region, no GPU support yet, the rail out of reach)."""
+        rail = self._gpu if rdesc.gpu is not None else None
+        if rail is None:
+            return None
+        assert self._scratch is not None
+        self._span(self._scratch, rdesc, 0, 0, 0, imm, lib.AIO_OP_WRITE)
+        return rail.start_ipc_imm(rdesc, imm, self._scratch)
 
     def imm_follows_writes(self, remote: MemoryDescriptor | bytes) -> bool:
         """Whether a :meth:`write_imm` or :meth:`post_write_imm` (no ``stream``) to ``remote``

@@ -256,7 +256,7 @@ class WeightSender:
             self._lanes[w.dst].append(w)
         self._first_desc = {r: self._descs[ws[0].desc] for r, ws in self._lanes.items()}
         self._imm_descs: dict[int, MemoryDescriptor] = {}
-        self._lane_descs: dict[int, list[int]] = {}
+        self._lane_descs = {r: sorted({w.desc for w in ws}) for r, ws in self._lanes.items()}
         # the last push's direct sources (ctx.direct), and per receiver the runs made for them
         self._direct_seen: dict[str, tuple[tuple[int, int], int]] = {}
         self._run_cache: dict[int, tuple[int, dict[str, Any], list[list[Write]]]] = {}
@@ -485,10 +485,7 @@ class WeightSender:
             ctx.devices = {int(v.device.id) for v in ctx.tensors.values()} | {int(self._staging.device.id)}
         if len(ctx.devices) != 1:
             return False
-        descs = self._lane_descs.get(r)
-        if descs is None:
-            descs = self._lane_descs[r] = sorted({w.desc for w in self._lanes[r]})
-        return all(self.engine.imm_follows_writes(self._descs[d]) for d in descs)
+        return all(self.engine.imm_follows_writes(self._descs[d]) for d in self._lane_descs[r])
 
     def _imm_desc(self, r: int) -> MemoryDescriptor:
         return self._first_desc[r]
@@ -566,18 +563,21 @@ class WeightSender:
             st.transform_s += time.monotonic() - t
             assert self._staging_mr is not None
             mr, src_off = self._staging_mr, off
-        where = (self._descs[w.desc], w.offset, n)
-        if self._xp is np:  # awaited as one engine.write: its stall and gone-peer checks
-            tg.start_soon(self._write, r, where, mr, src_off, off, ctx, pool)
-            return
-        # GPU: on the stream now, so that the lane knows when its last write is posted. Should
-        # the call fail, the room stays taken (a copy it enqueued may still read the staging)
+        desc = self._descs[w.desc]
         t = time.monotonic()
-        posted = self.engine.post_write(
-            mr, where[0], length=n, src_offset=src_off, dst_offset=w.offset, retry=self._retry,
-            stream=self._xp.cuda.get_current_stream(),
-        )
-        tg.start_soon(self._await_write, r, posted, n, off, t, ctx, pool)
+        job: Transfer | Callable[..., Awaitable[None]]
+        if self._xp is np:  # awaited as one engine.write: its stall and gone-peer checks
+            job = partial(
+                self.engine.write, mr, desc, length=n, src_offset=src_off, dst_offset=w.offset,
+                retry=self._retry,
+            )
+        else:  # on the stream now, so that the lane knows when its last write is posted. Should
+            # the call fail, the room stays taken (a copy it enqueued may still read the staging)
+            job = self.engine.post_write(
+                mr, desc, length=n, src_offset=src_off, dst_offset=w.offset, retry=self._retry,
+                stream=self._xp.cuda.get_current_stream(),
+            )
+        tg.start_soon(self._write, r, job, n, off, t, ctx, pool)
 
     @staticmethod
     def _itemsize(dtype: str) -> int:
@@ -597,9 +597,6 @@ class WeightSender:
         of rows of at least ``_THREAD_COPY`` bytes. Raises the first part's error."""
         rows = w.row1 - w.row0
         k = max(1, min(_COPY_THREADS, rows, w.nbytes // _THREAD_COPY))
-        if k == 1:
-            await anyio.to_thread.run_sync(self._transform, w, src, off)
-            return
         cuts = [rows * i // k for i in range(k + 1)]
         errors: list[BaseException] = []
 
@@ -618,46 +615,30 @@ class WeightSender:
     async def _write(
         self,
         r: int,
-        where: tuple[MemoryDescriptor, int, int],
-        mr: MemoryRegion,
-        src_off: int,
+        job: Transfer | Callable[..., Awaitable[None]],
+        n: int,
         off: int,
+        t: float,
         ctx: _Push,
         pool: _Pool,
     ) -> None:
-        """One awaited write of ``where`` = (descriptor, destination offset, bytes)."""
-        desc, dst_off, n = where
-        st = ctx.stats
-        t = time.monotonic()
-        try:
-            if r not in ctx.errors:
-                await self.engine.write(
-                    mr, desc, length=n, src_offset=src_off, dst_offset=dst_off,
-                    timeout=_left(ctx.end), retry=self._retry,
-                )
-                st.writes += 1
-                st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + n
-        except TransferTimeout as exc:
-            # the write may still be in flight: its staging room stays taken for this push,
-            # and the next push first waits for it to settle (see _settle_earlier)
-            ctx.errors.setdefault(r, exc)
-            self._unsettled.append(exc.settled)
-            off = -1
-        except AioteError as exc:
-            ctx.errors.setdefault(r, exc)
-        finally:
-            st.write_s += time.monotonic() - t
-            pool.give(r, off, n)
-
-    async def _await_write(
-        self, r: int, posted: Transfer, n: int, off: int, t: float, ctx: _Push, pool: _Pool
-    ) -> None:
-        """Awaits one posted GPU write of ``n`` bytes to receiver ``r`` (from ``t``), then
-        gives its staging room back, unless it may still read it (timed out, cancelled)."""
+        """One write of ``n`` bytes to receiver ``r`` (from ``t``): ``job`` a GPU write posted
+        already, or the host write to await (``job(timeout=...)``). Then gives its staging room
+        back, unless the write may still read it (timed out, or cancelled while going); the next
+        push first waits for such a write to settle (see :meth:`_settle_earlier`)."""
         st = ctx.stats
         going = False
         try:
-            await self._await_posted(posted, ctx)
+            if isinstance(job, Transfer):
+                await self._await_posted(job, ctx)
+            elif r in ctx.errors:
+                return
+            else:
+                try:
+                    await job(timeout=_left(ctx.end))
+                except TransferTimeout as exc:
+                    self._unsettled.append(exc.settled)
+                    raise
             st.writes += 1
             st.bytes_by_receiver[r] = st.bytes_by_receiver.get(r, 0) + n
         except AioteError as exc:
@@ -665,7 +646,8 @@ class WeightSender:
             going = isinstance(exc, TransferTimeout)
         finally:
             st.write_s += time.monotonic() - t
-            pool.give(r, -1 if going or not posted.done else off, n)
+            still = going or (isinstance(job, Transfer) and not job.done)
+            pool.give(r, -1 if still else off, n)
 
     async def _await_posted(self, posted: Transfer, ctx: _Push) -> None:
         """Awaits a posted write (or immediate) until the push's deadline; raises its error.
