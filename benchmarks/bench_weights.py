@@ -295,6 +295,44 @@ def c_core_link(providers: Sequence[str], pairs: int = 1) -> dict[str, float]:
 # ------------------------------------------------------------------ aiote
 
 
+def thread_cpu(pids: Sequence[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """CPU seconds (user + system) of every thread of ``pids`` so far, with its name
+    (``aiote-poll<i>`` the engine's pollers, ``aiote-copy`` its copy helper, the rest Python's
+    or libfabric's), keyed by (pid, tid)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except FileNotFoundError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[(pid, int(tid))] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_by_name(before: dict[tuple[int, int], tuple[str, float]],
+                after: dict[tuple[int, int], tuple[str, float]], pid: int) -> dict[str, tuple[int, float]]:
+    """Per thread name of process ``pid``: (threads that ran, CPU seconds) between two
+    :func:`thread_cpu` snapshots."""
+    res: dict[str, tuple[int, float]] = {}
+    for (p, tid), (name, cpu) in after.items():
+        if p != pid:
+            continue
+        d = cpu - before.get((p, tid), (name, 0.0))[1]
+        if d > 0:
+            n, c = res.get(name, (0, 0.0))
+            res[name] = (n + 1, c + d)
+    return res
+
+
 async def aiote_run(
     route: str,
     sources: list[W.SourceShard],
@@ -316,7 +354,7 @@ async def aiote_run(
                 tg.start_soon(one)
         senders, receivers = workers[:n_s], workers[n_s:]
         targets: list[W.TargetShard] = []
-        smallest = 256 << 20
+        smallest = 1 << 30  # per flow: a round of 256 MiB is mostly its ramp and tail on tcp
         for r, (w, sp) in enumerate(zip(receivers, specs, strict=True)):
             tg_, nbytes = W.pack_targets(r, sp, sources)
             smallest = min(smallest, nbytes)
@@ -335,9 +373,12 @@ async def aiote_run(
         links = await route_links(senders, sorted({t.desc.hex() for t in targets}), repeats, smallest)
         walls: list[float] = []
         stats: list[list[dict[str, Any]]] = []
+        pids = [w.pid for w in workers]
+        cpu: dict[int, dict[str, tuple[int, float]]] = {p: {} for p in pids}
         for v in range(1, repeats + 2):
             for w in senders:
                 await w.call(reply_timeout=300, op="prepare", version=v, fill="fast")
+            snap = thread_cpu(pids)
             t = time.perf_counter()
             for w in senders:
                 await w.send(op="push", version=v, prepared=True, timeout=300)
@@ -348,9 +389,15 @@ async def aiote_run(
             if v > 1:  # the first version is the warm-up (connections, first touch)
                 walls.append(wall)
                 stats.append(got)
+                now = thread_cpu(pids)
+                for p in pids:
+                    for name, (n, c) in cpu_by_name(snap, now, p).items():
+                        n0, c0 = cpu[p].get(name, (0, 0.0))
+                        cpu[p][name] = (max(n, n0), c0 + c)
         k = walls.index(statistics.median_low(walls))
         return {
-            "wall_s": walls[k], "walls": walls, "stats": stats[k], "report": report, "plan_s": plan_s, **links
+            "wall_s": walls[k], "walls": walls, "stats": stats[k], "report": report, "plan_s": plan_s,
+            "cpu": [cpu[p] for p in pids], "n_senders": n_s, **links
         }
     finally:
         with anyio.CancelScope(shield=True):
@@ -359,7 +406,7 @@ async def aiote_run(
 
 
 async def route_links(
-    senders: list[Worker], descs: list[str], repeats: int, n: int = 256 << 20
+    senders: list[Worker], descs: list[str], repeats: int, n: int = 1 << 30
 ) -> dict[str, float]:
     """This route's own figures, from the push's workers, before the push (aiote writes of
     16 MiB, 8 in flight per flow, into the receivers' regions): ``route_gbps`` one flow alone
@@ -514,7 +561,8 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, g
         f"  the push's {r['flows']} flows at once on this route move {r['route_all_gbps']:.2f} GB/s in all "
         f"(C core, 4 pairs of processes at once: {host_gbps:.2f}, an upper estimate: they start apart): "
         f"total / that = {host:.3f} s -> fraction {host / wall:.2f}"
-        + (f"; so at most {own / host:.2f} of this route's bound is reachable here" if host > own else "")
+        + (f"; so at most {bound / host:.2f} of the C core's bound (and {own / host:.2f} of this route's) "
+           "is reachable here" if host > bound else "")
     )
     if gloo_s:
         print(f"  vs gloo all_gather + broadcast {gloo_s:.3f} s: {gloo_s / wall:.2f}x faster")
@@ -522,6 +570,16 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, g
         f"  plan: {r['plan_s'] * 1e3:.1f} ms, {rep.tasks} writes; "
         + str(rep).split("\n", 1)[1].replace("\n", "\n  ")
     )
+    pushes = sum(r["walls"])
+    for i, by_name in enumerate(r["cpu"]):
+        who = f"trainer {i}" if i < r["n_senders"] else f"inference {i - r['n_senders']}"
+        busy = sum(c for _, c in by_name.values()) / pushes
+        print(
+            f"  {who}: {busy:.2f} cores busy over the pushes ("
+            + ", ".join(f"{name} x{n} {c / pushes:.2f}" for name, (n, c) in
+                        sorted(by_name.items(), key=lambda kv: -kv[1][1]))
+            + ")"
+        )
     for i, s in enumerate(r["stats"]):
         print(
             f"  trainer {i}: push {s['wall_s']:.3f} s, staging wait {s['staging_wait_s']:.3f} s, "

@@ -35,6 +35,29 @@ async def test_the_default_is_one_poller_per_rail_and_pollers_caps_it() -> None:
         assert e.stats()["pollers"] == len(e.rails)
 
 
+def _thread_names() -> list[str]:
+    """The OS names of this process's threads (what ``top -H`` and ``perf`` show)."""
+    import os
+
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # (a thread that just ended)
+            pass
+    return names
+
+
+async def test_poller_threads_are_named_by_their_index() -> None:
+    """Each poller thread is named ``aiote-poll<i>``, and they end with the engine."""
+    async with aiote.open_engine(streams=2, pollers=2, **TCP) as e:
+        assert e.stats()["pollers"] == 2
+        polls = sorted(n for n in _thread_names() if n.startswith("aiote-poll"))
+        assert polls == ["aiote-poll0", "aiote-poll1"]
+    assert not [n for n in _thread_names() if n.startswith("aiote-poll")]
+
+
 def _threads() -> int:
     """The threads of this process as the OS counts them (native ones included)."""
     with open("/proc/self/status") as f:

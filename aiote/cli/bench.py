@@ -316,7 +316,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="connections per NIC of both sides' engines (open_engine(streams=N)): writes "
                          "of at least 1 MiB are split across them while fewer are in flight than "
                          "streams; the C core's writes and reads take them in turn; default: "
-                         "aiote's (2 on tcp with one NIC, else 1)")
+                         "aiote.default_streams (on tcp with one NIC 2, or 4 on 16 cores or more; else 1)")
     ap.add_argument("--pollers", type=int, default=None, metavar="N",
                     help="poller threads of both sides' engines (open_engine(pollers=N)); default: "
                          "aiote's (one per rail, up to the cores, at least two); the C core's the same")

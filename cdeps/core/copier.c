@@ -75,6 +75,7 @@ static aio_copier *copier_get(aio_engine *e) {
         e->copier_failed = 1;
         return NULL;
     }
+    pthread_setname_np(c->th, "aiote-copy");
     e->copier = c;
     return c;
 }
