@@ -40,3 +40,26 @@ def test_events_show_once_logging_is_configured() -> None:
     assert "event='engine open'" in out.stderr and "component='engine'" in out.stderr
     assert "event='a warning from aiote'" in out.stderr and "answer=42" in out.stderr
     assert "WARNING:aiote" in out.stderr and "ERROR:aiote" in out.stderr
+
+
+def test_quiet_aiote_never_imports_structlog() -> None:
+    """With aiote's logger not enabled, an engine's life (its debug events) drops every event
+    before structlog is imported; enabled, the same events come through structlog."""
+    script = (
+        "import logging, sys, anyio, aiote\n"
+        "if sys.argv[1] == 'configured':\n"
+        "    logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)\n"
+        "async def main():\n"
+        "    async with aiote.open_engine():\n"
+        "        pass\n"
+        "anyio.run(main)\n"
+        "print('structlog' in sys.modules)\n"
+    )
+    run = [sys.executable, "-c", script]
+    quiet = subprocess.run([*run, "default"], capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.strip() == "False" and quiet.stderr == ""
+    shown = subprocess.run([*run, "configured"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == "True" and "event='engine open'" in shown.stderr
+
