@@ -62,4 +62,3 @@ def test_quiet_aiote_never_imports_structlog() -> None:
     shown = subprocess.run([*run, "configured"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == "True" and "event='engine open'" in shown.stderr
-

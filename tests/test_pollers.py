@@ -5,6 +5,8 @@ peer process, landing whole and counted exactly."""
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import numpy as np
 import pytest
@@ -37,8 +39,6 @@ async def test_the_default_is_one_poller_per_rail_and_pollers_caps_it() -> None:
 
 def _thread_names() -> list[str]:
     """The OS names of this process's threads (what ``top -H`` and ``perf`` show)."""
-    import os
-
     names = []
     for tid in os.listdir("/proc/self/task"):
         try:
