@@ -276,15 +276,22 @@ int64_t aio_post(aio_engine *e, int64_t group, const aio_op_desc *items, int64_t
 int aio_post_send(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *buf,
                   uint64_t len, int64_t budget_ns);
 /* aio_post_send of a message in two parts, head then body, copied one after the other into
- * one send slot (the copy is made without the rail's lock held). */
+ * one send slot (the copy is made without the rail's lock held). A message of up to 4 KiB
+ * (head and body) is then looked for in the rail's completion queue once, on this thread
+ * (shm completes it as it takes it); the rail's poller is woken only when the group still
+ * has a request in flight. */
 int aio_post_sendv(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *head,
                    uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns);
-/* aio_group_open + aio_post_sendv + aio_group_seal in one call, as aio_submit: *group is the
+/* aio_group_open + aio_post_sendv + aio_group_seal in one call, as aio_submit: out[0] is the
  * group opened (negative: every group slot in flight, nothing else done); returns what
- * aio_post_sendv returned, the group sealed only when the message was posted (1). */
+ * aio_post_sendv returned, the group sealed only when the message was posted (1). A small
+ * message the provider completes as it takes it (shm) ends its group in this call: then
+ * out[1] is 1, out[2] the status (0, or the negative error), out[3] the provider's errno, and
+ * no record of the group comes (its slot is free again); otherwise out[1] is 0 and the
+ * group's record comes as for any group. out has 4 elements. */
 int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
                          uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns,
-                         int64_t *group);
+                         int64_t *out);
 /* Paged writes: page k (start <= k < n) copies page_size bytes from the local region at
  * src_offset + src_stride*src_pages[k] to the remote region at
  * dst_offset + dst_stride*dst_pages[k], over routes[(first_route + k) % nroutes]. Each page

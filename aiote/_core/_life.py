@@ -300,19 +300,25 @@ class OpLife(Completions):
         if groups is not None:
             groups.append(op)
         first: int | None = None  # what aio_submit posted (it opened, posted, sealed if all went)
+        ended = False  # the group ended in the call (a small shm message): no record comes
         if (items is not None or opener is not None) and not self._router.down:
+            gout = self._gout
             if opener is not None:
-                k = opener(h, token, self._gout)
+                k = opener(h, token, gout)
+                ended = bool(gout[1])
             else:
                 submit = lib.aio_submit_quiet if quiet else lib.aio_submit
-                k = int(submit(h, token, items, n, self._budget_ns, self._gout))
-            g = int(self._gout[0])
+                k = int(submit(h, token, items, n, self._budget_ns, gout))
+            g = int(gout[0])
             if g >= 0:
                 first = k
                 op.posted = max(k, 0)
+                if ended:
+                    op.complete(int(gout[2]), int(gout[3]))
+                    op.event.set()
         else:
             g = int(lib.aio_group_open(h, token))
-        if g >= 0:
+        if g >= 0 and not ended:
             self._ops.add(token, op)
         op.g = g
         return _Group(op, token, g, first)
@@ -333,6 +339,9 @@ class OpLife(Completions):
             raise EngineClosed(f"{what}: the engine closed before the operation was posted")
         op, first = st.op, st.first
         if first == n:  # aio_submit posted every request and sealed the group: only the wait is left
+            if op.done:  # it ended in that call (a small shm message): a schedule point, no wait
+                await self._checkpoint()
+                return self._outcome(op, what)
             return await self._await_group(op, end, timeout, what)
         g = st.g if st.g >= 0 else await self._wait_group_slot(op, st.token, end, timeout, what)
         if op.move_before_posting(self._router.down):

@@ -285,10 +285,18 @@ class Messages(Observed):
         other engines still go.
 
         Raises :class:`InvalidArgument` (bad address, payload too large),
-        :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`. Costs one
-        copy of the payload (into a registered send slot, behind the sender's address, made
-        without the NIC's lock held) and one send work request, awaited to completion; with no
-        send slot free it waits (back-off) instead of failing."""
+        :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`. A posted
+        message cannot be taken back: a send cancelled once it posted (even in a scope
+        cancelled before the call, to a peer already reached) is delivered, then raises the
+        cancellation.
+
+        Costs one copy of the payload (into a registered send slot, behind the sender's
+        address, made without the NIC's lock held) and one send work request, awaited to
+        completion; with no send slot free it waits (back-off) instead of failing. A message of
+        up to 4 KiB with its header (the sender's address, about 120 bytes) that the provider
+        completes as it takes it (shm always; tcp when its socket takes it at once) ends in
+        the posting call: the send returns after one schedule point, without waking a poller
+        or the event loop."""
         check_timeout(timeout)
         self._check_open()
         await self._send_msg(peer, payload, timeout, retry)

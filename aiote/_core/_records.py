@@ -177,6 +177,18 @@ def _checkpoint_if_cancelled_fn() -> Callable[[], Awaitable[None]]:
         return anyio.lowlevel.checkpoint_if_cancelled
 
 
+def _checkpoint_fn() -> Callable[[], Awaitable[None]]:
+    """``anyio.lowlevel.checkpoint`` of the running backend, looked up once per engine (as
+    :func:`_checkpoint_if_cancelled_fn`)."""
+    try:
+        from anyio._core._eventloop import get_async_backend
+
+        fn: Callable[[], Awaitable[None]] = get_async_backend().checkpoint
+        return fn
+    except Exception:  # pragma: no cover - another anyio layout: the public function
+        return anyio.lowlevel.checkpoint
+
+
 _MEMO_MAX = 256  # memoized requests per region (writes) and per engine (write_imm)
 
 

@@ -119,8 +119,11 @@ class EngineState:
         self._send_cap = max(1, self._hold_max)
         self._recv_waiters: deque[_RecvWaiter] = deque()
         self._recs = ffi.new("aio_record[256]")
-        self._gout = ffi.new("int64_t[1]")  # aio_submit's group (the loop thread only)
+        # aio_submit's group; aio_submit_sendv's also says whether it ended in the call, and how
+        # (the loop thread only)
+        self._gout = ffi.new("int64_t[4]")
         self._checkpoint_if_cancelled: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint_if_cancelled
+        self._checkpoint: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
         self._address = EngineAddress(
             tuple(RailAddress(r.provider, r.address) for r in rails), _host_id(), max_message_size
         )

@@ -11,7 +11,10 @@
  * posted - done, plus one until sealed, and whichever thread brings it to zero finishes the
  * group (one atomic decides, so a stale read of a slot already reused cannot finish it twice;
  * `finished` is a second guard). The first failing request's status is kept (a compare and
- * swap on `status`). A quiet group (aio_submit_quiet, aio_group_quiet) pushes its record
+ * swap on `status`). A group whose requests all completed on the posting thread before it was
+ * sealed (a small shm message: the provider completes it as it takes it) may end in the seal
+ * without a record (aio__group_seal_inline): the caller learns its status from the call, and
+ * the loop is not woken for it. A quiet group (aio_submit_quiet, aio_group_quiet) pushes its record
  * without waking the loop: see ring.c. */
 #include "internal.h"
 
@@ -39,6 +42,15 @@ int64_t aio_group_open(aio_engine *e, uint64_t token) {
     return g >= 0 ? (int64_t)g : -FI_EAGAIN;
 }
 
+/* gives slot g back to the free list */
+static void group_free(aio_engine *e, aio_group *gr, int64_t g) {
+    pthread_mutex_lock(&e->groups_mu);
+    gr->in_use = 0;
+    gr->next_free = e->groups_free;
+    e->groups_free = (int32_t)g;
+    pthread_mutex_unlock(&e->groups_mu);
+}
+
 static void group_finish(aio_engine *e, int64_t g) {
     aio_group *gr = &e->groups[g];
     int expect = 0;
@@ -50,12 +62,8 @@ static void group_finish(aio_engine *e, int64_t g) {
     r.prov_errno = atomic_load(&gr->prov_errno);
     r.a = (uint64_t)atomic_load(&gr->done);
     r.rail = -1;
-    pthread_mutex_lock(&e->groups_mu);
-    gr->in_use = 0;
-    gr->next_free = e->groups_free;
-    e->groups_free = (int32_t)g;
-    int quiet = gr->quiet;
-    pthread_mutex_unlock(&e->groups_mu);
+    int quiet = gr->quiet; /* (read before the slot may be reused) */
+    group_free(e, gr, g);
     aio__ring_put(e, &r, quiet);
 }
 
@@ -78,6 +86,20 @@ int aio_group_seal(aio_engine *e, int64_t g) {
     if (!atomic_compare_exchange_strong(&gr->sealed, &unsealed, 1)) return -FI_EINVAL;
     if (atomic_fetch_sub(&gr->outstanding, 1) == 1) group_finish(e, g);
     return 0;
+}
+
+int aio__group_seal_inline(aio_engine *e, int64_t g, int32_t *status, int32_t *prov_errno) {
+    if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use) return -FI_EINVAL;
+    aio_group *gr = &e->groups[g];
+    int32_t unsealed = 0;
+    if (!atomic_compare_exchange_strong(&gr->sealed, &unsealed, 1)) return -FI_EINVAL;
+    if (atomic_fetch_sub(&gr->outstanding, 1) != 1) return 0; /* a completion ends it later */
+    int expect = 0;
+    if (!atomic_compare_exchange_strong(&gr->finished, &expect, 1)) return 0;
+    *status = atomic_load(&gr->status);
+    *prov_errno = atomic_load(&gr->prov_errno);
+    group_free(e, gr, g);
+    return 1;
 }
 
 int64_t aio_group_pending(aio_engine *e, int64_t g) {

@@ -47,6 +47,10 @@
  * poller: its bytes go into the socket from the poller's thread, never from the posting one
  * (an event loop's). Smaller ones are posted in place when the rail is free, for latency. */
 #define HAND_MIN_BYTES (16 * 1024)
+/* shm sends up to its inject size (SMR_INJECT_SIZE, 4 KiB; smaller ones inline) are copied
+ * into the target's queue by fi_send and completed at once, unless FI_DELIVERY_COMPLETE; a
+ * larger one completes later (the target copies it), not worth a look at the queue */
+#define INLINE_SEND_MAX 4096
 
 /* A write gathering `n` local pieces of it->length bytes each (at it->offset + gather[i])
  * into one contiguous remote range: one request, remote CQ data once. */
@@ -426,6 +430,14 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
         if (now_ns() >= deadline) break;
     }
     if (!ret) aio__posted_to(e, r, peer);
+    /* shm completes a small message as it takes it, and tcp often has written one into its
+     * socket by now: read the completion on this thread, so that no poller is woken for it
+     * and the caller may find its group ended (aio_submit_sendv) */
+    int settled = 0;
+    if (!ret && len <= INLINE_SEND_MAX) {
+        aio__progress_locked(e, r);
+        settled = atomic_load(&e->groups[g].done) == atomic_load(&e->groups[g].posted);
+    }
     if (ret) {
         atomic_fetch_sub(&e->groups[g].posted, 1);
         atomic_fetch_sub(&e->groups[g].outstanding, 1);
@@ -437,17 +449,25 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
         return ret == -FI_EAGAIN ? 0 : (int)ret;
     }
     pthread_mutex_unlock(&r->mu);
-    aio__kick_rails(e, 1u << rail);
+    if (!settled) aio__kick_rails(e, 1u << rail);
     return 1;
 }
 
 int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
-                         uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns, int64_t *group) {
+                         uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns, int64_t *out) {
     int64_t g = aio_group_open(e, token);
-    *group = g;
+    out[0] = g;
+    out[1] = 0;
     if (g < 0) return g;
     int k = aio_post_sendv(e, g, rail, peer, head, hlen, body, blen, budget_ns);
-    if (k == 1) aio_group_seal(e, g);
+    if (k == 1) {
+        int32_t status = 0, prov_errno = 0;
+        if (aio__group_seal_inline(e, g, &status, &prov_errno) == 1) {
+            out[1] = 1;
+            out[2] = status;
+            out[3] = prov_errno;
+        }
+    }
     return k;
 }
 
