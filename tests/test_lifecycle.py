@@ -158,3 +158,44 @@ async def test_many_engines_open_and_close_in_turn() -> None:
             assert np.array_equal(src, dst)
             before = a.stats()
             nothing_posted(a, before)
+
+
+
+_CTRL_C = """
+import os, signal, time, aiote
+try:
+    os.kill(os.getpid(), signal.SIGINT)  # outside any event loop (which installs its own)
+    time.sleep(10)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+"""
+
+_SEGV = """
+import ctypes, faulthandler, aiote
+assert faulthandler.is_enabled()
+ctypes.string_at(0)
+"""
+
+
+def test_signal_handlers_survive_loading_the_core() -> None:
+    """Debian's libfabric links libinfinipath, whose constructor installs its own SIGINT,
+    SIGTERM, SIGSEGV, SIGBUS, SIGILL and SIGABRT handlers: after ``import aiote`` Ctrl-C ended
+    the process with status 1 (no ``KeyboardInterrupt``, no ``finally``), and faulthandler's
+    report of a crash was lost. aiote puts every handler back after loading its core."""
+    import subprocess
+    import sys
+
+    from aiote._spawn import child_env
+
+    out = subprocess.run(
+        [sys.executable, "-c", _CTRL_C], env=child_env(), capture_output=True, text=True, timeout=60
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "KeyboardInterrupt"), (out, out.stderr[-2000:])
+    out = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _SEGV], env=child_env(), capture_output=True,
+        text=True, timeout=60,
+    )
+    assert out.returncode < 0 and "Fatal Python error: Segmentation fault" in out.stderr, (
+        out.returncode,
+        out.stderr[-2000:],
+    )
