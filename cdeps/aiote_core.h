@@ -278,14 +278,15 @@ int aio_post_send(aio_engine *e, int64_t group, int rail, uint64_t peer, const v
 /* aio_post_send of a message in two parts, head then body, copied one after the other into
  * one send slot (the copy is made without the rail's lock held). A message of up to 4 KiB
  * (head and body) is then looked for in the rail's completion queue once, on this thread
- * (shm completes it as it takes it); the rail's poller is woken only when the group still
+ * (shm completes it as it takes it, tcp once its socket took it); the rail's poller is woken only when the group still
  * has a request in flight. */
 int aio_post_sendv(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *head,
                    uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns);
 /* aio_group_open + aio_post_sendv + aio_group_seal in one call, as aio_submit: out[0] is the
  * group opened (negative: every group slot in flight, nothing else done); returns what
  * aio_post_sendv returned, the group sealed only when the message was posted (1). A small
- * message the provider completes as it takes it (shm) ends its group in this call: then
+ * message the provider completed by then (shm always, tcp when its socket took it) ends its
+ * group in this call: then
  * out[1] is 1, out[2] the status (0, or the negative error), out[3] the provider's errno, and
  * no record of the group comes (its slot is free again); otherwise out[1] is 0 and the
  * group's record comes as for any group. out has 4 elements. */

@@ -62,7 +62,7 @@ from ._options import (
 )
 from ._paged import Collective
 from ._posted import Transfer
-from ._records import RailInfo, ScatterTarget, _checkpoint_fn, _checkpoint_if_cancelled_fn
+from ._records import RailInfo, ScatterTarget, _backend_lowlevel
 from ._retry import RetryPolicy
 from ._util import now
 
@@ -101,8 +101,8 @@ class Engine(Collective):
         self._event = self._bridge.event_class
         if self._obs is not None:
             self._obs._bind(self._bridge, self._event)
-        self._checkpoint_if_cancelled = _checkpoint_if_cancelled_fn()
-        self._checkpoint = _checkpoint_fn()
+        self._checkpoint_if_cancelled = _backend_lowlevel("checkpoint_if_cancelled")
+        self._checkpoint = _backend_lowlevel("checkpoint")
         self._space = self._event()
         self._scratch = await self.register(bytearray(64), remote_write=False, remote_read=False)
 

@@ -164,29 +164,18 @@ def _is_gpu_buffer(obj: Any) -> bool:
         return False
 
 
-def _checkpoint_if_cancelled_fn() -> Callable[[], Awaitable[None]]:
-    """``anyio.lowlevel.checkpoint_if_cancelled`` of the running backend, looked up once per
-    engine: the public function finds the backend (sniffio) on every call, a third of its cost
-    on a counter wait's path."""
+def _backend_lowlevel(name: str) -> Callable[[], Awaitable[None]]:
+    """``anyio.lowlevel.<name>`` (``checkpoint``, ``checkpoint_if_cancelled``) of the running
+    backend, looked up once per engine: the public function finds the backend (sniffio) on
+    every call, a third of its cost on a counter wait's path."""
     try:
         from anyio._core._eventloop import get_async_backend
 
-        fn: Callable[[], Awaitable[None]] = get_async_backend().checkpoint_if_cancelled
+        fn: Callable[[], Awaitable[None]] = getattr(get_async_backend(), name)
         return fn
     except Exception:  # pragma: no cover - another anyio layout: the public function
-        return anyio.lowlevel.checkpoint_if_cancelled
-
-
-def _checkpoint_fn() -> Callable[[], Awaitable[None]]:
-    """``anyio.lowlevel.checkpoint`` of the running backend, looked up once per engine (as
-    :func:`_checkpoint_if_cancelled_fn`)."""
-    try:
-        from anyio._core._eventloop import get_async_backend
-
-        fn: Callable[[], Awaitable[None]] = get_async_backend().checkpoint
-        return fn
-    except Exception:  # pragma: no cover - another anyio layout: the public function
-        return anyio.lowlevel.checkpoint
+        public: Callable[[], Awaitable[None]] = getattr(anyio.lowlevel, name)
+        return public
 
 
 _MEMO_MAX = 256  # memoized requests per region (writes) and per engine (write_imm)

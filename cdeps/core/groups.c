@@ -51,10 +51,9 @@ static void group_free(aio_engine *e, aio_group *gr, int64_t g) {
     pthread_mutex_unlock(&e->groups_mu);
 }
 
-static void group_finish(aio_engine *e, int64_t g) {
+/* Pushes the record of g, whose `finished` the caller took, and frees its slot. */
+static void group_record(aio_engine *e, int64_t g) {
     aio_group *gr = &e->groups[g];
-    int expect = 0;
-    if (!atomic_compare_exchange_strong(&gr->finished, &expect, 1)) return;
     aio_record r = {0};
     r.kind = AIO_REC_GROUP;
     r.token = gr->token;
@@ -65,6 +64,11 @@ static void group_finish(aio_engine *e, int64_t g) {
     int quiet = gr->quiet; /* (read before the slot may be reused) */
     group_free(e, gr, g);
     aio__ring_put(e, &r, quiet);
+}
+
+static void group_finish(aio_engine *e, int64_t g) {
+    int expect = 0;
+    if (atomic_compare_exchange_strong(&e->groups[g].finished, &expect, 1)) group_record(e, g);
 }
 
 void aio__group_op_done(aio_engine *e, int64_t g, int status, int prov_errno) {
@@ -79,23 +83,28 @@ void aio__group_op_done(aio_engine *e, int64_t g, int status, int prov_errno) {
     if (atomic_fetch_sub(&gr->outstanding, 1) == 1) group_finish(e, g);
 }
 
-int aio_group_seal(aio_engine *e, int64_t g) {
+/* Seals g: 1 when this brought it to its end (every request done; `finished` taken), 0 when a
+ * completion ends it later, -FI_EINVAL when g is not open or already sealed. */
+static int seal(aio_engine *e, int64_t g) {
     if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use) return -FI_EINVAL;
     aio_group *gr = &e->groups[g];
     int32_t unsealed = 0;
     if (!atomic_compare_exchange_strong(&gr->sealed, &unsealed, 1)) return -FI_EINVAL;
-    if (atomic_fetch_sub(&gr->outstanding, 1) == 1) group_finish(e, g);
-    return 0;
+    if (atomic_fetch_sub(&gr->outstanding, 1) != 1) return 0;
+    int expect = 0;
+    return atomic_compare_exchange_strong(&gr->finished, &expect, 1) ? 1 : 0;
+}
+
+int aio_group_seal(aio_engine *e, int64_t g) {
+    int rc = seal(e, g);
+    if (rc == 1) group_record(e, g);
+    return rc < 0 ? rc : 0;
 }
 
 int aio__group_seal_inline(aio_engine *e, int64_t g, int32_t *status, int32_t *prov_errno) {
-    if (g < 0 || (uint32_t)g >= e->cfg.max_groups || !e->groups[g].in_use) return -FI_EINVAL;
+    int rc = seal(e, g);
+    if (rc != 1) return rc;
     aio_group *gr = &e->groups[g];
-    int32_t unsealed = 0;
-    if (!atomic_compare_exchange_strong(&gr->sealed, &unsealed, 1)) return -FI_EINVAL;
-    if (atomic_fetch_sub(&gr->outstanding, 1) != 1) return 0; /* a completion ends it later */
-    int expect = 0;
-    if (!atomic_compare_exchange_strong(&gr->finished, &expect, 1)) return 0;
     *status = atomic_load(&gr->status);
     *prov_errno = atomic_load(&gr->prov_errno);
     group_free(e, gr, g);
