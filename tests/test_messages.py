@@ -418,6 +418,24 @@ async def test_small_sends_end_as_they_are_posted(route: str, size: int) -> None
             assert woke >= n // 2, woke  # each large send's completion wakes the loop
 
 
+@pytest.mark.parametrize("route", ["same-host", "tcp"])
+async def test_a_small_send_with_a_bad_retry_policy_posts_nothing(route: str) -> None:
+    """A small send is posted before the retry layers it may need (it usually ends in the
+    posting call): its retry policy is still checked first, so a bad one raises and nothing
+    goes out; the next good message is the first the peer receives."""
+    kw = {} if route == "same-host" else {"same_host": None}
+    async with aiote.open_engine(**kw) as a, aiote.open_engine(**kw) as b:
+        assert a.route(b.address).provider == ("shm" if route == "same-host" else "tcp;ofi_rxm")
+        await a.send(b.address, b"warm", timeout=10)
+        assert await b.recv(timeout=10) == (a.address, b"warm")
+        before = a.stats()
+        with pytest.raises(aiote.InvalidArgument, match=r"retry must be an aiote\.RetryPolicy"):
+            await a.send(b.address, b"bad", retry="twice")  # type: ignore[arg-type]
+        nothing_posted(a, before)
+        await a.send(b.address, b"good", timeout=10)
+        assert await b.recv(timeout=10) == (a.address, b"good")
+
+
 async def test_a_send_in_a_cancelled_scope_is_delivered_then_raises() -> None:
     """A posted message is never taken back: a send in a scope already cancelled (a task that
     cancelled its own scope and then tells its peer, as kv's decode side does) is posted,

@@ -16,7 +16,7 @@ from ._descriptor import EngineAddress
 from ._errors import EngineClosed, InvalidArgument, TransferTimeout
 from ._observed import Observed
 from ._optable import _Op
-from ._records import _GROUPS, _end, _groups_list, _Held, _left, _RecvWaiter
+from ._records import _GROUPS, _check_retry, _end, _Group, _groups_list, _Held, _left, _RecvWaiter
 from ._retry import RetryPolicy
 from ._routing import addr_ends
 from ._util import as_index, check_timeout, timeout_error, wait_until
@@ -358,24 +358,46 @@ class Messages(Observed):
 
         self._sends[key] = n + 1
         names = frozenset((key,))
-        if self._obs is not None:
-            self._obs.unit = data.nbytes
+        begun: list[_Group] = []
+        counted = True
         try:
-            await self._attempts(
-                lambda t: self._run_group(post, 1, None, t, "send", names=names, opener=opener),
-                _left(end),
-                retry,
-                "send",
-            )
+            if self._obs is not None:
+                self._obs.unit = data.nbytes
+            elif _GROUPS.get() is None:
+                # unobserved and in no batch: posted here, before the attempts' layers, so that a
+                # message that ends in the posting call costs one schedule point and no more
+                _check_retry(retry)
+                st = self._begin(1, None, None, None, None, names=names, opener=opener)
+                if st.first == 1 and st.op.done and not st.op.status:
+                    self._sent(key)
+                    counted = False
+                    if self._book.due:
+                        self._maybe_sweep()
+                    await self._checkpoint()
+                    return
+                begun.append(st)
+
+            def attempt(t: float | None) -> Awaitable[bool]:
+                if begun:  # the first attempt finishes the group posted above
+                    return self._finish(begun.pop(), post, 1, _end(t), t, "send")
+                return self._run_group(post, 1, None, t, "send", names=names, opener=opener)
+
+            await self._attempts(attempt, _left(end), retry, "send")
         finally:
-            left = self._sends[key] - 1
-            if left:
-                self._sends[key] = left
-            else:
-                del self._sends[key]
-            room = self._send_room.pop(key, None)
-            if room is not None:
-                room.set()
+            if counted:
+                self._sent(key)
+
+    def _sent(self, key: tuple[int, int]) -> None:
+        """A send to ``key`` (rail, peer) is over: it no longer counts against the peer's cap,
+        and a send waiting for room there may go."""
+        left = self._sends[key] - 1
+        if left:
+            self._sends[key] = left
+        else:
+            del self._sends[key]
+        room = self._send_room.pop(key, None)
+        if room is not None:
+            room.set()
 
     async def recv(self, *, timeout: float | None = None) -> tuple[bytes, bytes]:
         """Receives the next message: ``(sender_address, payload)``. Messages are kept from
