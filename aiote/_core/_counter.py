@@ -7,8 +7,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-import anyio
-
 from .._native import lib
 from ._errors import EngineClosed, InvalidArgument
 from ._util import check_timeout, now, timeout_error, wait_until
@@ -25,6 +23,7 @@ class CounterOwner(Protocol):
     _closed: bool
     _loop_spin_ns: int
     _checkpoint_if_cancelled: Callable[[], Awaitable[None]]
+    _checkpoint: Callable[[], Awaitable[None]]
     _event: Any
 
     def _handle(self) -> Any: ...
@@ -98,7 +97,7 @@ class ImmCounter:
             if eng._loop_spin_ns:  # low-latency setting: no trip through the event loop
                 return
             try:
-                await anyio.lowlevel.checkpoint()  # a schedule point (half the cost of a shielded one)
+                await eng._checkpoint()  # a schedule point (half the cost of a shielded one)
             except BaseException:
                 if not eng._closed:  # cancelled right after taking: give the credits back
                     lib.aio_counter_refund(h, self.imm, units)

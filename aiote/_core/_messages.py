@@ -425,7 +425,7 @@ class Messages(Observed):
             # schedule point, the receive gives it back (first in line): it takes nothing
             item = self._take(self._inbox.popleft())
             try:
-                await anyio.lowlevel.checkpoint()  # (a shielded one costs a cancel scope)
+                await self._checkpoint()  # (a shielded one costs a cancel scope)
             except BaseException:
                 if not self._closed:
                     self._deliver(item, first=True)
