@@ -162,7 +162,11 @@ async def test_many_engines_open_and_close_in_turn() -> None:
 
 
 _CTRL_C = """
-import os, signal, time, aiote
+import os, signal, time
+# Python's own handler, as in a terminal: a run started in the background (`cmd &` in a script)
+# inherits SIGINT ignored, and Python then installs none
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import aiote
 try:
     os.kill(os.getpid(), signal.SIGINT)  # outside any event loop (which installs its own)
     time.sleep(10)
