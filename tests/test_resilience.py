@@ -172,6 +172,47 @@ async def test_cancel_storm_leaves_nothing_behind() -> None:
         await p.wait(imm=7)
 
 
+async def test_a_refusal_is_told_from_a_dead_peer_by_posting_once_more() -> None:
+    """libfabric's tcp target closes the connection on a request it refuses (a wrong key here),
+    and a peer that dies with nothing unread in its socket closes it the same way: the request
+    is cancelled with the same provider error either way. An awaited write (or batch) posts it
+    once more after the retry policy's first pause: refused again, the peer lives
+    (RemoteAccessError, nothing landed); killed during that pause, the second post finds nobody
+    (PeerUnreachable)."""
+    policy = aiote.RetryPolicy(backoff=1.0, connect_timeout=2.0)
+    async with aiote.open_engine(retry=policy, **TCP) as e, spawn_peer(engine=e, **TCP) as p:
+        assert e.route(p.address).provider.startswith("tcp")
+        d = await p.register("buf", 1 << 16)
+        ms = await e.register(pattern(1 << 16, seed=7))
+        await e.write(ms, d, imm=1, timeout=10)  # connected
+        await p.wait(imm=1)
+        before = await p.digest("buf")
+        wrong = dataclasses.replace(d, keys=tuple(dataclasses.replace(k, key=k.key ^ 0x5A5A) for k in d.keys))
+        errors = e.stats()["errors"]
+        t0 = time.monotonic()
+        with pytest.raises(aiote.RemoteAccessError, match="closed the connection") as refused:
+            await e.write(ms, wrong, length=4096, imm=2, timeout=30)
+        assert time.monotonic() - t0 >= policy.backoff, "refused at once: it was not posted again"
+        assert e.stats()["errors"] - errors >= 2, "each post was refused"
+        assert refused.value.code == 125  # FI_ECANCELED
+        t0 = time.monotonic()
+        with pytest.raises(aiote.RemoteAccessError, match="closed the connection"):  # a batch, the same
+            await e.batch().write(ms, wrong, length=4096, imm=2).submit(timeout=30)
+        assert time.monotonic() - t0 >= policy.backoff, "refused at once: it was not posted again"
+        assert await p.counter(2) == 0 and await p.digest("buf") == before
+
+        async def kill_soon() -> None:
+            await anyio.sleep(0.4)  # refused by then; posted again at policy.backoff
+            os.kill(p.pid, signal.SIGKILL)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_soon)
+            t0 = time.monotonic()
+            with pytest.raises(aiote.PeerUnreachable):
+                await e.write(ms, wrong, length=4096, imm=3, timeout=30)
+        assert time.monotonic() - t0 < policy.backoff + policy.connect_timeout + 3.0
+
+
 async def test_forged_descriptors_get_error_completions_never_stray_writes() -> None:
     async with aiote.open_engine(**TCP) as a, aiote.open_engine(**TCP) as b:
         arena = zeros(1 << 20)

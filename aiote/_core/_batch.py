@@ -9,7 +9,8 @@ import numpy as np
 
 from .._native import ffi, lib
 from ._descriptor import MemoryDescriptor
-from ._errors import InvalidArgument, PeerUnreachable
+from ._errors import InvalidArgument, PeerUnreachable, RemoteAccessError
+from ._life import _retryable
 from ._memory import MemoryRegion
 from ._observe import Tries
 from ._posted import Transfer
@@ -230,10 +231,12 @@ class TransferBatch:
                     await eng._finish(eng._begin(n, refs, None, None, items), post, n, end, timeout, what)
                 finally:
                     eng._opening -= 1
-            except PeerUnreachable as exc:
+            except (PeerUnreachable, RemoteAccessError) as exc:
+                if not _retryable(exc):
+                    raise
                 if obs is not None and rec is None:
                     attempt = tries = Tries(attempt)
-                await eng._retry_after(exc, attempt, end, eng._retry, what)
+                await eng._after_failure(exc, attempt, end, eng._retry, what)
         except BaseException as exc:
             if rec is not None:
                 rec.obs._leave(rec, token, exc)

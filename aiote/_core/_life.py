@@ -12,13 +12,19 @@ import numpy as np
 
 from .._native import ffi, lib
 from ._completions import Completions
-from ._errors import EngineClosed, PeerUnreachable, TransferStalled, TransferTimeout
+from ._errors import EngineClosed, PeerUnreachable, RemoteAccessError, TransferStalled, TransferTimeout
 from ._optable import Posting, _Op, merge_nic_failures
 from ._records import _GROUPS, _POLICY, _STRANDED, _check_retry, _end, _Group, _left
 from ._retry import RetryPolicy
 from ._rules import LINK_POLL, GroupWatch, RetryPlan
 from ._util import deadline_at, now, timeout_error, wait_until
 from ._wire import _completion_error, _post_error
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Whether an attempt's failure may be posted again: a broken connection, or a refusal
+    that may have been a peer's death (see :meth:`OpLife._after_failure`)."""
+    return isinstance(exc, PeerUnreachable) or getattr(exc, "_closed_by_peer", False)
 
 
 class OpLife(Completions):
@@ -40,12 +46,51 @@ class OpLife(Completions):
         end = _end(timeout)
         token = self._enter_attempts(retry)
         try:
-            try:
-                await attempt(timeout)
-            except PeerUnreachable as exc:
-                await self._retry_after(exc, attempt, end, retry or self._retry, what)
+            await self._attempt_retried(attempt, timeout, end, retry, what)
         finally:
             self._leave_attempts(token)
+
+    async def _attempt_retried(
+        self,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        timeout: float | None,
+        end: float | None,
+        retry: RetryPolicy | None,
+        what: str,
+    ) -> None:
+        """``attempt(timeout)``, posted again as :meth:`_after_failure` says."""
+        try:
+            await attempt(timeout)
+        except (PeerUnreachable, RemoteAccessError) as exc:
+            if not _retryable(exc):
+                raise
+            await self._after_failure(exc, attempt, end, retry or self._retry, what)
+
+    async def _after_failure(
+        self,
+        exc: PeerUnreachable | RemoteAccessError,
+        attempt: Callable[[float | None], Awaitable[Any]],
+        end: float | None,
+        policy: RetryPolicy,
+        what: str,
+    ) -> None:
+        """After a first attempt failed with ``exc`` (:func:`_retryable`): a broken connection
+        is retried as ``policy`` says (:meth:`_retry_after`). A refusal that may have been a
+        peer's death (tcp: the peer closed the connection, see ``_wire._completion_error``) is
+        posted once more after the policy's first pause: refused again, the peer lives and
+        refuses it (RemoteAccessError); not reached, the peer is gone (PeerUnreachable, retried
+        from there as the policy says); with no retry allowed, ``exc`` is raised."""
+        if isinstance(exc, PeerUnreachable):
+            await self._retry_after(exc, attempt, end, policy, what)
+            return
+        pause = RetryPlan(policy, end, now()).next_pause(False, now())
+        if pause is None:
+            raise exc
+        await self._pause(pause)
+        try:
+            await attempt(_left(end))
+        except PeerUnreachable as gone:
+            await self._retry_after(gone, attempt, end, policy, what)
 
     def _kept_once(
         self, post: Callable[[Any, int, int], int], n: int, refs: Any, items: Any, what: str,

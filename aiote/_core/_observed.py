@@ -84,9 +84,7 @@ class Observed(OpLife):
         policy = self._enter_attempts(retry)
         try:
             try:
-                await attempt(timeout)
-            except PeerUnreachable as exc:
-                await self._retry_after(exc, attempt, end, retry or self._retry, what)
+                await self._attempt_retried(attempt, timeout, end, retry, what)
             finally:
                 self._leave_attempts(policy)
         except BaseException as failed:

@@ -73,10 +73,20 @@ def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
     if code in _PEER_ERRORS or (code == _FI_ECANCELED and prov_errno in _PEER_ERRORS):
         # tcp cancels what was in flight on a connection that broke (provider error: why)
         return PeerUnreachable(msg + "; the peer is gone or not listening", code, prov_errno)
-    if code in _ACCESS_ERRORS or (code == _FI_ECANCELED and prov_errno == _ENOENT):
-        # tcp cancels a request the target refused (unknown key, range past the region,
-        # no access right) with provider error ENOENT
+    if code in _ACCESS_ERRORS:
         return RemoteAccessError(msg + "; check the descriptor's key and bounds", code, prov_errno)
+    if code == _FI_ECANCELED and prov_errno == _ENOENT:
+        # tcp's target closes the connection on a request it refuses (unknown key, range past
+        # the region, no access right), and tcp cancels what was in flight on it; its provider
+        # error is the errno its thread last saw (ENOENT, from taking the socket out of its
+        # poll set). A peer that died with nothing unread in its socket closes the connection
+        # the same way: an awaited operation tells them apart by posting once more (_attempts)
+        exc = RemoteAccessError(
+            msg + "; check the descriptor's key and bounds (or the peer closed the connection)",
+            code, prov_errno,
+        )
+        exc._closed_by_peer = True  # type: ignore[attr-defined]
+        return exc
     if code == _FI_ETRUNC:
         return TransferError(msg + "; the receiver's buffer was too small", code, prov_errno)
     return TransferError(msg, code, prov_errno)
