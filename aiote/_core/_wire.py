@@ -78,9 +78,10 @@ def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
     if code == _FI_ECANCELED and prov_errno == _ENOENT:
         # tcp's target closes the connection on a request it refuses (unknown key, range past
         # the region, no access right), and tcp cancels what was in flight on it; its provider
-        # error is the errno its thread last saw (ENOENT, from taking the socket out of its
-        # poll set). A peer that died with nothing unread in its socket closes the connection
-        # the same way: an awaited operation tells them apart by posting once more (_attempts)
+        # error is the errno its thread last saw (ENOENT here: likely from taking the socket out
+        # of its poll set). A peer that died with nothing unread in its socket closes the connection
+        # the same way: an awaited operation tells them apart by posting once more
+        # (OpLife._after_failure)
         exc = RemoteAccessError(
             msg + "; check the descriptor's key and bounds (or the peer closed the connection)",
             code, prov_errno,
