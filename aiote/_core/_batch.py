@@ -236,7 +236,7 @@ class TransferBatch:
                     raise
                 if obs is not None and rec is None:
                     attempt = tries = Tries(attempt)
-                await eng._after_failure(exc, attempt, end, eng._retry, what)
+                await eng._retry_after(exc, attempt, end, eng._retry, what)
         except BaseException as exc:
             if rec is not None:
                 rec.obs._leave(rec, token, exc)

@@ -23,7 +23,7 @@ from ._wire import _completion_error, _post_error
 
 def _retryable(exc: BaseException) -> bool:
     """Whether an attempt's failure may be posted again: a broken connection, or a refusal
-    that may have been a peer's death (see :meth:`OpLife._after_failure`)."""
+    that may have been a peer's death (see :meth:`OpLife._retry_after`)."""
     return isinstance(exc, PeerUnreachable) or getattr(exc, "_closed_by_peer", False)
 
 
@@ -58,39 +58,14 @@ class OpLife(Completions):
         retry: RetryPolicy | None,
         what: str,
     ) -> None:
-        """``attempt(timeout)``, posted again as :meth:`_after_failure` says."""
+        """``attempt(timeout)``, posted again as :meth:`_retry_after` says after a failure
+        that may be posted again (:func:`_retryable`)."""
         try:
             await attempt(timeout)
         except (PeerUnreachable, RemoteAccessError) as exc:
             if not _retryable(exc):
                 raise
-            await self._after_failure(exc, attempt, end, retry or self._retry, what)
-
-    async def _after_failure(
-        self,
-        exc: PeerUnreachable | RemoteAccessError,
-        attempt: Callable[[float | None], Awaitable[Any]],
-        end: float | None,
-        policy: RetryPolicy,
-        what: str,
-    ) -> None:
-        """After a first attempt failed with ``exc`` (:func:`_retryable`): a broken connection
-        is retried as ``policy`` says (:meth:`_retry_after`). A refusal that may have been a
-        peer's death (tcp: the peer closed the connection, see ``_wire._completion_error``) is
-        posted once more after the policy's first pause: refused again, the peer lives and
-        refuses it (RemoteAccessError); not reached, the peer is gone (PeerUnreachable, retried
-        from there as the policy says); with no retry allowed, ``exc`` is raised."""
-        if isinstance(exc, PeerUnreachable):
-            await self._retry_after(exc, attempt, end, policy, what)
-            return
-        pause = RetryPlan(policy, end, now()).next_pause(False, now())
-        if pause is None:
-            raise exc
-        await self._pause(pause)
-        try:
-            await attempt(_left(end))
-        except PeerUnreachable as gone:
-            await self._retry_after(gone, attempt, end, policy, what)
+            await self._retry_after(exc, attempt, end, retry or self._retry, what)
 
     def _kept_once(
         self, post: Callable[[Any, int, int], int], n: int, refs: Any, items: Any, what: str,
@@ -126,7 +101,7 @@ class OpLife(Completions):
 
     async def _retry_after(
         self,
-        exc: PeerUnreachable,
+        exc: PeerUnreachable | RemoteAccessError,
         attempt: Callable[[float | None], Awaitable[Any]],
         end: float | None,
         policy: RetryPolicy,
@@ -137,7 +112,11 @@ class OpLife(Completions):
         first failure, and an attempt towards a peer that does not answer gives up after
         ``connect_timeout`` (in :meth:`_run_group`), so a dead peer is reported within about
         ``connect_timeout`` plus the pauses; an attempt that is moving data has the
-        operation's whole remaining time."""
+        operation's whole remaining time. ``exc`` may also be a refusal that may have been a
+        peer's death (:func:`_retryable`; tcp: the peer closed the connection, see
+        ``_wire._completion_error``): the re-post tells them apart, refused again (the peer
+        lives and refuses it: that RemoteAccessError propagates) or not reached (the peer is
+        gone: PeerUnreachable, retried on under the same plan)."""
         plan = RetryPlan(policy, end, now())
         while True:
             pause = plan.next_pause(getattr(exc, "_final", False), now())

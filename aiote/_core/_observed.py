@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import PeerUnreachable
-from ._life import OpLife
+from ._errors import PeerUnreachable, RemoteAccessError
+from ._life import OpLife, _retryable
 from ._observe import Observer, Tries, _OpRecord, check_observe
 from ._records import _GROUPS, _check_retry, _end, _GroupTap
 from ._retry import RetryPolicy
@@ -116,7 +116,9 @@ class Observed(OpLife):
         try:
             try:
                 await attempt(timeout)
-            except PeerUnreachable as exc:
+            except (PeerUnreachable, RemoteAccessError) as exc:
+                if not _retryable(exc):
+                    raise
                 tries = Tries(attempt)
                 await OpLife._retry_after(self, exc, tries, end, retry or self._retry, what)
             finally:
@@ -128,7 +130,7 @@ class Observed(OpLife):
 
     def _retry_after(  # the slow path: posting again after a broken connection
         self,
-        exc: PeerUnreachable,
+        exc: PeerUnreachable | RemoteAccessError,
         attempt: Callable[[float | None], Awaitable[Any]],
         end: float | None,
         policy: RetryPolicy,

@@ -66,9 +66,14 @@ static void group_record(aio_engine *e, int64_t g) {
     aio__ring_put(e, &r, quiet);
 }
 
-static void group_finish(aio_engine *e, int64_t g) {
+/* Takes g's `finished`: 1 for the one caller that brings it to its end, 0 for any other. */
+static int take_finished(aio_group *gr) {
     int expect = 0;
-    if (atomic_compare_exchange_strong(&e->groups[g].finished, &expect, 1)) group_record(e, g);
+    return atomic_compare_exchange_strong(&gr->finished, &expect, 1) ? 1 : 0;
+}
+
+static void group_finish(aio_engine *e, int64_t g) {
+    if (take_finished(&e->groups[g])) group_record(e, g);
 }
 
 void aio__group_op_done(aio_engine *e, int64_t g, int status, int prov_errno) {
@@ -91,8 +96,7 @@ static int seal(aio_engine *e, int64_t g) {
     int32_t unsealed = 0;
     if (!atomic_compare_exchange_strong(&gr->sealed, &unsealed, 1)) return -FI_EINVAL;
     if (atomic_fetch_sub(&gr->outstanding, 1) != 1) return 0;
-    int expect = 0;
-    return atomic_compare_exchange_strong(&gr->finished, &expect, 1) ? 1 : 0;
+    return take_finished(gr);
 }
 
 int aio_group_seal(aio_engine *e, int64_t g) {
