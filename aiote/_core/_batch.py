@@ -10,11 +10,11 @@ import numpy as np
 from .._native import ffi, lib
 from ._descriptor import MemoryDescriptor
 from ._errors import InvalidArgument, PeerUnreachable, RemoteAccessError
-from ._life import _retryable
 from ._memory import MemoryRegion
 from ._observe import Tries
 from ._posted import Transfer
 from ._records import _check_retry, _end
+from ._retries import _retryable
 from ._retry import RetryPolicy
 from ._transfers import Transfers
 from ._wire import _OP_DTYPE, _Credits

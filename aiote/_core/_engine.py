@@ -12,7 +12,8 @@ The core, top down; a module imports only modules below it:
     _observed      each operation observed (open_engine(observe=))     class Observed
     _posted        Transfer (a posted write)
     _life          an operation's life: groups, posting, completion,   class OpLife
-                   retries, deadline, stalls, cancellation, stranded groups
+                   deadline, stalls, cancellation, stranded groups
+    _retries       an awaited operation's attempts and re-posts         class Retries
     _completions   the poller's records, on the event-loop thread      class Completions
     _rails         peers, routes, links down and up, failover          class Rails
     _registration  memory registration, the host arena, GPU regions    class Registration

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from ._errors import PeerUnreachable, RemoteAccessError
-from ._life import OpLife, _retryable
+from ._life import OpLife
 from ._observe import Observer, Tries, _OpRecord, check_observe
 from ._records import _GROUPS, _check_retry, _end, _GroupTap
+from ._retries import Retries, _retryable
 from ._retry import RetryPolicy
 
 
@@ -57,10 +58,10 @@ class Observed(OpLife):
     ) -> Coroutine[Any, Any, None]:
         obs = self._obs
         if obs is None:
-            return OpLife._attempts(self, attempt, timeout, retry, what)
+            return Retries._attempts(self, attempt, timeout, retry, what)
         outer = _GROUPS.get()  # inside an operation observed already: part of it
         if outer is not None and (type(outer) is _OpRecord or type(outer) is _GroupTap):
-            return OpLife._attempts(self, attempt, timeout, retry, what)
+            return Retries._attempts(self, attempt, timeout, retry, what)
         return self._observed(obs, attempt, timeout, retry, what)
 
     async def _observed(
@@ -71,7 +72,7 @@ class Observed(OpLife):
         retry: RetryPolicy | None,
         what: str,
     ) -> None:
-        """``OpLife._attempts`` as one observed operation: the same steps, around the same
+        """``Retries._attempts`` as one observed operation: the same steps, around the same
         ``_enter_attempts`` and ``_leave_attempts``, in one coroutine rather than one around the
         other (a coroutine layer is a good share of what observing costs). The record is made
         once the arguments passed their checks (refused arguments are no operation) and is
@@ -103,7 +104,7 @@ class Observed(OpLife):
         retry: RetryPolicy | None,
         what: str,
     ) -> None:
-        """``OpLife._attempts`` of an operation whose every attempt posts ``table`` as its one
+        """``Retries._attempts`` of an operation whose every attempt posts ``table`` as its one
         group (a kept request, a batch), observed without a record when
         :meth:`Observer._plain` said so: its start time and, at its end, its table's run
         (what :meth:`_observed` counts for it, without the record, the ``_GROUPS`` binding and
@@ -120,7 +121,7 @@ class Observed(OpLife):
                 if not _retryable(exc):
                     raise
                 tries = Tries(attempt)
-                await OpLife._retry_after(self, exc, tries, end, retry or self._retry, what)
+                await Retries._retry_after(self, exc, tries, end, retry or self._retry, what)
             finally:
                 self._leave_attempts(policy)
         except BaseException as failed:
@@ -139,4 +140,4 @@ class Observed(OpLife):
         obs = self._obs
         if obs is not None:  # each re-post counted as a retry of the operation observed
             attempt = obs._counting(attempt)
-        return OpLife._retry_after(self, exc, attempt, end, policy, what)
+        return Retries._retry_after(self, exc, attempt, end, policy, what)

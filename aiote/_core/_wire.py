@@ -81,7 +81,7 @@ def _completion_error(status: int, prov_errno: int, what: str) -> TransferError:
         # error is the errno its thread last saw (ENOENT here: likely from taking the socket out
         # of its poll set). A peer that died with nothing unread in its socket closes the connection
         # the same way: an awaited operation tells them apart by posting once more
-        # (OpLife._retry_after)
+        # (Retries._retry_after)
         exc = RemoteAccessError(
             msg + "; check the descriptor's key and bounds (or the peer closed the connection)",
             code, prov_errno,
