@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
+import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -86,6 +89,58 @@ async def eventually(pred: Callable[[], bool], what: str, timeout: float = 20.0)
             await anyio.sleep(0.002)
         return
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# system calls in which a thread only waits (x86_64 and aarch64 numbers): epoll_wait and
+# epoll_pwait(2), futex(_waitv), poll, ppoll, select, pselect6, read, nanosleep,
+# clock_nanosleep, wait4
+_WAITING_SYSCALLS = {
+    "x86_64": {232, 281, 441, 202, 449, 7, 271, 23, 270, 0, 35, 230, 61},
+    "aarch64": {22, 441, 98, 449, 73, 72, 63, 101, 115, 260},
+}
+
+
+def _thread_states(pid: int) -> list[tuple[str, str]]:
+    """(state letter, first field of /proc/.../syscall) of every thread of ``pid``."""
+    out = []
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{t}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/task/{t}/syscall") as f:
+            out.append((state, f.read().split()[0]))
+    return out
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (a SIGSTOP took effect)."""
+    return all(state in "Tt" for state, _ in _thread_states(pid))
+
+
+@asynccontextmanager
+async def frozen(pid: int, timeout: float = 20.0) -> AsyncIterator[None]:
+    """Process ``pid`` stopped (SIGSTOP) for the body, every thread seen stopped, then
+    resumed (SIGCONT), however the body ends. It is stopped where each of its threads waits
+    in a system call (an epoll or futex wait, a read, a sleep): a stop that finds a thread
+    anywhere else resumes the process and tries again. libfabric 1.17's shm provider holds a
+    process's region lock while that process takes in a message (copying it with
+    process_vm_readv), and a sender to it spins on the lock inside its posting call: a peer
+    frozen there would hold this test's event loop until it ran again (see
+    docs/cancellation.md)."""
+    waiting = _WAITING_SYSCALLS.get(platform.machine())
+    try:
+        with anyio.fail_after(timeout):
+            while True:
+                os.kill(pid, signal.SIGSTOP)
+                while not stopped(pid):  # noqa: ASYNC110 (polls /proc)
+                    await anyio.sleep(0.001)
+                calls = [call for _, call in _thread_states(pid)]
+                if waiting is None or all(c.isdigit() and int(c) in waiting for c in calls):
+                    break
+                os.kill(pid, signal.SIGCONT)
+                await anyio.sleep(0.005)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 async def fails_after_kill(

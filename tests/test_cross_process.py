@@ -4,17 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import anyio
 import numpy as np
 import pytest
 from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
-from _util import digest, eventually, landed, nothing_posted, pattern, streams_open, zeros
+from _util import digest, eventually, frozen, landed, nothing_posted, pattern, streams_open, zeros
 
 import aiote
 from aiote.testing import PeerProcess, spawn_peer
@@ -189,17 +185,6 @@ async def test_send_recv_sizes_both_ways_with_a_peer_process(aiote_peer: PeerPro
     assert json.loads(payload) == {"ok": True, "id": 2}
 
 
-@asynccontextmanager
-async def stopped(peer: PeerProcess) -> AsyncIterator[None]:
-    """The peer process frozen (SIGSTOP): nothing it should receive over tcp can complete
-    (on the same-host route writes complete all the same: the initiator copies them)."""
-    os.kill(peer.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
-
-
 # more than the kernel can buffer for a frozen receiver (tcp_wmem + tcp_rmem maxima)
 FROZEN = 64 << 20
 
@@ -219,7 +204,7 @@ async def test_unregister_waits_for_a_write_in_flight() -> None:
         done = anyio.Event()
         unregistered = anyio.Event()
         async with anyio.create_task_group() as tg:
-            async with stopped(peer):
+            async with frozen(peer.pid):
 
                 async def writer() -> None:
                     await e.write(ms, desc, imm=2)
@@ -267,7 +252,7 @@ async def test_write_timeout_and_cancel_while_the_peer_is_frozen() -> None:
         await peer.wait(imm=1)
         finished = anyio.Event()
         async with anyio.create_task_group() as tg:
-            async with stopped(peer):
+            async with frozen(peer.pid):
                 with pytest.raises(aiote.TransferTimeout) as info:
                     await e.write(ms, desc, imm=2, timeout=0.2)
                 assert isinstance(info.value, TimeoutError)
@@ -313,7 +298,7 @@ async def test_closing_the_engine_fails_the_operations_in_flight_with_engine_clo
             ms = await e.register(np.ones(FROZEN, np.uint8))
             await e.write(ms, desc, length=8, imm=1)
             await peer.wait(imm=1)
-            async with stopped(peer), anyio.create_task_group() as tg:
+            async with frozen(peer.pid), anyio.create_task_group() as tg:
 
                 async def writer() -> None:
                     try:

@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 import pytest
 from _routes import ROUTES, SAME_HOST, rig, second_peer
-from _util import digest, eventually, fails_after_kill, pattern
+from _util import digest, eventually, fails_after_kill, frozen, pattern
 
 import aiote
 
@@ -154,8 +154,7 @@ async def test_paused_peer_is_not_declared_dead_and_counts_once(route: str) -> N
         ms = await e.register(src)
         await e.write(ms, d, length=4096, imm=1, timeout=30)
         await p.wait(imm=1)
-        os.kill(p.pid, signal.SIGSTOP)
-        try:
+        async with frozen(p.pid):
             t0 = time.monotonic()
             outcome: object = "completed"
             try:
@@ -168,8 +167,6 @@ async def test_paused_peer_is_not_declared_dead_and_counts_once(route: str) -> N
             assert not isinstance(outcome, aiote.PeerUnreachable), outcome
             if route not in SAME_HOST:  # 16 MiB do not fit in the sockets' buffers
                 assert isinstance(outcome, aiote.TransferTimeout), outcome
-        finally:
-            os.kill(p.pid, signal.SIGCONT)
         if isinstance(outcome, aiote.TransferTimeout):
             with anyio.fail_after(30):
                 await outcome.settled()
@@ -259,9 +256,8 @@ async def test_nothing_hangs_by_default_a_stopped_peer_stalls(route: str) -> Non
         ms = await e.register(src)
         await e.write(ms, d, length=4096, imm=1, timeout=30)
         await p.wait(imm=1)
-        os.kill(p.pid, signal.SIGSTOP)
         stalled: list[aiote.TransferStalled] = []
-        try:
+        async with frozen(p.pid):
             t0 = time.monotonic()
             if route not in SAME_HOST:  # on the same host a write needs nothing of the peer
                 with pytest.raises(aiote.TransferStalled) as info:
@@ -277,8 +273,6 @@ async def test_nothing_hangs_by_default_a_stopped_peer_stalls(route: str) -> Non
             assert time.monotonic() - t0 < 2 * policy.stall_timeout + 8
             if route not in SAME_HOST:
                 assert len(stalled) == 5, stalled
-        finally:
-            os.kill(p.pid, signal.SIGCONT)
         with anyio.fail_after(30):
             for exc in stalled:
                 await exc.settled()

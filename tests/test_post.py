@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
-from _util import digest, eventually, nothing_posted, pattern, streams_open, zeros
+from _util import digest, eventually, frozen, nothing_posted, pattern, streams_open, zeros
 
 import aiote
 from aiote.testing import spawn_peer
@@ -175,16 +175,6 @@ async def test_awaiting_only_observes(aiote_peer) -> None:
     assert await aiote_peer.digest("big") == digest(src)
 
 
-def _stopped(pid: int) -> bool:
-    """Whether every thread of process ``pid`` is stopped (SIGSTOP took effect)."""
-    tasks = os.listdir(f"/proc/{pid}/task")
-    states = []
-    for t in tasks:
-        with open(f"/proc/{pid}/task/{t}/stat") as f:
-            states.append(f.read().rsplit(")", 1)[1].split()[0])
-    return all(s in "Tt" for s in states)
-
-
 async def test_transport_pushback_goes_on_in_the_background() -> None:
     """16 requests in flight at most, and a target that takes nothing meanwhile (its process
     stopped: tcp completes a write once the target has placed it): of 300 posted at once, 16
@@ -203,17 +193,13 @@ async def test_transport_pushback_goes_on_in_the_background() -> None:
         await a.write(ms, d, length=slot, imm=50, timeout=30)  # connected
         await b.wait(imm=50)
         assert a.route(d).provider.startswith("tcp")
-        os.kill(b.pid, signal.SIGSTOP)
-        try:
-            await eventually(lambda: _stopped(b.pid), "the peer stopped")
+        async with frozen(b.pid):
             transfers = [
                 a.post_write(ms, d, length=slot, src_offset=slot * k, dst_offset=slot * k, imm=51)
                 for k in range(n)
             ]
             # (internal: the transfers the transport did not take at once went to a background task)
             assert sum(t._bg is not None for t in transfers) >= n - 16
-        finally:
-            os.kill(b.pid, signal.SIGCONT)
         await b.wait(imm=51, n=n, timeout=60)
         for t in transfers:
             await t.wait(timeout=30)
