@@ -21,9 +21,10 @@ bf16. Lines, all measured in this run:
   inference rank in 256 MiB buckets, each keeping its half (a copy);
 - bound: ``max(max_s out(s), max_r in(r)) / B`` from the plan, B the C core's write
   throughput between two processes on the same provider (``aiote bench write``), same run;
-  beside it what the host moves with the push's 4 (trainer, receiver) flows at once (4 pairs of
-  processes, the sum of their figures): where that is below 4 x B the ranks share the host's
-  cores and the bound cannot be reached (the most reachable fraction is printed).
+  beside it what the host moves with the push's 4 (trainer, receiver) flows at once: 4 pairs
+  of C-core processes whose timed parts start at one instant (``aiote_cbench --start-at``),
+  all their bytes over the longest one's time. Where that is below 4 x B the ranks share the
+  host's cores and the bound cannot be reached (the most reachable fraction is printed).
 
 GPU (``--gpu``, 2 GPUs): one trainer process on GPU 0 pushes the whole model into one
 inference process on GPU 1 over the CUDA-IPC rail, beside ``cudaMemcpyPeerAsync`` of the same
@@ -62,6 +63,7 @@ import anyio
 import numpy as np
 from weights_multi import free_port  # (a sibling script: benchmarks/ is on the path)
 
+import aiote
 from aiote import weights as W
 from aiote._spawn import child_env, python_module
 from aiote.weights._worker import Worker, spawn_worker
@@ -260,36 +262,58 @@ def kimi_plan_report(fp8: str = "float8_e4m3", expert_shards: bool = False) -> d
 # ------------------------------------------------------------------ link figure (C core, same run)
 
 
-def c_core_link(providers: Sequence[str], pairs: int = 1) -> dict[str, float]:
-    """GB/s of 16 MiB writes between two processes, C core alone and aiote, per provider: with
-    ``pairs`` > 1, that many pairs of processes run at once (``aiote bench write`` each) and
-    the figure is the median pair's (``<provider>_sum``: all pairs together)."""
+def c_core_link(providers: Sequence[str]) -> dict[str, float]:
+    """GB/s of 16 MiB writes between two processes, C core alone and aiote (``aiote bench
+    write``), per provider: ``<provider>`` the C core's, ``<provider>_aiote`` aiote's."""
     with tempfile.TemporaryDirectory() as d:
-        outs = [os.path.join(d, f"b{i}.json") for i in range(pairs)]
+        out = os.path.join(d, "b.json")
         cmd = [
             *python_module("aiote"),  # the aiote this script imported, wherever it runs from
             "bench", "write", "--sizes", "16MiB", "--provider", ",".join(providers),
-            "--repeats", "3", "--total", "2GiB" if pairs == 1 else "1GiB",
+            "--repeats", "3", "--total", "2GiB", "--json", out,
         ]
-        procs = [
-            subprocess.Popen([*cmd, "--json", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=child_env())
-            for out in outs
-        ]
-        for p in procs:
-            if p.wait(timeout=600):
-                raise RuntimeError("aiote bench write failed")
-        runs = []
-        for out in outs:
-            with open(out) as f:
-                runs.append(json.load(f)["rows"])
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
+                       timeout=600, check=True)
+        with open(out) as f:
+            rows = json.load(f)["rows"]
     res: dict[str, float] = {}
     for prov in providers:
-        c = [float(r["c_gbps"]) for rows in runs for r in rows if r["provider"] == prov]
-        py = [float(r["py_gbps"]) for rows in runs for r in rows if r["provider"] == prov]
-        res[prov], res[prov + "_sum"] = statistics.median_low(c), sum(c)
-        res[prov + "_aiote"] = statistics.median_low(py)
+        mine = [r for r in rows if r["provider"] == prov]
+        res[prov] = statistics.median_low([float(r["c_gbps"]) for r in mine])
+        res[prov + "_aiote"] = statistics.median_low([float(r["py_gbps"]) for r in mine])
     return res
+
+
+def c_core_together(provider: str, pairs: int = 4, total: int = 1 << 30) -> dict[str, float]:
+    """What ``pairs`` pairs of C-core processes move at once on ``provider``: each pair the C
+    bench's 16 MiB writes, 8 in flight, with aiote's default connections and pollers (as
+    ``aiote bench write`` runs it), every pair's timed part started at one instant after its
+    warm-up (``aiote_cbench --start-at``). ``gbps``: all pairs' bytes over the longest
+    receive time (from that instant to its last byte landed); ``late_ms``: the latest start
+    past the instant (a pair still warming up then starts late, and the figure is low)."""
+    from aiote.cli._benchnet import build_cbench, c_provider_args, cbench
+    from aiote.cli.bench import c_args
+
+    why = build_cbench()
+    if why:
+        raise RuntimeError(f"no C bench: {why}")
+    ns = argparse.Namespace(arena=False, streams=aiote.default_streams(provider), pollers=None,
+                            tcp_send_buffer=None, total=total)
+    at = time.time_ns() + 3_000_000_000  # every pair connected and warmed up by then
+    args = [str(cbench()), *c_args(ns, ("write", 16 << 20, 8)), *c_provider_args(provider, None),
+            "--start-at", str(at)]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=child_env()) for _ in range(pairs)]
+    runs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        if p.returncode:
+            raise RuntimeError("aiote_cbench write --start-at failed")
+        runs.append(json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]))
+    late = max(float(r["start_late_us"]) for r in runs) / 1e3
+    wall = max(float(r["recv_seconds"]) + float(r["start_late_us"]) / 1e6 for r in runs)
+    return {"gbps": sum(float(r["total_bytes"]) for r in runs) / wall / GB, "late_ms": late,
+            "pair_gbps": statistics.median_low([float(r["recv_gbps"]) for r in runs])}
 
 
 # ------------------------------------------------------------------ aiote
@@ -559,7 +583,7 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, g
     host = rep.total_bytes / (r["route_all_gbps"] * GB)  # every flow shares this host's cores
     print(
         f"  the push's {r['flows']} flows at once on this route move {r['route_all_gbps']:.2f} GB/s in all "
-        f"(C core, 4 pairs of processes at once: {host_gbps:.2f}, an upper estimate: they start apart): "
+        f"(the C core's 4 pairs started together: {host_gbps:.2f}): "
         f"total / that = {host:.3f} s -> fraction {host / wall:.2f}"
         + (f"; so at most {bound / host:.2f} of the C core's bound (and {own / host:.2f} of this route's) "
            "is reachable here" if host > bound else "")
@@ -610,10 +634,11 @@ async def main(a: argparse.Namespace) -> None:
             "link, 16 MiB writes between two processes (C core / aiote): "
             + ", ".join(f"{p} {link[p]:.2f} / {link[p + '_aiote']:.2f} GB/s" for p in providers)
         )
-        shared = c_core_link(providers, pairs=4)  # the push's 4 (trainer, receiver) flows at once
+        shared = {p: c_core_together(p) for p in providers}  # the push's 4 flows at once
         print(
-            "the same with 4 pairs of processes at once (C core, median pair / all 4): "
-            + ", ".join(f"{p} {shared[p]:.2f} / {shared[p + '_sum']:.2f} GB/s" for p in providers)
+            "the C core, 4 pairs of processes started together (median pair / all 4 at once): "
+            + ", ".join(f"{p} {shared[p]['pair_gbps']:.2f} / {shared[p]['gbps']:.2f} GB/s "
+                        f"(latest start {shared[p]['late_ms']:.1f} ms late)" for p in providers)
         )
         sources, specs = llama_model(a.size, 2, 2)
         total = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
@@ -633,7 +658,7 @@ async def main(a: argparse.Namespace) -> None:
                 route, sources, specs, a.repeats, a.max_tmp_mib << 20, a.chunk_mib << 20,
                 json.loads(a.engine_opts) if a.engine_opts else None,
             )
-            _print_aiote(route, r, link[prov], shared[prov + "_sum"], gloo["wall_s"] if gloo else None)
+            _print_aiote(route, r, link[prov], shared[prov]["gbps"], gloo["wall_s"] if gloo else None)
     if a.gpu:
         await gpu_run(a.size, a.repeats, [int(x) for x in a.ipc_streams.split(",")],
                       tuple(a.rx_memory.split(",")))

@@ -40,6 +40,9 @@
  *          prints {"listening":PORT} first), --connect HOST:PORT (no fork: run against a
  *          --listen peer, possibly on another host; the addresses and region descriptors
  *          are exchanged over that socket, the transfers go over libfabric);
+ *          --start-at NS (write: after its warm-up the run waits until this CLOCK_REALTIME
+ *          time, ns since the epoch, to start its timed part: several runs started together
+ *          measure what they move at once; the JSON's start_late_us says how late it began),
  *          and the modes' own: --batch N (write, read), --no-gather (paged), --await-write,
  *          --think-ns N, --loop-poll-ns N (pingpong): see cb_modes.c and cb_pingpong.c.
  *
@@ -67,6 +70,7 @@ static void usage(void) {
             "         --pollers N (poller threads, rail i on thread i %% N; default 1)\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
+            "         --start-at NS (write: the timed part at this CLOCK_REALTIME time)\n"
             "sizes accept K/M/G suffixes (powers of 1024)\n");
     exit(2);
 }
@@ -114,6 +118,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--no-gather")) o.no_gather = 1;
         else if (!strcmp(a, "--await-write")) o.await_write = 1;
         else if (!strcmp(a, "--think-ns") && i + 1 < argc) o.think_ns = parse_size(argv[++i]);
+        else if (!strcmp(a, "--start-at") && i + 1 < argc) o.start_at_ns = (int64_t)parse_size(argv[++i]);
         else if (!strcmp(a, "--loop-poll-ns") && i + 1 < argc) o.loop_poll_ns = parse_size(argv[++i]);
         else if (!strcmp(a, "--slots") && i + 1 < argc) o.slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--batch") && i + 1 < argc) o.batch = parse_size(argv[++i]);

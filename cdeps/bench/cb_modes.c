@@ -99,6 +99,22 @@ static void run_window(side_t *s, const opts_t *o, uint64_t n, int is_write) {
     }
 }
 
+/* Sleeps until CLOCK_REALTIME `at_ns` (0: returns at once); how late past it this returned
+ * (a warm-up that ended after `at_ns` starts at once, late by that much). */
+static int64_t start_at(int64_t at_ns) {
+    if (at_ns <= 0) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    if (now < at_ns) {
+        struct timespec until = {.tv_sec = at_ns / 1000000000LL, .tv_nsec = at_ns % 1000000000LL};
+        while (clock_nanosleep(CLOCK_REALTIME, TIMER_ABSTIME, &until, NULL) == EINTR) {}
+        clock_gettime(CLOCK_REALTIME, &ts);
+        now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    }
+    return now - at_ns;
+}
+
 void run_write(side_t *s, const opts_t *o, int rank) {
     uint64_t n = transfer_count(o);
     uint64_t slots = o->slots;
@@ -118,6 +134,7 @@ void run_write(side_t *s, const opts_t *o, int rank) {
     aio_stats st0, st1;
     aio_get_stats(s->e, &st0);
 
+    int64_t late_ns = start_at(o->start_at_ns);
     double c0 = cpu_s(), m0 = thread_cpu_s();
     int64_t t0 = now_ns();
     run_window(s, o, n, 1);
@@ -136,7 +153,7 @@ void run_write(side_t *s, const opts_t *o, int rank) {
            "\"writer_cpu_s\":%.6f,\"writer_main_cpu_s\":%.6f,\"receiver_cpu_s\":%.6f,\"eventfd_polls\":%llu,"
            "\"eventfd_wakeups\":%llu,\"poller_sleeps\":%llu,\"poller_polls\":%llu,"
            "\"posts_handed\":%llu,\"post_calls\":%llu,\"post_us_mean\":%.2f,\"post_us_max\":%.1f,"
-           "\"streams\":%d,\"pollers\":%d}\n",
+           "\"streams\":%d,\"pollers\":%d,\"start_late_us\":%.1f}\n",
            o->provider, o->nic ? o->nic : "", (unsigned long long)o->size,
            (unsigned long long)o->window, (unsigned long long)o->batch, (unsigned long long)slots,
            (unsigned long long)n, bytes,
@@ -145,7 +162,8 @@ void run_write(side_t *s, const opts_t *o, int rank) {
            (unsigned long long)(st1.sleeps - st0.sleeps), (unsigned long long)(st1.polls - st0.polls),
            (unsigned long long)(st1.posts_handed - st0.posts_handed), (unsigned long long)s->post_calls,
            s->post_calls ? (double)s->post_ns / (double)s->post_calls / 1e3 : 0.0,
-           (double)s->post_max_ns / 1e3, s->nrails, aio_engine_num_pollers(s->e));
+           (double)s->post_max_ns / 1e3, s->nrails, aio_engine_num_pollers(s->e),
+           (double)late_ns / 1e3);
     if (warm_total != warm * U) fprintf(stderr, "warning: warm-up credits %llu, want %llu\n",
                                         (unsigned long long)(warm_total / U), (unsigned long long)warm);
 }

@@ -63,6 +63,7 @@ typedef struct opts {
     int await_write; /* pingpong: each side waits for its write's completion before going on */
     int64_t loop_poll_ns; /* --loop-poll-ns N: wait as aiote's low-latency setting does */
     int64_t think_ns;     /* --think-ns N: pingpong: busy work after each wait (an application's) */
+    int64_t start_at_ns;  /* --start-at NS: write: the timed part starts at this CLOCK_REALTIME time */
 } opts_t;
 
 typedef struct peer_rail {
