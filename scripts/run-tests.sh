@@ -16,4 +16,15 @@ echo "== C core tests under ASan/UBSan"; make -s -C cdeps asan
 # do not each compile aiote again where the environment sets PYTHONDONTWRITEBYTECODE
 # (about 0.2 s a process on 2 cores); compileall writes it whatever that variable says
 .venv/bin/python -m compileall -q -j 0 aiote tests examples benchmarks >/dev/null
-echo "== python tests";    .venv/bin/python -m pytest -q --durations=25 "$@"
+if [ $# -gt 0 ]; then  # arguments: pytest runs as asked, in one process
+    echo "== python tests";  .venv/bin/python -m pytest -q --durations=25 "$@"
+    exit
+fi
+# the whole suite: every file but the serial ones in two worker processes (a file stays in
+# one worker), then the serial ones alone (tests/conftest.py SERIAL says why each is)
+rc=0
+echo "== python tests, two workers"
+.venv/bin/python -m pytest -q --durations=15 -n 2 --dist loadfile -m "not serial" || rc=$?
+echo "== python tests, alone"
+.venv/bin/python -m pytest -q --durations=15 -m serial || rc=$?
+exit $rc
