@@ -29,11 +29,15 @@ import numpy as np
 
 from . import _vmm
 from ._errors import AioteError, InvalidArgument
+from ._log import get_logger
 
 # a credit lane's stores after a copy: (entry address, entry, head address, head)
 Credit = tuple[int, int, int, int]
 
 __all__ = ["CudaBackend", "Credit", "DeviceBuffer", "GpuUnavailable", "HostBackend", "device_backend"]
+
+
+_log = get_logger(component="gpu")
 
 
 class GpuUnavailable(AioteError):
@@ -523,6 +527,38 @@ class HostBackend(_Backend):
         if not isinstance(s, _HostStream):
             raise InvalidArgument(f"stream must be a stream of this backend, not {type(s).__name__}")
         return s
+
+
+class IpcMaps:
+    """Peers' GPU allocations opened in this process (CUDA IPC), one mapping per (host,
+    handle, device), kept until :meth:`close`; an allocation that cannot be opened is
+    remembered as such (its writes are staged)."""
+
+    def __init__(self, backend: _Backend) -> None:
+        self.b = backend
+        self._bases: dict[tuple[bytes, bytes, int], int] = {}
+
+    def base(self, host_id: bytes, handle: bytes, device: int) -> int | None:
+        """The allocation's address here, opened on first use; None when it cannot be
+        opened (logged once)."""
+        key = (host_id, handle, device)
+        base = self._bases.get(key)
+        if base is None:
+            try:
+                base = self.b.ipc_open(handle, device)
+            except Exception as exc:
+                _log.info("CUDA IPC open failed; staging instead", reason=str(exc))
+                base = 0
+            self._bases[key] = base
+        return base or None
+
+    def close(self, keep_mapped: bool) -> None:
+        """Closes every mapping, unless ``keep_mapped`` (a copy may still write there)."""
+        for base in self._bases.values():
+            if base and not keep_mapped:
+                with contextlib.suppress(Exception):  # best effort at close
+                    self.b.ipc_close(base)
+        self._bases.clear()
 
 
 def _free_vmm(vmm: _vmm.CudaVmm, base: int, fd: int, token: bytes, device: int, cp: Any) -> None:

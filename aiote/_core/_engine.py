@@ -22,7 +22,7 @@ The core, top down; a module imports only modules below it:
     _observe, _metrics, _tracing: Observability and the Observer (metrics and spans of
                    operations and flows; prometheus_client and OpenTelemetry imported only when on)
     _fabric        opening the native engine (providers, rails, pollers)
-    _gpu, _counter, _memory, _bridge, _routing, _peers, _arena, _device
+    _gpu, _gpuparts, _gpuwatch, _counter, _memory, _bridge, _routing, _peers, _arena, _device
     _records, _wire: small records, native constants, error mapping
     _credits, _rules: sans-I/O rules of an operation's life (credits counted once, re-posting,
                    stalls), unit-tested without an engine

@@ -20,10 +20,8 @@ How GPU bytes move (see docs/gpu.md):
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import secrets
-import struct
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,9 +30,10 @@ import numpy as np
 
 from .._native import lib
 from ._descriptor import DEVICE_CUDA, GPU_BACKEND_CUDA, GPU_BACKEND_HOST, GpuExtent, MemoryDescriptor
-from ._device import Credit, _Backend, device_backend
+from ._device import Credit, IpcMaps, _Backend, device_backend
 from ._errors import InvalidArgument
-from ._gpuwatch import UvmWatcher, _Line
+from ._gpuparts import PartCounts, pack_part, parse_part, part_refused
+from ._gpuwatch import SignalWords, UvmWatcher, _Line
 from ._lanes import K_LANE, Lanes
 from ._log import get_logger
 from ._util import deadline, first_error
@@ -125,11 +124,6 @@ def _staged(rdesc: MemoryDescriptor) -> bool:
 
 _U32 = 1 << 32
 _Finish = Callable[[float | None, Any], Awaitable[None]]  # (timeout, retry): awaits a started write
-# internal message: kind, region id, region key, op, parts, flags, imm, weight, page, count
-_PART = struct.Struct("<BQQQIBIIQI")
-_K_PART = 1
-_F_IMM = 1
-_WORDS_PER_PAGE = 512
 _K_LANE_BYTE = bytes([K_LANE])
 
 
@@ -145,8 +139,7 @@ class GpuSupport:
         self.chunk = chunk
         self.ipc_enabled = ipc
         self.direct = direct
-        self._pages: list[np.ndarray] = []
-        self._free_words: list[tuple[np.ndarray, int, int]] = []
+        self.words = SignalWords(self.b)
         self._tokens = itertools.count(1)
         self._lines: dict[int, _Line] = {}
         self._watchers: dict[int, UvmWatcher] = {}
@@ -160,26 +153,13 @@ class GpuSupport:
         self._ipc_turn = itertools.count()
         self._in: dict[int, _Line] = {}
         self._regions: dict[int, MemoryRegion] = {}
-        self._parts: dict[tuple[bytes, int], int] = {}
-        self._ipc: dict[tuple[bytes, bytes, int], int] = {}
+        self._parts = PartCounts()  # staged operations' parts still to land here
+        self._ipc = IpcMaps(self.b)
         self.lanes = Lanes(engine, self.b)
         self._ops = itertools.count(1)
         self.counts = dict.fromkeys(_GPU_COUNTS, 0)
 
     # ------------------------------------------------------------------ words and lines
-
-    def _word(self) -> tuple[np.ndarray, int, int]:
-        """(host view of one word, host address, device address)."""
-        if not self._free_words:
-            page = self.b.pinned(8 * _WORDS_PER_PAGE)
-            page[:] = 0
-            self._pages.append(page)
-            words = page.view(np.uint64)
-            for i in range(_WORDS_PER_PAGE):
-                self._free_words.append(
-                    (words[i : i + 1], int(page.ctypes.data) + 8 * i, self.b.word_address(page, i))
-                )
-        return self._free_words.pop()
 
     def _line(self, table: dict[int, _Line], device: int, key: int | None = None) -> _Line:
         k = device if key is None else key
@@ -319,19 +299,8 @@ class GpuSupport:
             or rdesc.host_id != self.e._address.host_id
         ):
             return None
-        key = (rdesc.host_id, g.ipc_handle, device)
-        base = self._ipc.get(key)
-        if base is None:
-            try:
-                base = self.b.ipc_open(g.ipc_handle, device)
-            except Exception as exc:
-                _log.info("CUDA IPC open failed; staging instead", reason=str(exc))
-                self._ipc[key] = 0
-                return None
-            self._ipc[key] = base
-        if base == 0:
-            return None
-        return base + g.ipc_offset
+        base = self._ipc.base(rdesc.host_id, g.ipc_handle, device)
+        return None if base is None else base + g.ipc_offset
 
     def _user_stream(self, line: _Line, stream: Any) -> None:
         if stream is not None:
@@ -565,22 +534,8 @@ class GpuSupport:
         assert rdesc.gpu is not None
         if len(data):
             self._staged_to.add(rdesc.address)
-        count = len(data) if page else len(data) // 2
-        head = _PART.pack(
-            _K_PART,
-            rdesc.gpu.region_id,
-            rdesc.keys[0].key,
-            op,
-            nparts,
-            _F_IMM if imm is not None else 0,
-            imm or 0,
-            weight,
-            page,
-            count,
-        )
-        await self.e._send_msg(
-            rdesc.address, head + data.astype("<u8").tobytes(), timeout, retry, internal=True
-        )
+        msg = pack_part(rdesc.gpu.region_id, rdesc.keys[0].key, op, nparts, imm, weight, page, data)
+        await self.e._send_msg(rdesc.address, msg, timeout, retry, internal=True)
 
     # ------------------------------------------------------------------ reads
 
@@ -624,53 +579,36 @@ class GpuSupport:
         if payload[:1] == _K_LANE_BYTE:
             self.lanes.open(payload)
             return
-        if len(payload) < _PART.size:
+        part = parse_part(payload)
+        if part is None:
             _log.warning("malformed GPU staging message dropped", length=len(payload))
             return
-        kind, rid, key, op, nparts, flags, imm, weight, page, count = _PART.unpack_from(payload)
-        body = payload[_PART.size :]
-        mr = self._regions.get(rid)
-        if kind != _K_PART or mr is None or not mr.registered:
-            _log.warning("GPU staging message for an unknown region dropped", region=rid)
+        mr = self._regions.get(part.region_id)
+        if mr is None or not mr.registered:
+            _log.warning("GPU staging message for an unknown region dropped", region=part.region_id)
             return
-        if not mr.remote_write or key != mr.descriptor.keys[0].key or nparts == 0:
-            _log.warning("GPU staging message with a wrong key dropped", region=rid)
+        why = part_refused(part, writable=mr.remote_write, key=mr.descriptor.keys[0].key, nbytes=mr.nbytes)
+        if why is not None:
+            _log.warning(f"GPU staging message dropped: {why}", region=part.region_id)
             return
-        want = count * (8 if page else 16)
-        if len(body) != want:
-            _log.warning("malformed GPU staging message dropped", length=len(payload))
-            return
-        vals = np.frombuffer(body, dtype="<u8")
         dev = mr._dev
         assert dev is not None
         self.counts["gpu_parts_in"] += 1
         line = self._line(self._in, dev.device)
         shadow = int(mr._shadow.ctypes.data)
-        if page:
-            if count and int(vals.max()) + page > mr.nbytes:
-                _log.warning("GPU staging message past the region dropped", region=rid)
-                return
-            offs = vals.astype(np.int64)
-            self.b.paged_copy(dev.ptr, shadow, offs, offs, page, line.stream)
+        if part.page:
+            offs = part.ranges.astype(np.int64)
+            self.b.paged_copy(dev.ptr, shadow, offs, offs, part.page, line.stream)
         else:
-            pairs = vals.reshape(-1, 2)
-            if count and int((pairs[:, 0] + pairs[:, 1]).max()) > mr.nbytes:
-                _log.warning("GPU staging message past the region dropped", region=rid)
-                return
-            for off, n in pairs.tolist():
+            for off, n in part.ranges.tolist():
                 self.b.copy(dev.ptr + off, shadow + off, n, line.stream)
 
         def landed() -> None:
-            k = (sender, op)
-            left = self._parts.get(k, nparts) - 1
-            if left > 0:
-                self._parts[k] = left
-                return
-            self._parts.pop(k, None)
-            if flags & _F_IMM and not self.e._closed:
-                lib.aio_counter_add(self.e._h, imm, weight * int(lib.AIO_CREDIT_UNIT))
+            last = self._parts.landed(sender, part.op, part.nparts)
+            if last and part.imm is not None and not self.e._closed:
+                lib.aio_counter_add(self.e._h, part.imm, part.weight * int(lib.AIO_CREDIT_UNIT))
 
-        if count or line.busy:
+        if len(part.ranges) or line.busy:
             self._track(mr, line, landed)
         else:  # nothing to copy and nothing in flight: credit now
             landed()
@@ -688,8 +626,4 @@ class GpuSupport:
         for line in list(self._lines.values()):
             line.close()
         self.lanes.close(keep_mapped=pending)
-        for base in self._ipc.values():
-            if base and not pending:  # a copy still under way may write there: keep it mapped
-                with contextlib.suppress(Exception):  # best effort at close
-                    self.b.ipc_close(base)
-        self._ipc.clear()
+        self._ipc.close(keep_mapped=pending)  # a copy still under way may write there

@@ -57,7 +57,33 @@ class _Watch:
             self.id = -1
 
 
+_WORDS_PER_PAGE = 512
 _PROBE_BYTES = 64 << 20  # copies this large tell a line its pace (fixed costs well below theirs)
+
+
+class SignalWords:
+    """Words of pinned host memory a GPU stores to and the native poller reads (a line's
+    completions, a UVM watcher's value), handed out one at a time from pages of
+    ``_WORDS_PER_PAGE``, and taken back for reuse; the pages live as long as the engine."""
+
+    def __init__(self, backend: Any) -> None:
+        self.b = backend
+        self._pages: list[np.ndarray] = []
+        self._free: list[tuple[np.ndarray, int, int]] = []
+
+    def take(self) -> tuple[np.ndarray, int, int]:
+        """(host view of one word, host address, device address)."""
+        if not self._free:
+            page = self.b.pinned(8 * _WORDS_PER_PAGE)
+            page[:] = 0
+            self._pages.append(page)
+            words, host = page.view(np.uint64), int(page.ctypes.data)
+            for i in range(_WORDS_PER_PAGE):
+                self._free.append((words[i : i + 1], host + 8 * i, self.b.word_address(page, i)))
+        return self._free.pop()
+
+    def give(self, word: tuple[np.ndarray, int, int]) -> None:
+        self._free.append(word)
 
 
 class _Line:
@@ -70,7 +96,7 @@ class _Line:
         self.gpu = gpu
         self.stream = stream
         self.device = device
-        self.word = gpu._word()
+        self.word = gpu.words.take()
         self.token = next(gpu._tokens)
         self.seq = 0
         self.seen = 0
@@ -156,7 +182,7 @@ class UvmWatcher:
 
     def __init__(self, gpu: GpuSupport, initial: int) -> None:
         self._gpu = gpu
-        self._word = gpu._word()
+        self._word = gpu.words.take()
         self.host: np.ndarray = self._word[0]
         self.host[0] = initial
         self.device_pointer: int = self._word[2]
@@ -256,4 +282,4 @@ class UvmWatcher:
         self._disarm()
         self._watch.disarm()
         self._gpu._watchers.pop(self._token, None)
-        self._gpu._free_words.append(self._word)
+        self._gpu.words.give(self._word)

@@ -313,20 +313,7 @@ class Messages(Observed):
         """Sends a message; ``internal`` ones (the engine's own protocol, e.g. GPU staging)
         are consumed by the peer's engine and never reach its :meth:`recv`."""
         addr = self._engine_address(peer)
-        try:
-            data = memoryview(payload).cast("B")
-        except TypeError:
-            raise InvalidArgument(f"payload must be bytes-like, not {type(payload).__name__}") from None
-        if data.nbytes > self._max_message:
-            raise InvalidArgument(
-                f"payload of {data.nbytes} B exceeds max_message_size={self._max_message} B; "
-                "use a one-sided write for bulk data"
-            )
-        if addr.max_message and data.nbytes > addr.max_message:
-            raise InvalidArgument(
-                f"payload of {data.nbytes} B exceeds the receiving engine's max_message_size="
-                f"{addr.max_message} B: it could not be delivered; use a one-sided write for bulk data"
-            )
+        data = self._message_bytes(payload, addr.max_message)
         end = _end(timeout)
         while True:
             # messages keep to the first live route: they are delivered in order on it
@@ -386,6 +373,25 @@ class Messages(Observed):
         finally:
             if counted:
                 self._sent(key)
+
+    def _message_bytes(self, payload: Any, theirs: int) -> memoryview:
+        """``payload`` as bytes, checked against this engine's and the receiver's
+        (``theirs``, 0: not known) max_message_size; InvalidArgument otherwise."""
+        try:
+            data = memoryview(payload).cast("B")
+        except TypeError:
+            raise InvalidArgument(f"payload must be bytes-like, not {type(payload).__name__}") from None
+        if data.nbytes > self._max_message:
+            raise InvalidArgument(
+                f"payload of {data.nbytes} B exceeds max_message_size={self._max_message} B; "
+                "use a one-sided write for bulk data"
+            )
+        if theirs and data.nbytes > theirs:
+            raise InvalidArgument(
+                f"payload of {data.nbytes} B exceeds the receiving engine's max_message_size="
+                f"{theirs} B: it could not be delivered; use a one-sided write for bulk data"
+            )
+        return data
 
     def _sent(self, key: tuple[int, int]) -> None:
         """A send to ``key`` (rail, peer) is over: it no longer counts against the peer's cap,
