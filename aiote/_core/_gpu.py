@@ -589,7 +589,7 @@ class GpuSupport:
             return
         why = part_refused(part, writable=mr.remote_write, key=mr.descriptor.keys[0].key, nbytes=mr.nbytes)
         if why is not None:
-            _log.warning(f"GPU staging message dropped: {why}", region=part.region_id)
+            _log.warning("GPU staging message dropped", reason=why, region=part.region_id)
             return
         dev = mr._dev
         assert dev is not None

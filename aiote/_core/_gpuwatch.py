@@ -24,7 +24,7 @@ from ._log import get_logger
 from ._util import check_timeout, now, timeout_error, wait_until
 
 if TYPE_CHECKING:
-    from ._device import Credit
+    from ._device import Credit, _Backend
     from ._gpu import GpuOwner, GpuSupport
 
 __all__ = ["UvmWatcher"]
@@ -66,7 +66,7 @@ class SignalWords:
     completions, a UVM watcher's value), handed out one at a time from pages of
     ``_WORDS_PER_PAGE``, and taken back for reuse; the pages live as long as the engine."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: _Backend) -> None:
         self.b = backend
         self._pages: list[np.ndarray] = []
         self._free: list[tuple[np.ndarray, int, int]] = []

@@ -21,7 +21,6 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, PeerUnreachable) or getattr(exc, "_closed_by_peer", False)
 
 
-
 class Retries(Completions):
     """An operation's attempts under its retry policy (``OpLife`` posts each attempt)."""
 
