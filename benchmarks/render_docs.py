@@ -21,9 +21,11 @@ from typing import Any
 BEGIN = "<!-- bench:begin -->"
 END = "<!-- bench:end -->"
 LATENCY = {"imm-latency": "WriteImm", "sendrecv-latency": "send/recv"}
-SOCKETS_NOTE = (" Bare sockets (tcp writes): the same sizes, messages in flight and buffers over one plain "
-                "TCP connection, no libfabric (`aiote_cbench sockets`), in the same run: the most one "
-                "connection moves here.")
+SOCKETS_NOTE = (" Bare sockets, in the same run: on tcp writes, the same sizes, messages in flight and "
+                "buffers over one plain TCP connection, no libfabric (`aiote_cbench sockets`): the most one "
+                "connection moves here; on latency rows, the same event loop playing the 8-byte ping-pong "
+                "over a plain socket (loopback TCP for tcp, a Unix socket pair for shm), no library "
+                "(`aiote/cli/_benchfloor.py`): what one wake-up of a waiting event loop per hop costs here.")
 LIBRARY_LABEL = {"sockets": "bare sockets (no library)"}
 NOT_PEERS = ("aiote", "aiote-arena", "sockets")  # rows of the peers' table that are no peer
 
@@ -68,7 +70,7 @@ def _during(b: dict[str, Any]) -> str:
 
 def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
     rows = b["rows"]
-    sockets = any(r.get("sockets_gbps") is not None for r in rows)
+    sockets = any(fig_of(r, "sockets") is not None for r in rows)
     m = b.get("machine") or {}
     out = [
         f"Machine: {m.get('cpu') or '?'}, {m.get('cores') or '?'} cores, Python {m.get('python', '?')}, "
@@ -103,7 +105,7 @@ def bench_section(b: dict[str, Any], plot: str | None) -> list[str]:
         ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
         out.append(f"| {case} | {' '.join(path)} | {_fig(fig_of(r, 'c'), r.get('c_spread'))} | "
                    f"{_fig(fig_of(r, 'py'), r.get('py_spread'))} | {ratio} |"
-                   + (f" {_fig(r.get('sockets_gbps'), r.get('sockets_spread'))} |" if sockets else ""))
+                   + (f" {_fig(fig_of(r, 'sockets'), r.get('sockets_spread'))} |" if sockets else ""))
     if plot:
         out += ["", f"![aiote bench: throughput against size, latency percentiles]({plot})"]
     return out

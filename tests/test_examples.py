@@ -147,6 +147,10 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
             # beside it, one bare TCP connection moving the same messages (no libfabric)
             assert 0 < r["sockets_gbps"] < 1000
             assert r["sockets_spread"][0] <= r["sockets_gbps"] <= r["sockets_spread"][1]
+        elif latency and r["provider"] in ("tcp", "shm"):
+            # beside it, the same event loop's own 8-byte ping-pong over a plain socket (no library)
+            assert 0 < r["sockets_us"] < 1e6 and "sockets_gbps" not in r
+            assert r["sockets_spread"][0] <= r["sockets_us"] <= r["sockets_spread"][1]
         else:
             assert r.get("sockets_gbps") is None and r.get("sockets_spread") is None
 
@@ -279,14 +283,32 @@ def test_aiote_bench_sendrecv_latency_alone(tmp_path: Path) -> None:
     out_file = tmp_path / "sr.json"
     out = subprocess.run(
         [sys.executable, "-m", "aiote", "bench", "sendrecv-latency", "--provider", "tcp", "--iters", "50",
-         "--repeats", "1", "--json", str(out_file)],
+         "--repeats", "1", "--loop", "asyncio,trio", "--json", str(out_file)],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out_file.read_text())["rows"]
-    assert [(r["mode"], r["size"], r["provider"]) for r in rows] == [
-        ("sendrecv-latency", 50, "tcp"), ("sendrecv-latency", 99, "tcp")]
+    assert [(r["mode"], r["size"], r["provider"], r["loop"]) for r in rows] == [
+        ("sendrecv-latency", k, "tcp", loop) for loop in ("asyncio", "trio") for k in (50, 99)]
     assert all(r["py_us"] > 0 and r["c_us"] > 0 for r in rows), rows
+    # each loop's row beside that loop's own ping-pong over a plain socket (bare sockets)
+    assert all(0 < r["sockets_us"] < 1e6 for r in rows), rows
+    assert "bare sockets" in out.stdout and "event loop's own ping-pong" in out.stdout
+
+
+def test_the_event_loops_own_floor_is_measured_on_each_loop_and_socket() -> None:
+    """``_benchfloor``: the plain-socket ping-pong the latency rows stand beside really plays
+    round trips under the loop asked for, on loopback TCP and on a Unix socket pair."""
+    from aiote.cli import _benchfloor
+
+    assert _benchfloor.family_of("tcp") == "tcp" and _benchfloor.family_of("shm") == "unix"
+    assert _benchfloor.family_of("verbs") is None
+    for loop, family in (("asyncio", "tcp"), ("trio", "unix")):
+        got = _benchfloor.floor_run(loop, family, 50)
+        assert (got["loop"], got["family"], got["iters"]) == (loop, family, 50)
+        assert 0 < got["p50_us"] <= got["p99_us"] < 1e6 and got["loop_cpu_us_per_rtt"] > 0
+    with pytest.raises(RuntimeError):
+        _benchfloor.floor_run("no-such-loop", "tcp", 10)
 
 
 def test_aiote_bench_sweeps_sendrecv_over_loops_and_windows(tmp_path: Path) -> None:

@@ -125,8 +125,9 @@ def path_label(r: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def _with_sockets(rows: list[dict[str, Any]]) -> bool:
-    """Whether any row has a bare-socket figure (tcp writes): the table then shows them."""
-    return any(r.get("sockets_gbps") is not None for r in rows)
+    """Whether any row has a bare-socket figure (tcp writes, latency rows): the table then
+    shows them."""
+    return any(figure(r, "sockets") is not None for r in rows)
 
 
 def _cells(r: dict[str, Any], sockets: bool) -> list[str]:
@@ -134,7 +135,7 @@ def _cells(r: dict[str, Any], sockets: bool) -> list[str]:
     cells = [_fmt(figure(r, "c"), r["c_spread"]), _fmt(figure(r, "py"), r["py_spread"]),
              f"{r['ratio']:.2f}" if r["ratio"] else "-"]
     if sockets:
-        cells.append(_fmt(r.get("sockets_gbps"), r.get("sockets_spread")))
+        cells.append(_fmt(figure(r, "sockets"), r.get("sockets_spread")))
     return cells
 
 
@@ -149,7 +150,8 @@ def table_lines(result: dict[str, Any]) -> list[str]:
     if result.get("setting") == "low-latency":
         head += "; low-latency setting (spin_us=1000, loop_spin_us=500)"
     if sockets:
-        head += "; bare sockets: one plain TCP connection, no libfabric (the most one connection moves)"
+        head += ("; bare sockets: one plain TCP connection, no libfabric (writes: the most one connection "
+                 "moves; latency: the same event loop's own ping-pong over a plain socket, no library)")
     cols = f"{'case':30} {'path':14} {'C core':>24} {'aiote':>24} {'ratio':>6}"
     lines = [head, cols + (f" {'bare sockets':>24}" if sockets else "")]
     for r in rows:

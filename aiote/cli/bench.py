@@ -42,7 +42,7 @@ from aiote._core._engine import KNOWN_PROVIDERS, auto_pollers, available_provide
 from aiote._spawn import child_env, python_module
 from aiote.testing import ready_line, stop_process
 
-from . import _benchout, _observe
+from . import _benchfloor, _benchout, _observe
 from ._benchnet import (
     READY,
     Remote,
@@ -246,6 +246,16 @@ async def run_config(
                             for k, v in (await py_case(remote, args, case)).items():
                                 py[(case, k)] = v
                             progress.advance()
+                    floor = _benchfloor.family_of(provider) if mode in LATENCY and not args.connect else None
+                    if floor:  # the event loop's own ping-pong over a plain socket, after both
+                        progress.step(f"sockets {what} ({where}, {loop} alone)")
+                        try:
+                            got = await anyio.to_thread.run_sync(
+                                partial(_benchfloor.floor_run, loop, floor, args.iters))
+                            sk[(case, 50)], sk[(case, 99)] = got["p50_us"], got["p99_us"]
+                        except RuntimeError as exc:  # a baseline, not a result: the run goes on
+                            sys.stderr.write(f"no bare-socket figure for {what}: {exc}\n")
+                        progress.advance()
                     bare = sockets_args(args, case) if with_c and provider == "tcp" else None
                     if bare:  # after both: the C core and aiote run back to back
                         progress.step(f"sockets {what} ({where})")
@@ -455,7 +465,9 @@ def _main(
         sys.stderr.write(f"no C baseline: {why_no_c}\n")
     n_bare = sum(sockets_args(args, case) is not None for case in cases) if "tcp" in providers else 0
     per_c = (len(cases) * len(providers) + n_bare) * len(nic_sets)  # C core runs, bare-socket runs
-    per_run = len(cases) * len(configs) + (0 if why_no_c else per_c)
+    n_floor = 0 if args.connect else sum(  # the event loop's own ping-pongs (_benchfloor)
+        1 for p, _, _ in configs for m, _, _ in cases if m in LATENCY and _benchfloor.family_of(p))
+    per_run = len(cases) * len(configs) + (0 if why_no_c else per_c) + n_floor
     progress = _benchout.Progress(per_run * args.repeats)
     during = _OthersCpu()
     py, cc, sk = _measure(args, configs, cases, loops, why_no_c, progress, observe)
@@ -520,10 +532,17 @@ def _measure(
                 for (case, k), v in got_c.items():
                     cc.setdefault((provider, nics, case, k), {})[rep] = v
                 for (case, k), v in got_sk.items():
-                    sk.setdefault((provider, nics, case, k), []).append(v)
+                    sk.setdefault(_bare_key(config, case, k), []).append(v)
     finally:
         progress.close()
     return py, cc, sk
+
+
+def _bare_key(config: Config, case: Case, k: int) -> tuple[Any, ...]:
+    """Where a bare-socket figure is kept: a write's (C, measured with the first loop only) by
+    provider and NICs, a latency row's (the event loop's own ping-pong) by the whole config."""
+    provider, nics, _ = config
+    return (config, case, k) if case[0] in LATENCY else (provider, nics, case, k)
 
 
 def _rows(
@@ -544,7 +563,7 @@ def _rows(
             p, c = list(p_runs.values()), list(c_runs.values())
             pairs = [v / c_runs[i] for i, v in p_runs.items() if c_runs.get(i)]
             reps = range(args.repeats)
-            bare = sk.get((provider, nics, case, k), [])
+            bare = sk.get(_bare_key(config, case, k), [])
             # figures in the row's unit, named by it: py_us / c_us (one-way microseconds) on
             # latency rows, py_gbps / c_gbps (and the bare sockets') on throughput rows
             unit = "us" if mode in LATENCY else "gbps"
@@ -566,8 +585,10 @@ def _rows(
                 f"c_{unit}": statistics.median(c) if c else None,
                 "c_spread": [min(c), max(c)] if c else None,
             }
-            if unit == "gbps":
-                row["sockets_gbps"] = statistics.median(bare) if bare else None
+            # bare sockets: one plain TCP connection's GB/s (C, tcp writes), or the event loop's own
+            # ping-pong over a plain socket (latency rows, under the row's loop: _benchfloor)
+            if unit == "gbps" or bare:
+                row[f"sockets_{unit}"] = statistics.median(bare) if bare else None
                 row["sockets_spread"] = [min(bare), max(bare)] if bare else None
             # the ratio: the median over the repeats of each repeat's aiote / C core (run
             # back to back), which the machine's drift between repeats does not move as it
