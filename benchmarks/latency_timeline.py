@@ -17,7 +17,11 @@ pingpong --await-write``, each side awaiting its write as ``await engine.write_i
 then again with ``--think-ns`` set to the Python part measured here: if the C core with that
 much work per hop lands where aiote does, the gap is the interpreter's work per hop and
 nothing else (the poller and the hand-off are the same code). Also prints the loop thread's
-CPU time per round trip. Uses engine internals to place its stamps; figures are medians.
+CPU time per round trip, and, in each round, the floor of any awaiting design: asyncio alone
+playing the same 8-byte ping-pong over a plain socket (``aiote/cli/_benchfloor.py``: loopback
+TCP for ``--route tcp``, a Unix socket pair for ``default``; no library, one wake-up of the
+loop per hop), with its loop's CPU per round trip. Uses engine internals to place its stamps;
+figures are medians.
 
 ``--posted``: each side posts its WriteImm (``post_write_imm``) and awaits the previous one's
 :class:`~aiote.Transfer` before posting the next, instead of awaiting each write to its
@@ -40,6 +44,7 @@ from typing import Any
 import numpy as np
 
 import aiote
+from aiote.cli import _benchfloor
 from aiote.cli._benchnet import build_cbench, cbench
 
 ROUTES: dict[str, dict[str, Any]] = {"tcp": {"provider": "tcp", "same_host": None}, "default": {}}
@@ -220,6 +225,10 @@ def main() -> None:
         row["C core one-way p50"] = c_core(args.route, args.iters, 0, args.posted)
         think = int(python_us * 1e3)
         row["C core + Python's us as think time"] = c_core(args.route, args.iters, think, args.posted)
+        # no library: asyncio alone ping-ponging over a plain socket (one loop wake-up per hop)
+        floor = _benchfloor.floor_run("asyncio", "tcp" if args.route == "tcp" else "unix", args.iters)
+        row["asyncio alone, plain socket, one-way p50"] = floor["p50_us"]
+        row["asyncio alone: loop CPU per round trip"] = floor["loop_cpu_us_per_rtt"]
         rows.append(row)
         print(f"round {k + 1}/{args.rounds}: aiote {row['aiote one-way p50']:.1f} us one-way, "
               f"C core {row['C core one-way p50']:.1f}", file=sys.stderr)

@@ -246,15 +246,9 @@ async def run_config(
                             for k, v in (await py_case(remote, args, case)).items():
                                 py[(case, k)] = v
                             progress.advance()
-                    floor = _benchfloor.family_of(provider) if mode in LATENCY and not args.connect else None
-                    if floor:  # the event loop's own ping-pong over a plain socket, after both
+                    if mode in LATENCY and not args.connect and _benchfloor.family_of(provider):
                         progress.step(f"sockets {what} ({where}, {loop} alone)")
-                        try:
-                            got = await anyio.to_thread.run_sync(
-                                partial(_benchfloor.floor_run, loop, floor, args.iters))
-                            sk[(case, 50)], sk[(case, 99)] = got["p50_us"], got["p99_us"]
-                        except RuntimeError as exc:  # a baseline, not a result: the run goes on
-                            sys.stderr.write(f"no bare-socket figure for {what}: {exc}\n")
+                        sk.update(await _loop_floor(args, config, case, what))
                         progress.advance()
                     bare = sockets_args(args, case) if with_c and provider == "tcp" else None
                     if bare:  # after both: the C core and aiote run back to back
@@ -272,6 +266,21 @@ async def run_config(
         if proc is not None:
             await stop_process(proc)
     return py, cc, sk
+
+
+async def _loop_floor(args: argparse.Namespace, config: Config, case: Case, what: str) -> Figures:
+    """A latency case's bare-socket figures: the config's event loop alone playing the 8-byte
+    ping-pong over a plain socket of the route's kind (:mod:`._benchfloor`), p50 and p99
+    one way; none (and a note on stderr) if it fails: a baseline, not a result."""
+    provider, _, loop = config
+    family = _benchfloor.family_of(provider)
+    assert family is not None
+    try:
+        got = await anyio.to_thread.run_sync(partial(_benchfloor.floor_run, loop, family, args.iters))
+    except RuntimeError as exc:
+        sys.stderr.write(f"no bare-socket figure for {what}: {exc}\n")
+        return {}
+    return {(case, 50): got["p50_us"], (case, 99): got["p99_us"]}
 
 
 async def _c_remote(
