@@ -52,8 +52,7 @@ class EngineState:
     ) -> None:
         """The Python side of the native engine ``handle`` over ``rails``, with the options
         open_engine checked (``transport.streams`` resolved) and its host arena, if any."""
-        # every field of an engine (the state of each layer above) is set here or in the three
-        # _init_* below, by concern
+        # every field of an engine (each layer's state) is set here or by an _init_* below
         max_message_size = transport.max_message_size
         message_slots = transport.message_slots
         same_host = local.same_host
