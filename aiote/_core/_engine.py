@@ -153,6 +153,9 @@ class Engine(Collective):
         self._regions.clear()
 
 
+_NOT_FIELDS = frozenset(("provider", "nics", "transport", "poller", "local", "gpu", "retry", "observe"))
+
+
 @asynccontextmanager
 async def open_engine(
     provider: str = "tcp",
@@ -218,31 +221,9 @@ async def open_engine(
     The engine closes when the block exits (see :meth:`Engine.aclose`). Opening costs a few
     milliseconds plus libfabric's one-time start-up.
     """
-    keywords = {
-        "max_message_size": max_message_size,
-        "message_slots": message_slots,
-        "spin_us": spin_us,
-        "loop_spin_us": loop_spin_us,
-        "sleep_ms": sleep_ms,
-        "max_in_flight": max_in_flight,
-        "cancel_grace": cancel_grace,
-        "post_budget_us": post_budget_us,
-        "same_host": same_host,
-        "stripe_min": stripe_min,
-        "port": port,
-        "stage_chunk": stage_chunk,
-        "gpu_ipc": gpu_ipc,
-        "watch_interval_us": watch_interval_us,
-        "ipc_streams": ipc_streams,
-        "gpu_backend": gpu_backend,
-        "gpu_direct": gpu_direct,
-        "streams": streams,
-        "same_host_direct": same_host_direct,
-        "tcp_send_buffer": tcp_send_buffer,
-        "host_arena": host_arena,
-        "pollers": pollers,
-        "max_peers": max_peers,
-    }
+    # the keyword fields, as given (every parameter but the eight above them; first: nothing else
+    # is bound yet), each the field of the same name of one option object
+    keywords = {k: v for k, v in locals().items() if k not in _NOT_FIELDS}
     objects = {"transport": transport, "poller": poller, "local": local, "gpu": gpu}
     t, p, s, g = merge_options(objects, keywords)
     nic_list, t, p, s, g = check_options(provider, nics, t, p, s, g, retry)

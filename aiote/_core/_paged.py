@@ -149,38 +149,13 @@ class Collective(Transfers):
         kernel) and staged, or, for a GPU peer on this host, copied by one kernel over CUDA IPC;
         the credit (one per page) comes once the pages are in the peer's GPU memory.
         ``stream``: as :meth:`write`."""
-        self._check_open()
-        rdesc = self._remote(remote)
-        mr = self._region(mr)
-        page_size = as_index(page_size, "page_size", lo=1)
-        src_stride = page_size if src_stride is None else as_index(src_stride, "src_stride")
-        dst_stride = page_size if dst_stride is None else as_index(dst_stride, "dst_stride")
-        src_offset = as_index(src_offset, "src_offset")
-        dst_offset = as_index(dst_offset, "dst_offset")
-        sp = _page_indices(src_pages, "src_pages")
-        dp = _page_indices(dst_pages, "dst_pages")
-        if len(sp) != len(dp):
-            raise InvalidArgument(f"src_pages has {len(sp)} entries and dst_pages {len(dp)}; they must match")
-        if imm is not None:
-            imm = as_index(imm, "imm", hi=_U32)
-        if not rdesc.remote_write:
-            raise InvalidArgument("the remote region was registered without remote_write")
-        n = len(sp)
-        if n == 0:
+        mr, rdesc, sp, dp, geometry, imm = self._paged_args(
+            mr, remote, page_size, src_pages, dst_pages, src_stride, dst_stride, src_offset, dst_offset, imm
+        )
+        if len(sp) == 0:
             await anyio.lowlevel.checkpoint()
             return
-        for idx, stride, off, size, name in (
-            (sp, src_stride, src_offset, mr.nbytes, "source"),
-            (dp, dst_stride, dst_offset, rdesc.length, "destination"),
-        ):
-            top = int(idx.max())
-            if off + stride * top + page_size > size:
-                k = int(np.argmax(idx))
-                raise InvalidArgument(
-                    f"page {k} ({name} index {top}) ends at {off + stride * top + page_size} B, past the "
-                    f"{name} region ({size} B)"
-                )
-        geometry = (page_size, src_stride, dst_stride, src_offset, dst_offset)
+        page_size, src_stride, dst_stride, src_offset, dst_offset = geometry
         if stream is not None or mr._dev is not None or rdesc.device_kind == DEVICE_CUDA:
 
             async def host_write(hi: int | None) -> None:
@@ -200,6 +175,54 @@ class Collective(Transfers):
             )
             return
         await self._write_paged_host(mr, rdesc, sp, dp, geometry, imm, timeout, retry)
+
+    def _paged_args(
+        self,
+        mr: MemoryRegion,
+        remote: MemoryDescriptor | bytes,
+        page_size: int,
+        src_pages: Any,
+        dst_pages: Any,
+        src_stride: int | None,
+        dst_stride: int | None,
+        src_offset: int,
+        dst_offset: int,
+        imm: int | None,
+    ) -> tuple[MemoryRegion, MemoryDescriptor, Any, Any, tuple[int, int, int, int, int], int | None]:
+        """Checks a paged write's arguments against both regions (nothing is posted): (region,
+        remote descriptor, source and destination page indices, geometry ``(page_size,
+        src_stride, dst_stride, src_offset, dst_offset)``, immediate). InvalidArgument as
+        :meth:`write_paged` says."""
+        self._check_open()
+        rdesc = self._remote(remote)
+        mr = self._region(mr)
+        page_size = as_index(page_size, "page_size", lo=1)
+        src_stride = page_size if src_stride is None else as_index(src_stride, "src_stride")
+        dst_stride = page_size if dst_stride is None else as_index(dst_stride, "dst_stride")
+        src_offset = as_index(src_offset, "src_offset")
+        dst_offset = as_index(dst_offset, "dst_offset")
+        sp = _page_indices(src_pages, "src_pages")
+        dp = _page_indices(dst_pages, "dst_pages")
+        if len(sp) != len(dp):
+            raise InvalidArgument(f"src_pages has {len(sp)} entries and dst_pages {len(dp)}; they must match")
+        if imm is not None:
+            imm = as_index(imm, "imm", hi=_U32)
+        if not rdesc.remote_write:
+            raise InvalidArgument("the remote region was registered without remote_write")
+        for idx, stride, off, size, name in (
+            (sp, src_stride, src_offset, mr.nbytes, "source"),
+            (dp, dst_stride, dst_offset, rdesc.length, "destination"),
+        ):
+            if len(idx) == 0:
+                break
+            top = int(idx.max())
+            if off + stride * top + page_size > size:
+                k = int(np.argmax(idx))
+                raise InvalidArgument(
+                    f"page {k} ({name} index {top}) ends at {off + stride * top + page_size} B, past the "
+                    f"{name} region ({size} B)"
+                )
+        return mr, rdesc, sp, dp, (page_size, src_stride, dst_stride, src_offset, dst_offset), imm
 
     async def _write_paged_host(
         self,

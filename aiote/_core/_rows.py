@@ -19,7 +19,12 @@ from ._wire import _F_DATA, _NO_DIRECT, _OP_READ, _OP_WRITE, _U32, _Credits
 
 
 class Rows(Messages):
-    """Rows of writes and reads over a descriptor's routes, and opening those routes."""
+    """Rows of writes and reads over a descriptor's routes, and opening those routes.
+
+    Counting rule of an immediate: over a single route it travels with the data. Over several
+    routes (NICs) the data rows carry none; the credit is added to ``credits[(path, imm)]``
+    and sent by :meth:`_send_credits` once every row has landed, so a row retried on another
+    NIC after a link failure is never counted twice. Zero-byte writes are their own credit."""
 
     async def connect(self, remote: MemoryDescriptor | bytes, *, timeout: float | None = None) -> None:
         """Opens every connection to the owner of ``remote`` (a descriptor of one of its
@@ -132,23 +137,16 @@ class Rows(Messages):
         note: list[bool] | None = None,
     ) -> tuple[list[tuple[int, ...]], Any]:
         """Validates one transfer and returns its aio_op_desc rows and the full route set to
-        the peer. Rows: one, or one shard per
-        route when it is at least ``stripe_min`` bytes and the peer is reached over several
-        NICs; over the streams of one NIC only while fewer operations are in flight, plus
-        ``load`` (requests already in the caller's batch), than streams (otherwise the
-        streams take whole transfers in turn).
-
-        Counting rule: over a single route the immediate travels with the data. Over several
-        routes (NICs) the data rows carry none; the credit is added to ``credits[(path, imm)]``
-        and sent by :meth:`_send_credits` once every row has landed, so a row retried on
-        another NIC after a link failure is never counted twice. Zero-byte writes are their
-        own credit.
+        the peer. Rows: one, or one shard per route when it is at least ``stripe_min`` bytes
+        and the peer is reached over several NICs; over the streams of one NIC only while
+        fewer operations are in flight, plus ``load`` (requests already in the caller's
+        batch), than streams (otherwise the streams take whole transfers in turn).
+        Immediates: as the class says (``credits``).
 
         ``note`` (a list; batches): gets one bool for a peer of several routes, True when the
         rows would be the same built later (every route was open, and over one NIC's streams
         the transfer is below ``stripe_min``), False when they depend on what was in flight or
         open (see :meth:`TransferBatch._place`)."""
-        # (longer than 80 lines: the hot path of every write and read, kept in one frame)
         mr, rdesc, length, loc_off, rem_off, data, flags = self._span(
             mr, remote, length, src_offset, dst_offset, imm, op
         )
@@ -196,17 +194,25 @@ class Rows(Messages):
             hop = opened[start % len(opened)]
             rail, fa, base, key = hop
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], (hop,)
-        path, n = opened, len(opened)  # NICs not connected yet take nothing until they are
         if len(full) > 1 and flags and length:
             if credits is None:
                 raise AssertionError("a multi-NIC write with an immediate needs a credit list")
             ckey = (full, data, self._owner_of(full, rdesc))
             credits[ckey] = credits.get(ckey, 0) + 1
             data = flags = 0
+        # NICs not connected yet take nothing until they are
+        return self._spread(opened, start, (ptr, loc_off, length, rem_off, data, op, flags)), full
+
+    def _spread(self, path: tuple[Any, ...], start: int, what: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The rows of one transfer ``what`` (local pointer and offset, length, remote offset,
+        immediate data, op, flags) over the open routes ``path`` of its peer, from route
+        ``start``: one row on one route, or, from ``stripe_min`` bytes over several, 4 KiB
+        aligned shards on each in turn (the immediate was made a credit by then)."""
+        ptr, loc_off, length, rem_off, data, op, flags = what
+        n = len(path)
         if n == 1 or length < self._stripe_min:
             rail, fa, base, key = path[start % n]
-            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], full
-        # striped: n shards, 4 KiB aligned
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)]
         chunk = -(-length // n)
         chunk = -(-chunk // 4096) * 4096
         rows: list[tuple[int, ...]] = []
@@ -214,7 +220,7 @@ class Rows(Messages):
             rail, fa, base, key = path[(start + i) % n]
             ln = min(chunk, length - o)
             rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, 0))
-        return rows, full
+        return rows
 
     def _open_routes(self, path: tuple[tuple[int, int, int, int], ...], op: int) -> tuple[Any, ...]:
         """The routes of ``path`` (several NICs or streams to one peer) whose connections are

@@ -52,10 +52,7 @@ class EngineState:
     ) -> None:
         """The Python side of the native engine ``handle`` over ``rails``, with the options
         open_engine checked (``transport.streams`` resolved) and its host arena, if any."""
-        # (over 80 lines: the one place that lists every field of an engine, the state of each
-        # layer above, so that a reader finds them all together)
-        assert transport.streams is not None  # resolved by check_options
-        streams = transport.streams
+        # every field of an engine (each layer's state) is set here or by an _init_* below
         max_message_size = transport.max_message_size
         message_slots = transport.message_slots
         same_host = local.same_host
@@ -67,19 +64,7 @@ class EngineState:
         self._gpu: GpuSupport | None = None
         self._gpu_cfg = (gpu.gpu_backend, gpu.stage_chunk, bool(gpu.gpu_ipc), gpu_direct, gpu.ipc_streams)
         self._retry = retry if retry is not None else RetryPolicy()
-        self._stripe_min = transport.stripe_min
-        # streams > 1: the main provider's rails come in runs of `streams` on one NIC; a
-        # transfer that is not striped takes one of them like a single-NIC engine (see _rows)
-        self._streams = streams
-        self._one_nic: dict[int, tuple[Any, bool]] = {}
-        # several routes to a peer: the (rail, peer) connections known to be open, those being
-        # opened by a zero-byte request, and the paths whose every route is open (_open_routes)
-        self._routes_open: set[tuple[int, int]] = set()
-        self._routes_opening: set[tuple[int, int]] = set()
-        # connections a zero-byte request of _open_route or connect() completed on (a route
-        # in _routes_open may only have been taken by the first transfer, still to be posted)
-        self._routes_made: set[tuple[int, int]] = set()
-        self._paths_open: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
+        self._init_routes(transport)
         self._loop_spin_ns = int(poller.loop_spin_us * 1000)
         self._rails = rails
         self._closed = False
@@ -87,8 +72,6 @@ class EngineState:
         self._cancel_grace = transport.cancel_grace
         self._budget_ns = int(transport.post_budget_us * 1000)
         self._failovers = 0
-        self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
-        self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (a cache)
         self._credit_seq = itertools.count(int.from_bytes(os.urandom(6), "little") << 16)
         self._credits_seen = CreditsSeen(_CREDITS_SEEN_MAX)  # credit messages counted (_on_credit)
         self._max_message = max_message_size
@@ -103,21 +86,7 @@ class EngineState:
         self._batches: weakref.WeakSet[Any] = weakref.WeakSet()
         self._desc_paths: dict[int, tuple[MemoryDescriptor, tuple[tuple[int, int, int, int], ...]]] = {}
         self._imm_memos: dict[tuple[int, int], Any] = {}  # single-route write_imms (see _memo_post)
-        self._inbox: deque[tuple[bytes, bytes] | _Held] = deque()
-        # Messages nobody waits for stay in their slots until recv() takes them (one copy,
-        # made then), which also holds back the sender (its transport waits for a slot).
-        # A quarter of each rail's slots is kept posted for messages the engine consumes
-        # itself (GPU staging): a message that would take one of them is copied out and
-        # queued instead, up to _SPILL_BYTES queued that way; past that it is held too.
-        self._held = [0] * len(rails)
-        self._hold_max = message_slots - max(1, message_slots // 4)
-        self._spilled = 0  # bytes of copied-out messages in the inbox
-        # sends in flight per (rail, peer), at most _send_cap each: the same three quarters
-        # of the slots, on the sending side (see _send_msg)
-        self._sends: dict[tuple[int, int], int] = {}
-        self._send_room: dict[tuple[int, int], Any] = {}
-        self._send_cap = max(1, self._hold_max)
-        self._recv_waiters: deque[_RecvWaiter] = deque()
+        self._init_messages(len(rails), message_slots)
         self._recs = ffi.new("aio_record[256]")
         # aio_submit's group; aio_submit_sendv's also says whether it ended in the call, and how
         # (the loop thread only)
@@ -143,6 +112,50 @@ class EngineState:
         self._space: Any = None  # set when a request completes after aio_want_space
         self._scratch: MemoryRegion | None = None
         self._log = _log.bind(engine=self._address_bytes[-4:].hex())
+        self._init_direct(handle, rails, same_host_direct)
+        # metrics and spans (see _observe.py); None: off, one `is None` test per operation
+        self._obs: Observer | None = Observer(observe, rails, handle) if observe is not None else None
+        self._observers: list[Observer] = [self._obs] if self._obs is not None else []  # (see _observe_as)
+
+    def _init_routes(self, transport: TransportOptions) -> None:
+        """The fields of routing over several rails to one peer (see :mod:`._rows`)."""
+        self._stripe_min = transport.stripe_min
+        # streams > 1: the main provider's rails come in runs of `streams` on one NIC; a
+        # transfer that is not striped takes one of them like a single-NIC engine (see _rows)
+        assert transport.streams is not None  # resolved by check_options
+        self._streams: int = transport.streams
+        self._one_nic: dict[int, tuple[Any, bool]] = {}
+        # several routes to a peer: the (rail, peer) connections known to be open, those being
+        # opened by a zero-byte request, and the paths whose every route is open (_open_routes)
+        self._routes_open: set[tuple[int, int]] = set()
+        self._routes_opening: set[tuple[int, int]] = set()
+        # connections a zero-byte request of _open_route or connect() completed on (a route
+        # in _routes_open may only have been taken by the first transfer, still to be posted)
+        self._routes_made: set[tuple[int, int]] = set()
+        self._paths_open: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
+        self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
+        self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (a cache)
+
+    def _init_messages(self, nrails: int, message_slots: int) -> None:
+        """The fields of two-sided messages: the inbox, held slots and sends in flight."""
+        self._inbox: deque[tuple[bytes, bytes] | _Held] = deque()
+        # Messages nobody waits for stay in their slots until recv() takes them (one copy,
+        # made then), which also holds back the sender (its transport waits for a slot).
+        # A quarter of each rail's slots is kept posted for messages the engine consumes
+        # itself (GPU staging): a message that would take one of them is copied out and
+        # queued instead, up to _SPILL_BYTES queued that way; past that it is held too.
+        self._held = [0] * nrails
+        self._hold_max = message_slots - max(1, message_slots // 4)
+        self._spilled = 0  # bytes of copied-out messages in the inbox
+        # sends in flight per (rail, peer), at most _send_cap each: the same three quarters
+        # of the slots, on the sending side (see _send_msg)
+        self._sends: dict[tuple[int, int], int] = {}
+        self._send_room: dict[tuple[int, int], Any] = {}
+        self._send_cap = max(1, self._hold_max)
+        self._recv_waiters: deque[_RecvWaiter] = deque()
+
+    def _init_direct(self, handle: Any, rails: list[RailInfo], same_host_direct: bool) -> None:
+        """The fields of direct same-host copies."""
         # direct same-host copies (see aiote_core.h): this engine's table, if it publishes one,
         # and the peers' tables it copies into (attached on first use; -1: not possible)
         self._shm_rails = frozenset(r.index for r in rails if r.provider == "shm")
@@ -155,9 +168,6 @@ class EngineState:
         )
         self._direct_attached: dict[tuple[int, int], int] = {}
         self._direct_codes: dict[int, tuple[MemoryDescriptor, tuple[int, int]]] = {}
-        # metrics and spans (see _observe.py); None: off, one `is None` test per operation
-        self._obs: Observer | None = Observer(observe, rails, handle) if observe is not None else None
-        self._observers: list[Observer] = [self._obs] if self._obs is not None else []  # (see _observe_as)
 
     # ------------------------------------------------------------------ properties
 
