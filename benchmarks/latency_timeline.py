@@ -17,8 +17,8 @@ pingpong --await-write``, each side awaiting its write as ``await engine.write_i
 then again with ``--think-ns`` set to the Python part measured here: if the C core with that
 much work per hop lands where aiote does, the gap is the interpreter's work per hop and
 nothing else (the poller and the hand-off are the same code). Also prints the loop thread's
-CPU time per round trip, and, in each round, the floor of any awaiting design: asyncio alone
-playing the same 8-byte ping-pong over a plain socket (``aiote/cli/_benchfloor.py``: loopback
+CPU time per round trip, and, in each round, asyncio alone playing the same 8-byte ping-pong
+over a plain socket (``aiote/cli/_benchfloor.py``: loopback
 TCP for ``--route tcp``, a Unix socket pair for ``default``; no library, one wake-up of the
 loop per hop), with its loop's CPU per round trip. Uses engine internals to place its stamps;
 figures are medians.

@@ -25,7 +25,7 @@ SOCKETS_NOTE = (" Bare sockets, in the same run: on tcp writes, the same sizes, 
                 "buffers over one plain TCP connection, no libfabric (`aiote_cbench sockets`): the most one "
                 "connection moves here; on latency rows, the same event loop playing the 8-byte ping-pong "
                 "over a plain socket (loopback TCP for tcp, a Unix socket pair for shm), no library "
-                "(`aiote/cli/_benchfloor.py`): what one wake-up of a waiting event loop per hop costs here.")
+                "(`aiote/cli/_benchfloor.py`): one wake-up of a sleeping event loop per hop, nothing else.")
 LIBRARY_LABEL = {"sockets": "bare sockets (no library)"}
 NOT_PEERS = ("aiote", "aiote-arena", "sockets")  # rows of the peers' table that are no peer
 

@@ -296,11 +296,14 @@ def test_aiote_bench_sendrecv_latency_alone(tmp_path: Path) -> None:
     assert "bare sockets" in out.stdout and "event loop's own ping-pong" in out.stdout
 
 
-def test_the_event_loops_own_floor_is_measured_on_each_loop_and_socket() -> None:
+def test_the_event_loop_alone_is_measured_on_each_loop_and_socket(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_benchfloor``: the plain-socket ping-pong the latency rows stand beside really plays
-    round trips under the loop asked for, on loopback TCP and on a Unix socket pair."""
+    round trips under the loop asked for, on loopback TCP and on a Unix socket pair; its result
+    comes back with stdout block-buffered too (no PYTHONUNBUFFERED), and a failure is a
+    RuntimeError (the bench notes it and goes on)."""
     from aiote.cli import _benchfloor
 
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     assert _benchfloor.family_of("tcp") == "tcp" and _benchfloor.family_of("shm") == "unix"
     assert _benchfloor.family_of("verbs") is None
     for loop, family in (("asyncio", "tcp"), ("trio", "unix")):
@@ -309,6 +312,8 @@ def test_the_event_loops_own_floor_is_measured_on_each_loop_and_socket() -> None
         assert 0 < got["p50_us"] <= got["p99_us"] < 1e6 and got["loop_cpu_us_per_rtt"] > 0
     with pytest.raises(RuntimeError):
         _benchfloor.floor_run("no-such-loop", "tcp", 10)
+    with pytest.raises(RuntimeError, match="--iters must be at least 1"):
+        _benchfloor.floor_run("asyncio", "tcp", 0)
 
 
 def test_aiote_bench_sweeps_sendrecv_over_loops_and_windows(tmp_path: Path) -> None:

@@ -140,13 +140,11 @@ class Rows(Messages):
         the peer. Rows: one, or one shard per route when it is at least ``stripe_min`` bytes
         and the peer is reached over several NICs; over the streams of one NIC only while
         fewer operations are in flight, plus ``load`` (requests already in the caller's
-        batch), than streams (otherwise the streams take whole transfers in turn).
-        Immediates: as the class says (``credits``).
-
-        ``note`` (a list; batches): gets one bool for a peer of several routes, True when the
-        rows would be the same built later (every route was open, and over one NIC's streams
-        the transfer is below ``stripe_min``), False when they depend on what was in flight or
-        open (see :meth:`TransferBatch._place`)."""
+        batch), than streams (otherwise the streams take whole transfers in turn). Immediates:
+        as the class says (``credits``). ``note`` (batches): gets one bool for a peer of
+        several routes: True when the rows would be the same built later (every route open;
+        over one NIC's streams, below ``stripe_min``), False when they depend on what was in
+        flight or open (:meth:`TransferBatch._place`)."""
         mr, rdesc, length, loc_off, rem_off, data, flags = self._span(
             mr, remote, length, src_offset, dst_offset, imm, op
         )
@@ -200,19 +198,17 @@ class Rows(Messages):
             ckey = (full, data, self._owner_of(full, rdesc))
             credits[ckey] = credits.get(ckey, 0) + 1
             data = flags = 0
-        # NICs not connected yet take nothing until they are
-        return self._spread(opened, start, (ptr, loc_off, length, rem_off, data, op, flags)), full
+        if len(opened) == 1 or length < self._stripe_min:  # (NICs not connected yet take nothing)
+            rail, fa, base, key = opened[start % len(opened)]
+            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], full
+        return self._stripes(opened, start, (ptr, loc_off, length, rem_off, op)), full
 
-    def _spread(self, path: tuple[Any, ...], start: int, what: tuple[int, ...]) -> list[tuple[int, ...]]:
+    def _stripes(self, path: tuple[Any, ...], start: int, what: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The rows of one transfer ``what`` (local pointer and offset, length, remote offset,
-        immediate data, op, flags) over the open routes ``path`` of its peer, from route
-        ``start``: one row on one route, or, from ``stripe_min`` bytes over several, 4 KiB
-        aligned shards on each in turn (the immediate was made a credit by then)."""
-        ptr, loc_off, length, rem_off, data, op, flags = what
+        op) striped over the open routes ``path`` of its peer from route ``start``: 4 KiB
+        aligned shards on each in turn, none carrying an immediate (made a credit by then)."""
+        ptr, loc_off, length, rem_off, op = what
         n = len(path)
-        if n == 1 or length < self._stripe_min:
-            rail, fa, base, key = path[start % n]
-            return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)]
         chunk = -(-length // n)
         chunk = -(-chunk // 4096) * 4096
         rows: list[tuple[int, ...]] = []

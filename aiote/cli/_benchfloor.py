@@ -1,12 +1,12 @@
-"""The event loop's own floor for a ping-pong: no library, a plain socket (``aiote bench``).
+"""The event loop alone playing a ping-pong over a plain socket, no library (``aiote bench``).
 
 Theory of operation. Two processes play an 8-byte ping-pong over one plain socket, each
 waiting in its event loop (asyncio, uvloop or trio) for the other's bytes, then sending its
-own: one wake-up of a sleeping event loop per hop, and nothing else. It is what any library
-that lets the caller ``await`` a message (and does not spin the event loop) pays at least, on
-this machine, for one hop: the kernel's hand-off of a few bytes, the loop's wake-up from its
-selector, its callback and the task's resume. ``aiote bench`` runs it beside each latency
-case, in the same run, as the latency rows' "bare sockets" figure.
+own: one wake-up of a sleeping event loop per hop, and nothing else (the kernel's hand-off of
+a few bytes, the loop's wake-up from its selector, its callback and the task's resume). It is
+a reference for what an awaited hop costs on this machine without any library. ``aiote
+bench`` runs it beside each latency case, in the same run, as the latency rows' "bare
+sockets" figure.
 
 The socket is a loopback TCP connection (``--family tcp``, ``TCP_NODELAY``: what the tcp
 route rides on) or a Unix socket pair (``--family unix``: the same host's cheapest
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -104,31 +103,47 @@ async def _trio_side(raw: socket.socket, n: int, first: bool) -> list[int]:
     return times
 
 
-def _run(loop: str, sock: socket.socket, n: int, first: bool) -> list[int]:
-    """One side's ``n`` round trips under ``loop``; the pinger's round trips in ns."""
+def _run(loop: str, sock: socket.socket, n: int, first: bool, deadline: float) -> list[int]:
+    """One side's ``n`` round trips under ``loop``; the pinger's round trips in ns. Raises
+    TimeoutError after ``deadline`` seconds (an other side that stopped answering)."""
     if loop == "trio":
         import trio
 
-        return trio.run(_trio_side, sock, n, first)
+        async def bounded_trio() -> list[int]:
+            with trio.fail_after(deadline):
+                return await _trio_side(sock, n, first)
+
+        try:
+            return trio.run(bounded_trio)
+        except trio.TooSlowError:
+            raise TimeoutError(f"no end of the ping-pong within {deadline} s") from None
     import asyncio
+
+    async def bounded() -> list[int]:
+        return await asyncio.wait_for(_asyncio_side(sock, n, first), deadline)
 
     if loop == "uvloop":
         import uvloop
 
-        return uvloop.run(_asyncio_side(sock, n, first))
-    return asyncio.run(_asyncio_side(sock, n, first))
+        return uvloop.run(bounded())
+    return asyncio.run(bounded())
 
 
-def pingpong(loop: str, family: str, iters: int, warmup: int = 300) -> dict[str, Any]:
-    """Runs the ping-pong (this process pings, a child echoes); its figures."""
+def pingpong(
+    loop: str, family: str, iters: int, warmup: int = 300, deadline: float = 120.0
+) -> dict[str, Any]:
+    """Runs the ping-pong (this process pings, a child echoes); its figures. TimeoutError
+    after ``deadline`` seconds."""
+    if iters < 1 or warmup < 0:
+        raise ValueError("iters must be at least 1 and warmup at least 0")
     mine, theirs = _pair(family)
     cmd = [sys.executable, str(Path(__file__)), "--echo", str(theirs.fileno()), "--loop", loop,
-           "--iters", str(iters + warmup)]
+           "--iters", str(iters + warmup), "--deadline", str(deadline)]
     child = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
     theirs.close()
     try:
         c0 = time.thread_time()
-        rtts = _run(loop, mine, iters + warmup, True)[warmup:]
+        rtts = _run(loop, mine, iters + warmup, True, deadline)[warmup:]
         cpu = (time.thread_time() - c0) / (iters + warmup) * 1e6
         if child.wait(30) != 0:
             raise RuntimeError(f"the echoing side failed ({child.returncode})")
@@ -144,7 +159,7 @@ def pingpong(loop: str, family: str, iters: int, warmup: int = 300) -> dict[str,
 
 
 def family_of(provider: str) -> str | None:
-    """The plain socket a route's floor is measured on: loopback TCP for ``tcp``, a Unix
+    """The plain socket a route's reference is measured on: loopback TCP for ``tcp``, a Unix
     socket pair for ``shm`` (the same host); None for a provider of a real NIC."""
     return {"tcp": "tcp", "shm": "unix"}.get(provider)
 
@@ -153,11 +168,17 @@ def floor_run(loop: str, family: str, iters: int) -> dict[str, Any]:
     """:func:`pingpong` in a process of its own (this file as a script: no aiote, no
     libfabric, a fresh interpreter as the C bench gets); RuntimeError if it fails."""
     cmd = [sys.executable, str(Path(__file__)), "--loop", loop, "--family", family, "--iters", str(iters)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("the event loop's ping-pong took over 300 s") from None
     if run.returncode != 0:
         last = run.stderr.strip().splitlines()[-1:] or [f"exit {run.returncode}"]
         raise RuntimeError(f"the event loop's ping-pong failed: {last[0]}")
-    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    try:
+        result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"the event loop's ping-pong printed no result: {run.stdout[-200:]!r}") from None
     return result
 
 
@@ -167,18 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default="tcp", choices=("tcp", "unix"))
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--deadline", type=float, default=120.0, help="seconds for the whole run")
     ap.add_argument("--echo", type=int, metavar="FD", help=argparse.SUPPRESS)  # the child's side
     args = ap.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        ap.error("--iters must be at least 1 and --warmup at least 0")
     if args.echo is not None:
         sock = socket.socket(fileno=args.echo)
         try:
-            _run(args.loop, sock, args.iters, False)
+            _run(args.loop, sock, args.iters, False, args.deadline)
         finally:
             sock.close()
         return 0
-    sys.stdout.write(json.dumps(pingpong(args.loop, args.family, args.iters, args.warmup)) + "\n")
+    result = pingpong(args.loop, args.family, args.iters, args.warmup, args.deadline)
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
     return 0
 
 
 if __name__ == "__main__":
-    os._exit(main())
+    sys.exit(main())

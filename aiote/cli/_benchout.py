@@ -150,8 +150,9 @@ def table_lines(result: dict[str, Any]) -> list[str]:
     if result.get("setting") == "low-latency":
         head += "; low-latency setting (spin_us=1000, loop_spin_us=500)"
     if sockets:
-        head += ("; bare sockets: one plain TCP connection, no libfabric (writes: the most one connection "
-                 "moves; latency: the same event loop's own ping-pong over a plain socket, no library)")
+        head += ("; bare sockets: writes, one plain TCP connection, no libfabric (the most one connection "
+                 "moves); latency, the same event loop's own ping-pong over a plain socket (loopback TCP "
+                 "for tcp, a Unix socket pair for shm), no library")
     cols = f"{'case':30} {'path':14} {'C core':>24} {'aiote':>24} {'ratio':>6}"
     lines = [head, cols + (f" {'bare sockets':>24}" if sockets else "")]
     for r in rows:
