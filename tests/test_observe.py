@@ -726,14 +726,19 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
     quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     with (
         started(cmd, **quiet),
-        started(demo_cmd(killed, "--requests", "64", "--layer-ms", "25"), env=env, **quiet) as demo2,
+        started(demo_cmd(killed, "--requests", "256", "--layer-ms", "25"), env=env, **quiet) as demo2,
         started(demo_cmd(clean, "--requests", "6"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 env=env) as demo,
     ):
-        # the second demo: a decode worker killed once its writes are under way
+        # the second demo: its decode workers killed once its writes are under way. Every one
+        # alive then, so that one holding requests surely dies: which one is newest cannot be
+        # told by its pid (pids wrap at 32768 here), and halfway through the demo its first
+        # decoder leaves, done with what it held (killing it then fails no request)
         wait_for("the second demo's writes", lambda: b'op="write_paged"' in scrape(killed), 60)
         children = Path(f"/proc/{demo2.pid}/task/{demo2.pid}/children").read_text().split()
-        os.kill(max(int(c) for c in children), signal.SIGKILL)  # the newest decode worker
+        assert children, "the second demo has no decode worker"
+        for pid in children:
+            os.kill(int(pid), signal.SIGKILL)
         # the first: what it reports, what Prometheus scraped
         assert demo.stdout is not None
         line = wait_for("the demo's summary", demo.stdout.readline, 120)
