@@ -257,37 +257,18 @@ def c_pingpong(provider: str, iters: int, spin_us: float) -> tuple[float, float]
 # ------------------------------------------------------------------ main
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", default="main", choices=["main", "peer"])
-    ap.add_argument("--provider", default="tcp")
-    ap.add_argument("--region", type=int, default=0)
-    ap.add_argument("--spin-us", type=float, default=50.0)
-    ap.add_argument("--loop-spin-us", type=float, default=0.0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="small totals, one repeat (a smoke run)")
-    ap.add_argument("--json", help="also write the results to this file")
-    a = ap.parse_args()
-    if a.role == "peer":
-        anyio.run(_peer, a.provider, a.region, a.spin_us, a.loop_spin_us)
-        return 0
-    build_cbench()
-    repeats = 1 if a.quick else a.repeats
-    total = {65536: (256 << 20) if a.quick else (2 << 30), 1 << 20: (512 << 20) if a.quick else (4 << 30)}
-    iters = 2000 if a.quick else 20000
-    busy = cpu_busy()
-    if busy > 0.10:
-        print(f"warning: the machine was {busy:.0%} busy before the run; figures will be noisy")
+def _writes(provider: str, repeats: int, total: dict[int, int], results: dict[str, Any],
+            rows: list[tuple[str, float, float, float]]) -> None:
+    """The write cases (64 KiB and 1 MiB), C core and aiote interleaved: into ``results`` and
+    the table's ``rows``."""
     med = statistics.median
-    results: dict[str, Any] = {"provider": a.provider, "machine_cores": os.cpu_count(), "repeats": repeats}
-    rows = []
     for size in (65536, 1 << 20):
         c, pb, ps, pp = [], [], [], []
         for _ in range(repeats):  # interleaved, so drift hits both sides alike
-            c.append(c_write(a.provider, size, total[size]))
-            pb.append(anyio.run(py_write, a.provider, size, total[size], True))
-            ps.append(anyio.run(py_write, a.provider, size, total[size] // 4, False))
-            pp.append(anyio.run(py_write, a.provider, size, total[size] // 2, None))
+            c.append(c_write(provider, size, total[size]))
+            pb.append(anyio.run(py_write, provider, size, total[size], True))
+            ps.append(anyio.run(py_write, provider, size, total[size] // 4, False))
+            pp.append(anyio.run(py_write, provider, size, total[size] // 2, None))
         key = f"write_{size // 1024}KiB"
         results[key] = {
             "c_gbps": med(c),
@@ -310,14 +291,21 @@ def main() -> int:
                      results[key]["ratio_batched_paired"]))
         rows.append(("  one await per write (GB/s)", med(c), med(ps), med(ps) / med(c)))
         rows.append(("  post_write, 64 in flight, one task (GB/s)", med(c), med(pp), med(pp) / med(c)))
+
+
+def _latencies(provider: str, repeats: int, iters: int, results: dict[str, Any],
+               rows: list[tuple[str, float, float, float]]) -> None:
+    """The WriteImm ping-pong in the default and low-latency settings, C core and aiote
+    interleaved: into ``results`` and the table's ``rows``."""
+    med = statistics.median
     for label, spin, loop_spin in (
         ("default (spin 50us)", 50.0, 0.0),
         ("low-latency (spin 1000us, loop_spin 500us)", 1000.0, 500.0),
     ):
         c50, c99, p50, p99 = [], [], [], []
         for _ in range(repeats):
-            x = c_pingpong(a.provider, iters, spin)
-            y = anyio.run(py_pingpong, a.provider, iters, spin, loop_spin)
+            x = c_pingpong(provider, iters, spin)
+            y = anyio.run(py_pingpong, provider, iters, spin, loop_spin)
             c50.append(x[0])
             c99.append(x[1])
             p50.append(y[0])
@@ -337,6 +325,33 @@ def main() -> int:
         rows.append(("  the same, median of the paired gaps (us)", med(c50), med(p50),
                      results[key]["p50_gap_paired_us"]))
         rows.append((f"one-way p99, {label} (us)", med(c99), med(p99), med(p99) - med(c99)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", default="main", choices=["main", "peer"])
+    ap.add_argument("--provider", default="tcp")
+    ap.add_argument("--region", type=int, default=0)
+    ap.add_argument("--spin-us", type=float, default=50.0)
+    ap.add_argument("--loop-spin-us", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="small totals, one repeat (a smoke run)")
+    ap.add_argument("--json", help="also write the results to this file")
+    a = ap.parse_args()
+    if a.role == "peer":
+        anyio.run(_peer, a.provider, a.region, a.spin_us, a.loop_spin_us)
+        return 0
+    build_cbench()
+    repeats = 1 if a.quick else a.repeats
+    total = {65536: (256 << 20) if a.quick else (2 << 30), 1 << 20: (512 << 20) if a.quick else (4 << 30)}
+    iters = 2000 if a.quick else 20000
+    busy = cpu_busy()
+    if busy > 0.10:
+        print(f"warning: the machine was {busy:.0%} busy before the run; figures will be noisy")
+    results: dict[str, Any] = {"provider": a.provider, "machine_cores": os.cpu_count(), "repeats": repeats}
+    rows: list[tuple[str, float, float, float]] = []
+    _writes(a.provider, repeats, total, results, rows)
+    _latencies(a.provider, repeats, iters, results, rows)
     after = cpu_busy()
     results["cpu_busy_before"] = busy
     results["cpu_busy_after"] = after

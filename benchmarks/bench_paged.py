@@ -204,32 +204,31 @@ def _size(n: int) -> str:
     return f"{n // KIB} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="smaller totals, one repeat (a smoke run)")
-    ap.add_argument("--json", help="also write the results to this file")
-    a = ap.parse_args()
-    build_cbench()
-    repeats = 1 if a.quick else a.repeats
-    write_total = (256 << 20) if a.quick else (1 << 30)
-    load1 = os.getloadavg()[0]
-    if load1 > 0.5:
-        print(
-            f"warning: 1-minute load average {load1:.2f} > 0.5 on {os.cpu_count()} cores: other "
-            "processes are running; figures will be noisy"
-        )
-    # (page size, pages per call, calls); the 1 KiB case at 10,000 pages serves a. and b.
-    paged_cases = [(p, npages_for(p), calls_for(p, npages_for(p), a.quick)) for p in PAGE_SIZES]
-    paged_cases += [(KIB, n, calls_for(KIB, n, a.quick)) for n in PER_CALL_PAGES if n != PAGES]
-    cs: dict[tuple[int, int], list[float]] = {(p, n): [] for p, n, _ in paged_cases}
-    ps: dict[tuple[int, int], list[float]] = {(p, n): [] for p, n, _ in paged_cases}
-    cc: dict[tuple[int, int], list[float]] = {(p, n): [] for p, n, _ in paged_cases}
-    pc: dict[tuple[int, int], list[float]] = {(p, n): [] for p, n, _ in paged_cases}
-    w: dict[str, list[float]] = {k: [] for k in ("c_tcp", "py_1nic", "py_2nic", "c_shm", "py_auto")}
-    shm_case = (64 * KIB, PAGES, calls_for(64 * KIB, PAGES, a.quick))
-    shm_paged: dict[str, list[float]] = {"c": [], "py": []}
-    routes: dict[str, Any] = {}
+class Samples:
+    """Every repeat's figures, by case: C core and aiote seconds of the paged calls (``cs``,
+    ``ps``) and their median seconds per call (``cc``, ``pc``), the 1 MiB writes' GB/s (``w``),
+    the same-host paged case's seconds (``shm_paged``), and the routes aiote took."""
+
+    def __init__(self, quick: bool) -> None:
+        # (page size, pages per call, calls); the 1 KiB case at 10,000 pages serves a. and b.
+        self.paged_cases = [(p, npages_for(p), calls_for(p, npages_for(p), quick)) for p in PAGE_SIZES]
+        self.paged_cases += [(KIB, n, calls_for(KIB, n, quick)) for n in PER_CALL_PAGES if n != PAGES]
+        self.cs: dict[tuple[int, int], list[float]] = {(p, n): [] for p, n, _ in self.paged_cases}
+        self.ps: dict[tuple[int, int], list[float]] = {(p, n): [] for p, n, _ in self.paged_cases}
+        self.cc: dict[tuple[int, int], list[float]] = {(p, n): [] for p, n, _ in self.paged_cases}
+        self.pc: dict[tuple[int, int], list[float]] = {(p, n): [] for p, n, _ in self.paged_cases}
+        self.w: dict[str, list[float]] = {k: [] for k in ("c_tcp", "py_1nic", "py_2nic", "c_shm", "py_auto")}
+        self.shm_case = (64 * KIB, PAGES, calls_for(64 * KIB, PAGES, quick))
+        self.shm_paged: dict[str, list[float]] = {"c": [], "py": []}
+        self.routes: dict[str, Any] = {}
+        self.elapsed = 0.0
+
+
+def measure(repeats: int, quick: bool, write_total: int) -> Samples:
+    """Every case ``repeats`` times, the C core and aiote interleaved (drift hits both alike)."""
+    S = Samples(quick)
+    cs, ps, cc, pc, w, shm_paged, routes = S.cs, S.ps, S.cc, S.pc, S.w, S.shm_paged, S.routes
+    paged_cases, shm_case = S.paged_cases, S.shm_case
     t_start = time.perf_counter()
     for rep in range(repeats):  # interleaved, so drift hits both sides alike
         for p, n, calls in paged_cases:
@@ -251,34 +250,26 @@ def main() -> int:
         (ptot, _), gbps, routes["auto"] = anyio.run(py_auto_round, *shm_case, write_total, rep)
         shm_paged["py"].append(ptot)
         w["py_auto"].append(gbps)
-    elapsed = time.perf_counter() - t_start
-    med = statistics.median
-    calls_of = {(p, n): c for p, n, c in paged_cases}
+    S.elapsed = time.perf_counter() - t_start
+    return S
+
+
+def _ctx(S: Samples) -> tuple[Any, ...]:
+    """What the report's sections share: the median, calls per paged case, GB/s of a paged
+    case, the table's header."""
+    calls_of = {(p, n): c for p, n, c in S.paged_cases}
 
     def gbps_of(secs: list[float], p: int, n: int) -> float:
-        return p * n * calls_of[(p, n)] / med(secs) / 1e9
+        return p * n * calls_of[(p, n)] / statistics.median(secs) / 1e9
 
-    results: dict[str, Any] = {
-        "machine_cores": os.cpu_count(),
-        "load1_before": load1,
-        "load1_after": os.getloadavg()[0],
-        "repeats": repeats,
-        "seconds": elapsed,
-        "routes": routes,
-    }
-    print(
-        f"\naiote paged writes and multi-NIC — tcp over loopback (same_host=None) unless noted, "
-        f"{os.cpu_count()} cores, median of {repeats}, {elapsed:.0f} s"
-    )
-    r1 = routes["tcp_1nic"]
-    r2 = routes["tcp_2nic"]
-    ra = routes["auto"]
-    print(
-        f"routes: 1 NIC {r1['provider']} {r1['pairs']}; 2 NICs {r2['provider']} {r2['pairs']}; "
-        f"automatic same-host {ra['provider']} (same_host={ra['same_host']})"
-    )
     hdr = f"{'case':50} {'C core':>10} {'aiote':>10} {'ratio':>8}"
+    return statistics.median, calls_of, gbps_of, hdr
 
+
+def report_paged(S: Samples, results: dict[str, Any]) -> None:
+    """a. paged writes by page size."""
+    _med, calls_of, gbps_of, hdr = _ctx(S)
+    cs, ps = S.cs, S.ps
     print("\na. paged writes, GB/s (one call in flight, 1 imm credit per page)")
     print(hdr)
     paged: dict[str, Any] = {}
@@ -298,6 +289,11 @@ def main() -> int:
         }
     results["paged"] = paged
 
+
+def report_pages(S: Samples, results: dict[str, Any]) -> None:
+    """b. 1 KiB pages: pages per second and the cost of a call by its page count."""
+    med, calls_of, _gbps_of, _hdr = _ctx(S)
+    cs, ps, cc, pc = S.cs, S.ps, S.cc, S.pc
     print("\nb. 1 KiB pages: pages/s, and median time per call (us; last column: aiote - C)")
     print(f"{'case':50} {'C core':>10} {'aiote':>10} {'ratio/gap':>10}")
     k10 = (KIB, PAGES)
@@ -322,6 +318,12 @@ def main() -> int:
         "us_per_call": {str(n): {"c": c, "py": y, "gap": y - c} for n, (c, y) in per_call.items()},
     }
 
+
+def report_writes(S: Samples, results: dict[str, Any]) -> None:
+    """c./d. single 1 MiB writes over tcp (1 and 2 NICs) and the same host; the same-host
+    paged case."""
+    med, _calls_of, _gbps_of, hdr = _ctx(S)
+    w, shm_paged, shm_case, ra = S.w, S.shm_paged, S.shm_case, S.routes["auto"]
     print(f"\nc./d. single {_size(WRITE_SIZE)} writes, {WINDOW} in flight, GB/s")
     print(hdr)
     ct, p1n, p2n = med(w["c_tcp"]), med(w["py_1nic"]), med(w["py_2nic"])
@@ -347,6 +349,13 @@ def main() -> int:
     print(f"{label:50} {c_sp:10.3f} {p_sp:10.3f} {p_sp / c_sp:8.2f}")
     results["paged_shm_64KiB"] = {"c_gbps": c_sp, "py_gbps": p_sp, "ratio": p_sp / c_sp}
 
+
+def report_targets(S: Samples, results: dict[str, Any]) -> None:
+    """e. the targets, from the sections above."""
+    paged, ra = results["paged"], S.routes["auto"]
+    w1 = results["write_1MiB"]
+    p1n, ct, pau, csh = w1["py_tcp_1nic_gbps"], w1["c_tcp_gbps"], w1["py_auto_gbps"], w1["c_shm_gbps"]
+    c_sp, p_sp = results["paged_shm_64KiB"]["c_gbps"], results["paged_shm_64KiB"]["py_gbps"]
     print("\ne. targets")
     r64 = paged["64KiB"]["py_gbps"] / p1n
     rc64 = paged["64KiB"]["c_gbps"] / ct
@@ -368,6 +377,44 @@ def main() -> int:
         "c_paged64k_over_write1m_shm": rc64s,
         "auto_over_c_shm": rsh,
     }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smaller totals, one repeat (a smoke run)")
+    ap.add_argument("--json", help="also write the results to this file")
+    a = ap.parse_args()
+    build_cbench()
+    repeats = 1 if a.quick else a.repeats
+    write_total = (256 << 20) if a.quick else (1 << 30)
+    load1 = os.getloadavg()[0]
+    if load1 > 0.5:
+        print(
+            f"warning: 1-minute load average {load1:.2f} > 0.5 on {os.cpu_count()} cores: other "
+            "processes are running; figures will be noisy"
+        )
+    S = measure(repeats, a.quick, write_total)
+    routes = S.routes
+    results: dict[str, Any] = {
+        "machine_cores": os.cpu_count(),
+        "load1_before": load1,
+        "load1_after": os.getloadavg()[0],
+        "repeats": repeats,
+        "seconds": S.elapsed,
+        "routes": routes,
+    }
+    print(
+        f"\naiote paged writes and multi-NIC — tcp over loopback (same_host=None) unless noted, "
+        f"{os.cpu_count()} cores, median of {repeats}, {S.elapsed:.0f} s"
+    )
+    r1, r2, ra = routes["tcp_1nic"], routes["tcp_2nic"], routes["auto"]
+    print(
+        f"routes: 1 NIC {r1['provider']} {r1['pairs']}; 2 NICs {r2['provider']} {r2['pairs']}; "
+        f"automatic same-host {ra['provider']} (same_host={ra['same_host']})"
+    )
+    for section in (report_paged, report_pages, report_writes, report_targets):
+        section(S, results)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -512,7 +512,8 @@ def comparison_table(cmp: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
 # ---------------------------------------------------------------- main
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(LIBRARIES), help="comma-separated: " + ",".join(LIBRARIES))
     ap.add_argument("--sizes", default=c.DEFAULT_SIZES)
@@ -552,6 +553,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--streams; default: aiote's)",
     )
     ap.add_argument("--quiet", action="store_true", help="don't echo each bench's lines")
+    return ap
+
+
+def _one_round(
+    n: int, rounds: int, repeats: int, libs: list[str], python: str, passthrough: list[str],
+    aiote_py: str | None, args: argparse.Namespace, skipped: dict[str, str],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Round ``n``: aiote (with ``--run-aiote``) and every library once; their records, and
+    aiote's bench results by mode. A library that is absent or fails goes into ``skipped``
+    and is not run again in later rounds."""
+    jobs: dict[str, Any] = {}
+    if aiote_py:
+        keep = args.json_file if n == rounds - 1 else None
+        jobs = run_aiote(aiote_py, args, args.timeout, keep=keep, repeats=repeats)
+    got_round: list[dict[str, Any]] = []
+    for lib in libs:
+        if lib in skipped and n:  # absent, or failed in an earlier round: not again
+            continue
+        t0 = time.monotonic()
+        print(f"== {lib}", flush=True)
+        got, why = run_one(python, lib, passthrough, args.timeout, echo=not args.quiet)
+        for r in got:
+            if "skipped" in r:
+                skipped[lib] = r["skipped"]
+            else:
+                got_round.append({**r, "round": n})
+        if why and lib not in skipped:
+            skipped[lib] = why if not got else f"partial: {why}"
+        print(f"   ({time.monotonic() - t0:.0f} s)", flush=True)
+    if jobs:
+        got_round += _aiote_records(load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs],
+                                               args.window), n)
+        if "write" in jobs:  # the bare sockets measured by the same aiote bench run
+            got_round += _aiote_records({"write": load_sockets(jobs["write"], args.window)}, n, SOCKETS)
+        if "write-arena" in jobs:
+            got_round += _aiote_records(load_aiote([jobs["write-arena"]], args.window), n, "aiote-arena")
+    return got_round, jobs
+
+
+def _write_json(path: str, records: list[dict[str, Any]], versus: list[dict[str, Any]]) -> None:
+    """The records (with one round-trip figure as ``rtt_us``) and the head-to-head rows."""
+    keep_keys = (
+        "library", "path", "mode", "size", "gbps", "spread", "window", "rtt_us_p50", "rtt_us_p99",
+        "rounds",
+    )
+    out = [{k: r[k] for k in keep_keys if k in r} for r in records]
+    for r in out:  # benchmarks/render_docs.py reads one round-trip figure as "rtt_us"
+        if r.get("mode") == "rtt":
+            r["rtt_us"] = r["rtt_us_p50"]
+    Path(path).write_text(json.dumps(out + versus, indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
 
     python = args.python or (str(PEERS_VENV) if PEERS_VENV.exists() else sys.executable)
@@ -588,32 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in range(rounds):
         if rounds > 1:
             print(f"=== round {n + 1} of {rounds}", flush=True)
-        jobs: dict[str, Any] = {}
-        if aiote_py:
-            keep = args.json_file if n == rounds - 1 else None
-            jobs = run_aiote(aiote_py, args, args.timeout, keep=keep, repeats=repeats)
-        got_round: list[dict[str, Any]] = []
-        for lib in libs:
-            if lib in skipped and n:  # absent, or failed in an earlier round: not again
-                continue
-            t0 = time.monotonic()
-            print(f"== {lib}", flush=True)
-            got, why = run_one(python, lib, passthrough, args.timeout, echo=not args.quiet)
-            for r in got:
-                if "skipped" in r:
-                    skipped[lib] = r["skipped"]
-                else:
-                    got_round.append({**r, "round": n})
-            if why and lib not in skipped:
-                skipped[lib] = why if not got else f"partial: {why}"
-            print(f"   ({time.monotonic() - t0:.0f} s)", flush=True)
-        if jobs:
-            got_round += _aiote_records(load_aiote([jobs[k] for k in ("write", "imm-latency") if k in jobs],
-                                                   args.window), n)
-            if "write" in jobs:  # the bare sockets measured by the same aiote bench run
-                got_round += _aiote_records({"write": load_sockets(jobs["write"], args.window)}, n, SOCKETS)
-            if "write-arena" in jobs:
-                got_round += _aiote_records(load_aiote([jobs["write-arena"]], args.window), n, "aiote-arena")
+        got_round, jobs = _one_round(n, rounds, repeats, libs, python, passthrough, aiote_py, args, skipped)
         per_round.append(([r for r in got_round if r["library"] in LIBRARIES], jobs))
         all_records += got_round
     records = merge_rounds(all_records)
@@ -631,15 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(comparison_table(cmp))
     if args.json_file:
-        keep_keys = (
-            "library", "path", "mode", "size", "gbps", "spread", "window", "rtt_us_p50", "rtt_us_p99",
-            "rounds",
-        )
-        out = [{k: r[k] for k in keep_keys if k in r} for r in records]
-        for r in out:  # benchmarks/render_docs.py reads one round-trip figure as "rtt_us"
-            if r.get("mode") == "rtt":
-                r["rtt_us"] = r["rtt_us_p50"]
-        Path(args.json_file).write_text(json.dumps(out + versus, indent=2) + "\n")
+        _write_json(args.json_file, records, versus)
     return 0
 
 if __name__ == "__main__":
