@@ -177,16 +177,8 @@ class Collective(Transfers):
         await self._write_paged_host(mr, rdesc, sp, dp, geometry, imm, timeout, retry)
 
     def _paged_args(
-        self,
-        mr: MemoryRegion,
-        remote: MemoryDescriptor | bytes,
-        page_size: int,
-        src_pages: Any,
-        dst_pages: Any,
-        src_stride: int | None,
-        dst_stride: int | None,
-        src_offset: int,
-        dst_offset: int,
+        self, mr: MemoryRegion, remote: MemoryDescriptor | bytes, page_size: int, src_pages: Any,
+        dst_pages: Any, src_stride: int | None, dst_stride: int | None, src_offset: int, dst_offset: int,
         imm: int | None,
     ) -> tuple[MemoryRegion, MemoryDescriptor, Any, Any, tuple[int, int, int, int, int], int | None]:
         """Checks a paged write's arguments against both regions (nothing is posted): (region,
