@@ -24,7 +24,9 @@ bf16. Lines, all measured in this run:
   beside it what the host moves with the push's 4 (trainer, receiver) flows at once: 4 pairs
   of C-core processes whose timed parts start at one instant (``aiote_cbench --start-at``),
   all their bytes over the longest one's time. Where that is below 4 x B the ranks share the
-  host's cores and the bound cannot be reached (the most reachable fraction is printed).
+  host's cores and the bound cannot be reached (the most reachable fraction is printed). And 2
+  such pairs: as many sending (and receiving) processes as the push has, each sender moving
+  its whole share to one receiver: the C core's pace with the push's processes.
 
 GPU (``--gpu``, 2 GPUs): one trainer process on GPU 0 pushes the whole model into one
 inference process on GPU 1 over the CUDA-IPC rail, beside ``cudaMemcpyPeerAsync`` of the same
@@ -562,7 +564,8 @@ async def gpu_run(size_gb: float, repeats: int, ipc_streams: list[int], memories
 # ------------------------------------------------------------------ main
 
 
-def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, gloo_s: float | None) -> None:
+def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, gloo_s: float | None,
+                 two_gbps: float) -> None:
     rep = r["report"]
     bound = max(max(rep.out_bytes.values()), max(rep.in_bytes.values())) / (link * GB)
     wall = r["wall_s"]
@@ -587,6 +590,12 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, g
         f"total / that = {host:.3f} s -> fraction {host / wall:.2f}"
         + (f"; so at most {bound / host:.2f} of the C core's bound (and {own / host:.2f} of this route's) "
            "is reachable here" if host > bound else "")
+    )
+    two = rep.total_bytes / (two_gbps * GB)  # the C core with the push's 2 sending processes
+    print(
+        f"  the C core's 2 pairs (as many sending processes as the push) move {two_gbps:.2f} GB/s in all: "
+        f"total / that = {two:.3f} s, {bound / two:.2f} of the bound; the push runs at {two / wall:.2f} "
+        "of their pace"
     )
     if gloo_s:
         print(f"  vs gloo all_gather + broadcast {gloo_s:.3f} s: {gloo_s / wall:.2f}x faster")
@@ -640,6 +649,14 @@ async def main(a: argparse.Namespace) -> None:
             + ", ".join(f"{p} {shared[p]['pair_gbps']:.2f} / {shared[p]['gbps']:.2f} GB/s "
                         f"(latest start {shared[p]['late_ms']:.1f} ms late)" for p in providers)
         )
+        # the push's processes: 2 trainers sending, 2 receivers; the C core with as many
+        senders = {p: c_core_together(p, pairs=2) for p in providers}
+        print(
+            "the C core, 2 pairs started together (the push's 2 sending and 2 receiving processes; "
+            "median pair / both at once): "
+            + ", ".join(f"{p} {senders[p]['pair_gbps']:.2f} / {senders[p]['gbps']:.2f} GB/s"
+                        for p in providers)
+        )
         sources, specs = llama_model(a.size, 2, 2)
         total = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
         print(
@@ -658,7 +675,8 @@ async def main(a: argparse.Namespace) -> None:
                 route, sources, specs, a.repeats, a.max_tmp_mib << 20, a.chunk_mib << 20,
                 json.loads(a.engine_opts) if a.engine_opts else None,
             )
-            _print_aiote(route, r, link[prov], shared[prov]["gbps"], gloo["wall_s"] if gloo else None)
+            _print_aiote(route, r, link[prov], shared[prov]["gbps"], gloo["wall_s"] if gloo else None,
+                         senders[prov]["gbps"])
     if a.gpu:
         await gpu_run(a.size, a.repeats, [int(x) for x in a.ipc_streams.split(",")],
                       tuple(a.rx_memory.split(",")))
