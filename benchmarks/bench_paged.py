@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
+from statistics import median as med
 from typing import Any
 
 import anyio
@@ -112,7 +112,7 @@ async def py_paged(peer: PeerProcess, page: int, npages: int, calls: int, seed: 
                 t = time.perf_counter()
                 per_call.append(t - tc)
                 tc = t
-        return tc - t0, statistics.median(per_call)
+        return tc - t0, med(per_call)
     finally:
         await engine.unregister(mr)
 
@@ -222,6 +222,11 @@ class Samples:
         self.shm_paged: dict[str, list[float]] = {"c": [], "py": []}
         self.routes: dict[str, Any] = {}
         self.elapsed = 0.0
+        self.calls_of = {(p, n): c for p, n, c in self.paged_cases}  # calls of each paged case
+
+    def gbps_of(self, secs: list[float], p: int, n: int) -> float:
+        """GB/s of the paged case (``p``-byte pages, ``n`` a call) from the median seconds."""
+        return p * n * self.calls_of[(p, n)] / med(secs) / 1e9
 
 
 def measure(repeats: int, quick: bool, write_total: int) -> Samples:
@@ -254,33 +259,23 @@ def measure(repeats: int, quick: bool, write_total: int) -> Samples:
     return S
 
 
-def _ctx(S: Samples) -> tuple[Any, ...]:
-    """What the report's sections share: the median, calls per paged case, GB/s of a paged
-    case, the table's header."""
-    calls_of = {(p, n): c for p, n, c in S.paged_cases}
-
-    def gbps_of(secs: list[float], p: int, n: int) -> float:
-        return p * n * calls_of[(p, n)] / statistics.median(secs) / 1e9
-
-    hdr = f"{'case':50} {'C core':>10} {'aiote':>10} {'ratio':>8}"
-    return statistics.median, calls_of, gbps_of, hdr
+HDR = f"{'case':50} {'C core':>10} {'aiote':>10} {'ratio':>8}"  # the tables' header
 
 
 def report_paged(S: Samples, results: dict[str, Any]) -> None:
     """a. paged writes by page size."""
-    _med, calls_of, gbps_of, hdr = _ctx(S)
     cs, ps = S.cs, S.ps
     print("\na. paged writes, GB/s (one call in flight, 1 imm credit per page)")
-    print(hdr)
+    print(HDR)
     paged: dict[str, Any] = {}
     for p in PAGE_SIZES:
         n = npages_for(p)
-        c, y = gbps_of(cs[(p, n)], p, n), gbps_of(ps[(p, n)], p, n)
+        c, y = S.gbps_of(cs[(p, n)], p, n), S.gbps_of(ps[(p, n)], p, n)
         note = f"  ({n:,} pages per call, to bound memory)" if n != PAGES else ""
         print(f"{f'{_size(p)} pages x {n:,} per call':50} {c:10.3f} {y:10.3f} {y / c:8.2f}{note}")
         paged[f"{p // KIB}KiB"] = {
             "pages": n,
-            "calls": calls_of[(p, n)],
+            "calls": S.calls_of[(p, n)],
             "c_gbps": c,
             "py_gbps": y,
             "ratio": y / c,
@@ -292,19 +287,18 @@ def report_paged(S: Samples, results: dict[str, Any]) -> None:
 
 def report_pages(S: Samples, results: dict[str, Any]) -> None:
     """b. 1 KiB pages: pages per second and the cost of a call by its page count."""
-    med, calls_of, _gbps_of, _hdr = _ctx(S)
     cs, ps, cc, pc = S.cs, S.ps, S.cc, S.pc
     print("\nb. 1 KiB pages: pages/s, and median time per call (us; last column: aiote - C)")
     print(f"{'case':50} {'C core':>10} {'aiote':>10} {'ratio/gap':>10}")
     k10 = (KIB, PAGES)
-    c_pps = PAGES * calls_of[k10] / med(cs[k10])
-    p_pps = PAGES * calls_of[k10] / med(ps[k10])
+    c_pps = PAGES * S.calls_of[k10] / med(cs[k10])
+    p_pps = PAGES * S.calls_of[k10] / med(ps[k10])
     print(f"{'pages/s, 10,000 pages per call':50} {c_pps:10.0f} {p_pps:10.0f} {p_pps / c_pps:10.2f}")
     per_call: dict[int, tuple[float, float]] = {}
     for n in PER_CALL_PAGES:
         c_us, p_us = med(cc[(KIB, n)]) * 1e6, med(pc[(KIB, n)]) * 1e6
         per_call[n] = (c_us, p_us)
-        label = f"us per call, {n:,} pages (x{calls_of[(KIB, n)]} calls)"
+        label = f"us per call, {n:,} pages (x{S.calls_of[(KIB, n)]} calls)"
         print(f"{label:50} {c_us:10.1f} {p_us:10.1f} {p_us - c_us:+9.1f}us")
     (c1, p1), (c10, p10) = per_call[1000], per_call[PAGES]
     print(
@@ -322,10 +316,9 @@ def report_pages(S: Samples, results: dict[str, Any]) -> None:
 def report_writes(S: Samples, results: dict[str, Any]) -> None:
     """c./d. single 1 MiB writes over tcp (1 and 2 NICs) and the same host; the same-host
     paged case."""
-    med, _calls_of, _gbps_of, hdr = _ctx(S)
     w, shm_paged, shm_case, ra = S.w, S.shm_paged, S.shm_case, S.routes["auto"]
     print(f"\nc./d. single {_size(WRITE_SIZE)} writes, {WINDOW} in flight, GB/s")
-    print(hdr)
+    print(HDR)
     ct, p1n, p2n = med(w["c_tcp"]), med(w["py_1nic"]), med(w["py_2nic"])
     csh, pau = med(w["c_shm"]), med(w["py_auto"])
     print(f"{'tcp, 1 NIC (lo)':50} {ct:10.3f} {p1n:10.3f} {p1n / ct:8.2f}")

@@ -201,13 +201,14 @@ class Rows(Messages):
         if len(opened) == 1 or length < self._stripe_min:  # (NICs not connected yet take nothing)
             rail, fa, base, key = opened[start % len(opened)]
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], full
-        return self._stripes(opened, start, (ptr, loc_off, length, rem_off, op)), full
+        return self._stripes(opened, start, ptr, loc_off, length, rem_off, op), full
 
-    def _stripes(self, path: tuple[Any, ...], start: int, what: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """The rows of one transfer ``what`` (local pointer and offset, length, remote offset,
-        op) striped over the open routes ``path`` of its peer from route ``start``: 4 KiB
-        aligned shards on each in turn, none carrying an immediate (made a credit by then)."""
-        ptr, loc_off, length, rem_off, op = what
+    def _stripes(
+        self, path: tuple[Any, ...], start: int, ptr: int, loc_off: int, length: int, rem_off: int, op: int
+    ) -> list[tuple[int, ...]]:
+        """The rows of one transfer (local pointer and offset, length, remote offset, op)
+        striped over the open routes ``path`` of its peer from route ``start``: 4 KiB aligned
+        shards on each in turn, none carrying an immediate (made a credit by then)."""
         n = len(path)
         chunk = -(-length // n)
         chunk = -(-chunk // 4096) * 4096

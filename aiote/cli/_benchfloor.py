@@ -13,8 +13,9 @@ route rides on) or a Unix socket pair (``--family unix``: the same host's cheape
 cross-process path). The pinger builds the connected pair, starts the echoing side as a
 child (this file, run as a script: it imports no aiote, so no libfabric) with its end passed
 down, times ``--iters`` round trips after ``--warmup`` untimed ones, and prints one JSON line:
-the one-way p50 and p99 (round trip / 2) in µs, and the pinger's loop-thread CPU µs per round
-trip. Runs with the standard library alone; ``--loop uvloop`` / ``trio`` need those installed.
+the one-way p50 and p99 (round trip / 2) in µs, the pinger's loop-thread CPU µs per round
+trip, and the event loop it ran under as seen from inside (``ran_under``). Runs with the
+standard library alone; ``--loop uvloop`` / ``trio`` need those installed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +48,18 @@ def _pair(family: str) -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-async def _asyncio_side(sock: socket.socket, n: int, first: bool) -> list[int]:
-    import asyncio
+Recv = Callable[[int], Awaitable[bytes]]
 
-    loop = asyncio.get_running_loop()
-    sock.setblocking(False)
+
+async def _play(recv: Recv, send_all: Callable[[], Awaitable[Any]], n: int, first: bool) -> list[int]:
+    """``n`` round trips with the loop's own socket calls (``recv(k)``: up to k bytes;
+    ``send_all()``: the 8 bytes); the pinger (``first``) sends first and times each one (ns)."""
     times = [0] * n if first else []
 
     async def take() -> None:
         got = 0
         while got < len(MSG):
-            chunk = await loop.sock_recv(sock, len(MSG) - got)
+            chunk = await recv(len(MSG) - got)
             if not chunk:
                 raise ConnectionError("the other side closed the socket")
             got += len(chunk)
@@ -63,55 +67,47 @@ async def _asyncio_side(sock: socket.socket, n: int, first: bool) -> list[int]:
     for i in range(n):
         if first:
             t0 = time.perf_counter_ns()
-            await loop.sock_sendall(sock, MSG)
+            await send_all()
             await take()
             times[i] = time.perf_counter_ns() - t0
         else:
             await take()
-            await loop.sock_sendall(sock, MSG)
+            await send_all()
     return times
+
+
+async def _asyncio_side(sock: socket.socket, n: int, first: bool) -> list[int]:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+    return await _play(partial(loop.sock_recv, sock), partial(loop.sock_sendall, sock, MSG), n, first)
 
 
 async def _trio_side(raw: socket.socket, n: int, first: bool) -> list[int]:
     import trio
 
     sock = trio.socket.from_stdlib_socket(raw)
-    times = [0] * n if first else []
 
-    async def take() -> None:
-        got = 0
-        while got < len(MSG):
-            chunk = await sock.recv(len(MSG) - got)
-            if not chunk:
-                raise ConnectionError("the other side closed the socket")
-            got += len(chunk)
-
-    async def give() -> None:
+    async def send_all() -> None:
         sent = 0
         while sent < len(MSG):
             sent += await sock.send(MSG[sent:])
 
-    for i in range(n):
-        if first:
-            t0 = time.perf_counter_ns()
-            await give()
-            await take()
-            times[i] = time.perf_counter_ns() - t0
-        else:
-            await take()
-            await give()
-    return times
+    return await _play(sock.recv, send_all, n, first)
 
 
-def _run(loop: str, sock: socket.socket, n: int, first: bool, deadline: float) -> list[int]:
-    """One side's ``n`` round trips under ``loop``; the pinger's round trips in ns. Raises
+def _run(loop: str, sock: socket.socket, n: int, first: bool, deadline: float) -> tuple[list[int], str]:
+    """One side's ``n`` round trips under ``loop``: the pinger's round trips in ns, and the
+    event loop they ran under, as seen from inside it (``asyncio``, ``uvloop``, ``trio``). Raises
     TimeoutError after ``deadline`` seconds (an other side that stopped answering)."""
     if loop == "trio":
         import trio
 
-        async def bounded_trio() -> list[int]:
+        async def bounded_trio() -> tuple[list[int], str]:
             with trio.fail_after(deadline):
-                return await _trio_side(sock, n, first)
+                times = await _trio_side(sock, n, first)
+            return times, type(trio.lowlevel.current_trio_token()).__module__.split(".")[0]
 
         try:
             return trio.run(bounded_trio)
@@ -119,8 +115,9 @@ def _run(loop: str, sock: socket.socket, n: int, first: bool, deadline: float) -
             raise TimeoutError(f"no end of the ping-pong within {deadline} s") from None
     import asyncio
 
-    async def bounded() -> list[int]:
-        return await asyncio.wait_for(_asyncio_side(sock, n, first), deadline)
+    async def bounded() -> tuple[list[int], str]:
+        times = await asyncio.wait_for(_asyncio_side(sock, n, first), deadline)
+        return times, type(asyncio.get_running_loop()).__module__.split(".")[0]
 
     if loop == "uvloop":
         import uvloop
@@ -143,7 +140,8 @@ def pingpong(
     theirs.close()
     try:
         c0 = time.thread_time()
-        rtts = _run(loop, mine, iters + warmup, True, deadline)[warmup:]
+        rtts, ran = _run(loop, mine, iters + warmup, True, deadline)
+        rtts = rtts[warmup:]
         cpu = (time.thread_time() - c0) / (iters + warmup) * 1e6
         if child.wait(30) != 0:
             raise RuntimeError(f"the echoing side failed ({child.returncode})")
@@ -154,8 +152,8 @@ def pingpong(
             child.wait()
     rtts.sort()
     p99 = rtts[min(len(rtts) - 1, len(rtts) * 99 // 100)]
-    return {"loop": loop, "family": family, "iters": iters, "p50_us": rtts[len(rtts) // 2] / 2e3,
-            "p99_us": p99 / 2e3, "loop_cpu_us_per_rtt": cpu}
+    return {"loop": loop, "ran_under": ran, "family": family, "iters": iters,
+            "p50_us": rtts[len(rtts) // 2] / 2e3, "p99_us": p99 / 2e3, "loop_cpu_us_per_rtt": cpu}
 
 
 def family_of(provider: str) -> str | None:

@@ -246,9 +246,10 @@ async def run_config(
                             for k, v in (await py_case(remote, args, case)).items():
                                 py[(case, k)] = v
                             progress.advance()
-                    if mode in LATENCY and not args.connect and _benchfloor.family_of(provider):
+                    family = _floor_family(args, provider, mode)
+                    if family:
                         progress.step(f"sockets {what} ({where}, {loop} alone)")
-                        sk.update(await _loop_floor(args, config, case, what))
+                        sk.update(await _loop_floor(args, loop, family, case, what))
                         progress.advance()
                     bare = sockets_args(args, case) if with_c and provider == "tcp" else None
                     if bare:  # after both: the C core and aiote run back to back
@@ -268,13 +269,16 @@ async def run_config(
     return py, cc, sk
 
 
-async def _loop_floor(args: argparse.Namespace, config: Config, case: Case, what: str) -> Figures:
-    """A latency case's bare-socket figures: the config's event loop alone playing the 8-byte
-    ping-pong over a plain socket of the route's kind (:mod:`._benchfloor`), p50 and p99
-    one way; none (and a note on stderr) if it fails: a baseline, not a result."""
-    provider, _, loop = config
-    family = _benchfloor.family_of(provider)
-    assert family is not None
+def _floor_family(args: argparse.Namespace, provider: str, mode: str) -> str | None:
+    """The plain socket a case's event-loop reference runs on (:mod:`._benchfloor`): latency
+    cases on tcp or shm, both sides on this host; None: none for this case."""
+    return _benchfloor.family_of(provider) if mode in LATENCY and not args.connect else None
+
+
+async def _loop_floor(args: argparse.Namespace, loop: str, family: str, case: Case, what: str) -> Figures:
+    """A latency case's bare-socket figures: ``loop`` alone playing the 8-byte ping-pong over
+    a plain socket of ``family`` (:mod:`._benchfloor`), p50 and p99 one way; none (and a note
+    on stderr) if it fails: a baseline, not a result."""
     try:
         got = await anyio.to_thread.run_sync(partial(_benchfloor.floor_run, loop, family, args.iters))
     except RuntimeError as exc:
@@ -474,8 +478,7 @@ def _main(
         sys.stderr.write(f"no C baseline: {why_no_c}\n")
     n_bare = sum(sockets_args(args, case) is not None for case in cases) if "tcp" in providers else 0
     per_c = (len(cases) * len(providers) + n_bare) * len(nic_sets)  # C core runs, bare-socket runs
-    n_floor = 0 if args.connect else sum(  # the event loop's own ping-pongs (_benchfloor)
-        1 for p, _, _ in configs for m, _, _ in cases if m in LATENCY and _benchfloor.family_of(p))
+    n_floor = sum(bool(_floor_family(args, p, m)) for p, _, _ in configs for m, _, _ in cases)
     per_run = len(cases) * len(configs) + (0 if why_no_c else per_c) + n_floor
     progress = _benchout.Progress(per_run * args.repeats)
     during = _OthersCpu()
