@@ -509,7 +509,15 @@ def child(args: argparse.Namespace) -> None:
             addrs = [bytes.fromhex(a) for a in json.loads(line)]
             await run_shapes(args, rank, world, addrs, xp, engine, res)
 
-    anyio.run(run)
+    prof_dir = os.environ.get("AIOTE_MOE_PROFILE")  # a folder: cProfile of each rank's run there
+    if prof_dir:
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            anyio.run(run)
+        prof.dump_stats(os.path.join(prof_dir, f"rank{rank}.prof"))
+    else:
+        anyio.run(run)
     if not args.no_torch:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(res), flush=True)

@@ -102,6 +102,59 @@ def test_layout_matches_reference(seed: int) -> None:
         assert np.array_equal(combined[r], ref[r])
 
 
+def _gpu_rows(tab: np.ndarray, ll: int, w: int, me: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the GPU unpack kernel (``moe_unpack`` in aiote/moe/_gpu.py) reads for each output
+    row from the table of ``_plan_gpu``: (source rank, row ``q``), -1 for padding."""
+    offsets, counts = tab[: ll + 1], tab[ll + 1 : 2 * ll + 1]
+    cum = tab[2 * ll + 1 : 2 * ll + 1 + ll * (w + 1)].reshape(ll, w + 1)
+    start = tab[2 * ll + 1 + ll * (w + 1) :].reshape(w, ll)
+    src, q = np.full(rows, -1), np.full(rows, -1)
+    for o in range(rows):
+        lv = int(np.flatnonzero(offsets[:ll] <= o)[-1])
+        j = o - offsets[lv]
+        if j < counts[lv]:
+            r = int(np.flatnonzero(cum[lv, :w] <= j)[-1])
+            src[o], q[o] = r, start[r, lv] + j - cum[lv, r]
+    return src, q
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_gpu_plan_places_rows_as_the_cpu_plan(seed: int) -> None:
+    """The GPU path's receive table (``GpuFlow._plan_gpu``, read by the unpack kernel) puts
+    every row where the CPU path's plan (``plan_recv``) does: same counts, offsets, sources
+    and source blocks; each output row taken from the received row (or, for this rank's own
+    rows, the send row) that the CPU plan moves there."""
+    from aiote.moe._gpuflow import GpuFlow
+
+    rng = np.random.default_rng(seed)
+    w, e = int(rng.integers(1, 9)), int(rng.integers(1, 300))
+    pad = int(rng.choice([1, 4, 16]))
+    c = rng.integers(0, 6, size=(w, e)).astype(np.int32)
+    if seed == 0:
+        c[:] = 0
+    geo = Geometry(w, e)
+    for me in range(w):
+        flow = GpuFlow.__new__(GpuFlow)
+        flow.geometry, flow.rank, flow.world = geo, me, w
+        flow.max_recv_tokens, flow.expert_padding = 1 << 20, pad
+        g = flow._plan_gpu(c)
+        cpu = plan_recv(c, geo, me, pad, 1 << 20)
+        for name in ("n", "rstart", "counts", "offsets", "dst_row"):
+            assert np.array_equal(getattr(g, name), getattr(cpu, name)), name
+        first, last = geo.local_range(me)
+        rows = int(cpu.offsets[-1])
+        src, q = _gpu_rows(g.tab, last - first, w, me, rows)
+        assert np.array_equal(src, cpu.src_rank)
+        own = q - int(cpu.sstart[me]) + int(cpu.rstart[me])  # a send row as the CPU plan counts it
+        recv_row = np.where(src == me, own, q)
+        for o in np.flatnonzero(src >= 0):
+            assert cpu.dest[recv_row[o]] == o
+    flow.max_recv_tokens = 0
+    if c.any():
+        with pytest.raises(aiote.InvalidArgument, match="max_recv_tokens"):
+            flow._plan_gpu(c)
+
+
 def test_bf16_helpers_round_to_nearest_even() -> None:
     vals = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9, -2.5, 0.0, -0.0, np.inf, 3.4e38],
                     np.float32)
@@ -254,3 +307,19 @@ async def test_out_x_must_hold_the_largest_dispatch(anyio_backend: str) -> None:
         assert np.shares_memory(h.expert_x, buf) and h.offsets.tolist() == [0, 4, 4, 8]
         assert np.array_equal(h.expert_x[[0, 4]], x) and np.all(h.expert_x[1:4] == -7)  # padding left
         await a.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_wait_on_the_gpu_in_a_thread_ends_at_the_calls_deadline(anyio_backend: str) -> None:
+    """The waits that go to a worker thread (a CUDA event or a device-to-host copy not done
+    within a millisecond) raise TransferTimeout naming the call at its deadline, without
+    waiting for the thread: nothing else in a call holds a cancel scope now."""
+    import time
+
+    from aiote.moe._state import _in_thread
+
+    t0 = anyio.current_time()
+    with pytest.raises(aiote.TransferTimeout, match="dispatch 7"):
+        await _in_thread(lambda: time.sleep(2), t0 + 0.1, "dispatch 7")
+    assert anyio.current_time() - t0 < 1.0
+    assert await _in_thread(lambda: 42, None, "dispatch 8") == 42

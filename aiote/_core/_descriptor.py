@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._errors import DescriptorError
 
@@ -234,6 +234,8 @@ class MemoryDescriptor:
     gpu: GpuExtent | None = None
     direct: DirectExtent | None = None
     max_message: int = 0  # the owner's max_message_size (0: not known)
+    # ``address``, built on first use (a dict key on every GPU write's path)
+    _address: EngineAddress | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def remote_write(self) -> bool:
@@ -252,11 +254,15 @@ class MemoryDescriptor:
 
     @property
     def address(self) -> EngineAddress:
-        """The owning engine's address (one rail per NIC of the owner). Builds a new
-        :class:`EngineAddress` each time: O(NICs), raises nothing."""
-        return EngineAddress(
-            tuple(RailAddress(k.provider, k.address) for k in self.keys), self.host_id, self.max_message
-        )
+        """The owning engine's address (one rail per NIC of the owner), the same object on
+        every call: O(NICs) the first time, then O(1); raises nothing."""
+        a = self._address
+        if a is None:
+            a = EngineAddress(
+                tuple(RailAddress(k.provider, k.address) for k in self.keys), self.host_id, self.max_message
+            )
+            object.__setattr__(self, "_address", a)
+        return a
 
     def __bytes__(self) -> bytes:
         body = _DESC_MAGIC + struct.pack(

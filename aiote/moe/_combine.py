@@ -14,7 +14,7 @@ from ._dispatch import Dispatch
 from ._handles import CombinePending, DispatchHandle
 from ._layout import RecvPlan
 from ._trace import mark
-from ._util import COMBINE, deadline_at, imm_of, left, reduce_rows
+from ._util import COMBINE, imm_of, left, reduce_rows
 
 __all__ = ["Combine"]
 
@@ -65,20 +65,19 @@ class Combine(Dispatch):
         end = self._end(timeout)
         what = f"combine {handle.seq}"
         handle._state = "combine_sent"
-        with deadline_at(end, timeout if timeout is not None else self.timeout, what):
-            mark("c.start")
-            await self._settle(self._csend_busy, end, what, quiet=True)
-            mark("c.settle_old")
-            plan = handle._plan
-            yb = xp.ascontiguousarray(expert_out).view(xp.uint8).reshape(expert_out.shape[0], self._yrow)
-            if self._gpu:
-                self._pack_back_gpu(handle, yb)
-            else:
-                self._pack_back(handle, yb)
-            mark("c.pack", xp)
-            posted = self._post_back(handle.seq, plan)
-            mark("c.post")
-            self._csend_busy = list(posted)
+        mark("c.start")
+        await self._settle(self._csend_busy, end, what, quiet=True)
+        mark("c.settle_old")
+        plan = handle._plan
+        yb = xp.ascontiguousarray(expert_out).view(xp.uint8).reshape(expert_out.shape[0], self._yrow)
+        if self._gpu:
+            self._pack_back_gpu(handle, yb)
+        else:
+            self._pack_back(handle, yb)
+        mark("c.pack", xp)
+        posted = self._post_back(handle.seq, plan)
+        mark("c.post")
+        self._csend_busy = list(posted)
         return CombinePending(self, handle, posted)
 
     def _pack_back(self, h: DispatchHandle, yb: Any) -> None:

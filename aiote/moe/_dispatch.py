@@ -16,7 +16,7 @@ from ._gpuflow import GpuFlow
 from ._handles import DispatchHandle, DispatchPending
 from ._layout import RecvPlan, SendPlan, plan_recv, plan_send
 from ._trace import mark
-from ._util import DISPATCH, ROUTE, deadline_at, imm_of, left
+from ._util import DISPATCH, ROUTE, imm_of, left
 
 __all__ = ["Dispatch"]
 
@@ -69,35 +69,34 @@ class Dispatch(GpuFlow):
         end = self._end(timeout)
         what = f"dispatch {seq}"
         p = seq & 1
-        with deadline_at(end, timeout if timeout is not None else self.timeout, what):
-            mark("d.check")
-            if self._gpu:
-                gplan, gpos, gposted = await self._send_gpu(seq, m, idx_dev, srcs, end, what)
-                pending = DispatchPending(self, seq, gplan, gpos, w, gposted, m, out_x)
-                self._pending[seq] = pending
-                return pending
-            idx = await self._host(idx_dev)
-            mark("d.idx_to_host")
-            send = plan_send(idx, m, self.num_experts)
-            mark("d.plan_send")
-            await self._settle(self._inflight[p], end, what, quiet=True)
-            await self._wait_fence(p)
-            mark("d.settle_old")
-            posted: list[Transfer] = []
-            self._post_route(seq, send.route, posted)
-            mark("d.post_route")
-            await self._wait_credits(ROUTE, seq, end, what, posted)
-            mark("d.wait_route")
-            counts = self._route[p].copy()
-            self._release_old(seq)
-            plan = plan_recv(counts, self.geometry, self.rank, self.expert_padding, self.max_recv_tokens)
-            mark("d.plan_recv")
-            await self._settle(self._dsend_busy, end, what, quiet=True)
-            self._pack(srcs, send, plan)
-            mark("d.pack", self.xp)
-            data = self._post_rows(seq, plan, posted)
-            mark("d.post_rows")
-            self._dsend_busy = data
+        mark("d.check")
+        if self._gpu:
+            gplan, gpos, gposted = await self._send_gpu(seq, m, idx_dev, srcs, end, what)
+            pending = DispatchPending(self, seq, gplan, gpos, w, gposted, m, out_x)
+            self._pending[seq] = pending
+            return pending
+        idx = await self._host(idx_dev, end, what)
+        mark("d.idx_to_host")
+        send = plan_send(idx, m, self.num_experts)
+        mark("d.plan_send")
+        await self._settle(self._inflight[p], end, what, quiet=True)
+        await self._wait_fence(p, end, what)
+        mark("d.settle_old")
+        posted: list[Transfer] = []
+        self._post_route(seq, send.route, posted)
+        mark("d.post_route")
+        await self._wait_credits(ROUTE, seq, end, what, posted)
+        mark("d.wait_route")
+        counts = self._route[p].copy()
+        self._release_old(seq)
+        plan = plan_recv(counts, self.geometry, self.rank, self.expert_padding, self.max_recv_tokens)
+        mark("d.plan_recv")
+        await self._settle(self._dsend_busy, end, what, quiet=True)
+        self._pack(srcs, send, plan)
+        mark("d.pack", self.xp)
+        data = self._post_rows(seq, plan, posted)
+        mark("d.post_rows")
+        self._dsend_busy = data
         pending = DispatchPending(self, seq, plan, send.pos, w, posted, m, out_x)
         self._unpack_local(pending, srcs, send)
         mark("d.unpack_local", self.xp)

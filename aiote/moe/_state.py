@@ -11,7 +11,8 @@ rows, credits, probes, settling writes); :class:`~._gpuflow.GpuFlow` (the GPU pa
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -21,9 +22,11 @@ from .. import Engine, MemoryDescriptor, MemoryRegion, Transfer
 from ._dtypes import DType
 from ._handles import DispatchHandle, DispatchPending, Group
 from ._layout import Geometry
-from ._util import TAIL, round16
+from ._util import TAIL, deadline_at, round16
 
 __all__ = ["State"]
+
+T = TypeVar("T")
 
 
 class State:
@@ -134,8 +137,9 @@ class State:
 
     # ------------------------------------------------------------------ devices
 
-    async def _host(self, a: Any) -> np.ndarray:
-        """``a`` as a NumPy array (a device-to-host copy in a worker thread on the GPU)."""
+    async def _host(self, a: Any, end: float | None, what: str) -> np.ndarray:
+        """``a`` as a NumPy array (a device-to-host copy in a worker thread on the GPU, by
+        ``end``)."""
         if not self._gpu:
             return np.asarray(a)
         dev, stream = a.device.id, self.xp.cuda.get_current_stream()  # after the work queued so far
@@ -146,7 +150,7 @@ class State:
                 stream.synchronize()
                 return np.asarray(out)
 
-        return await anyio.to_thread.run_sync(get)
+        return await _in_thread(get, end, what)
 
     def _dev(self, a: np.ndarray) -> Any:
         return self.xp.asarray(a) if self._gpu else a
@@ -160,19 +164,30 @@ class State:
             ev.record()
             self._fence[p] = ev
 
-    async def _wait_fence(self, p: int) -> None:
-        """The kernels that read this parity's regions last (unpack, reduce) have finished."""
+    async def _wait_fence(self, p: int, end: float | None, what: str) -> None:
+        """The kernels that read this parity's regions last (unpack, reduce) have finished (by
+        ``end``)."""
         ev = self._fence[p]
         if ev is not None and not ev.done:
-            await anyio.to_thread.run_sync(ev.synchronize)
+            await _in_thread(ev.synchronize, end, what)
         self._fence[p] = None
 
-    async def _until(self, ev: Any) -> None:
+    async def _until(self, ev: Any, end: float | None, what: str) -> None:
         """Until the CUDA event ``ev`` has happened, without blocking the loop: polled between
-        checkpoints for 1 ms (a small copy takes microseconds), then waited in a thread."""
+        checkpoints for 1 ms (a small copy takes microseconds), then waited in a thread, by
+        ``end``."""
         t0 = time.perf_counter()
         while not ev.done:
             if time.perf_counter() - t0 > 1e-3:
-                await anyio.to_thread.run_sync(ev.synchronize)
+                await _in_thread(ev.synchronize, end, what)
                 return
             await anyio.lowlevel.checkpoint()
+
+
+async def _in_thread(fn: Callable[[], T], end: float | None, what: str) -> T:
+    """``fn()`` (a wait on the GPU) in a worker thread, by ``end``: past it raises
+    :class:`~aiote.TransferTimeout` naming ``what`` and leaves the thread to finish alone. The
+    deadline's cancel scope is made only here, on this slow path: the calls' other waits take
+    ``end`` themselves."""
+    with deadline_at(end, None, what):
+        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
