@@ -229,6 +229,7 @@ class CudaBackend(_Backend):
         self._streams: dict[int, Any] = {}
         self._mods: dict[int, Any] = {}
         self._fns: dict[tuple[int, str], Any] = {}
+        self._wait_events: dict[tuple[int, int], Any] = {}  # (thread, device): see wait
         self._libcuda: Any = None
         self._vmm_api: _vmm.CudaVmm | None = None
 
@@ -322,7 +323,12 @@ class CudaBackend(_Backend):
         self.rt.hostUnregister(ptr)
 
     def wait(self, stream: Any, other: Any) -> None:
-        ev = self.cp.cuda.Event(disable_timing=True)
+        # one event per thread and current device, recorded again each time: a stream's wait
+        # takes the event's state when it is enqueued, so reuse costs no new CUDA event
+        key = (threading.get_ident(), self.rt.getDevice())
+        ev = self._wait_events.get(key)
+        if ev is None:
+            ev = self._wait_events[key] = self.cp.cuda.Event(disable_timing=True)
         ev.record(other)
         stream.wait_event(ev)
 

@@ -325,9 +325,8 @@ class GpuSupport:
         if dev is not None:
             peer = self._ipc_ptr(rdesc, dev.device)
             if peer is not None:
-                await self._ipc_write(mr, rdesc, peer, length, src_offset, dst_offset, imm, stream)(
-                    timeout, retry
-                )
+                finish, _ = self._ipc_write(mr, rdesc, peer, length, src_offset, dst_offset, imm, stream)
+                await finish(timeout, retry)
                 return
         staged = _staged(rdesc)
         src_direct = dev is not None and mr._shadow is None
@@ -375,10 +374,11 @@ class GpuSupport:
         if imm is not None and not staged:
             await e.write_imm(rdesc, imm, timeout=timeout, retry=retry)
 
-    def start_ipc(self, mr: MemoryRegion, rdesc: MemoryDescriptor, *args: Any) -> _Finish | None:
+    def start_ipc(self, mr: MemoryRegion, rdesc: MemoryDescriptor, *args: Any) -> tuple[_Finish, Any] | None:
         """A write over the CUDA-IPC rail started now (``post_write``: the copy and its credit's
-        kernel are on the stream before it returns, not when a task first runs), and what finishes
-        it; None when the write does not go over that rail. ``args``: as :meth:`_ipc_write`'s."""
+        kernel are on the stream before it returns, not when a task first runs), as
+        :meth:`_ipc_write` returns it; None when the write does not go over that rail. ``args``:
+        as :meth:`_ipc_write`'s."""
         peer = None if mr._dev is None else self._ipc_ptr(rdesc, mr._dev.device)
         return None if peer is None else self._ipc_write(mr, rdesc, peer, *args)
 
@@ -425,10 +425,12 @@ class GpuSupport:
     def _ipc_write(
         self, mr: MemoryRegion, rdesc: MemoryDescriptor, peer: int, length: int, src_offset: int,
         dst_offset: int, imm: int | None, stream: Any,
-    ) -> _Finish:
+    ) -> tuple[_Finish, Any]:
         """Enqueues the copy into the peer's allocation at ``peer`` and the kernel that stores
         its completion (and its credit, through a credit lane when there is one); returns what
-        awaits it (then credits by a message when no lane took the credit)."""
+        awaits it (then credits by a message when no lane took the credit), and the event its
+        fence sets when that fence is all there is to wait for (no immediate, or a lane took
+        its credit; else None): a posted write then needs no task to finish it."""
         dev = mr._dev
         assert dev is not None
         self.counts["gpu_ipc"] += 1
@@ -446,7 +448,7 @@ class GpuSupport:
         async def finish(timeout: float | None, retry: Any) -> None:
             await self._credited(ev, credit, rdesc, imm, 1, dev.device, timeout, retry)
 
-        return finish
+        return finish, (ev if imm is None or credit is not None else None)
 
     async def write_paged(
         self,

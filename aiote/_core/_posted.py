@@ -47,6 +47,16 @@ class Transfer:
         self._finished = op is None  # until _go starts a task (an empty batch: done)
         self._observed = False
 
+    @classmethod
+    def _when_set(cls, engine: OpLife, what: str, ev: Any) -> Transfer:
+        """A transfer that has finished once the engine's event ``ev`` is set (work with
+        nothing to do after its end, e.g. a CUDA-IPC copy whose fence also credits it):
+        awaited as one carried by a task, without the task."""
+        t = cls(engine, what)
+        t._finished = False
+        t._bg = ev
+        return t
+
     def _go(self, run: Callable[[], Awaitable[Any]]) -> None:
         """Hands the rest of the work to a background task of the engine's event loop."""
         self._finished = False

@@ -256,8 +256,11 @@ class Transfers(Rows):
             span = self._span(mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
             r, d, n, so, do = span[:5]
             if getattr(r, "_dev", None) is not None:  # over the CUDA-IPC rail: on the stream now
-                finish = self._gpu_support().start_ipc(r, d, n, so, do, imm, stream)
-                if finish is not None:
+                started = self._gpu_support().start_ipc(r, d, n, so, do, imm, stream)
+                if started is not None:
+                    finish, fenced = started
+                    if fenced is not None:  # its fence's event is all that is left: no task
+                        return Transfer._when_set(self, "write", fenced)
                     return self._background(lambda: finish(None, retry), "write")
             return self._background(
                 lambda: self.write(
