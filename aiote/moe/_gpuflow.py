@@ -51,7 +51,7 @@ class GpuFlow(Credits):
         kern.layout(idx, k, e, counts, eoff, pos, row_token)
         host = self._hcount[p]
         xp.cuda.runtime.memcpyAsync(host.ctypes.data, counts.data.ptr, counts.nbytes, 2, stream.ptr)
-        ev = xp.cuda.Event(disable_timing=True)
+        ev = self._event("counts", p)
         ev.record(stream)
         dsend = self._dsend_v[p]
         if n_slots:

@@ -66,6 +66,8 @@ class State:
         self._dsend_busy: list[Transfer] = []
         self._csend_busy: list[Transfer] = []
         self._fence: list[Any] = [None, None]
+        # CUDA events, one per parity and use, recorded again each call (no event made per call)
+        self._events: dict[tuple[str, int], Any] = {}
         self._unreleased: set[int] = set()
         self._regions: list[MemoryRegion] = []
         self._peers: list[dict[str, MemoryDescriptor]] = []
@@ -158,9 +160,17 @@ class State:
     def _stream(self) -> Any:
         return self.xp.cuda.get_current_stream() if self._gpu else None
 
+    def _event(self, use: str, p: int) -> Any:
+        """The CUDA event of ``use`` for parity ``p`` (made once). A call's events are read
+        before the next call of its parity records them again."""
+        ev = self._events.get((use, p))
+        if ev is None:
+            ev = self._events[(use, p)] = self.xp.cuda.Event(disable_timing=True)
+        return ev
+
     def _record_fence(self, p: int) -> None:
         if self._gpu:
-            ev = self.xp.cuda.Event(disable_timing=True)
+            ev = self._event("fence", p)
             ev.record()
             self._fence[p] = ev
 
