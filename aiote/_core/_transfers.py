@@ -235,10 +235,11 @@ class Transfers(Rows):
 
         Guarantees: arguments are validated before this returns (raises :class:`InvalidArgument`,
         :class:`DescriptorError` or :class:`EngineClosed`; nothing posted). Host memory over
-        one NIC to the peer (the common case) is handed to the transport before this returns;
-        GPU memory, a ``stream``, several NICs to the peer, or a transport pushing back (full
-        queues, a peer still connecting) continue in a background task of the engine, started
-        at once. Either way the write proceeds
+        one NIC to the peer (the common case) is handed to the transport before this returns, and
+        a write over the CUDA-IPC rail is on its stream (the copy and the kernel that reports
+        it); other GPU writes, a ``stream`` off that rail, several NICs to the peer, or a
+        transport pushing back (full queues, a peer still connecting) continue in a background
+        task of the engine, started at once. Either way the write proceeds
         whether or not the :class:`Transfer` is awaited, and the engine keeps the source
         region's request alive until the transport's completion. Errors (and the retries of
         ``retry``, as :meth:`write` does them) surface when the :class:`Transfer` is awaited;
