@@ -108,6 +108,8 @@ def child_args(args: argparse.Namespace) -> list[str]:
         out.append("--gpu")
     if args.no_torch:
         out.append("--no-torch")
+    if args.halves:
+        out.append("--halves")
     if args.engine_opts:
         out += ["--engine-opts", args.engine_opts]
     return out
@@ -210,8 +212,9 @@ def sync(xp: Any) -> None:
         xp.cuda.get_current_stream().synchronize()
 
 
-AIOTE = ("aiote dispatch", "aiote combine", "aiote dispatch+combine", "aiote dispatch send half",
-         "aiote dispatch recv half", "aiote combine send half", "aiote combine recv half")
+AIOTE = ("aiote dispatch", "aiote combine", "aiote dispatch+combine")
+HALVES = ("aiote dispatch send half", "aiote dispatch recv half", "aiote combine send half",
+          "aiote combine recv half")
 
 
 def phase_times(marks: list[tuple[str, float]], t0: float, into: dict[str, list[float]]) -> None:
@@ -223,10 +226,13 @@ def phase_times(marks: list[tuple[str, float]], t0: float, into: dict[str, list[
 
 
 async def aiote_step(
-    a2a: Any, inp: Inputs, idx: Any, w: Any, xp: Any, out_x: Any, y: Any
+    a2a: Any, inp: Inputs, idx: Any, w: Any, xp: Any, out_x: Any, y: Any, halves: bool = False
 ) -> tuple[float, ...]:
     """One aiote dispatch + combine into the reused ``out_x`` (as a model layer would), the
-    expert's output ``y`` (None: the identity, ``expert_x``); the times of AIOTE's lines."""
+    expert's output ``y`` (None: the identity, ``expert_x``); the times of AIOTE's lines.
+    The stream is synchronized after the dispatch and after the combine, as the torch path
+    is; ``halves``: also between each send half and its receive half, to time the halves
+    (HALVES' lines; those syncs then count in dispatch and combine)."""
     sync(xp)
     from aiote.moe import _trace
 
@@ -234,18 +240,21 @@ async def aiote_step(
     t0 = time.perf_counter()
     aiote_step.t0 = t0  # type: ignore[attr-defined]
     pending = await a2a.dispatch_send(inp.x, idx, w, x_scale=inp.scale, out_x=out_x)
-    sync(xp)
+    if halves:
+        sync(xp)
     ts = time.perf_counter()
     h = await pending.recv()
     sync(xp)
     t1 = time.perf_counter()
     cp = await a2a.combine_send(h, h.expert_x if y is None else y)
-    sync(xp)
+    if halves:
+        sync(xp)
     tc = time.perf_counter()
     await cp.recv()
     sync(xp)
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, t2 - t0, ts - t0, t1 - ts, tc - t1, t2 - tc
+    out = (t1 - t0, t2 - t1, t2 - t0)
+    return (*out, ts - t0, t1 - ts, tc - t1, t2 - tc) if halves else out
 
 
 async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: list[bytes], xp: Any,
@@ -276,13 +285,14 @@ async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: lis
             y = moe.f32_to_bf16(f - np.float32(0.5), xp)
             del f
         baseline = None if args.no_torch else TorchBaselines(args, rank, world, xp, t, inp, y)
-        times: dict[str, list[float]] = {m: [] for m in AIOTE}
+        names = AIOTE + HALVES if args.halves else AIOTE
+        times: dict[str, list[float]] = {m: [] for m in names}
         sent: list[tuple[float, float]] = []
         phases: dict[str, list[float]] = {}
         out_x = xp.zeros((a2a.max_expert_rows, H), dtype=a2a.in_dtype.storage)
         for i in range(iters + args.warmup):
             idx, w = inp.draw()
-            got = dict(zip(AIOTE, await aiote_step(a2a, inp, idx, w, xp, out_x, y), strict=True))
+            got = dict(zip(names, await aiote_step(a2a, inp, idx, w, xp, out_x, y, args.halves), strict=True))
             if os.environ.get("AIOTE_MOE_TRACE") and i >= args.warmup:
                 from aiote.moe import _trace
 
@@ -541,6 +551,8 @@ def main() -> None:
                    help="dispatch rows: FP8 with a float32 scale per 128 elements (default), or bfloat16; "
                         "combine is bfloat16 either way")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    p.add_argument("--halves", action="store_true",
+                   help="also time aiote's send and receive halves (a stream sync between them)")
     p.add_argument("--trace", default="", choices=["", "1", "sync"],
                    help="per-phase times of aiote's calls (AIOTE_MOE_TRACE; sync: GPU work in its phase)")
     p.add_argument("--engine-opts", default="", help="JSON of open_engine() keyword arguments, e.g. "
