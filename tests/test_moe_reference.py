@@ -319,7 +319,7 @@ async def test_a_wait_on_the_gpu_in_a_thread_ends_at_the_calls_deadline(anyio_ba
     from aiote.moe._state import _in_thread
 
     t0 = anyio.current_time()
-    with pytest.raises(aiote.TransferTimeout, match="dispatch 7"):
+    with pytest.raises(aiote.TransferTimeout, match="dispatch 7 did not finish by its deadline"):
         await _in_thread(lambda: time.sleep(2), t0 + 0.1, "dispatch 7")
     assert anyio.current_time() - t0 < 1.0
     assert await _in_thread(lambda: 42, None, "dispatch 8") == 42

@@ -256,7 +256,7 @@ class MemoryDescriptor:
     def address(self) -> EngineAddress:
         """The owning engine's address (one rail per NIC of the owner), the same object on
         every call: O(NICs) the first time, then O(1); raises nothing."""
-        a = self._address
+        a = getattr(self, "_address", None)  # (None too in a pickle of an earlier version)
         if a is None:
             a = EngineAddress(
                 tuple(RailAddress(k.provider, k.address) for k in self.keys), self.host_id, self.max_message

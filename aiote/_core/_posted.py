@@ -42,7 +42,7 @@ class Transfer:
         self._op = op  # a group posted in the caller's call: its completion is awaited
         self._again = again  # posts the work anew (a retry after a broken connection)
         self._retry = retry
-        self._bg: Any = None  # the event of the background task carrying the work, if any
+        self._bg: Any = None  # the event that ends it: its background task's, or a fence's (_when_set)
         self._exc: BaseException | None = None
         self._finished = op is None  # until _go starts a task (an empty batch: done)
         self._observed = False

@@ -78,7 +78,10 @@ class Credits(State):
             for r, peer in enumerate(self._peers) if r != self.rank
         ]
         for t in probes:
-            await t.wait(timeout=left(end))
+            try:
+                await t.wait(timeout=left(end))
+            except TransferTimeout:
+                raise TransferTimeout(f"{what}: peers' writes did not all arrive in time") from None
         _log.debug("peers probed while waiting", op=what, peers=len(probes))
 
     async def _settle(
@@ -90,8 +93,10 @@ class Credits(State):
             t = transfers[0]
             try:
                 await t.wait(timeout=left(end))
+            except TransferTimeout:
+                raise TransferTimeout(f"{what}: this rank's writes did not finish in time") from None
             except AioteError as exc:
-                if not quiet or isinstance(exc, TransferTimeout):
+                if not quiet:
                     raise
                 _log.info("an earlier call's write had failed", op=what, error=str(exc))
             transfers.pop(0)

@@ -67,7 +67,7 @@ class State:
         self._csend_busy: list[Transfer] = []
         self._fence: list[Any] = [None, None]
         # CUDA events, one per parity and use, recorded again each call (no event made per call)
-        self._events: dict[tuple[str, int], Any] = {}
+        self._events: dict[tuple[str, int, int], Any] = {}
         self._unreleased: set[int] = set()
         self._regions: list[MemoryRegion] = []
         self._peers: list[dict[str, MemoryDescriptor]] = []
@@ -161,11 +161,12 @@ class State:
         return self.xp.cuda.get_current_stream() if self._gpu else None
 
     def _event(self, use: str, p: int) -> Any:
-        """The CUDA event of ``use`` for parity ``p`` (made once). A call's events are read
-        before the next call of its parity records them again."""
-        ev = self._events.get((use, p))
+        """The CUDA event of ``use`` for parity ``p`` on the current device (made once). A
+        call's events are read before the next call of its parity records them again."""
+        key = (use, p, self.xp.cuda.runtime.getDevice())
+        ev = self._events.get(key)
         if ev is None:
-            ev = self._events[(use, p)] = self.xp.cuda.Event(disable_timing=True)
+            ev = self._events[key] = self.xp.cuda.Event(disable_timing=True)
         return ev
 
     def _record_fence(self, p: int) -> None:

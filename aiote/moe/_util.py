@@ -89,11 +89,15 @@ def left(end: float | None) -> float | None:
     return None if end is None else max(0.0, end - anyio.current_time())
 
 
-class Deadline:
-    """``anyio.fail_after`` raising :class:`~aiote.TransferTimeout` naming the operation."""
+_AFTER: Any = object()  # Deadline's message names ``after`` itself
 
-    def __init__(self, after: float | None, what: str, timeout: float | None = None) -> None:
-        self._what, self._timeout = what, timeout if after is None or timeout is not None else after
+
+class Deadline:
+    """``anyio.fail_after(after)`` raising :class:`~aiote.TransferTimeout` naming the
+    operation and ``timeout`` (default: ``after``; None: "by its deadline")."""
+
+    def __init__(self, after: float | None, what: str, timeout: float | None = _AFTER) -> None:
+        self._what, self._timeout = what, after if timeout is _AFTER else timeout
         self._scope = anyio.fail_after(after)
 
     def __enter__(self) -> None:
