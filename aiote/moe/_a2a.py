@@ -11,15 +11,6 @@ Per call (sequence number ``s``, parity ``p = s % 2``), on every rank:
    empty, so every peer expects exactly one from each peer).
 2. ``recv``: wait for one DISPATCH(s, r) credit from each peer r, await its own writes, unpack into per-expert
    padded blocks in canonical order (source rank, then token).
-
-On the GPU with a slot per source at every rank (``max_recv_tokens >= W x max_tokens x
-min(K, E/W)``, the default), source r's block lands at row ``r x slot`` of a peer's region, so
-a sender needs no other counts to place it: it posts its tokens right after its route row
-(step 2 before the exchange of step 1 completes) once its combine of ``s - 2`` came in from
-every peer (each peer's combine copy of ``s - 2`` runs after its unpack of ``s - 2`` on its
-stream, so nobody reads those slots any more); ``recv`` then waits for the route rows first.
-Route rows are kept per ``s % 4`` (a peer can be at call ``s + 2`` before a late ``recv`` of
-``s`` reads them, never at ``s + 4``: dispatch ``s + 2`` makes ``s`` stale).
 3. ``combine_send``: pack the expert outputs in received order and write each source's rows
    into that source's combine region ``[p]`` at the source's own send layout (COMBINE(s)).
 4. ``recv``: wait for one COMBINE(s, r) credit from each peer r, reduce in float32 in top-k slot order.

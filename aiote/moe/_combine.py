@@ -129,10 +129,6 @@ class Combine(Dispatch):
             mark("cr.start")
             dest = self._reduce_dest(h, out)  # while the peers' rows are on their way
             await self._wait_credits(COMBINE, h.seq, end, f"combine {h.seq}", pending._posted)
-            # every peer has finished reading its dispatch region of this call (its combine copy
-            # ran after its unpack on its stream): call seq + 2 may write there at once
-            self._combined = {s for s in self._combined if s > h.seq - 4}
-            self._combined.add(h.seq)
             mark("cr.wait_rows")
             await self._settle(pending._posted, end, f"combine {h.seq}")
             mark("cr.own_writes")

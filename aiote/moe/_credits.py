@@ -9,7 +9,7 @@ import anyio.lowlevel
 import numpy as np
 
 from .. import AioteError, ImmCounter, InvalidArgument, Transfer, TransferTimeout
-from ._state import ROUTE_SLOTS, State
+from ._state import State
 from ._util import COMBINE, DISPATCH, ROUTE, imm_of, left
 from ._util import log as _log
 
@@ -26,26 +26,18 @@ class Credits(State):
         return None if t is None else anyio.current_time() + float(t)
 
     def _post_route(self, seq: int, route: np.ndarray, posted: list[Transfer]) -> None:
-        """Writes this rank's route row of call ``seq`` into every peer's route region, slot
-        ``seq % ROUTE_SLOTS`` (read back with :meth:`_routes`)."""
-        p, q, e4 = seq & 1, seq % ROUTE_SLOTS, self.num_experts * 4
-        self._myroute[q] = route
-        self._route[q, self.rank] = route
+        p, e4 = seq & 1, self.num_experts * 4
+        self._myroute[p] = route
+        self._route[p, self.rank] = route
         imm = imm_of(self.imm_tag, ROUTE, seq, self.rank)
         for r, peer in enumerate(self._peers):
             if r != self.rank:
                 t = self.engine.post_write(
-                    self._myroute_mr, peer["route"], length=e4, src_offset=q * e4,
-                    dst_offset=(q * self.world + self.rank) * e4, imm=imm,
+                    self._myroute_mr, peer["route"], length=e4, src_offset=p * e4,
+                    dst_offset=(p * self.world + self.rank) * e4, imm=imm,
                 )
                 posted.append(t)
                 self._inflight[p].append(t)
-
-    def _routes(self, seq: int) -> np.ndarray:
-        """The count matrix ``C[W, E]`` of call ``seq`` (every rank's route row, once its
-        ROUTE credits are in), a copy."""
-        c: np.ndarray = self._route[seq % ROUTE_SLOTS].copy()
-        return c
 
     async def _wait_credits(
         self, kind: int, seq: int, end: float | None, what: str, posted: list[Transfer]

@@ -87,7 +87,7 @@ class Dispatch(GpuFlow):
         mark("d.post_route")
         await self._wait_credits(ROUTE, seq, end, what, posted)
         mark("d.wait_route")
-        counts = self._routes(seq)
+        counts = self._route[p].copy()
         self._release_old(seq)
         plan = plan_recv(counts, self.geometry, self.rank, self.expert_padding, self.max_recv_tokens)
         mark("d.plan_recv")

@@ -31,19 +31,12 @@ class GpuFlow(Credits):
 
     async def _send_gpu(
         self, seq: int, m: int, idx_dev: Any, srcs: list[Any], end: float | None, what: str,
-    ) -> tuple[GpuPlan | None, Any, list[Transfer]]:
+    ) -> tuple[GpuPlan, Any, list[Transfer]]:
         """The send half on the GPU: the layout (rows per expert, each slot's send row) and the
         packing are one kernel each on the caller's stream; only the route row (``4E`` bytes,
         and the input checks) comes to the host, through pinned memory, polled without
         blocking the loop; then the count exchange and one write per peer, as on the CPU.
-        Returns the call's receive plan, each (token, slot)'s row ``pos[m, K]``, its writes.
-
-        With a row slot of its own at every peer (``_slots``: each source's rows land at
-        ``source x slot`` in a peer's dispatch region, so a sender needs no other rank's counts
-        to place them), the tokens are posted right after the route row, before the count
-        exchange, when every peer is known to have finished reading this parity's region of
-        call ``s - 2`` (its combine rows of ``s - 2`` came in); the receive half then waits for
-        the route rows and makes the plan (returned as None here)."""
+        Returns the call's receive plan, each (token, slot)'s row ``pos[m, K]``, its writes."""
         xp, p, k, e = self.xp, seq & 1, self.experts_per_token, self.num_experts
         await self._settle(self._inflight[p], end, what, quiet=True)
         await self._wait_fence(p, end, what)
@@ -83,25 +76,14 @@ class GpuFlow(Credits):
         posted: list[Transfer] = []
         self._post_route(seq, route, posted)
         mark("d.post_route")
-        if self._slots and (seq < 2 or seq - 2 in self._combined):
-            at = [p * self.max_recv_tokens + self.rank * self._slot] * self.world
-            self._post_data(seq, n_me, sstart, at, posted)
-            mark("d.post_rows")
-            return None, pos[:n_slots].reshape(m, k), posted
-        plan = await self._count_exchange(seq, end, what, posted)
+        await self._wait_credits(ROUTE, seq, end, what, posted)
+        mark("d.wait_route")
+        c = self._route[p].copy()
+        self._release_old(seq)
+        plan = self._plan_gpu(c)
         self._post_data(seq, n_me, sstart, (p * self.max_recv_tokens + plan.dst_row).tolist(), posted)
         mark("d.post_rows")
         return plan, pos[:n_slots].reshape(m, k), posted
-
-    async def _count_exchange(
-        self, seq: int, end: float | None, what: str, posted: list[Transfer]
-    ) -> GpuPlan:
-        """The count exchange of call ``seq``: the peers' route rows, then the receive plan."""
-        await self._wait_credits(ROUTE, seq, end, what, posted)
-        mark("d.wait_route")
-        c = self._routes(seq)
-        self._release_old(seq)
-        return self._plan_gpu(c)
 
     def _post_data(
         self, seq: int, n_me: np.ndarray, sstart: np.ndarray, at: list[int], posted: list[Transfer]
@@ -156,20 +138,16 @@ class GpuFlow(Credits):
         cum[:, 0] = 0
         _acc(cd.T, axis=1, out=cum[:, 1:])  # rows of lower sources, per local expert
         within = _before(cd, 1)  # rows of lower experts in source r's block
-        # source r's block in this rank's regions: its own slot, or after the lower sources'
-        rstart = np.arange(w, dtype=np.int64) * self._slot if self._slots else _before(n[:, me])
+        rstart = _before(n[:, me])  # source r's block in this rank's regions
         start = tab[2 * ll + 1 + ll * (w + 1) :].reshape(w, ll)
         np.add(rstart[:, None], within, out=start)
         start[me] = _before(n[me])[me] + within[me]  # this rank's own send rows
-        dst_row = np.full(w, me * self._slot, dtype=np.int64) if self._slots else _before(n)[me]
         return GpuPlan(n=n, rstart=rstart, counts=counts.astype(np.int32), offsets=offsets, tab=tab,
-                       dst_row=dst_row)
+                       dst_row=_before(n)[me])
 
     async def _recv_gpu(self, pending: DispatchPending, end: float | None) -> DispatchHandle:
         seq, xp = pending.seq, self.xp
         what = f"dispatch {seq}"
-        if pending._plan is None:  # its tokens went before the count exchange: that now
-            pending._plan = await self._count_exchange(seq, end, what, pending._posted)
         out = self._unpack_prep(pending)  # while the peers' rows are on their way
         mark("dr.prep")
         await self._wait_credits(DISPATCH, seq, end, what, pending._posted)

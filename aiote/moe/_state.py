@@ -27,7 +27,6 @@ from ._util import TAIL, deadline_at, round16
 __all__ = ["State"]
 
 T = TypeVar("T")
-ROUTE_SLOTS = 4  # route rows kept per rank: calls s % 4
 
 
 class State:
@@ -58,12 +57,6 @@ class State:
         self._yrow = self.hidden * self.out_dtype.itemsize
         self._cstride = round16(self._yrow)  # == the row when H x out is a multiple of 16
         self._send_cap = self.max_tokens * self.experts_per_token
-        # rows one source can send one rank in a call; when every source has that many rows of
-        # its own at every rank (the default max_recv_tokens), a GPU dispatch posts its tokens
-        # before the count exchange (see _gpuflow.GpuFlow._send_gpu)
-        self._slot = self.max_tokens * min(self.experts_per_token, geo.per_rank)
-        self._slots = self.world > 1 and self.max_recv_tokens >= self.world * self._slot
-        self._combined: set[int] = set()  # calls whose combine rows came in from every peer
         self._seq = 0
         self._stale: set[int] = set()
         self._handles: dict[int, DispatchHandle] = {}
@@ -83,13 +76,11 @@ class State:
 
     def _alloc(self) -> None:
         xp, w = self.xp, self.world
-        # the route rows of calls s % 4 (a GPU call that posted its tokens early reads its
-        # peers' rows in its receive half, which a peer's call s + 2 must not overwrite), then
-        # 4 bytes that probes write (no immediate)
+        # the route rows of both parities, then 4 bytes that probes write (no immediate)
         ns = 2
-        self._route_raw = np.zeros(ROUTE_SLOTS * w * self.num_experts + 4, dtype=np.int32)
-        self._route = self._route_raw[:-4].reshape(ROUTE_SLOTS, w, self.num_experts)
-        self._myroute = np.zeros((ROUTE_SLOTS, self.num_experts), dtype=np.int32)
+        self._route_raw = np.zeros(ns * w * self.num_experts + 4, dtype=np.int32)
+        self._route = self._route_raw[:-4].reshape(ns, w, self.num_experts)
+        self._myroute = np.zeros((ns, self.num_experts), dtype=np.int32)
         # host receive regions come from the engine's host arena: a same-host peer's write
         # into them is one memcpy by the writer's poller (GPU regions: CUDA IPC instead)
         zeros = xp.zeros if self._gpu else self.engine.alloc_host
