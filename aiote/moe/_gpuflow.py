@@ -12,6 +12,7 @@ import numpy as np
 from .. import InvalidArgument, Transfer
 from ._credits import Credits
 from ._handles import DispatchHandle, DispatchPending
+from ._layout import round_up
 from ._trace import mark
 from ._util import DISPATCH, ROUTE, imm_of
 
@@ -126,13 +127,13 @@ class GpuFlow(Credits):
             )
         first, last = geo.local_range(me)
         cd = c[:, first:last].astype(np.int64)  # [W, L]
-        ll, pad = last - first, self.expert_padding
+        ll = last - first
         counts = _sum(cd, 0)
         # the unpack kernel's table: offsets[L + 1], counts[L], cum[L, W + 1], start[W, L]
         tab = np.empty(2 * ll + 1 + ll * (w + 1) + w * ll, dtype=np.int64)
         offsets = tab[: ll + 1]
         offsets[0] = 0
-        _acc(counts if pad == 1 else (counts + (pad - 1)) // pad * pad, out=offsets[1:])
+        _acc(round_up(counts, self.expert_padding), out=offsets[1:])
         tab[ll + 1 : 2 * ll + 1] = counts
         cum = tab[2 * ll + 1 : 2 * ll + 1 + ll * (w + 1)].reshape(ll, w + 1)
         cum[:, 0] = 0

@@ -27,8 +27,9 @@ __all__ = ["Geometry", "RecvPlan", "SendPlan", "plan_recv", "plan_send", "round_
 
 
 def round_up(a: np.ndarray, pad: int) -> np.ndarray:
-    """``a`` rounded up to a multiple of ``pad`` (element-wise). O(n)."""
-    return (a + (pad - 1)) // pad * pad
+    """``a`` rounded up to a multiple of ``pad`` (element-wise; ``a`` itself when ``pad`` is 1).
+    O(n)."""
+    return a if pad == 1 else (a + (pad - 1)) // pad * pad
 
 
 @dataclass(frozen=True)

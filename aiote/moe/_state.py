@@ -200,5 +200,5 @@ async def _in_thread(fn: Callable[[], T], end: float | None, what: str) -> T:
     :class:`~aiote.TransferTimeout` naming ``what`` and leaves the thread to finish alone. The
     deadline's cancel scope is made only here, on this slow path: the calls' other waits take
     ``end`` themselves."""
-    with deadline_at(end, None, what):
+    with deadline_at(end, what):
         return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)

@@ -89,15 +89,12 @@ def left(end: float | None) -> float | None:
     return None if end is None else max(0.0, end - anyio.current_time())
 
 
-_AFTER: Any = object()  # Deadline's message names ``after`` itself
-
-
 class Deadline:
     """``anyio.fail_after(after)`` raising :class:`~aiote.TransferTimeout` naming the
-    operation and ``timeout`` (default: ``after``; None: "by its deadline")."""
+    operation and its bound (``bound``; default "within ``after`` s")."""
 
-    def __init__(self, after: float | None, what: str, timeout: float | None = _AFTER) -> None:
-        self._what, self._timeout = what, after if timeout is _AFTER else timeout
+    def __init__(self, after: float | None, what: str, bound: str | None = None) -> None:
+        self._what, self._after, self._bound = what, after, bound
         self._scope = anyio.fail_after(after)
 
     def __enter__(self) -> None:
@@ -107,15 +104,15 @@ class Deadline:
         try:
             self._scope.__exit__(et, e, tb)
         except TimeoutError:
-            within = "by its deadline" if self._timeout is None else f"within {self._timeout:g} s"
-            raise TransferTimeout(f"{self._what} did not finish {within}") from None
+            bound = f"within {self._after:g} s" if self._bound is None else self._bound
+            raise TransferTimeout(f"{self._what} did not finish {bound}") from None
 
 
-def deadline_at(end: float | None, timeout: float | None, what: str) -> Deadline:
-    """A :class:`Deadline` at the absolute time ``end`` (None: none); ``timeout`` only names
-    the bound in its message. Costs a cancel scope and a timer (tens of microseconds): for
-    waits that take no deadline of their own."""
-    return Deadline(None if end is None else max(0.0, end - anyio.current_time()), what, timeout)
+def deadline_at(end: float | None, what: str) -> Deadline:
+    """A :class:`Deadline` at the absolute time ``end`` (None: none), its message "by its
+    deadline". Costs a cancel scope and a timer (tens of microseconds): for waits that take
+    no deadline of their own."""
+    return Deadline(left(end), what, "by its deadline")
 
 
 
