@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from _util import fails_after_kill
@@ -490,6 +491,26 @@ async def test_unregister_waits_for_device_copies() -> None:
         assert time.perf_counter() - start >= 0.15
         await e.imm_counter(1).wait(1, timeout=5)
         assert digest(host) == digest(src.host)
+
+
+async def test_unregister_never_pulls_the_region_from_a_staged_write() -> None:
+    """An unregister that starts while a staged write is under way waits for the whole write,
+    not only for its device copies: between a copy's fence and the host write that sends its
+    bytes nothing is in flight, and the region must not go then (before the fix about half of
+    these writes failed with "mr was unregistered")."""
+    async with aiote.open_engine(gpu_backend="host:0.002") as e:
+        host = np.zeros(1 << 16, np.uint8)
+        mh = await e.register(host)
+        for i in range(20):
+            src = _device(1 << 16, seed=i + 1)
+            mr = await e.register(src)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(e.write, mr, mh.descriptor, imm=9))
+                while mr._dev_pending == 0:  # the write has begun (its device copy is queued)
+                    await anyio.lowlevel.checkpoint()
+                await e.unregister(mr)  # must wait for the write, which must not fail
+            await e.imm_counter(9).wait(1, timeout=5)
+            assert digest(host) == digest(src.host)
 
 
 async def test_direct_registration_no_staging() -> None:

@@ -320,7 +320,6 @@ class GpuSupport:
         retry: Any,
         stream: Any,
     ) -> None:
-        e = self.e
         dev = mr._dev
         if dev is not None:
             peer = self._ipc_ptr(rdesc, dev.device)
@@ -328,6 +327,22 @@ class GpuSupport:
                 finish, _ = self._ipc_write(mr, rdesc, peer, length, src_offset, dst_offset, imm, stream)
                 await finish(timeout, retry)
                 return
+        # the region counts as busy for the whole write, not only while its device copies run:
+        # between a copy's fence and the host write that sends its bytes there is no request in
+        # flight, and an unregister seeing none there would pull the region from under the write
+        mr._dev_pending += 1
+        try:
+            await self._write_via_host(mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, stream)
+        finally:
+            mr._dev_pending -= 1
+
+    async def _write_via_host(
+        self, mr: MemoryRegion, rdesc: MemoryDescriptor, length: int, src_offset: int, dst_offset: int,
+        imm: int | None, timeout: float | None, retry: Any, stream: Any,
+    ) -> None:
+        """:meth:`write` off the CUDA-IPC rail: the NICs reach both ends (after ``stream``'s
+        work), or the bytes are staged through host memory in chunks, copied and sent in turn."""
+        e, dev = self.e, mr._dev
         staged = _staged(rdesc)
         src_direct = dev is not None and mr._shadow is None
         if stream is not None and (dev is None or src_direct):  # start after that stream's work
