@@ -25,7 +25,9 @@ each call's kernels are included):
   the same reduction (the same NumPy/CuPy code as aiote's).
 - torch padded: a fixed-size ``all_to_all_single`` of ``T x min(K, E/W)`` rows per rank pair,
   no count exchange, no permutation: a floor for the data movement alone.
-Rows carry the same bytes on every path: the token (and its scales) and its number.
+Rows carry the same bytes on every path: the token (and its scales) and its number. Every
+timed path of an iteration, aiote's included, starts from a ``torch.distributed`` barrier
+taken after the iteration's routing is drawn, so that no path absorbs the ranks' skew.
 Each iteration's time is the slowest rank's; p50 and p99 over the iterations are printed,
 with the bytes a rank sends to other ranks per call (dispatch, combine) and the resulting rate
 as a fraction of
@@ -292,6 +294,8 @@ async def run_shapes(args: argparse.Namespace, rank: int, world: int, addrs: lis
         out_x = xp.zeros((a2a.max_expert_rows, H), dtype=a2a.in_dtype.storage)
         for i in range(iters + args.warmup):
             idx, w = inp.draw()
+            if baseline is not None:  # aiote's call starts from a barrier, as each torch path does
+                baseline.barrier()
             got = dict(zip(names, await aiote_step(a2a, inp, idx, w, xp, out_x, y, args.halves), strict=True))
             if os.environ.get("AIOTE_MOE_TRACE") and i >= args.warmup:
                 from aiote.moe import _trace
@@ -466,6 +470,10 @@ class TorchBaselines:
         if self.gpu:
             self.exact.torch.cuda.synchronize(self.exact.dev)
 
+    def barrier(self) -> None:
+        """The ranks leave together: what every timed path starts from."""
+        self.exact.dist.barrier()
+
     def step(self, idx_h: np.ndarray, w: Any) -> dict[str, float]:
         """One exact dispatch + combine and one padded exchange each way; their times."""
         dist = self.exact.dist
@@ -479,7 +487,6 @@ class TorchBaselines:
         dist.all_to_all_single(self.pad_cout, self.pad_cin)
         self._sync()
         t5 = time.perf_counter()
-        dist.barrier()  # aiote's next call starts together too
         return dict(zip(self.NAMES, (td, tc, td + tc, t4 - t3, t5 - t4), strict=True))
 
 

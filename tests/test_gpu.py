@@ -115,10 +115,12 @@ async def test_staged_mixed_and_paged() -> None:
             assert await peer.digest("g", d * page, page) == digest(host[s * page : (s + 1) * page])
 
 
-@pytest.mark.parametrize("memory", ["cuda", "alloc_gpu"])
-async def test_ipc_rail_between_processes(memory: str) -> None:
+@pytest.mark.parametrize("memory,fence", [("cuda", "memop"), ("alloc_gpu", "memop"), ("cuda", "kernel")])
+async def test_ipc_rail_between_processes(memory: str, fence: str) -> None:
     """The CUDA-IPC rail into a peer's ``cudaMalloc`` memory (CuPy's pool: an IPC handle) and
-    into its ``Engine.alloc_gpu`` memory (a VMM allocation: a descriptor it hands over)."""
+    into its ``Engine.alloc_gpu`` memory (a VMM allocation: a descriptor it hands over). The
+    fences (completion words and credit-lane entries) are the stream's own stores where the
+    driver takes them (``memop``), else kernels (forced here: ``kernel``)."""
     n = 32 << 20
     target = 1 if NGPU > 1 else 0
     async with spawn_peer() as peer:
@@ -128,6 +130,11 @@ async def test_ipc_rail_between_processes(memory: str) -> None:
             src = e.alloc_gpu(n)
             src.set(host)
         mr = await e.register(src)
+        backend = e._gpu_support().b
+        if fence == "kernel":
+            backend._memops.update({d: None for d in range(NGPU)})
+        else:
+            assert backend._memop(mr._dev.device) is not None
         dst = await peer.register("g", n, device=memory, gpu=target)
         assert dst.device_id == target and dst.gpu is not None
         assert _vmm.is_handle(dst.gpu.ipc_handle) == (memory == "alloc_gpu")
@@ -146,6 +153,7 @@ async def test_ipc_rail_between_processes(memory: str) -> None:
         assert digest(cupy.asnumpy(out)) == digest(expect[page : page + 4096].copy())
         st = e.stats()
         assert st["gpu_ipc"] == 2 and st["gpu_staged"] == 0
+        assert st["gpu_lane_credits"] >= 1  # the paged write's credit: a lane entry the fence stored
 
 
 async def test_stream_ordering_after_a_kernel() -> None:

@@ -230,6 +230,7 @@ class CudaBackend(_Backend):
         self._mods: dict[int, Any] = {}
         self._fns: dict[tuple[int, str], Any] = {}
         self._wait_events: dict[tuple[int, int], Any] = {}  # (thread, device): see wait
+        self._memops: dict[int, Any] = {}  # device -> cuStreamWriteValue64, or None: see signal
         self._libcuda: Any = None
         self._vmm_api: _vmm.CudaVmm | None = None
 
@@ -302,13 +303,48 @@ class CudaBackend(_Backend):
             # only to later work on this same stream
 
     def signal(self, stream: Any, word: int, value: int, credit: Credit | None = None) -> None:
+        # stores by the stream itself (cuStreamWriteValue64, each after a system-wide fence
+        # over the stream's earlier work: what the kernels below do, for a few µs of host
+        # time where a kernel launch costs tens); the kernels where the driver refuses them
         dev = stream.device_id
         with self.cp.cuda.Device(dev):
-            if credit is None:
+            put = self._memop(dev)
+            if put is not None:
+                s = stream.ptr
+                if credit is not None:
+                    entry, ev, head, hv = credit
+                    if put(s, entry, ev, 0) or put(s, head, hv, 0):
+                        raise AioteError("cuStreamWriteValue64 failed")  # the word never comes
+                if put(s, word, value, 0):
+                    raise AioteError("cuStreamWriteValue64 failed")
+            elif credit is None:
                 self._fn(dev, "aiote_signal")((1,), (1,), (np.uint64(word), np.uint64(value)), stream=stream)
             else:
                 args = (np.uint64(word), np.uint64(value), *(np.uint64(v) for v in credit))
                 self._fn(dev, "aiote_signal_credit")((1,), (1,), args, stream=stream)
+
+    def _memop(self, device: int) -> Any:
+        """The driver's ``cuStreamWriteValue64`` when it works on ``device`` (tried once per
+        device: a store through a new stream, read back), else None (the kernels then)."""
+        put = self._memops.get(device, False)
+        if put is not False:
+            return put
+        put = None
+        try:
+            fn = self._cuda().cuStreamWriteValue64_v2
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            probe = self.pinned(8)
+            with self.cp.cuda.Device(device):
+                s = self.cp.cuda.Stream(non_blocking=True)
+                if fn(s.ptr, probe.ctypes.data, 0x5A5A_0001, 0) == 0:
+                    s.synchronize()
+                    if int(probe.view(np.uint64)[0]) == 0x5A5A_0001:
+                        put = fn
+        except Exception as exc:  # no such entry point, or a driver that refuses memory ops
+            _log.info("stream memory operations unavailable; GPU fences use a kernel", reason=str(exc))
+        self._memops[device] = put
+        return put
 
     def map_host(self, ptr: int, nbytes: int) -> int:
         self.rt.hostRegister(ptr, nbytes, 3)  # cudaHostRegisterPortable | cudaHostRegisterMapped

@@ -199,7 +199,7 @@ class GpuSupport:
 
         try:
             line.fence(done, credit)
-        except BaseException:  # the fence's kernel was not launched: nothing to wait for
+        except BaseException:  # the fence was not enqueued: nothing to wait for
             mr._dev_pending -= 1
             raise
 
@@ -441,7 +441,7 @@ class GpuSupport:
         self, mr: MemoryRegion, rdesc: MemoryDescriptor, peer: int, length: int, src_offset: int,
         dst_offset: int, imm: int | None, stream: Any,
     ) -> tuple[_Finish, Any]:
-        """Enqueues the copy into the peer's allocation at ``peer`` and the kernel that stores
+        """Enqueues the copy into the peer's allocation at ``peer`` and the fence that stores
         its completion (and its credit, through a credit lane when there is one); returns what
         awaits it (then credits by a message when no lane took the credit), and the event its
         fence sets when that fence is all there is to wait for (no immediate, or a lane took

@@ -105,6 +105,16 @@ __device__ __forceinline__ void copy_row(u8* d, const u8* s, i64 n) {
     }
 }
 
+// all threads of the block zero n bytes
+__device__ __forceinline__ void zero_row(u8* d, i64 n) {
+    if ((((unsigned long long)d | (unsigned long long)n) & 15) == 0) {
+        uint4* d4 = (uint4*)d;
+        for (i64 i = threadIdx.x; i < (n >> 4); i += blockDim.x) d4[i] = make_uint4(0, 0, 0, 0);
+    } else {
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) d[i] = 0;
+    }
+}
+
 // the largest i in [0, n) with a[i] <= v (a non-decreasing, a[0] <= v)
 __device__ __forceinline__ int last_le(const i64* a, int n, i64 v) {
     int lo = 0, hi = n - 1;
@@ -186,11 +196,12 @@ extern "C" __global__ void moe_pack(const u8* x, i64 xstride, const u8* sc, i64 
 
 // one block per output row o: tab = offsets[L + 1] | counts[L] | cum[L][W + 1] (rows of lower
 // sources in expert l's block) | start[W][L] (the row of chunk (source r, expert l) in r's
-// region: this rank's send rows for r == me, the receive region otherwise)
+// region: this rank's send rows for r == me, the receive region otherwise). A padding row gets
+// zero scales, zero x when zero_x (x is the call's own array), and source -1.
 extern "C" __global__ void moe_unpack(const i64* tab, int L, int W, int me, const u8* recv, const u8* own,
                                       i64 dstride, int xrow, int soff, int swidth, int toff, u8* ex,
                                       i64 exstride, u8* exs, i64 exsstride, int* src_rank, int* src_token,
-                                      i64* back) {
+                                      i64* back, int zero_x) {
     i64 o = blockIdx.x;
     const i64* offsets = tab;
     const i64* counts = tab + (L + 1);
@@ -199,6 +210,8 @@ extern "C" __global__ void moe_unpack(const i64* tab, int L, int W, int me, cons
     int l = last_le(offsets, L, o);
     i64 j = o - offsets[l];
     if (j >= counts[l]) {  // padding
+        if (zero_x) zero_row(ex + o * exstride, xrow);
+        if (swidth) zero_row(exs + o * exsstride, swidth);
         if (threadIdx.x == 0) { src_rank[o] = -1; src_token[o] = -1; back[o] = -1; }
         return;
     }

@@ -161,16 +161,17 @@ class GpuFlow(Credits):
 
     def _unpack_prep(self, pending: DispatchPending) -> tuple[Any, Any, Any, Any]:
         """The unpack's outputs and its table (copied to the GPU on the stream), made before
-        the rows arrive: (expert_x, scales, src_rank, src_token)."""
+        the rows arrive: (expert_x, scales, src_rank, src_token). Not zeroed here: the unpack
+        kernel writes every row (zeros in padding rows, except in a caller's ``out_x``)."""
         xp, plan, p = self.xp, pending._plan, pending.seq & 1
         rows = int(plan.offsets[-1])
         if pending._out_x is None:
-            ex = xp.zeros((rows, self.hidden), dtype=self.in_dtype.storage)
+            ex = xp.empty((rows, self.hidden), dtype=self.in_dtype.storage)
         else:
             ex = pending._out_x[:rows]
-        scale = None if self.scale_block is None else xp.zeros((rows, self._nscale), xp.float32)
-        src_rank = xp.empty(rows, dtype=xp.int32)
-        src_token = xp.empty(rows, dtype=xp.int32)
+        scale = None if self.scale_block is None else xp.empty((rows, self._nscale), xp.float32)
+        src = xp.empty((2, rows), dtype=xp.int32)
+        src_rank, src_token = src[0], src[1]
         if rows:
             tab = plan.tab
             hbuf = self._htab[p][: tab.size]
@@ -196,7 +197,7 @@ class GpuFlow(Credits):
                  self._drecv_v[p], self._dsend_v[p], np.int64(self._dstride), np.int32(self._xrow),
                  np.int32(self._fields[1][0]),
                  np.int32(4 * self._nscale), np.int32(self._toff), exb, np.int64(self._xrow), sb,
-                 np.int64(4 * self._nscale), src_rank, src_token, back),
+                 np.int64(4 * self._nscale), src_rank, src_token, back, np.int32(pending._out_x is None)),
             )
         self._record_fence(p)
         h = DispatchHandle(
