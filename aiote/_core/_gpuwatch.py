@@ -131,7 +131,9 @@ class _Line:
     def fence(self, cb: Callable[[], None], credit: Credit | None = None) -> None:
         seq = self.seq + 1
         try:
-            self.gpu.b.signal(self.stream, self.word[2], seq, credit)  # raises: nothing enqueued
+            # raises: nothing enqueued. The stream's own stores only where IPC copies use one
+            # stream per device (the default): see CudaBackend.signal
+            self.gpu.b.signal(self.stream, self.word[2], seq, credit, self.gpu.ipc_streams == 1)
         except BaseException:
             self._probe = None  # its fence never comes
             raise
