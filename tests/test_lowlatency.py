@@ -87,3 +87,68 @@ async def test_loop_spin_is_validated(bad: float) -> None:
     with pytest.raises(aiote.InvalidArgument):
         async with aiote.open_engine(loop_spin_us=bad):
             pass
+
+
+async def _wait_before_the_credit(
+    waiter: aiote.Engine, writer: aiote.Engine, spin_us: float, imm: int
+) -> None:
+    """``waiter`` waits for a credit of ``imm`` (``spin_us``) that ``writer`` sends only once
+    the wait has begun."""
+    mw = await waiter.register(np.zeros(4096, np.uint8))
+    src = await writer.register(np.zeros(4096, np.uint8))
+
+    async def wait(started: anyio.Event) -> None:
+        started.set()
+        await waiter.imm_counter(imm).wait(1, timeout=10, spin_us=spin_us)
+
+    for _ in range(10):
+        async with anyio.create_task_group() as tg:
+            started = anyio.Event()
+            tg.start_soon(wait, started)
+            await started.wait()
+            await writer.write(src, mw.descriptor, length=8, imm=imm, timeout=10)
+    assert waiter.imm_counter(imm).available == 0 and waiter.imm_counter(imm).total == 10
+
+
+async def test_one_wait_spins_on_a_default_engine() -> None:
+    """``spin_us`` on one wait: the loop thread drives the completion queues for it
+    (``loop_polls``) on an engine that never spins otherwise, and the credit is taken."""
+    async with aiote.open_engine() as plain, aiote.open_engine() as peer:
+        assert plain.stats()["loop_polls"] == 0
+        await _wait_before_the_credit(plain, peer, 500.0, 21)
+        assert plain.stats()["loop_polls"] > 0
+
+
+async def test_one_wait_does_not_spin_on_a_spinning_engine() -> None:
+    """``spin_us=0`` turns the engine's ``loop_spin_us`` off for that wait: it sleeps until the
+    poller wakes the loop (no loop-thread poll), and the credit is taken."""
+    async with aiote.open_engine(loop_spin_us=500) as fast, aiote.open_engine() as peer:
+        await _wait_before_the_credit(fast, peer, 0.0, 22)
+        assert fast.stats()["loop_polls"] == 0
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 1e6, True, "10"])
+async def test_a_wait_spin_is_validated(bad: object) -> None:
+    async with aiote.open_engine() as a:
+        mr = await a.register(np.zeros(4096, np.uint8))
+        await a.write(mr, mr.descriptor, length=8, imm=23)
+        await eventually(lambda: a.imm_counter(23).available == 1, "the credit to arrive")
+        with pytest.raises(aiote.InvalidArgument):
+            await a.imm_counter(23).wait(1, spin_us=bad)  # type: ignore[arg-type]
+        assert a.imm_counter(23).available == 1  # nothing taken
+
+
+async def test_one_transfer_wait_spins_on_a_default_engine() -> None:
+    """``Transfer.wait(spin_us=)``: the loop thread drives the completion queues for that wait
+    (``loop_polls``) on an engine that never spins otherwise; the bytes arrive as without."""
+    async with aiote.open_engine(same_host=None) as a, aiote.open_engine(same_host=None) as b:
+        src = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8)
+        dst = np.zeros(1 << 20, np.uint8)
+        ms, md = await a.register(src), await b.register(dst)
+        for _ in range(5):
+            await a.post_write(ms, md.descriptor, imm=24).wait(timeout=10, spin_us=2000)
+        await b.imm_counter(24).wait(5, timeout=10)
+        assert np.array_equal(src, dst)
+        assert a.stats()["loop_polls"] > 0
+        with pytest.raises(aiote.InvalidArgument):
+            await a.post_write(ms, md.descriptor).wait(spin_us=-1)

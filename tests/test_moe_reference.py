@@ -5,6 +5,8 @@ InvalidArgument before anything is posted (engines in this process)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import numpy as np
 import pytest
@@ -194,6 +196,9 @@ async def test_bad_input_raises_before_anything_is_posted(anyio_backend: str) ->
             await moe.AllToAll.create(a, moe.Group(g, 0), **{**kw, "experts_per_token": 5})
         with pytest.raises(aiote.InvalidArgument):
             await moe.AllToAll.create(a, moe.Group(g, 0), **{**kw, "out_dtype": "float8_e4m3fn"})
+        for spin in (-1.0, True, 1e6, "5"):
+            with pytest.raises(aiote.InvalidArgument, match="spin_us"):
+                await moe.AllToAll.create(a, moe.Group(g, 0), **{**kw, "spin_us": spin})
         pair: list[moe.AllToAll] = []
         async with anyio.create_task_group() as tg:
             async def mk(e: aiote.Engine, r: int) -> None:
@@ -219,6 +224,42 @@ async def test_bad_input_raises_before_anything_is_posted(anyio_backend: str) ->
                 await a2a.dispatch(bx, bi, bw, **extra)
         nothing_posted(a, before)
         for p in pair:
+            await p.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_rank_whose_waits_spin_gets_the_same_results(anyio_backend: str) -> None:
+    """``spin_us`` is each rank's own choice (default 0 on the CPU): rank 0's credit waits
+    spin, rank 1's sleep; the calls return the tokens, and combine (the identity expert,
+    weights summing to 1) gives each token back exactly."""
+    async with aiote.testing.engine_pair(same_host=None) as (a, b):
+        g = [a.address, b.address]
+        kw: dict[str, Any] = dict(num_experts=4, experts_per_token=2, hidden=8, max_tokens=4,
+                                  in_dtype="float32", out_dtype="float32", timeout=10)
+        pair: dict[int, moe.AllToAll] = {}
+
+        async def mk(e: aiote.Engine, r: int, spin: float | None) -> None:
+            pair[r] = await moe.AllToAll.create(e, moe.Group(g, r), spin_us=spin, **kw)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(mk, a, 0, 300.0)
+            tg.start_soon(mk, b, 1, None)
+        assert pair[0].spin_us == 300.0 and pair[1].spin_us == 0.0
+        rng = np.random.default_rng(5)
+        xs = [rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2)]
+        idx = [np.array([[0, 1], [1, 2], [2, 3], [3, 0]]), np.array([[3, 2], [2, 1], [1, 0], [0, 3]])]
+        w = np.full((4, 2), 0.5, np.float32)
+
+        async def run(r: int) -> None:
+            for _ in range(5):
+                h = await pair[r].dispatch(xs[r], idx[r], w)
+                assert int(h.counts.sum()) == 8  # 4 slots from each rank for this rank's two experts
+                assert np.array_equal(await pair[r].combine(h, h.expert_x), xs[r])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 0)
+            tg.start_soon(run, 1)
+        for p in pair.values():
             await p.aclose()
 
 

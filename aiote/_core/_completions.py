@@ -26,15 +26,15 @@ class Completions(Rails):
         lib.aio_clear_eventfd(self._h)
         self._drain()
 
-    def _spin_until(self, done: Any) -> None:
-        """Low-latency mode (``loop_spin_us``): the loop thread drives the completion queues
-        itself (``aio_poll_ring``, GIL released: polls for 30 us yielding the CPU, then sleeps
-        on the NICs' wait objects) until ``done()`` or the spin budget runs out, instead of a
-        hand-off through the ring and the eventfd. Every record is dispatched by
-        :meth:`_drain` as usual, which also re-arms the eventfd before the loop may sleep.
-        Blocks the event loop for at most ``loop_spin_us``."""
+    def _spin_until(self, done: Any, budget_ns: int | None = None) -> None:
+        """Low-latency mode (``loop_spin_us``, or a wait's own ``budget_ns``): the loop thread
+        drives the completion queues itself (``aio_poll_ring``, GIL released: polls for 30 us
+        yielding the CPU, then sleeps on the NICs' wait objects) until ``done()`` or the spin
+        budget runs out, instead of a hand-off through the ring and the eventfd. Every record
+        is dispatched by :meth:`_drain` as usual, which also re-arms the eventfd before the
+        loop may sleep. Blocks the event loop for at most the budget."""
         h = self._h
-        left = self._loop_spin_ns
+        left = self._loop_spin_ns if budget_ns is None else budget_ns
         end = time.perf_counter_ns() + left
         while not self._closed:
             got = lib.aio_poll_ring(h, left)

@@ -11,9 +11,17 @@ from .._native import lib
 from ._errors import EngineClosed, InvalidArgument
 from ._util import check_timeout, now, timeout_error, wait_until
 
-__all__ = ["CREDIT_UNIT", "CounterOwner", "ImmCounter"]
+__all__ = ["CREDIT_UNIT", "CounterOwner", "ImmCounter", "spin_ns"]
 
 CREDIT_UNIT: int = int(lib.AIO_CREDIT_UNIT)
+
+
+def spin_ns(spin_us: float) -> int:
+    """A wait's ``spin_us`` in nanoseconds; InvalidArgument outside [0, 100000] (the bounds
+    of the engine's ``loop_spin_us``)."""
+    if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not 0 <= spin_us <= 100_000:
+        raise InvalidArgument(f"spin_us must be a number in [0, 100000], not {spin_us!r}")
+    return int(spin_us * 1000)
 
 
 class CounterOwner(Protocol):
@@ -30,7 +38,7 @@ class CounterOwner(Protocol):
 
     def _forget_counter(self, imm: int) -> bool: ...
 
-    def _spin_until(self, done: Any) -> None: ...
+    def _spin_until(self, done: Any, budget_ns: int | None = None) -> None: ...
 
 
 class _Waiter:
@@ -70,31 +78,34 @@ class ImmCounter:
         call, no I/O. Raises :class:`~aiote.EngineClosed` once the engine closed."""
         return int(lib.aio_counter_total(self._engine._handle(), self.imm)) // CREDIT_UNIT
 
-    async def wait(self, n: int = 1, *, timeout: float | None = None) -> None:
+    async def wait(self, n: int = 1, *, timeout: float | None = None, spin_us: float | None = None) -> None:
         """Waits until ``n`` credits are available and consumes them.
 
         Cancellable: a cancelled or timed-out wait consumes nothing (credits already granted
         to it are returned), so credits are never lost nor counted twice. By default it never
         spins: the C poller wakes the loop when the counter reaches the first waiter's demand.
-        With the engine's low-latency setting (``loop_spin_us``) it first drives the completion
-        queues from the loop thread for up to that long, and credits already there are taken
-        without a trip through the event loop.
+        With a spin (``spin_us``, or else the engine's low-latency setting ``loop_spin_us``) it
+        first drives the completion queues from the loop thread for up to that long, blocking
+        the event loop meanwhile (a wait expected to end within microseconds, e.g. a step of
+        a collective), and credits already there are taken without a trip through the event
+        loop; ``spin_us=0`` never spins, whatever the engine's setting.
 
         Raises :class:`~aiote.TransferTimeout` after ``timeout`` seconds,
         :class:`~aiote.EngineClosed` if the engine closes, :class:`~aiote.InvalidArgument`
-        for ``n < 0`` or a bad ``timeout``. Cost: credits already there are taken with one
-        native call and one checkpoint; otherwise the task sleeps until the poller wakes the
-        loop for it.
+        for ``n < 0``, a bad ``timeout`` or a ``spin_us`` outside [0, 100000]. Cost: credits
+        already there are taken with one native call and one checkpoint (none with a spin);
+        otherwise the task sleeps until the poller wakes the loop for it.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"credits to wait for must be an int >= 0, not {n!r}")
         check_timeout(timeout)
         eng = self._engine
+        spin = eng._loop_spin_ns if spin_us is None else spin_ns(spin_us)
         h = eng._handle()
         units = n * CREDIT_UNIT
         await eng._checkpoint_if_cancelled()  # a cancelled caller takes nothing
         if not self._waiters and lib.aio_counter_take(h, self.imm, units):
-            if eng._loop_spin_ns:  # low-latency setting: no trip through the event loop
+            if spin:  # spinning (low latency): no trip through the event loop
                 return
             try:
                 await eng._checkpoint()  # a schedule point (half the cost of a shielded one)
@@ -104,20 +115,20 @@ class ImmCounter:
                     self._serve()
                 raise
             return
-        if eng._loop_spin_ns and not self._waiters:
-            # low-latency setting, nobody queued: spin for the credits without queueing (no
-            # waiter, no event); the watch makes the counter push a record when they are in
+        if spin and not self._waiters:
+            # spinning, nobody queued: spin for the credits without queueing (no waiter, no
+            # event); the watch makes the counter push a record when they are in
             imm = self.imm
             if lib.aio_counter_watch(h, imm, units) != 1:
-                eng._spin_until(lambda: lib.aio_counter_available(h, imm) >= units)
+                eng._spin_until(lambda: lib.aio_counter_available(h, imm) >= units, spin)
             if not self._waiters and lib.aio_counter_take(h, imm, units):
                 return
         w = _Waiter(units, eng._event())
         self._waiters.append(w)
         if self._waiters[0] is w:
             self._serve()
-        if eng._loop_spin_ns and not w.event.is_set():
-            eng._spin_until(w.event.is_set)
+        if spin and not w.event.is_set():
+            eng._spin_until(w.event.is_set, spin)
         try:
             # a timed wait is a timer on the event, not a cancel scope (see LoopEvent)
             if timeout is None:

@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._native import lib
+from ._counter import spin_ns
 from ._errors import PeerUnreachable
 from ._life import OpLife
 from ._optable import _Op
@@ -26,8 +27,8 @@ class Transfer:
     any number of times (each await of a failed transfer raises the same exception). An
     awaited transfer that finished costs no event-loop round trip."""
 
-    __slots__ = ("__weakref__", "_again", "_bg", "_engine", "_exc", "_finished", "_observed", "_op",
-                 "_retry", "_what")
+    __slots__ = ("__weakref__", "_again", "_bg", "_engine", "_exc", "_fenced", "_finished", "_observed",
+                 "_op", "_retry", "_what")
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class Transfer:
         self._exc: BaseException | None = None
         self._finished = op is None  # until _go starts a task (an empty batch: done)
         self._observed = False
+        self._fenced = False  # _bg is a GPU fence's event (a spin can see it set), not a task's
 
     @classmethod
     def _when_set(cls, engine: OpLife, what: str, ev: Any) -> Transfer:
@@ -55,6 +57,7 @@ class Transfer:
         t = cls(engine, what)
         t._finished = False
         t._bg = ev
+        t._fenced = True
         return t
 
     def _go(self, run: Callable[[], Awaitable[Any]]) -> None:
@@ -93,15 +96,19 @@ class Transfer:
     def __await__(self) -> Any:
         return self.wait().__await__()
 
-    async def wait(self, *, timeout: float | None = None) -> None:
+    async def wait(self, *, timeout: float | None = None, spin_us: float | None = None) -> None:
         """Waits until the transfer finished; raises its error (:class:`TransferError`
         subclasses, :class:`EngineClosed`), or :class:`TransferTimeout` when ``timeout``
         seconds pass first (the transfer goes on; await it again), :class:`InvalidArgument` for
-        a bad ``timeout``. Cancellable without affecting the transfer. A finished transfer
-        returns after one cancellation check, no event-loop round trip; otherwise the task
-        sleeps until its completion wakes it."""
+        a bad ``timeout`` or a ``spin_us`` outside [0, 100000]. Cancellable without affecting
+        the transfer. A finished transfer returns after one cancellation check, no event-loop
+        round trip; otherwise the task sleeps until its completion wakes it, after a spin as
+        :meth:`ImmCounter.wait` does it (``spin_us``, or else the engine's ``loop_spin_us``:
+        the event loop's thread drives the completion queues and the GPU's completion words
+        for up to that long, blocking the loop)."""
         end = _end(timeout)
         eng = self._engine
+        spin = eng._loop_spin_ns if spin_us is None else spin_ns(spin_us)
         waited = False
         while not self._finished:
             op = self._op
@@ -113,8 +120,8 @@ class Transfer:
                     if h is not None and lib.aio_quiet_waiters(h, 1):
                         eng._drain()  # records (perhaps its own) came in quietly
                     try:
-                        if eng._loop_spin_ns and not op.event.is_set():
-                            eng._spin_until(op.event.is_set)
+                        if spin and not op.event.is_set():
+                            eng._spin_until(op.event.is_set, spin)
                         if not op.event.is_set():
                             waited = True
                             if not await wait_until(op.event, end):
@@ -132,6 +139,8 @@ class Transfer:
                 except Exception as exc:
                     self._exc = exc
                 continue
+            if spin and self._fenced and not self._bg.is_set() and not eng._closed:
+                eng._spin_until(self._bg.is_set, spin)  # (a task's event needs the loop to run)
             if not self._bg.is_set():
                 waited = True
                 if not await wait_until(self._bg, end):
