@@ -25,9 +25,10 @@ each call's kernels are included):
   the same reduction (the same NumPy/CuPy code as aiote's).
 - torch padded: a fixed-size ``all_to_all_single`` of ``T x min(K, E/W)`` rows per rank pair,
   no count exchange, no permutation: a floor for the data movement alone.
-Rows carry the same bytes on every path: the token (and its scales) and its number. Every
-timed path of an iteration, aiote's included, starts from a ``torch.distributed`` barrier
-taken after the iteration's routing is drawn, so that no path absorbs the ranks' skew.
+Rows carry the same bytes on every path: the token (and its scales) and its number. With the
+torch baselines, every timed path of an iteration, aiote's included, starts from a
+``torch.distributed`` barrier taken after the iteration's routing is drawn, so that no path
+absorbs the ranks' skew (``--no-torch``: no barrier).
 Each iteration's time is the slowest rank's; p50 and p99 over the iterations are printed,
 with the bytes a rank sends to other ranks per call (dispatch, combine) and the resulting rate
 as a fraction of

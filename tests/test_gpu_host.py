@@ -196,6 +196,29 @@ async def test_ipc_credit_lane() -> None:
         assert s1["sleeps"] - s0["sleeps"] < 5000, (s0["sleeps"], s1["sleeps"])
 
 
+async def test_a_spinning_wait_on_an_ipc_write_reads_its_fence() -> None:
+    """Posted writes over the (emulated) CUDA-IPC rail whose fence also credits them, awaited
+    with a spin (``Transfer.wait(loop_spin_us=)``, as aiote.moe's waits are on the GPU): the
+    loop thread reads the fence's word itself (``loop_polls``), and each write's bytes and
+    credit are at the owner."""
+    n = 1 << 20
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend=SLOW) as peer:
+        e = peer.engine
+        src = _device(n, seed=14)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="shared")
+        await e.write(mr, dst, length=4096, imm=40)  # by message; offers the lane
+        await peer.wait(imm=40, n=1, timeout=20)
+        polls, fenced, part = e.stats()["loop_polls"], 0, 65536
+        for i in range(10):
+            t = e.post_write(mr, dst, length=part, src_offset=part * i, dst_offset=part * i, imm=41)
+            fenced += t._fenced  # a lane took its credit: its fence's event is all there is
+            await t.wait(timeout=20, loop_spin_us=20000)
+        assert fenced >= 1 and e.stats()["loop_polls"] > polls
+        await peer.wait(imm=41, n=10, timeout=20)
+        assert await peer.digest("g", 0, 10 * part) == digest(src.host[: 10 * part])
+
+
 N3, K3 = 3 << 20, 6  # the region and the writes of the tests with three IPC streams
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import anyio
 import numpy as np
 import pytest
 from _util import eventually
 
 import aiote
+from aiote.testing import spawn_peer
 
 pytestmark = pytest.mark.anyio
 
@@ -92,14 +95,15 @@ async def test_loop_spin_is_validated(bad: float) -> None:
 async def _wait_before_the_credit(
     waiter: aiote.Engine, writer: aiote.Engine, spin_us: float, imm: int
 ) -> None:
-    """``waiter`` waits for a credit of ``imm`` (``spin_us``) that ``writer`` sends only once
-    the wait has begun."""
+    """``waiter`` waits for a credit of ``imm`` (its ``loop_spin_us``: ``spin_us``) that
+    ``writer`` (on the same event loop) sends only once the wait has begun (and given up its
+    spin)."""
     mw = await waiter.register(np.zeros(4096, np.uint8))
     src = await writer.register(np.zeros(4096, np.uint8))
 
     async def wait(started: anyio.Event) -> None:
         started.set()
-        await waiter.imm_counter(imm).wait(1, timeout=10, spin_us=spin_us)
+        await waiter.imm_counter(imm).wait(1, timeout=10, loop_spin_us=spin_us)
 
     for _ in range(10):
         async with anyio.create_task_group() as tg:
@@ -111,7 +115,7 @@ async def _wait_before_the_credit(
 
 
 async def test_one_wait_spins_on_a_default_engine() -> None:
-    """``spin_us`` on one wait: the loop thread drives the completion queues for it
+    """``loop_spin_us`` on one wait: the loop thread drives the completion queues for it
     (``loop_polls``) on an engine that never spins otherwise, and the credit is taken."""
     async with aiote.open_engine() as plain, aiote.open_engine() as peer:
         assert plain.stats()["loop_polls"] == 0
@@ -120,7 +124,7 @@ async def test_one_wait_spins_on_a_default_engine() -> None:
 
 
 async def test_one_wait_does_not_spin_on_a_spinning_engine() -> None:
-    """``spin_us=0`` turns the engine's ``loop_spin_us`` off for that wait: it sleeps until the
+    """``loop_spin_us=0`` turns the engine's setting off for that wait: it sleeps until the
     poller wakes the loop (no loop-thread poll), and the credit is taken."""
     async with aiote.open_engine(loop_spin_us=500) as fast, aiote.open_engine() as peer:
         await _wait_before_the_credit(fast, peer, 0.0, 22)
@@ -134,21 +138,45 @@ async def test_a_wait_spin_is_validated(bad: object) -> None:
         await a.write(mr, mr.descriptor, length=8, imm=23)
         await eventually(lambda: a.imm_counter(23).available == 1, "the credit to arrive")
         with pytest.raises(aiote.InvalidArgument):
-            await a.imm_counter(23).wait(1, spin_us=bad)  # type: ignore[arg-type]
+            await a.imm_counter(23).wait(1, loop_spin_us=bad)  # type: ignore[arg-type]
         assert a.imm_counter(23).available == 1  # nothing taken
 
 
 async def test_one_transfer_wait_spins_on_a_default_engine() -> None:
-    """``Transfer.wait(spin_us=)``: the loop thread drives the completion queues for that wait
+    """``Transfer.wait(loop_spin_us=)``: the loop thread drives the completion queues for that wait
     (``loop_polls``) on an engine that never spins otherwise; the bytes arrive as without."""
     async with aiote.open_engine(same_host=None) as a, aiote.open_engine(same_host=None) as b:
         src = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8)
         dst = np.zeros(1 << 20, np.uint8)
         ms, md = await a.register(src), await b.register(dst)
         for _ in range(5):
-            await a.post_write(ms, md.descriptor, imm=24).wait(timeout=10, spin_us=2000)
+            await a.post_write(ms, md.descriptor, imm=24).wait(timeout=10, loop_spin_us=2000)
         await b.imm_counter(24).wait(5, timeout=10)
         assert np.array_equal(src, dst)
         assert a.stats()["loop_polls"] > 0
         with pytest.raises(aiote.InvalidArgument):
-            await a.post_write(ms, md.descriptor).wait(spin_us=-1)
+            await a.post_write(ms, md.descriptor).wait(loop_spin_us=-1)
+
+
+async def test_a_spinning_wait_takes_a_peer_processs_credit_without_a_wake_up() -> None:
+    """A peer process answers each ping immediate with a pong: a wait for the pong with a
+    spin takes it while it spins (the poller does not wake the loop for it: fewer
+    ``wakeups_sent``), a wait without sleeps until the poller wakes the loop; every pong is
+    taken either way."""
+    async with spawn_peer() as peer:
+        e = peer.engine
+        d = await peer.register("buf", 4096)
+        mine = await e.register(np.zeros(4096, np.uint8))
+        n = 40
+        wakes: dict[float, int] = {}
+        for spin, ping, pong in ((0.0, 31, 32), (20000.0, 33, 34)):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(peer.call, op="pong", remote=bytes(mine.descriptor).hex(), ping=ping,
+                                      pong=pong, iters=n))
+                before = e.stats()["wakeups_sent"]
+                for _ in range(n):
+                    await e.write_imm(d, ping, timeout=10)
+                    await e.imm_counter(pong).wait(1, timeout=10, loop_spin_us=spin)
+                wakes[spin] = e.stats()["wakeups_sent"] - before
+            assert e.imm_counter(pong).available == 0 and e.imm_counter(pong).total == n
+        assert wakes[20000.0] < wakes[0.0], wakes

@@ -197,8 +197,8 @@ async def test_bad_input_raises_before_anything_is_posted(anyio_backend: str) ->
         with pytest.raises(aiote.InvalidArgument):
             await moe.AllToAll.create(a, moe.Group(g, 0), **{**kw, "out_dtype": "float8_e4m3fn"})
         for spin in (-1.0, True, 1e6, "5"):
-            with pytest.raises(aiote.InvalidArgument, match="spin_us"):
-                await moe.AllToAll.create(a, moe.Group(g, 0), **{**kw, "spin_us": spin})
+            with pytest.raises(aiote.InvalidArgument, match="loop_spin_us"):
+                await moe.AllToAll.create(a, moe.Group(g, 0), **{**kw, "loop_spin_us": spin})
         pair: list[moe.AllToAll] = []
         async with anyio.create_task_group() as tg:
             async def mk(e: aiote.Engine, r: int) -> None:
@@ -229,9 +229,10 @@ async def test_bad_input_raises_before_anything_is_posted(anyio_backend: str) ->
 
 @pytest.mark.anyio
 async def test_a_rank_whose_waits_spin_gets_the_same_results(anyio_backend: str) -> None:
-    """``spin_us`` is each rank's own choice (default 0 on the CPU): rank 0's credit waits
-    spin, rank 1's sleep; the calls return the tokens, and combine (the identity expert,
-    weights summing to 1) gives each token back exactly."""
+    """``loop_spin_us`` is each rank's own choice (with NumPy, by default the engine's own
+    setting: none here): rank 0's waits spin (its loop drives the completion queues:
+    ``loop_polls``), rank 1's sleep; the calls return the tokens, and combine (the identity
+    expert, weights summing to 1) gives each token back exactly."""
     async with aiote.testing.engine_pair(same_host=None) as (a, b):
         g = [a.address, b.address]
         kw: dict[str, Any] = dict(num_experts=4, experts_per_token=2, hidden=8, max_tokens=4,
@@ -239,12 +240,12 @@ async def test_a_rank_whose_waits_spin_gets_the_same_results(anyio_backend: str)
         pair: dict[int, moe.AllToAll] = {}
 
         async def mk(e: aiote.Engine, r: int, spin: float | None) -> None:
-            pair[r] = await moe.AllToAll.create(e, moe.Group(g, r), spin_us=spin, **kw)
+            pair[r] = await moe.AllToAll.create(e, moe.Group(g, r), loop_spin_us=spin, **kw)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(mk, a, 0, 300.0)
             tg.start_soon(mk, b, 1, None)
-        assert pair[0].spin_us == 300.0 and pair[1].spin_us == 0.0
+        assert pair[0].loop_spin_us == 300.0 and pair[1].loop_spin_us is None
         rng = np.random.default_rng(5)
         xs = [rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2)]
         idx = [np.array([[0, 1], [1, 2], [2, 3], [3, 0]]), np.array([[3, 2], [2, 1], [1, 0], [0, 3]])]
@@ -259,6 +260,7 @@ async def test_a_rank_whose_waits_spin_gets_the_same_results(anyio_backend: str)
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, 0)
             tg.start_soon(run, 1)
+        assert a.stats()["loop_polls"] > 0 and b.stats()["loop_polls"] == 0
         for p in pair.values():
             await p.aclose()
 

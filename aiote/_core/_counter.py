@@ -11,17 +11,26 @@ from .._native import lib
 from ._errors import EngineClosed, InvalidArgument
 from ._util import check_timeout, now, timeout_error, wait_until
 
-__all__ = ["CREDIT_UNIT", "CounterOwner", "ImmCounter", "spin_ns"]
+__all__ = ["CREDIT_UNIT", "CounterOwner", "ImmCounter", "spin_budget", "spin_ns"]
 
 CREDIT_UNIT: int = int(lib.AIO_CREDIT_UNIT)
 
 
-def spin_ns(spin_us: float) -> int:
-    """A wait's ``spin_us`` in nanoseconds; InvalidArgument outside [0, 100000] (the bounds
-    of the engine's ``loop_spin_us``)."""
-    if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not 0 <= spin_us <= 100_000:
-        raise InvalidArgument(f"spin_us must be a number in [0, 100000], not {spin_us!r}")
-    return int(spin_us * 1000)
+def spin_ns(loop_spin_us: float) -> int:
+    """A wait's ``loop_spin_us`` in nanoseconds; InvalidArgument outside [0, 100000] (the
+    bounds of the engine's ``loop_spin_us``)."""
+    us = loop_spin_us
+    if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 100_000:
+        raise InvalidArgument(f"loop_spin_us must be a number in [0, 100000], not {us!r}")
+    return int(us * 1000)
+
+
+def spin_budget(spin_ns: int, end: float | None) -> int:
+    """A spin's budget in nanoseconds: ``spin_ns``, but not past ``end`` (the loop clock's
+    deadline of the wait, None: none); 0: no time left to spin."""
+    if end is None:
+        return spin_ns
+    return max(0, min(spin_ns, int((end - now()) * 1e9)))
 
 
 class CounterOwner(Protocol):
@@ -78,31 +87,35 @@ class ImmCounter:
         call, no I/O. Raises :class:`~aiote.EngineClosed` once the engine closed."""
         return int(lib.aio_counter_total(self._engine._handle(), self.imm)) // CREDIT_UNIT
 
-    async def wait(self, n: int = 1, *, timeout: float | None = None, spin_us: float | None = None) -> None:
+    async def wait(
+        self, n: int = 1, *, timeout: float | None = None, loop_spin_us: float | None = None
+    ) -> None:
         """Waits until ``n`` credits are available and consumes them.
 
         Cancellable: a cancelled or timed-out wait consumes nothing (credits already granted
         to it are returned), so credits are never lost nor counted twice. By default it never
         spins: the C poller wakes the loop when the counter reaches the first waiter's demand.
-        With a spin (``spin_us``, or else the engine's low-latency setting ``loop_spin_us``) it
-        first drives the completion queues from the loop thread for up to that long, blocking
-        the event loop meanwhile (a wait expected to end within microseconds, e.g. a step of
-        a collective), and credits already there are taken without a trip through the event
-        loop; ``spin_us=0`` never spins, whatever the engine's setting.
+        With a spin (``loop_spin_us`` for this wait, or else the engine's ``loop_spin_us``) it
+        first drives the completion queues from the loop thread for up to that long (and no
+        longer than ``timeout``), blocking the event loop meanwhile: for a wait expected to
+        end within microseconds, e.g. a step of a collective. Credits already there are then
+        taken without a trip through the event loop. ``loop_spin_us=0`` never spins, whatever
+        the engine's setting.
 
         Raises :class:`~aiote.TransferTimeout` after ``timeout`` seconds,
         :class:`~aiote.EngineClosed` if the engine closes, :class:`~aiote.InvalidArgument`
-        for ``n < 0``, a bad ``timeout`` or a ``spin_us`` outside [0, 100000]. Cost: credits
-        already there are taken with one native call and one checkpoint (none with a spin);
-        otherwise the task sleeps until the poller wakes the loop for it.
+        for ``n < 0``, a bad ``timeout`` or a ``loop_spin_us`` outside [0, 100000]. Cost:
+        credits already there are taken with one native call and one checkpoint (none with a
+        spin); otherwise the task sleeps until the poller wakes the loop for it.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"credits to wait for must be an int >= 0, not {n!r}")
         check_timeout(timeout)
         eng = self._engine
-        spin = eng._loop_spin_ns if spin_us is None else spin_ns(spin_us)
+        spin = eng._loop_spin_ns if loop_spin_us is None else spin_ns(loop_spin_us)
         h = eng._handle()
         units = n * CREDIT_UNIT
+        end = None if timeout is None else now() + timeout  # spins count in the timeout
         await eng._checkpoint_if_cancelled()  # a cancelled caller takes nothing
         if not self._waiters and lib.aio_counter_take(h, self.imm, units):
             if spin:  # spinning (low latency): no trip through the event loop
@@ -115,25 +128,26 @@ class ImmCounter:
                     self._serve()
                 raise
             return
-        if spin and not self._waiters:
+        if spin and not self._waiters and (budget := spin_budget(spin, end)):
             # spinning, nobody queued: spin for the credits without queueing (no waiter, no
             # event); the watch makes the counter push a record when they are in
             imm = self.imm
             if lib.aio_counter_watch(h, imm, units) != 1:
-                eng._spin_until(lambda: lib.aio_counter_available(h, imm) >= units, spin)
+                eng._spin_until(lambda: lib.aio_counter_available(h, imm) >= units, budget)
             if not self._waiters and lib.aio_counter_take(h, imm, units):
                 return
         w = _Waiter(units, eng._event())
         self._waiters.append(w)
-        if self._waiters[0] is w:
-            self._serve()
-        if spin and not w.event.is_set():
-            eng._spin_until(w.event.is_set, spin)
         try:
+            if self._waiters[0] is w:
+                self._serve()
+            if spin and not w.event.is_set() and (budget := spin_budget(spin, end)):
+                eng._spin_until(w.event.is_set, budget)
             # a timed wait is a timer on the event, not a cancel scope (see LoopEvent)
-            if timeout is None:
+            if end is None:
                 await w.event.wait()
-            elif not await wait_until(w.event, now() + timeout):
+            elif not await wait_until(w.event, end):
+                assert timeout is not None
                 raise timeout_error(f"waiting for {n} credits of imm {self.imm}", timeout)
         except BaseException:
             if w.granted and not self._engine._closed:

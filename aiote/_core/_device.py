@@ -312,20 +312,26 @@ class CudaBackend(_Backend):
         # over the stream's earlier work: what the kernels below do, for 2 µs of host time
         # where a launch takes 6.5); kernels where the driver refuses them, and where copies
         # run on several streams at once (``stores`` False): a stream's fence then held the
-        # others' copies back (2 x H200: a 2.18 GB push over 4 streams at 0.80 of the
-        # ceiling, against 0.91 with kernels and 0.95 over one stream with stores)
+        # others' copies back (2 x H200: a flat 2.18 GB push over 4 streams at 0.80 of the
+        # ceiling with stores, 0.92 with kernels; over one stream with stores 0.92-0.95)
         dev = stream.device_id
         with self.cp.cuda.Device(dev):
             put = self._memop(dev) if stores else None
             if put is not None:
                 s = stream.ptr
+                rc = 0
                 if credit is not None:
                     entry, ev, head, hv = credit
-                    if put(s, entry, ev, 0) or put(s, head, hv, 0):
-                        raise AioteError("cuStreamWriteValue64 failed")  # the word never comes
-                if put(s, word, value, 0):
-                    raise AioteError("cuStreamWriteValue64 failed")
-            elif credit is None:
+                    rc = put(s, entry, ev, 0) or put(s, head, hv, 0)
+                rc = rc or put(s, word, value, 0)
+                if not rc:
+                    return
+                # a store refused (memory the probe did not cover, e.g. a lane's registered
+                # file): kernels from now on, and this fence again in full by the kernel (the
+                # stores already enqueued repeat the same values, in stream order)
+                _log.warning("a stream store was refused; GPU fences use a kernel", device=dev, result=rc)
+                self._memops[dev] = None
+            if credit is None:
                 self._fn(dev, "aiote_signal")((1,), (1,), (np.uint64(word), np.uint64(value)), stream=stream)
             else:
                 args = (np.uint64(word), np.uint64(value), *(np.uint64(v) for v in credit))
@@ -345,10 +351,13 @@ class CudaBackend(_Backend):
             probe = self.pinned(8)
             with self.cp.cuda.Device(device):
                 s = self.cp.cuda.Stream(non_blocking=True)
-                if fn(s.ptr, probe.ctypes.data, 0x5A5A_0001, 0) == 0:
+                rc = fn(s.ptr, probe.ctypes.data, 0x5A5A_0001, 0)
+                if rc == 0:
                     s.synchronize()
                     if int(probe.view(np.uint64)[0]) == 0x5A5A_0001:
                         put = fn
+                else:
+                    _log.info("stream memory operations refused; GPU fences use a kernel", result=rc)
         except Exception as exc:  # no such entry point, or a driver that refuses memory ops
             _log.info("stream memory operations unavailable; GPU fences use a kernel", reason=str(exc))
         self._memops[device] = put

@@ -131,8 +131,8 @@ class _Line:
     def fence(self, cb: Callable[[], None], credit: Credit | None = None) -> None:
         seq = self.seq + 1
         try:
-            # raises: nothing enqueued. The stream's own stores only where IPC copies use one
-            # stream per device (the default): see CudaBackend.signal
+            # raises: no fence enqueued (a kernel's launch failed). The stream's own stores only
+            # where IPC copies use one stream per device (the default): see CudaBackend.signal
             self.gpu.b.signal(self.stream, self.word[2], seq, credit, self.gpu.ipc_streams == 1)
         except BaseException:
             self._probe = None  # its fence never comes

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._native import lib
-from ._counter import spin_ns
+from ._counter import spin_budget, spin_ns
 from ._errors import PeerUnreachable
 from ._life import OpLife
 from ._optable import _Op
@@ -96,19 +96,20 @@ class Transfer:
     def __await__(self) -> Any:
         return self.wait().__await__()
 
-    async def wait(self, *, timeout: float | None = None, spin_us: float | None = None) -> None:
+    async def wait(self, *, timeout: float | None = None, loop_spin_us: float | None = None) -> None:
         """Waits until the transfer finished; raises its error (:class:`TransferError`
         subclasses, :class:`EngineClosed`), or :class:`TransferTimeout` when ``timeout``
         seconds pass first (the transfer goes on; await it again), :class:`InvalidArgument` for
-        a bad ``timeout`` or a ``spin_us`` outside [0, 100000]. Cancellable without affecting
-        the transfer. A finished transfer returns after one cancellation check, no event-loop
-        round trip; otherwise the task sleeps until its completion wakes it, after a spin as
-        :meth:`ImmCounter.wait` does it (``spin_us``, or else the engine's ``loop_spin_us``:
-        the event loop's thread drives the completion queues and the GPU's completion words
-        for up to that long, blocking the loop)."""
+        a bad ``timeout`` or a ``loop_spin_us`` outside [0, 100000]. Cancellable without
+        affecting the transfer. A finished transfer returns after one cancellation check, no
+        event-loop round trip; otherwise the task sleeps until its completion wakes it, after
+        a spin as :meth:`ImmCounter.wait` does it (``loop_spin_us`` for this wait, or else the
+        engine's: the event loop's thread drives the completion queues and the GPU's
+        completion words for up to that long and no longer than ``timeout``, blocking the
+        loop)."""
         end = _end(timeout)
         eng = self._engine
-        spin = eng._loop_spin_ns if spin_us is None else spin_ns(spin_us)
+        spin = eng._loop_spin_ns if loop_spin_us is None else spin_ns(loop_spin_us)
         waited = False
         while not self._finished:
             op = self._op
@@ -120,8 +121,8 @@ class Transfer:
                     if h is not None and lib.aio_quiet_waiters(h, 1):
                         eng._drain()  # records (perhaps its own) came in quietly
                     try:
-                        if spin and not op.event.is_set():
-                            eng._spin_until(op.event.is_set, spin)
+                        if spin and not op.event.is_set() and (budget := spin_budget(spin, end)):
+                            eng._spin_until(op.event.is_set, budget)
                         if not op.event.is_set():
                             waited = True
                             if not await wait_until(op.event, end):
@@ -139,8 +140,10 @@ class Transfer:
                 except Exception as exc:
                     self._exc = exc
                 continue
-            if spin and self._fenced and not self._bg.is_set() and not eng._closed:
-                eng._spin_until(self._bg.is_set, spin)  # (a task's event needs the loop to run)
+            # (only a fence's event: a task's needs the loop to run)
+            fence_unset = self._fenced and not self._bg.is_set() and not eng._closed
+            if spin and fence_unset and (budget := spin_budget(spin, end)):
+                eng._spin_until(self._bg.is_set, budget)
             if not self._bg.is_set():
                 waited = True
                 if not await wait_until(self._bg, end):

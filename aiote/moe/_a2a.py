@@ -93,7 +93,7 @@ class AllToAll(Combine):
         probe_interval: float = 0.5,
         scale_block: int | None = None,
         xp: Any = None,
-        spin_us: float | None = None,
+        loop_spin_us: float | None = None,
     ) -> AllToAll:
         """Creates the all-to-all on this rank; every rank of ``group`` calls it with the same
         arguments (checked: a rank with others raises :class:`~aiote.InvalidArgument`).
@@ -111,11 +111,12 @@ class AllToAll(Combine):
         ``scale_block`` (float8 with block scales: each token also carries ``ceil(H /
         scale_block)`` float32 scales, ``dispatch(x_scale=)``, returned as
         ``handle.expert_x_scale``), ``xp``: ``numpy`` (default) or ``cupy`` (GPU regions:
-        same-host peers over CUDA IPC), ``spin_us`` (how long each wait for the peers' credits
-        first drives the engine's completion queues from the event loop's thread, blocking the
-        loop, before it sleeps: see :meth:`aiote.ImmCounter.wait`; default 300 with CuPy, whose
-        calls' waits take tens of microseconds and are on every step's path, 0 with NumPy; a
-        choice of this rank alone).
+        same-host peers over CUDA IPC), ``loop_spin_us`` (how long each wait of a call, for the
+        peers' credits or this rank's writes, first drives the engine's completion queues from
+        the event loop's thread, blocking the loop, before it sleeps: see
+        :meth:`aiote.ImmCounter.wait`; default 300 with CuPy, whose calls' waits take tens of
+        microseconds and are on every step's path, and with NumPy the engine's own
+        ``loop_spin_us``; a choice of this rank alone).
 
         Registers its regions, sends one message to every peer and takes the engine's
         messages until every peer's arrived (messages of others are dropped with a warning:
@@ -130,9 +131,9 @@ class AllToAll(Combine):
             group.world, num_experts, experts_per_token, hidden, max_tokens, in_dtype, out_dtype,
             expert_padding, max_recv_tokens, imm_tag, timeout, probe_interval, scale_block,
         )
-        spin = check_spin(spin_us, getattr(xp, "__name__", "") == "cupy")
+        spin = check_spin(loop_spin_us, getattr(xp, "__name__", "") == "cupy")
         self = cls(engine, group, Geometry(group.world, num_experts), cfg, xp)
-        self.spin_us = spin
+        self.loop_spin_us = spin
         try:
             with Deadline(timeout, "creating the all-to-all"):
                 await self._register()

@@ -63,7 +63,7 @@ class Credits(State):
                 raise TransferTimeout(f"{what}: peers' writes did not all arrive in time")
             step = self.probe_interval if remaining is None else min(self.probe_interval, remaining)
             try:
-                await counter.wait(1, timeout=step, spin_us=self.spin_us)
+                await counter.wait(1, timeout=step, loop_spin_us=self.loop_spin_us)
                 return
             except TransferTimeout:
                 pass
@@ -92,7 +92,7 @@ class Credits(State):
         while transfers:
             t = transfers[0]
             try:
-                await t.wait(timeout=left(end), spin_us=self.spin_us)
+                await t.wait(timeout=left(end), loop_spin_us=self.loop_spin_us)
             except TransferTimeout:
                 raise TransferTimeout(f"{what}: this rank's writes did not finish in time") from None
             except AioteError as exc:

@@ -46,7 +46,7 @@ class State:
         self.timeout: float | None = cfg["timeout"]
         self.probe_interval: float = cfg["probe_interval"]
         self.imm_tag: int = cfg["imm_tag"]
-        self.spin_us = 0.0  # each credit wait's spin (set by AllToAll.create)
+        self.loop_spin_us: float | None = None  # each wait's spin (AllToAll.create sets it)
         self._gpu = getattr(xp, "__name__", "") == "cupy"
         self._xrow = self.hidden * self.in_dtype.itemsize
         self.scale_block: int | None = cfg["scale_block"]

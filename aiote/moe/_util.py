@@ -85,13 +85,14 @@ def check_config(
     }
 
 
-def check_spin(spin_us: Any, gpu: bool) -> float:
-    """:meth:`AllToAll.create`'s ``spin_us``, checked; its default (300 on the GPU, else 0)."""
-    if spin_us is None:
-        return 300.0 if gpu else 0.0
-    if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not 0 <= spin_us <= 100_000:
-        raise InvalidArgument(f"spin_us must be microseconds in [0, 100000] or None, not {spin_us!r}")
-    return float(spin_us)
+def check_spin(us: Any, gpu: bool) -> float | None:
+    """:meth:`AllToAll.create`'s ``loop_spin_us``, checked; its default (300 on the GPU, else
+    None: the engine's own setting)."""
+    if us is None:
+        return 300.0 if gpu else None
+    if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 100_000:
+        raise InvalidArgument(f"loop_spin_us must be microseconds in [0, 100000] or None, not {us!r}")
+    return float(us)
 
 
 def left(end: float | None) -> float | None:
