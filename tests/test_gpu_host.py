@@ -156,19 +156,30 @@ async def test_ipc_rail_same_host() -> None:
         assert e.stats()["gpu_staged"] == 1 and e.stats()["gpu_ipc"] == 0
 
 
+@asynccontextmanager
+async def _lane_offered(seed: int, imm: int) -> AsyncIterator[tuple[Any, HostDeviceArray, Any, Any]]:
+    """A peer process owning a 1 MiB emulated GPU region "g", and this side's registered
+    pattern of ``seed``, after a first IPC write (immediate ``imm``) was credited by a message
+    and offered the owner a credit lane (slowed copies): (peer, source, its region, the
+    owner's descriptor)."""
+    n = 1 << 20
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend=SLOW) as peer:
+        e = peer.engine
+        src = _device(n, seed=seed)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="shared")
+        await e.write(mr, dst, length=4096, imm=imm)  # by message; offers the lane
+        await peer.wait(imm=imm, n=1, timeout=20)
+        yield peer, src, mr, dst
+
+
 async def test_ipc_credit_lane() -> None:
     """IPC writes after the first to an owner are credited through its credit lane (the
     writer's stream stores the credit, no message): one credit per write, after its bytes (the
     writer's copies are slowed down), paged writes one per page; writes posted faster than the
     owner takes them fill the lane and fall back to messages, every credit still counted once."""
-    n = 1 << 20
-    async with spawn_peer(peer_gpu_backend="host", gpu_backend=SLOW) as peer:
+    async with _lane_offered(12, 30) as (peer, src, mr, dst):
         e = peer.engine
-        src = _device(n, seed=12)
-        mr = await e.register(src)
-        dst = await peer.register("g", n, device="shared")
-        await e.write(mr, dst, length=4096, imm=30)  # by message; offers the lane
-        await peer.wait(imm=30, n=1, timeout=20)
         for i in range(40):
             await e.write(mr, dst, length=8192, src_offset=8192 * i, dst_offset=8192 * i, imm=31)
             await peer.wait(imm=31, n=1, timeout=20)
@@ -201,14 +212,8 @@ async def test_a_spinning_wait_on_an_ipc_write_reads_its_fence() -> None:
     with a spin (``Transfer.wait(loop_spin_us=)``, as aiote.moe's waits are on the GPU): the
     loop thread reads the fence's word itself (``loop_polls``), and each write's bytes and
     credit are at the owner."""
-    n = 1 << 20
-    async with spawn_peer(peer_gpu_backend="host", gpu_backend=SLOW) as peer:
+    async with _lane_offered(14, 40) as (peer, src, mr, dst):
         e = peer.engine
-        src = _device(n, seed=14)
-        mr = await e.register(src)
-        dst = await peer.register("g", n, device="shared")
-        await e.write(mr, dst, length=4096, imm=40)  # by message; offers the lane
-        await peer.wait(imm=40, n=1, timeout=20)
         polls, fenced, part = e.stats()["loop_polls"], 0, 65536
         for i in range(10):
             t = e.post_write(mr, dst, length=part, src_offset=part * i, dst_offset=part * i, imm=41)
