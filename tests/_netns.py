@@ -5,13 +5,14 @@ talks to anything but the links it creates."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["Hosts", "Lan", "lan", "netns_unavailable", "two_hosts"]
+__all__ = ["Hosts", "Lan", "lan", "netns_unavailable", "reap_stale", "two_hosts"]
 
 
 @dataclass
@@ -43,9 +44,36 @@ def netns_unavailable() -> str | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_stale() -> None:
+    """Deletes what a test process that is gone (killed before its cleanup ran) left: its
+    namespaces (``aiote-<pid>...``) and its links in this namespace (``aio<pid>a<i>``), which
+    would otherwise hold the addresses the next run gives its own links. Only names these
+    helpers make, and only of a pid that no longer runs."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in out.splitlines() if line.strip()):
+        m = re.fullmatch(r"aiote-(\d+)(-.*)?", name)
+        if m and not _alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for m in re.finditer(r"^\d+: (aio(\d+)a\d+)[@:]", out, re.M):
+        if not _alive(int(m.group(2))):
+            subprocess.run(["ip", "link", "del", m.group(1)], capture_output=True)
+
+
 @contextmanager
 def two_hosts(nlinks: int = 2, subnet: int = 213) -> Iterator[Hosts]:
-    tag = f"{os.getpid() % 100000}"
+    reap_stale()
+    tag = f"{os.getpid()}"
     ns = f"aiote-{tag}"
     local = [f"aio{tag}a{i}" for i in range(nlinks)]
     remote = [f"aio{tag}b{i}" for i in range(nlinks)]
@@ -95,7 +123,8 @@ class Lan:
 def lan(nhosts: int, subnet: int) -> Iterator[Lan]:
     """``nhosts`` hosts and a switch (see :class:`Lan`); every namespace (and with it every
     link) is deleted at the end, also on failure."""
-    tag = f"{os.getpid() % 100000}"
+    reap_stale()
+    tag = f"{os.getpid()}"
     sw = f"aiote-{tag}-sw"
     hosts = [f"aiote-{tag}-h{i}" for i in range(nhosts)]
     made: list[str] = []

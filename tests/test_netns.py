@@ -4,12 +4,15 @@ when a link goes down in the middle of a 1 GiB transfer. Skipped without root/ip
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import anyio
 import numpy as np
 import pytest
-from _netns import Hosts, netns_unavailable, two_hosts
+from _netns import Hosts, netns_unavailable, reap_stale, two_hosts
 from _util import digest, eventually, kernel_sndbuf, pattern, peer_buffer, streams_open, tcp_sockets
 
 import aiote
@@ -231,3 +234,26 @@ async def test_send_buffers_of_connections_to_another_host(hosts: Hosts, asked: 
         else:
             assert set(ours) == {kernel_sndbuf(asked)}
             assert e.stats()["tcp_buffers_set"] >= 2  # the listener and the connection
+
+
+def test_what_a_killed_run_left_is_reaped_and_a_live_runs_is_not() -> None:
+    """A test process killed before its cleanup leaves its namespace and its link (with the
+    address the next run gives its own link): the next ``two_hosts`` deletes them, and leaves
+    a running process's alone."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    pid = int(dead.stdout)
+    left, mine = f"aiote-{pid}", f"aiote-{os.getpid()}-keep"
+    subprocess.run(["ip", "netns", "add", left], check=True)
+    subprocess.run(["ip", "netns", "add", mine], check=True)
+    subprocess.run(["ip", "link", "add", f"aio{pid}a0", "type", "veth", "peer", "name", f"aio{pid}b0",
+                    "netns", left], check=True)
+    try:
+        reap_stale()
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        assert left not in names and f"aio{pid}a0" not in links
+        assert mine in names
+    finally:
+        subprocess.run(["ip", "netns", "del", mine], capture_output=True)
+        subprocess.run(["ip", "netns", "del", left], capture_output=True)
