@@ -131,8 +131,10 @@ class Rank:
     def host(self, v: Any) -> Any:
         return v if self.xp is np else v.get()
 
-    def check_dispatch(self, c: dict[str, Any], h: moe.DispatchHandle) -> Any:
-        """Checks a dispatch against the reference; returns the expert outputs to combine."""
+    def check_dispatch(self, c: dict[str, Any], h: moe.DispatchHandle, own: bool = True) -> Any:
+        """Checks a dispatch against the reference; returns the expert outputs to combine.
+        Padding rows are zero in the scales, and in expert_x when it is the call's own array
+        (``own``; a caller's out_x keeps its padding rows as they were)."""
         assert self.group is not None
         me, case, expect = self.group.rank, c["case"], c["expect"]
         mine = expect[me]
@@ -143,11 +145,13 @@ class Rank:
         assert np.array_equal(self.host(h.src_rank), mine.src_rank)
         assert np.array_equal(self.host(h.src_token), mine.src_token)
         assert np.array_equal(bits(ex[valid]), bits(mine.expert_x[valid])), "dispatched rows differ"
+        assert not own or not bits(ex[~valid]).any(), "padding rows of expert_x are not zero"
         sc = None
         if c["scales"] is not None:
             sc = self.host(h.expert_x_scale)
             assert mine.expert_x_scale is not None
             assert np.array_equal(bits(sc[valid]), bits(mine.expert_x_scale[valid])), "scales differ"
+            assert not bits(sc[~valid]).any(), "padding rows of the scales are not zero"
         return self.xp.asarray(expert_fn(ex, case.get("out", case["dtype"]), sc))
 
     def expected_combine(self, c: dict[str, Any]) -> tuple[np.ndarray, list[np.ndarray], Any]:
@@ -195,7 +199,7 @@ class Rank:
             h = await pending.recv()
         else:
             h = await a.dispatch(*c["args"], **c["kw"])
-        y = self.check_dispatch(c, h)
+        y = self.check_dispatch(c, h, own=not split)
         want, ys, out = self.expected_combine(c)
         if split:
             cp = await a.combine_send(h, y)
@@ -214,7 +218,7 @@ class Rank:
             pa = await a.dispatch_send(*ca["args"], **ca["kw"], out_x=self.reused_out_x(a, case, 0))
             pb = await a.dispatch_send(*cb["args"], **cb["kw"], out_x=self.reused_out_x(a, case, 1))
             ha, hb = await pa.recv(), await pb.recv()
-            ya, yb = self.check_dispatch(ca, ha), self.check_dispatch(cb, hb)
+            ya, yb = self.check_dispatch(ca, ha, own=False), self.check_dispatch(cb, hb, own=False)
             (wa, ysa, oa), (wb, ysb, ob) = self.expected_combine(ca), self.expected_combine(cb)
             qa, qb = await a.combine_send(ha, ya), await a.combine_send(hb, yb)
             ga = await qa.recv(out=oa, accumulate=oa is not None)

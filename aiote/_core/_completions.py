@@ -8,6 +8,7 @@ from typing import Any
 
 from .._native import lib
 from ._rails import Rails
+from ._util import now
 from ._wire import _REC_COUNTER, _REC_GROUP
 
 
@@ -26,15 +27,20 @@ class Completions(Rails):
         lib.aio_clear_eventfd(self._h)
         self._drain()
 
-    def _spin_until(self, done: Any, budget_ns: int | None = None) -> None:
-        """Low-latency mode (``loop_spin_us``, or a wait's own ``budget_ns``): the loop thread
+    def _spin_until(self, done: Any, spin_ns: int | None = None, until: float | None = None) -> None:
+        """Low-latency mode (``loop_spin_us``, or a wait's own ``spin_ns``): the loop thread
         drives the completion queues itself (``aio_poll_ring``, GIL released: polls for 30 us
         yielding the CPU, then sleeps on the NICs' wait objects) until ``done()`` or the spin
         budget runs out, instead of a hand-off through the ring and the eventfd. Every record
         is dispatched by :meth:`_drain` as usual, which also re-arms the eventfd before the
-        loop may sleep. Blocks the event loop for at most the budget."""
+        loop may sleep. Blocks the event loop for at most the budget, and not past ``until``
+        (the wait's deadline on the loop's clock, :func:`now`)."""
         h = self._h
-        left = self._loop_spin_ns if budget_ns is None else budget_ns
+        left = self._loop_spin_ns if spin_ns is None else spin_ns
+        if until is not None:
+            left = min(left, int((until - now()) * 1e9))
+        if left <= 0:
+            return
         end = time.perf_counter_ns() + left
         while not self._closed:
             got = lib.aio_poll_ring(h, left)

@@ -11,7 +11,7 @@ from .._native import lib
 from ._errors import EngineClosed, InvalidArgument
 from ._util import check_timeout, now, timeout_error, wait_until
 
-__all__ = ["CREDIT_UNIT", "CounterOwner", "ImmCounter", "spin_budget", "spin_ns"]
+__all__ = ["CREDIT_UNIT", "CounterOwner", "ImmCounter", "spin_ns"]
 
 CREDIT_UNIT: int = int(lib.AIO_CREDIT_UNIT)
 
@@ -23,14 +23,6 @@ def spin_ns(loop_spin_us: float) -> int:
     if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 100_000:
         raise InvalidArgument(f"loop_spin_us must be a number in [0, 100000], not {us!r}")
     return int(us * 1000)
-
-
-def spin_budget(spin_ns: int, end: float | None) -> int:
-    """A spin's budget in nanoseconds: ``spin_ns``, but not past ``end`` (the loop clock's
-    deadline of the wait, None: none); 0: no time left to spin."""
-    if end is None:
-        return spin_ns
-    return max(0, min(spin_ns, int((end - now()) * 1e9)))
 
 
 class CounterOwner(Protocol):
@@ -47,7 +39,7 @@ class CounterOwner(Protocol):
 
     def _forget_counter(self, imm: int) -> bool: ...
 
-    def _spin_until(self, done: Any, budget_ns: int | None = None) -> None: ...
+    def _spin_until(self, done: Any, spin_ns: int | None = None, until: float | None = None) -> None: ...
 
 
 class _Waiter:
@@ -128,12 +120,12 @@ class ImmCounter:
                     self._serve()
                 raise
             return
-        if spin and not self._waiters and (budget := spin_budget(spin, end)):
+        if spin and not self._waiters:
             # spinning, nobody queued: spin for the credits without queueing (no waiter, no
             # event); the watch makes the counter push a record when they are in
             imm = self.imm
             if lib.aio_counter_watch(h, imm, units) != 1:
-                eng._spin_until(lambda: lib.aio_counter_available(h, imm) >= units, budget)
+                eng._spin_until(lambda: lib.aio_counter_available(h, imm) >= units, spin, end)
             if not self._waiters and lib.aio_counter_take(h, imm, units):
                 return
         w = _Waiter(units, eng._event())
@@ -141,8 +133,8 @@ class ImmCounter:
         try:
             if self._waiters[0] is w:
                 self._serve()
-            if spin and not w.event.is_set() and (budget := spin_budget(spin, end)):
-                eng._spin_until(w.event.is_set, budget)
+            if spin and not w.event.is_set():
+                eng._spin_until(w.event.is_set, spin, end)
             # a timed wait is a timer on the event, not a cancel scope (see LoopEvent)
             if end is None:
                 await w.event.wait()

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._native import lib
-from ._counter import spin_budget, spin_ns
+from ._counter import spin_ns
 from ._errors import PeerUnreachable
 from ._life import OpLife
 from ._optable import _Op
@@ -121,8 +121,8 @@ class Transfer:
                     if h is not None and lib.aio_quiet_waiters(h, 1):
                         eng._drain()  # records (perhaps its own) came in quietly
                     try:
-                        if spin and not op.event.is_set() and (budget := spin_budget(spin, end)):
-                            eng._spin_until(op.event.is_set, budget)
+                        if spin and not op.event.is_set():
+                            eng._spin_until(op.event.is_set, spin, end)
                         if not op.event.is_set():
                             waited = True
                             if not await wait_until(op.event, end):
@@ -141,9 +141,8 @@ class Transfer:
                     self._exc = exc
                 continue
             # (only a fence's event: a task's needs the loop to run)
-            fence_unset = self._fenced and not self._bg.is_set() and not eng._closed
-            if spin and fence_unset and (budget := spin_budget(spin, end)):
-                eng._spin_until(self._bg.is_set, budget)
+            if spin and self._fenced and not self._bg.is_set() and not eng._closed:
+                eng._spin_until(self._bg.is_set, spin, end)
             if not self._bg.is_set():
                 waited = True
                 if not await wait_until(self._bg, end):

@@ -236,7 +236,7 @@ class Transfers(Rows):
         Guarantees: arguments are validated before this returns (raises :class:`InvalidArgument`,
         :class:`DescriptorError` or :class:`EngineClosed`; nothing posted). Host memory over
         one NIC to the peer (the common case) is handed to the transport before this returns, and
-        a write over the CUDA-IPC rail is on its stream (the copy and the kernel that reports
+        a write over the CUDA-IPC rail is on its stream (the copy and the fence that reports
         it); other GPU writes, a ``stream`` off that rail, several NICs to the peer, or a
         transport pushing back (full queues, a peer still connecting) continue in a background
         task of the engine, started at once. Either way the write proceeds

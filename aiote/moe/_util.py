@@ -13,6 +13,7 @@ from .. import InvalidArgument, TransferTimeout
 
 # internal: the core's structured logger (not public API), so that the application's one
 # configuration of the stdlib "aiote" logger covers the flow's records too
+from .._core._counter import spin_ns
 from .._core._log import get_logger
 from ._dtypes import DType, dtype_of, from_f32, to_f32
 
@@ -90,8 +91,7 @@ def check_spin(us: Any, gpu: bool) -> float | None:
     None: the engine's own setting)."""
     if us is None:
         return 300.0 if gpu else None
-    if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 100_000:
-        raise InvalidArgument(f"loop_spin_us must be microseconds in [0, 100000] or None, not {us!r}")
+    spin_ns(us)  # the bounds of ImmCounter.wait's (InvalidArgument), checked at creation
     return float(us)
 
 
