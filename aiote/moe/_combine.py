@@ -69,11 +69,11 @@ class Combine(Dispatch):
         await self._settle(self._csend_busy, end, what, quiet=True)
         mark("c.settle_old")
         plan = handle._plan
-        yb = xp.ascontiguousarray(expert_out).view(xp.uint8).reshape(expert_out.shape[0], self._yrow)
+        y = xp.ascontiguousarray(expert_out)
         if self._gpu:
-            self._pack_back_gpu(handle, yb)
+            self._pack_back_gpu(handle, y)
         else:
-            self._pack_back(handle, yb)
+            self._pack_back(handle, y.view(xp.uint8).reshape(expert_out.shape[0], self._yrow))
         mark("c.pack", xp)
         posted = self._post_back(handle.seq, plan)
         mark("c.post")

@@ -149,7 +149,8 @@ class Dispatch(GpuFlow):
         for old in [s for s in self._pending if s <= seq - 2]:
             self._pending.pop(old)
             self._stale.add(old)
-        self._stale = {s for s in self._stale if s > seq - 64}
+        if len(self._stale) > 128:  # (not every call: a set comprehension costs microseconds)
+            self._stale = {s for s in self._stale if s > seq - 64}
 
     def _check_out_x(self, out_x: Any) -> None:
         xp = self.xp
@@ -164,17 +165,22 @@ class Dispatch(GpuFlow):
             )
 
     def _sources(self, x: Any, x_scale: Any) -> list[Any]:
-        """The bytes of each field of a token's row: ``[T, bytes]`` views of x (and x_scale)."""
+        """The bytes of each field of a token's row: ``[T, bytes]`` views of x (and x_scale);
+        on the GPU the C-contiguous arrays themselves (the kernels take their pointers)."""
         xp, t = self.xp, x.shape[0]
         if self.scale_block is None:
             if x_scale is not None:
                 raise InvalidArgument("x_scale given, but the all-to-all was created without scale_block")
-            return [xp.ascontiguousarray(x).view(xp.uint8).reshape(t, self._xrow)]
-        if (not isinstance(x_scale, xp.ndarray) or x_scale.shape != (t, self._nscale)
-                or x_scale.dtype != np.float32):
-            raise InvalidArgument(f"x_scale must be a [{t}, {self._nscale}] float32 {xp.__name__} array")
-        return [xp.ascontiguousarray(x).view(xp.uint8).reshape(t, self._xrow),
-                xp.ascontiguousarray(x_scale).view(xp.uint8).reshape(t, 4 * self._nscale)]
+            srcs = [xp.ascontiguousarray(x)]
+        else:
+            if (not isinstance(x_scale, xp.ndarray) or x_scale.shape != (t, self._nscale)
+                    or x_scale.dtype != np.float32):
+                raise InvalidArgument(f"x_scale must be a [{t}, {self._nscale}] float32 {xp.__name__} array")
+            srcs = [xp.ascontiguousarray(x), xp.ascontiguousarray(x_scale)]
+        if self._gpu:
+            return srcs
+        widths = (self._xrow, 4 * self._nscale)
+        return [a.view(xp.uint8).reshape(t, w) for a, w in zip(srcs, widths, strict=False)]
 
     def _pack(self, srcs: list[Any], send: SendPlan, plan: RecvPlan) -> None:
         """Send rows for the other ranks in (expert, token) order: each field, then the token

@@ -48,21 +48,19 @@ class GpuFlow(Credits):
             idx = xp.ascontiguousarray(idx, dtype=xp.int64)
         n_slots = m * k
         counts, eoff, pos, row_token = self._gbufs[p][:4]
-        kern = self._kern
-        kern.layout(idx, k, e, counts, eoff, pos, row_token)
+        kern, sp = self._kern, stream.ptr
+        kern.layout(idx, k, e, counts, eoff, pos, row_token, sp)
         host = self._hcount[p]
-        xp.cuda.runtime.memcpyAsync(host.ctypes.data, counts.data.ptr, counts.nbytes, 2, stream.ptr)
+        xp.cuda.runtime.memcpyAsync(host.ctypes.data, counts.data.ptr, counts.nbytes, 2, sp)
         ev = self._event("counts", p)
         ev.record(stream)
-        dsend = self._dsend_v[p]
         if n_slots:
-            x0 = srcs[0]
-            sc = srcs[1] if len(srcs) > 1 else x0
+            x0 = srcs[0].data.ptr
+            sc = srcs[1].data.ptr if len(srcs) > 1 else x0
+            sw = 4 * self._nscale
             kern.pack(
-                (n_slots,), (128,),
-                (x0, np.int64(self._xrow), sc, np.int64(4 * self._nscale), np.int32(self._xrow),
-                 np.int32(self._fields[1][0]), np.int32(4 * self._nscale), row_token, eoff, np.int32(e),
-                 dsend, np.int64(self._dstride), np.int32(self._toff)),
+                n_slots, 128, sp, x0, self._xrow, sc, sw, self._xrow, self._fields[1][0], sw,
+                row_token.data.ptr, eoff.data.ptr, e, self._gptr[p][0], self._dstride, self._toff,
             )
         mark("d.layout")
         await self._until(ev, end, what)
@@ -189,15 +187,14 @@ class GpuFlow(Credits):
         ex, scale, src_rank, src_token = out
         back = self._gbufs[p][5][:rows]
         if rows:
-            exb = ex.view(xp.uint8)
-            sb = exb if scale is None else scale.view(xp.uint8)
+            dsend, drecv, tab = self._gptr[p]
+            exp = ex.data.ptr
+            sw = 4 * self._nscale
             self._kern.unpack(
-                (rows,), (128,),
-                (self._gbufs[p][4], np.int32(len(plan.counts)), np.int32(self.world), np.int32(me),
-                 self._drecv_v[p], self._dsend_v[p], np.int64(self._dstride), np.int32(self._xrow),
-                 np.int32(self._fields[1][0]),
-                 np.int32(4 * self._nscale), np.int32(self._toff), exb, np.int64(self._xrow), sb,
-                 np.int64(4 * self._nscale), src_rank, src_token, back, np.int32(pending._out_x is None)),
+                rows, 128, xp.cuda.get_current_stream().ptr, tab, len(plan.counts), self.world, me,
+                drecv, dsend, self._dstride, self._xrow, self._fields[1][0], sw, self._toff, exp,
+                self._xrow, exp if scale is None else scale.data.ptr, sw, src_rank.data.ptr,
+                src_token.data.ptr, back.data.ptr, pending._out_x is None,
             )
         self._record_fence(p)
         h = DispatchHandle(
@@ -209,15 +206,16 @@ class GpuFlow(Credits):
         self._handles[seq] = h
         return h
 
-    def _pack_back_gpu(self, h: DispatchHandle, yb: Any) -> None:
-        """One kernel over the output rows: the peers' rows into the send region at the rows
-        they came in at, this rank's own rows straight into its combine region."""
+    def _pack_back_gpu(self, h: DispatchHandle, y: Any) -> None:
+        """One kernel over the output rows of ``y`` (C-contiguous expert outputs): the peers'
+        rows into the send region at the rows they came in at, this rank's own rows straight
+        into its combine region."""
         rows = int(h.offsets[-1])
         if rows:
             self._kern.back(
-                (rows,), (128,),
-                (h.src_rank, h._dest, np.int32(self.rank), yb, np.int64(self._yrow), np.int32(self._yrow),
-                 self._csend, self._crecv_v[h.seq & 1], np.int64(self._cstride)),
+                rows, 128, self.xp.cuda.get_current_stream().ptr, h.src_rank.data.ptr, h._dest.data.ptr,
+                self.rank, y.data.ptr, self._yrow, self._yrow, self._csend_ptr,
+                self._crecv_v[h.seq & 1].data.ptr, self._cstride,
             )
 
 

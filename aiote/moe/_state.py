@@ -79,7 +79,8 @@ class State:
         xp, w = self.xp, self.world
         # the route rows of both parities, then 4 bytes that probes write (no immediate)
         ns = 2
-        self._route_raw = np.zeros(ns * w * self.num_experts + 4, dtype=np.int32)
+        # (in the host arena: a same-host peer's route write is then one memcpy by its poller)
+        self._route_raw = self.engine.alloc_host(ns * w * self.num_experts + 4, dtype=np.int32)
         self._route = self._route_raw[:-4].reshape(ns, w, self.num_experts)
         self._myroute = np.zeros((ns, self.num_experts), dtype=np.int32)
         # host receive regions come from the engine's host arena: a same-host peer's write
@@ -115,6 +116,10 @@ class State:
             self._crecv_v = [self._crecv[i] for i in range(2)]
             self._gbufs = [(self._gcounts[i], self._geoff[i], self._gpos[i], self._grow[i], self._gtab[i],
                             self._gback[i]) for i in range(2)]
+            # the kernels' pointers of each parity: the send region, the receive region, the table
+            self._gptr = [(self._dsend_v[i].data.ptr, self._drecv_v[i].data.ptr, self._gtab[i].data.ptr)
+                          for i in range(2)]
+            self._csend_ptr = self._csend.data.ptr
 
     async def _register(self) -> None:
         e = self.engine
