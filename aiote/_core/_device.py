@@ -158,6 +158,8 @@ class _Backend:
 
 # ---------------------------------------------------------------------------------- CUDA
 
+_CURRENT = contextlib.nullcontext()  # (reusable: see CudaBackend._on)
+
 _SIGNAL_SRC = r"""
 extern "C" __global__ void aiote_signal(unsigned long long *word, unsigned long long value) {
     __threadfence_system();
@@ -282,8 +284,13 @@ class CudaBackend(_Backend):
         with self.cp.cuda.Device(device):
             return self.cp.cuda.Stream(non_blocking=True)
 
+    def _on(self, device: int) -> Any:
+        """A context on ``device``: none to enter (the calls of a write's path, each cost
+        microseconds) when it is the current device already."""
+        return _CURRENT if self.rt.getDevice() == device else self.cp.cuda.Device(device)
+
     def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        with self.cp.cuda.Device(stream.device_id):
+        with self._on(stream.device_id):
             self.rt.memcpyAsync(dst, src, nbytes, 4, stream.ptr)  # cudaMemcpyDefault
 
     def paged_copy(
@@ -315,7 +322,7 @@ class CudaBackend(_Backend):
         # others' copies back (2 x H200: a flat 2.18 GB push over 4 streams at 0.80 of the
         # ceiling with stores, 0.92 with kernels; over one stream with stores 0.92-0.95)
         dev = stream.device_id
-        with self.cp.cuda.Device(dev):
+        with self._on(dev):
             put = self._memop(dev) if stores else None
             if put is not None:
                 s = stream.ptr
