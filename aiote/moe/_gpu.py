@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 from typing import Any, ClassVar
 
 from ._dtypes import DType
@@ -119,11 +120,12 @@ class Launch:
 
     ``kinds`` says each parameter's C type in order: ``p`` a pointer, ``q`` a 64-bit integer,
     ``i`` a 32-bit one. The values are packed into a buffer made once (the driver copies them
-    at the launch, so the buffer is free again when the call returns; one thread at a time).
+    at the launch, so the buffer is free again when the call returns; a lock keeps two threads
+    from packing it at once).
     Raises CuPy's ``CUDADriverError`` when the driver refuses the launch, ``struct.error`` for
     a value that does not fit its type. Costs one ``struct`` call and one ``ctypes`` call."""
 
-    __slots__ = ("_args", "_buf", "_err", "_fn", "_func", "_launch", "_params", "name")
+    __slots__ = ("_args", "_buf", "_err", "_fn", "_func", "_launch", "_lock", "_params", "name")
 
     def __init__(self, cupy: Any, func: Any, kinds: str, name: str) -> None:
         self._func = func  # keeps its module loaded
@@ -137,11 +139,13 @@ class Launch:
         self._launch = _cu_launch()
         self._params = params
         self._err = cupy.cuda.driver.CUDADriverError
+        self._lock = threading.Lock()
         self.name = name
 
     def __call__(self, grid: int, block: int, stream: int, *args: int) -> None:
-        self._args.pack_into(self._buf, 0, *args)
-        rc = self._launch(self._fn, grid, 1, 1, block, 1, 1, 0, stream, self._params, None)
+        with self._lock:
+            self._args.pack_into(self._buf, 0, *args)
+            rc = self._launch(self._fn, grid, 1, 1, block, 1, 1, 0, stream, self._params, None)
         if rc:
             raise self._err(rc)
 
