@@ -82,7 +82,10 @@ class GpuFlow(Credits):
         plan = self._plan_gpu(c)
         self._post_data(seq, n_me, sstart, (p * self.max_recv_tokens + plan.dst_row).tolist(), posted)
         mark("d.post_rows")
-        return plan, pos[:n_slots].reshape(m, k), posted
+        pv = self._pos_v.get((p, m))
+        if pv is None:  # (one view per parity and token count, made once)
+            pv = self._pos_v[(p, m)] = pos[:n_slots].reshape(m, k)
+        return plan, pv, posted
 
     def _post_data(
         self, seq: int, n_me: np.ndarray, sstart: np.ndarray, at: list[int], posted: list[Transfer]

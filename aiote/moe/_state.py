@@ -120,6 +120,10 @@ class State:
             self._gptr = [(self._dsend_v[i].data.ptr, self._drecv_v[i].data.ptr, self._gtab[i].data.ptr)
                           for i in range(2)]
             self._csend_ptr = self._csend.data.ptr
+            # the combine regions as rows of out_dtype (the reduction's input), when rows are packed
+            st = self.out_dtype.storage
+            self._crows_v = [v.view(st) for v in self._crecv_v] if self._cstride == self._yrow else None
+            self._pos_v: dict[tuple[int, int], Any] = {}  # (parity, tokens) -> [m, K] view of _gpos
 
     async def _register(self) -> None:
         e = self.engine

@@ -15,6 +15,7 @@ from .. import InvalidArgument, TransferTimeout
 # configuration of the stdlib "aiote" logger covers the flow's records too
 from .._core._counter import spin_ns
 from .._core._log import get_logger
+from .._core._util import now  # anyio.current_time() for a fraction of its cost
 from ._dtypes import DType, dtype_of, from_f32, to_f32
 
 TAG = "aiote.moe/1"
@@ -96,7 +97,7 @@ def check_spin(us: Any, gpu: bool) -> float | None:
 
 
 def left(end: float | None) -> float | None:
-    return None if end is None else max(0.0, end - anyio.current_time())
+    return None if end is None else max(0.0, end - now())
 
 
 class Deadline:
