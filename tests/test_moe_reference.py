@@ -157,6 +157,26 @@ def test_gpu_plan_places_rows_as_the_cpu_plan(seed: int) -> None:
             flow._plan_gpu(c)
 
 
+def test_gpu_kernel_parameter_kinds_match_their_sources() -> None:
+    """The GPU kernels are launched with their parameters packed by ``Launch`` from
+    ``KINDS`` (pointer, long long, int): each string must follow its kernel's C signature,
+    parameter by parameter (a wrong one shifts every later argument). Read from the CUDA
+    sources, without a GPU."""
+    import re
+
+    from aiote.moe import _gpu
+
+    sources = _gpu._SOURCE.replace("const T*", "const float*").replace("T*", "float*") + _gpu._LAYOUT_SOURCE
+    found = {}
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', sources):
+        kinds = ""
+        for p in params.split(","):
+            decl = " ".join(p.split()[:-1])  # the type, without the parameter's name
+            kinds += "p" if "*" in decl else {"long long": "q", "i64": "q", "int": "i"}.get(decl, "?")
+        found[name] = kinds
+    assert found == _gpu.KINDS
+
+
 def test_bf16_helpers_round_to_nearest_even() -> None:
     vals = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9, -2.5, 0.0, -0.0, np.inf, 3.4e38],
                     np.float32)
@@ -288,6 +308,14 @@ async def test_stale_and_repeated_handles_raise(anyio_backend: str) -> None:
         with pytest.raises(aiote.InvalidArgument):
             await a.combine(h2, h2.expert_x, accumulate=True)
         assert np.array_equal(await a.combine(h2, h2.expert_x), x)
+        # a dispatch whose receive half is kept while 140 calls go by stays stale: its recv
+        # raises at once (it would otherwise read regions those calls reused)
+        kept = await a.dispatch_send(x, idx, w)
+        for _ in range(140):
+            h = await a.dispatch(x, idx, w)
+            assert np.array_equal(await a.combine(h, h.expert_x), x)
+        with anyio.fail_after(5), pytest.raises(aiote.InvalidArgument, match="stale"):
+            await kept.recv(timeout=30)
         await a.aclose()
 
 

@@ -142,15 +142,12 @@ class Dispatch(GpuFlow):
         return int(m), indices, w if w.flags.c_contiguous else xp.ascontiguousarray(w)
 
     def _retire(self, seq: int) -> None:
-        """Makes call ``seq - 2``'s handle and pending dispatch stale (they share parity)."""
+        """Makes call ``seq - 2``'s handle and pending dispatch stale (they share parity): each
+        object is marked itself, so it stays stale however long it is kept."""
         for old in [s for s in self._handles if s <= seq - 2]:
             self._handles.pop(old)._state = "stale"
-            self._stale.add(old)
         for old in [s for s in self._pending if s <= seq - 2]:
-            self._pending.pop(old)
-            self._stale.add(old)
-        if len(self._stale) > 128:  # (not every call: a set comprehension costs microseconds)
-            self._stale = {s for s in self._stale if s > seq - 64}
+            self._pending.pop(old)._done = True  # its recv raises: "received already or is stale"
 
     def _check_out_x(self, out_x: Any) -> None:
         xp = self.xp
@@ -253,7 +250,7 @@ class Dispatch(GpuFlow):
     async def _recv_dispatch(self, pending: DispatchPending, timeout: float | None) -> DispatchHandle:
         """:meth:`DispatchPending.recv`: waits for one DISPATCH credit from each peer, settles
         this rank's own writes, unpacks (steps 2 of :mod:`._a2a`)."""
-        if pending._done or pending.seq in self._stale:
+        if pending._done:
             raise InvalidArgument(f"dispatch {pending.seq} was received already or is stale")
         pending._done = True
         end = self._end(timeout)

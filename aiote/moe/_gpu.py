@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from ._dtypes import DType
 
-__all__ = ["Kernels", "Launch", "reduce_gpu"]
+__all__ = ["KINDS", "Kernels", "Launch", "reduce_gpu"]
 
 _LOAD_STORE = {
     "float32": ("float", "v", "a"),
@@ -71,7 +71,7 @@ def _kernel(cupy: Any, dt: DType) -> Launch:
             "#include <cuda_fp16.h>", "#include <cuda_fp16.h>\ntypedef __half T;"
         )
         fn = cupy.RawModule(code=src).get_function("moe_combine")
-        k = _kernels[key] = Launch(cupy, fn, "pppppqiqi", "moe_combine")
+        k = _kernels[key] = Launch(cupy, fn, KINDS["moe_combine"], "moe_combine")
     return k
 
 
@@ -99,6 +99,15 @@ def reduce_gpu(cupy: Any, rows: Any, pos: Any, weights: Any, dt: DType, dest: An
 # ---------------------------------------------------------------------------------- launches
 
 _FORMAT = {"p": "Q", "q": "q", "i": "i4x"}  # pointer, int64, int32: one 8-byte slot each
+# each kernel's parameters in order (p: a pointer, q: long long, i: int), as its C source says
+KINDS = {
+    "moe_combine": "pppppqiqi",
+    "moe_layout": "pqiipppp",
+    "moe_pack": "pqpqiiippipqi",
+    "moe_unpack": "piiippqiiiipqpqpppi",
+    "moe_back": "ppipqippq",
+}
+_NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no current context in this thread yet
 _launch_fn: Any = None
 
 
@@ -123,9 +132,11 @@ class Launch:
     at the launch, so the buffer is free again when the call returns; a lock keeps two threads
     from packing it at once).
     Raises CuPy's ``CUDADriverError`` when the driver refuses the launch, ``struct.error`` for
-    a value that does not fit its type. Costs one ``struct`` call and one ``ctypes`` call."""
+    a value that does not fit its type. Costs one ``struct`` call and one ``ctypes`` call. The
+    kernel belongs to the device current when it was made: launch it with that device current
+    (a thread with no CUDA context yet gets the device's primary one, as a CuPy call would)."""
 
-    __slots__ = ("_args", "_buf", "_err", "_fn", "_func", "_launch", "_lock", "_params", "name")
+    __slots__ = ("_args", "_buf", "_ensure", "_err", "_fn", "_func", "_launch", "_lock", "_params", "name")
 
     def __init__(self, cupy: Any, func: Any, kinds: str, name: str) -> None:
         self._func = func  # keeps its module loaded
@@ -139,6 +150,7 @@ class Launch:
         self._launch = _cu_launch()
         self._params = params
         self._err = cupy.cuda.driver.CUDADriverError
+        self._ensure = cupy.cuda.runtime.free  # free(0): makes the runtime's context current
         self._lock = threading.Lock()
         self.name = name
 
@@ -146,6 +158,9 @@ class Launch:
         with self._lock:
             self._args.pack_into(self._buf, 0, *args)
             rc = self._launch(self._fn, grid, 1, 1, block, 1, 1, 0, stream, self._params, None)
+            if rc == _NO_CONTEXT:  # a thread's first CUDA call: the runtime sets its context up
+                self._ensure(0)
+                rc = self._launch(self._fn, grid, 1, 1, block, 1, 1, 0, stream, self._params, None)
         if rc:
             raise self._err(rc)
 
@@ -314,10 +329,8 @@ class Kernels:
         if mod is None:
             mod = self._mods[dev] = cupy.RawModule(code=_LAYOUT_SOURCE)
         f = mod.get_function
-        self._layout = Launch(cupy, f("moe_layout"), "pqiipppp", "moe_layout")
-        self.pack = Launch(cupy, f("moe_pack"), "pqpqiiippipqi", "moe_pack")
-        self.unpack = Launch(cupy, f("moe_unpack"), "piiippqiiiipqpqpppi", "moe_unpack")
-        self.back = Launch(cupy, f("moe_back"), "ppipqippq", "moe_back")
+        names = ("moe_layout", "moe_pack", "moe_unpack", "moe_back")
+        self._layout, self.pack, self.unpack, self.back = (Launch(cupy, f(n), KINDS[n], n) for n in names)
 
     def layout(
         self, idx: Any, k: int, num_experts: int, counts: Any, eoff: Any, pos: Any, row_token: Any,

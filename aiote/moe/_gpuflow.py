@@ -82,9 +82,10 @@ class GpuFlow(Credits):
         plan = self._plan_gpu(c)
         self._post_data(seq, n_me, sstart, (p * self.max_recv_tokens + plan.dst_row).tolist(), posted)
         mark("d.post_rows")
-        pv = self._pos_v.get((p, m))
-        if pv is None:  # (one view per parity and token count, made once)
-            pv = self._pos_v[(p, m)] = pos[:n_slots].reshape(m, k)
+        pm, pv = self._pos_v[p]
+        if pm != m:  # (the view of the last token count of each parity is kept)
+            pv = pos[:n_slots].reshape(m, k)
+            self._pos_v[p] = (m, pv)
         return plan, pv, posted
 
     def _post_data(

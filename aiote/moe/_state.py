@@ -59,7 +59,6 @@ class State:
         self._cstride = round16(self._yrow)  # == the row when H x out is a multiple of 16
         self._send_cap = self.max_tokens * self.experts_per_token
         self._seq = 0
-        self._stale: set[int] = set()
         self._handles: dict[int, DispatchHandle] = {}
         self._pending: dict[int, DispatchPending] = {}
         self._receiving: int | None = None
@@ -123,7 +122,7 @@ class State:
             # the combine regions as rows of out_dtype (the reduction's input), when rows are packed
             st = self.out_dtype.storage
             self._crows_v = [v.view(st) for v in self._crecv_v] if self._cstride == self._yrow else None
-            self._pos_v: dict[tuple[int, int], Any] = {}  # (parity, tokens) -> [m, K] view of _gpos
+            self._pos_v: list[tuple[int, Any]] = [(-1, None), (-1, None)]  # per parity: (m, [m, K] view)
 
     async def _register(self) -> None:
         e = self.engine
