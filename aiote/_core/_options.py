@@ -152,10 +152,12 @@ class SameHostOptions:
     target's checks still hold: the engine publishes each host region's key, bounds and
     access rights in a region table in shared memory; the reader checks them before every
     copy, and unregistering a region waits until copies under way finished (new ones are
-    refused). Writes stay with shm, except writes of 4 KiB or more into a peer's host arena
-    (``host_arena``), which are a ``memcpy``. Falls back to shm, with a log line, where the
-    copy is not permitted (ptrace restrictions) or the table cannot be opened. ``False``:
-    publish no table and copy nothing directly."""
+    refused). Writes are copied the same way by the writer's poller (``process_vm_writev``),
+    or by one ``memcpy`` into a peer's host arena (``host_arena``); a bare immediate, and a
+    request that gathers several local pieces, are checked the same way and then go through
+    shm. Falls back to shm, with a log line, where the copy is not permitted (ptrace
+    restrictions) or the table cannot be opened. ``False``: publish no table and copy nothing
+    directly."""
 
     host_arena: int = 4 << 30
     """Bytes of address space for :meth:`Engine.alloc_host` (only what is allocated and

@@ -39,9 +39,10 @@ class Registration(EngineState):
         host arena (``open_engine(host_arena=)``): register it like any array. Same-host peers
         map the arena, so their writes into it and reads out of it are one ``memcpy`` by their
         poller thread (under the same key, bounds and rights checks as every access), instead
-        of a copy by this process's shm progress: the fastest same-host path (writes from
-        4 KiB on; smaller ones, paged writes and scatters go through shm). Peers on other
-        hosts, or without ``same_host_direct``, see an ordinary region.
+        of a cross-process copy (``process_vm_writev`` / ``readv``): the fastest same-host path.
+        A bare immediate, and a request that gathers several local pieces, go through shm after
+        the same checks. Peers on other hosts, or without ``same_host_direct``, see an ordinary
+        region.
 
         Its memory (page-rounded) returns to the arena when the array and every view of it
         are gone. Where the engine has no arena, or it has no free range that large, returns
