@@ -292,11 +292,11 @@ class Messages(Observed):
 
         Costs one copy of the payload (into a registered send slot, behind the sender's
         address, made without the NIC's lock held) and one send work request, awaited to
-        completion; with no send slot free it waits (back-off) instead of failing. A message of
-        up to 4 KiB with its header (the sender's address, about 120 bytes) that the provider
-        completes as it takes it (shm always; tcp when its socket takes it at once) ends in
-        the posting call: the send returns after one schedule point, without waking a poller
-        or the event loop."""
+        completion; with no send slot free it waits (back-off) instead of failing. A message
+        that the provider completes as it takes it ends in the posting call: the send returns
+        after one schedule point, without waking a poller or the event loop. That is, with its
+        header (the sender's address, about 120 bytes), up to 4 KiB on shm (always) and up to
+        16 KiB on tcp (when its socket takes it at once)."""
         check_timeout(timeout)
         self._check_open()
         await self._send_msg(peer, payload, timeout, retry)

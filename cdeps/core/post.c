@@ -49,7 +49,10 @@
 #define HAND_MIN_BYTES (16 * 1024)
 /* shm sends up to its inject size (SMR_INJECT_SIZE, 4 KiB; smaller ones inline) are copied
  * into the target's queue by fi_send and completed at once, unless FI_DELIVERY_COMPLETE; a
- * larger one completes later (the target copies it), not worth a look at the queue */
+ * larger one completes later (the target copies it), not worth a look at the queue. Over tcp
+ * a send up to HAND_MIN_BYTES (16 KiB, under rxm's eager size) is usually in the socket when
+ * fi_send returns, and completed: looked for too (a 4 KiB payload plus its header is past
+ * 4 KiB, and its completion otherwise cost a poller wake-up and an event-loop round trip) */
 #define INLINE_SEND_MAX 4096
 
 /* A write gathering `n` local pieces of it->length bytes each (at it->offset + gather[i])
@@ -434,7 +437,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
      * socket by now: read the completion on this thread, so that no poller is woken for it
      * and the caller may find its group ended (aio_submit_sendv) */
     int settled = 0;
-    if (!ret && len <= INLINE_SEND_MAX) {
+    if (!ret && len <= (r->is_shm ? INLINE_SEND_MAX : HAND_MIN_BYTES)) {
         aio__progress_locked(e, r);
         settled = atomic_load(&e->groups[g].done) == atomic_load(&e->groups[g].posted);
     }
