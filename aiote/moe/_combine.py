@@ -158,10 +158,8 @@ class Combine(Dispatch):
     def _reduce(self, h: DispatchHandle, dest: Any, out: Any, accumulate: bool) -> Any:
         """The reduction of :func:`._util.reduce_rows` over this call's combine region."""
         xp, p, m, dt = self.xp, h.seq & 1, h.num_tokens, self.out_dtype
-        if self._gpu and self._crows_v is not None:
+        if self._crows_v is not None:
             rows = self._crows_v[p]  # (made once: a view costs microseconds of Python)
-        elif self._cstride == self._yrow:
-            rows = self._crecv[p].view(dt.storage)
         else:
             rows = xp.ascontiguousarray(self._crecv[p][:, : self._yrow]).view(dt.storage)
         reduce_rows(rows, h._pos, h._weights, dt, xp, dest, prev=out[:m] if accumulate else None)

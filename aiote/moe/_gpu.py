@@ -71,7 +71,7 @@ def _kernel(cupy: Any, dt: DType) -> Launch:
             "#include <cuda_fp16.h>", "#include <cuda_fp16.h>\ntypedef __half T;"
         )
         fn = cupy.RawModule(code=src).get_function("moe_combine")
-        k = _kernels[key] = Launch(cupy, fn, KINDS["moe_combine"], "moe_combine")
+        k = _kernels[key] = Launch(cupy, fn, "moe_combine")
     return k
 
 
@@ -124,11 +124,11 @@ def _cu_launch() -> Any:
 
 
 class Launch:
-    """One compiled kernel (of a CuPy ``RawModule``, on the current device), launched by
-    ``cuLaunchKernel`` on a 1-D grid.
+    """One compiled kernel ``name`` (of a CuPy ``RawModule``, on the current device), launched
+    by ``cuLaunchKernel`` on a 1-D grid.
 
-    ``kinds`` says each parameter's C type in order: ``p`` a pointer, ``q`` a 64-bit integer,
-    ``i`` a 32-bit one. The values are packed into a buffer made once (the driver copies them
+    ``KINDS[name]`` says each parameter's C type in order: ``p`` a pointer, ``q`` a 64-bit
+    integer, ``i`` a 32-bit one. The values are packed into a buffer made once (the driver copies them
     at the launch, so the buffer is free again when the call returns; a lock keeps two threads
     from packing it at once).
     Raises CuPy's ``CUDADriverError`` when the driver refuses the launch, ``struct.error`` for
@@ -138,7 +138,8 @@ class Launch:
 
     __slots__ = ("_args", "_buf", "_ensure", "_err", "_fn", "_func", "_launch", "_lock", "_params", "name")
 
-    def __init__(self, cupy: Any, func: Any, kinds: str, name: str) -> None:
+    def __init__(self, cupy: Any, func: Any, name: str) -> None:
+        kinds = KINDS[name]
         self._func = func  # keeps its module loaded
         # (a RawModule's functions are RawKernels: their compiled Function, for the current
         # device, is ``kernel``)
@@ -330,7 +331,7 @@ class Kernels:
             mod = self._mods[dev] = cupy.RawModule(code=_LAYOUT_SOURCE)
         f = mod.get_function
         names = ("moe_layout", "moe_pack", "moe_unpack", "moe_back")
-        self._layout, self.pack, self.unpack, self.back = (Launch(cupy, f(n), KINDS[n], n) for n in names)
+        self._layout, self.pack, self.unpack, self.back = (Launch(cupy, f(n), n) for n in names)
 
     def layout(
         self, idx: Any, k: int, num_experts: int, counts: Any, eoff: Any, pos: Any, row_token: Any,

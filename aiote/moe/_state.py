@@ -109,6 +109,9 @@ class State:
             self._dsend = xp.zeros((self._send_cap, self._dstride), dtype=xp.uint8)
         self._crecv = zeros((2, self._send_cap, self._cstride), dtype=xp.uint8)
         self._csend = xp.zeros((self.max_recv_tokens, self._cstride), dtype=xp.uint8)
+        # the combine regions as rows of out_dtype (the reduction's input), when rows are packed
+        st = self.out_dtype.storage
+        self._crows_v = [self._crecv[i].view(st) for i in range(2)] if self._cstride == self._yrow else None
         if self._gpu:  # views made once (each costs microseconds of Python per call)
             self._dsend_v = [self._dsend[i] for i in range(2)]
             self._drecv_v = [self._drecv[i] for i in range(ns)]
@@ -119,9 +122,6 @@ class State:
             self._gptr = [(self._dsend_v[i].data.ptr, self._drecv_v[i].data.ptr, self._gtab[i].data.ptr)
                           for i in range(2)]
             self._csend_ptr = self._csend.data.ptr
-            # the combine regions as rows of out_dtype (the reduction's input), when rows are packed
-            st = self.out_dtype.storage
-            self._crows_v = [v.view(st) for v in self._crecv_v] if self._cstride == self._yrow else None
             self._pos_v: list[tuple[int, Any]] = [(-1, None), (-1, None)]  # per parity: (m, [m, K] view)
 
     async def _register(self) -> None:
