@@ -211,6 +211,46 @@ async def test_interleaved_repeated_writes_each_go_to_their_slot(aiote_engine_pa
     assert not ms._memos  # unregistering drops the kept requests
 
 
+async def test_repeated_write_with_new_immediates_reuses_its_request(aiote_engine_pair) -> None:
+    # a flow numbering its immediates (a sequence number in each) repeats the same write with
+    # another immediate every time: the kept request is copied with the new one (no full
+    # validation), awaited or posted; each immediate is credited once, the bytes land each
+    # time; an immediate out of [0, 2**32) or not a plain int is still refused, nothing posted
+    a, b = aiote_engine_pair
+    src = zeros(256)
+    dst = zeros(1024)
+    ms = await a.register(src)
+    md = await b.register(dst)
+    desc = md.descriptor
+    built = 0
+    rows = a._rows
+
+    def counting_rows(*args: object, **kwargs: object) -> object:
+        nonlocal built
+        built += 1
+        return rows(*args, **kwargs)
+
+    a._rows = counting_rows  # type: ignore[method-assign]
+    for i in range(40):
+        src[:] = i + 1
+        if i % 2:
+            await a.write(ms, desc, length=256, dst_offset=512, imm=1000 + i)
+        else:
+            await a.post_write(ms, desc, length=256, dst_offset=512, imm=1000 + i)
+        await b.imm_counter(1000 + i).wait(1, timeout=30)
+        assert (dst[512:768] == i + 1).all() and not dst[:512].any()
+    assert built == 1  # the first write alone was built in full
+    for bad in (2**32, -1, True, 5.0):
+        with pytest.raises(aiote.InvalidArgument):
+            await a.write(ms, desc, length=256, dst_offset=512, imm=bad)  # type: ignore[arg-type]
+        with pytest.raises(aiote.InvalidArgument):
+            a.post_write(ms, desc, length=256, dst_offset=512, imm=bad)  # type: ignore[arg-type]
+    del a._rows
+    await anyio.sleep(0.05)
+    assert [b.imm_counter(1000 + i).total for i in range(40)] == [1] * 40  # each credited once
+    assert b.imm_counter(1).total == 0 and b.imm_counter(5).total == 0  # (True, 5.0: refused)
+
+
 async def test_write_without_imm_is_not_counted(aiote_engine_pair) -> None:
     a, b = aiote_engine_pair
     src = pattern(4096, seed=2)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._errors import DescriptorError
 
@@ -150,6 +151,20 @@ class EngineAddress:
     rails: tuple[RailAddress, ...]
     host_id: bytes
     max_message: int = 0
+    # its hash, computed on first use: an address is a dict key on every write's path (routes,
+    # credit lanes), and the generated hash walked every rail's dataclass each time
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        h = self._hash
+        if not h:
+            h = hash((self.rails, self.host_id, self.max_message)) or 1
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (the cached hash is this process's: string hashes differ between processes)
+        return (type(self), (self.rails, self.host_id, self.max_message))
 
     def __bytes__(self) -> bytes:
         body = _ADDR_MAGIC + struct.pack("<BB", _VERSION, len(self.rails)) + self.host_id

@@ -3,6 +3,7 @@ memoized fast path of repeated single-route writes."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any
@@ -18,7 +19,18 @@ from ._records import _MEMO_MAX, _check_retry, _end, _plain, _staged
 from ._retry import RetryPolicy
 from ._rows import Rows
 from ._util import check_timeout
-from ._wire import _Credits
+from ._wire import _OP_DTYPE, _Credits
+
+_U32 = 1 << 32
+_U64 = struct.Struct("<Q")
+_DATA_AT = 48  # the immediate's offset in an aio_op_desc row
+assert _OP_DTYPE.fields is not None and _OP_DTYPE.fields["data"][1] == _DATA_AT
+
+
+def _imm_mark(imm: Any) -> Any:
+    """What a write's memo key holds of its immediate: None (no immediate) or -1 (one; the
+    kept request is copied with the caller's, see :meth:`Transfers._with_imm`)."""
+    return None if imm is None else -1
 
 
 class Transfers(Rows):
@@ -56,8 +68,8 @@ class Transfers(Rows):
         for a peer on this host. ``stream`` (a CuPy/torch CUDA stream): the write starts only
         after the work submitted to it so far, without blocking the loop.
         """
-        key = (id(remote), length, src_offset, dst_offset, imm)
-        m = self._kept_write(mr, remote, key, stream)
+        key = (id(remote), length, src_offset, dst_offset, _imm_mark(imm))
+        m = self._kept_write(mr, remote, key, stream, imm)
         if m is not None:
             await self._memo_post(m, mr, timeout, retry, "write")
             return
@@ -73,16 +85,38 @@ class Transfers(Rows):
             mr, rdesc, length, src_offset, dst_offset, imm, timeout, retry, key if rdesc is remote else None
         )
 
-    def _kept_write(self, mr: Any, remote: Any, key: tuple[Any, ...], stream: Any) -> tuple[Any, ...] | None:
+    def _kept_write(
+        self, mr: Any, remote: Any, key: tuple[Any, ...], stream: Any, imm: Any
+    ) -> tuple[Any, ...] | None:
         """The request kept for a write made before from ``mr`` with the same arguments
-        ``key`` to the same descriptor object (a loop re-sending its slots, a ping-pong), if
-        it may be posted again (see :meth:`_memo_post`), else None. Plain ints only: hashable,
-        and no True or 1.0 standing in for 1."""
+        ``key`` to the same descriptor object (a loop re-sending its slots, a ping-pong, a
+        flow numbering its immediates), if it may be posted again (see :meth:`_memo_post`),
+        else None. The immediate is not part of ``key`` (only whether there is one): a kept
+        request with another one is copied with ``imm`` in it. Plain ints only: hashable,
+        and no True or 1.0 standing in for 1; an ``imm`` outside [0, 2**32) finds nothing
+        (the full path raises)."""
         if type(mr) is MemoryRegion and stream is None and _plain(key) and (m := mr._memos.get(key)):
             live = mr._engine is self and mr._handle is not None and not self._router.down
             if m[0] is remote and live:
-                return m  # type: ignore[no-any-return]
+                return self._with_imm(m, imm)
         return None
+
+    def _with_imm(self, m: tuple[Any, ...], imm: Any) -> tuple[Any, ...] | None:
+        """Memo ``m`` (see :meth:`_memo`) carrying ``imm``: itself when it does, else a copy of
+        its one row with ``imm`` in it (a new table: the kept one may still be in flight);
+        None for an ``imm`` that is not a plain int in [0, 2**32)."""
+        if imm is None:
+            return m
+        table = m[2]
+        if type(imm) is not int or not 0 <= imm < _U32 or len(table) != 1:
+            return None
+        if _U64.unpack_from(table, _DATA_AT)[0] == imm:
+            return m
+        raw = bytearray(table)  # (struct on the row's bytes: a third of numpy's field access)
+        _U64.pack_into(raw, _DATA_AT, imm)
+        table = np.frombuffer(raw, _OP_DTYPE)
+        ptr = ffi.from_buffer("aio_op_desc[]", table)
+        return (m[0], m[1], table, self._poster(ptr, 1), ptr)
 
     def _kept_imm(self, remote: Any, imm: Any, stream: Any) -> tuple[Any, ...] | None:
         """The request kept for a ``write_imm`` of ``imm`` to the same descriptor object, if
@@ -248,8 +282,8 @@ class Transfers(Rows):
         awaits (a kept request: ~5 us of Python here)."""
         self._check_open()
         _check_retry(retry)
-        key = (id(remote), length, src_offset, dst_offset, imm)
-        m = self._kept_write(mr, remote, key, stream)
+        key = (id(remote), length, src_offset, dst_offset, _imm_mark(imm))
+        m = self._kept_write(mr, remote, key, stream, imm)
         if m is not None:
             return self._post_now(m[2], mr, "write", retry, m)
         rdesc = self._remote(remote)

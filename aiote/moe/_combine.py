@@ -16,6 +16,8 @@ from ._layout import RecvPlan
 from ._trace import mark
 from ._util import COMBINE, imm_of, left, reduce_rows
 
+_sum = np.add.reduce
+
 __all__ = ["Combine"]
 
 
@@ -95,7 +97,7 @@ class Combine(Dispatch):
     def _post_back(self, seq: int, plan: RecvPlan) -> list[Transfer]:
         p, st, me = seq & 1, self._cstride, self.rank
         imm = imm_of(self.imm_tag, COMBINE, seq, self.rank)
-        at_source = (np.cumsum(plan.n, axis=1) - plan.n)[:, me]  # where each source put my block
+        at_source = _sum(plan.n[:, :me], 1)  # where each source put my block: its rows to lower ranks
         stream = self._stream()
         posted: list[Transfer] = []
         for r, peer in enumerate(self._peers):

@@ -71,7 +71,7 @@ class GpuFlow(Credits):
             dup = "an expert appears twice in one token's indices"
             raise InvalidArgument(f"indices must be in [-1, {e})" if bad & 1 else dup)
         n_me = self.geometry.rank_sums(route[None, :])[0]  # rows to each rank
-        sstart = np.cumsum(n_me) - n_me
+        sstart = _before(n_me)
         posted: list[Transfer] = []
         self._post_route(seq, route, posted)
         mark("d.post_route")
