@@ -156,6 +156,66 @@ async def test_ipc_rail_same_host() -> None:
         assert e.stats()["gpu_staged"] == 1 and e.stats()["gpu_ipc"] == 0
 
 
+async def test_repeated_ipc_posts_reuse_their_lookups() -> None:
+    """post_write repeated over the CUDA-IPC rail from one region to one descriptor object
+    after one stream's work (an MoE step's writes) takes the kept lookups: no validation
+    layers (``_span`` is not called again), yet each write still starts after the work on its
+    stream, lands at its offsets and is credited once; bad arguments still go the full path
+    and are refused with nothing posted; unregistering the region drops what was kept."""
+    n, piece = 1 << 20, 8192
+    async with spawn_peer(peer_gpu_backend="host", gpu_backend="host") as peer:
+        e = peer.engine
+        src = HostDeviceArray(n)
+        mr = await e.register(src)
+        dst = await peer.register("g", n, device="shared")
+        s = HostStream()
+        spans = 0
+        span = e._span
+
+        def counting_span(*args: object, **kwargs: object) -> object:
+            nonlocal spans
+            spans += 1
+            return span(*args, **kwargs)
+
+        e._span = counting_span  # type: ignore[method-assign]
+        posted = []
+        for i in range(24):
+            data = pattern(piece, 100 + i)
+
+            def kernel(i: int = i, data: np.ndarray = data) -> None:  # the producer, on the stream
+                time.sleep(0.002)
+                src.host[piece * i : piece * (i + 1)] = data
+
+            s.submit(kernel)
+            at = piece * ((7 * i) % 100)
+            posted.append((e.post_write(mr, dst, length=piece, src_offset=piece * i, dst_offset=at,
+                                        imm=500 + i, stream=s), at, data))
+        for t, at, data in posted:
+            await t.wait(timeout=30)
+        for i, (_, at, data) in enumerate(posted):
+            await peer.wait(imm=500 + i, n=1, timeout=20)
+            assert await peer.digest("g", at, piece) == digest(data)
+        assert spans == 1, spans  # the first write alone went through validation
+        gpu = e._gpu
+        assert gpu is not None and len(gpu._kept) == 1
+        ipc = e.stats()["gpu_ipc"]
+        for kw in ({"src_offset": n}, {"dst_offset": n - 1}, {"imm": 1 << 32}, {"src_offset": True},
+                   {"length": piece + 0.0}):
+            args = {"length": piece, "src_offset": 0, "dst_offset": 0, "imm": 7, **kw}
+            with pytest.raises(aiote.InvalidArgument):
+                e.post_write(mr, dst, stream=s, **args)  # type: ignore[arg-type]
+        assert e.stats()["gpu_ipc"] == ipc  # nothing posted
+        del e._span
+        await e.unregister(mr)
+        assert not gpu._kept
+        with pytest.raises(aiote.InvalidArgument, match="unregistered"):
+            e.post_write(mr, dst, length=piece, imm=8, stream=s)
+        await anyio.sleep(0.1)
+        assert (await peer.call(op="counter", imm=7))["available"] == 0
+        for i in range(24):  # each credited once (and taken by its wait)
+            assert (await peer.call(op="counter", imm=500 + i))["available"] == 0
+
+
 @asynccontextmanager
 async def _lane_offered(seed: int, imm: int) -> AsyncIterator[tuple[Any, HostDeviceArray, Any, Any]]:
     """A peer process owning a 1 MiB emulated GPU region "g", and this side's registered

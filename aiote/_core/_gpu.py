@@ -158,6 +158,8 @@ class GpuSupport:
         self.lanes = Lanes(engine, self.b)
         self._ops = itertools.count(1)
         self.counts = dict.fromkeys(_GPU_COUNTS, 0)
+        # CUDA-IPC writes' lookups kept for their repeats (keep_ipc, post_kept)
+        self._kept: dict[tuple[int, int, int], _KeptIpc] = {}
 
     # ------------------------------------------------------------------ words and lines
 
@@ -285,6 +287,8 @@ class GpuSupport:
         g = mr.descriptor.gpu
         if g is not None:
             self._regions.pop(g.region_id, None)
+        for key in [key for key, k in self._kept.items() if k.mr is mr]:
+            del self._kept[key]
 
     # ------------------------------------------------------------------ routing
 
@@ -448,15 +452,28 @@ class GpuSupport:
         its credit; else None): a posted write then needs no task to finish it."""
         dev = mr._dev
         assert dev is not None
-        self.counts["gpu_ipc"] += 1
         line = self._ipc_line(dev.device)
-        self._user_stream(line, stream)
-        if length:
-            self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
-            line.expect(length, alone=stream is None)
+        user = None if stream is None else self.b.own_stream(stream, line.device)
         # a lane's entries must be published in order, by one stream (the first IPC line, which
         # paged writes use too): a write on another of ``ipc_streams`` is credited by a message
         first = line is self._line(self._out, dev.device)
+        return self._ipc_enqueue(mr, rdesc, peer, length, src_offset, dst_offset, imm, line, user, first)
+
+    def _ipc_enqueue(
+        self, mr: MemoryRegion, rdesc: MemoryDescriptor, peer: int, length: int, src_offset: int,
+        dst_offset: int, imm: int | None, line: _Line, user: Any, first: bool,
+    ) -> tuple[_Finish, Any]:
+        """:meth:`_ipc_write` on ``line`` (``first``: the device's first IPC line, whose fence
+        may publish the credit through a lane), after the work on ``user`` (the backend's
+        stream of the caller's, or None)."""
+        dev = mr._dev
+        assert dev is not None
+        self.counts["gpu_ipc"] += 1
+        if user is not None:
+            self.b.wait(line.stream, user)
+        if length:
+            self.b.copy(peer + dst_offset, dev.ptr + src_offset, length, line.stream)
+            line.expect(length, alone=user is None)
         ev = self.e._event()
         credit = self._track_credit(mr, line, ev.set, dev.device, rdesc, imm if first else None, 1)
 
@@ -464,6 +481,49 @@ class GpuSupport:
             await self._credited(ev, credit, rdesc, imm, 1, dev.device, timeout, retry)
 
         return finish, (ev if imm is None or credit is not None else None)
+
+    def keep_ipc(self, mr: MemoryRegion, rdesc: MemoryDescriptor, stream: Any) -> None:
+        """Keeps the lookups of a CUDA-IPC write just started from ``mr`` to the descriptor
+        object ``rdesc`` after ``stream``'s work, for :meth:`post_kept` to repeat it: the peer's
+        mapped address, the line, the caller's stream as the backend's. Only with one IPC line
+        per device (the default: every such write goes on it). At most 256 kept; unregistering
+        ``mr`` drops its own (:meth:`forget`)."""
+        dev = mr._dev
+        if self.ipc_streams != 1 or dev is None:
+            return
+        peer = self._ipc_ptr(rdesc, dev.device)
+        if peer is None:
+            return
+        user = None if stream is None else self.b.own_stream(stream, dev.device)
+        if len(self._kept) >= 256:
+            self._kept.clear()
+        line = self._line(self._out, dev.device)
+        self._kept[(id(mr), id(rdesc), id(stream))] = _KeptIpc(mr, rdesc, stream, user, peer, line)
+
+    def post_kept(
+        self, mr: Any, remote: Any, stream: Any, length: Any, src_offset: Any, dst_offset: Any, imm: Any
+    ) -> tuple[_Finish, Any] | None:
+        """A CUDA-IPC write repeated from the same region to the same descriptor object after
+        the same stream's work (:meth:`keep_ipc`), started as :meth:`_ipc_write` starts it;
+        None (nothing done: the caller takes the full path, which validates and raises) unless
+        the region is still registered and every argument is a plain int in range, with at
+        least one byte. Saves the full path's validation layers and lookups (about 20 Python
+        calls of an MoE step's post)."""
+        k = self._kept.get((id(mr), id(remote), id(stream)))
+        if k is None or k.mr is not mr or k.rdesc is not remote or k.stream is not stream:
+            return None
+        if mr._handle is None:  # unregistered since
+            return None
+        if type(length) is not int or type(src_offset) is not int or type(dst_offset) is not int:
+            return None
+        if length <= 0 or src_offset < 0 or dst_offset < 0:
+            return None
+        if src_offset + length > mr.nbytes or dst_offset + length > remote.length:
+            return None
+        if imm is not None and (type(imm) is not int or not 0 <= imm < _U32):
+            return None
+        line, user = k.line, k.user
+        return self._ipc_enqueue(mr, remote, k.peer, length, src_offset, dst_offset, imm, line, user, True)
 
     async def write_paged(
         self,
@@ -644,3 +704,16 @@ class GpuSupport:
             line.close()
         self.lanes.close(keep_mapped=pending)
         self._ipc.close(keep_mapped=pending)  # a copy still under way may write there
+
+
+class _KeptIpc:
+    """What :meth:`GpuSupport.post_kept` repeats a CUDA-IPC write with: the region, the
+    descriptor object and the caller's stream it was made for (held: their ``id`` is the key),
+    the caller's stream as the backend's, the peer's mapped address, the line."""
+
+    __slots__ = ("line", "mr", "peer", "rdesc", "stream", "user")
+
+    def __init__(self, mr: MemoryRegion, rdesc: MemoryDescriptor, stream: Any, user: Any, peer: int,
+                 line: _Line) -> None:
+        self.mr, self.rdesc, self.stream = mr, rdesc, stream
+        self.user, self.peer, self.line = user, peer, line

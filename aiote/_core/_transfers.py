@@ -282,6 +282,11 @@ class Transfers(Rows):
         awaits (a kept request: ~5 us of Python here)."""
         self._check_open()
         _check_retry(retry)
+        gpu = self._gpu
+        if gpu is not None and getattr(mr, "_dev", None) is not None:  # a repeated CUDA-IPC write?
+            started = gpu.post_kept(mr, remote, stream, length, src_offset, dst_offset, imm)
+            if started is not None:
+                return self._ipc_started(started, retry)
         key = (id(remote), length, src_offset, dst_offset, _imm_mark(imm))
         m = self._kept_write(mr, remote, key, stream, imm)
         if m is not None:
@@ -291,12 +296,12 @@ class Transfers(Rows):
             span = self._span(mr, rdesc, length, src_offset, dst_offset, imm, lib.AIO_OP_WRITE)
             r, d, n, so, do = span[:5]
             if getattr(r, "_dev", None) is not None:  # over the CUDA-IPC rail: on the stream now
-                started = self._gpu_support().start_ipc(r, d, n, so, do, imm, stream)
+                gpu = self._gpu_support()
+                started = gpu.start_ipc(r, d, n, so, do, imm, stream)
                 if started is not None:
-                    finish, fenced = started
-                    if fenced is not None:  # its fence's event is all that is left: no task
-                        return Transfer._when_set(self, "write", fenced)
-                    return self._background(lambda: finish(None, retry), "write")
+                    if d is remote:
+                        gpu.keep_ipc(r, d, stream)
+                    return self._ipc_started(started, retry)
             return self._background(
                 lambda: self.write(
                     mr, rdesc, length=length, src_offset=src_offset, dst_offset=dst_offset, imm=imm,
@@ -318,6 +323,14 @@ class Transfers(Rows):
         table = self._table(rows)
         m = self._memo(mr._memos, key, remote, table) if rdesc is remote else None
         return self._post_now(table, mr, "write", retry, m)
+
+    def _ipc_started(self, started: tuple[Any, Any], retry: RetryPolicy | None) -> Transfer:
+        """The Transfer of a write started on the CUDA-IPC rail (``(finish, fenced)``, see
+        :meth:`GpuSupport._ipc_write`)."""
+        finish, fenced = started
+        if fenced is not None:  # its fence's event is all that is left: no task
+            return Transfer._when_set(self, "write", fenced)
+        return self._background(lambda: finish(None, retry), "write")
 
     def post_write_imm(
         self,

@@ -98,6 +98,7 @@ class Combine(Dispatch):
         p, st, me = seq & 1, self._cstride, self.rank
         imm = imm_of(self.imm_tag, COMBINE, seq, self.rank)
         at_source = _sum(plan.n[:, :me], 1)  # where each source put my block: its rows to lower ranks
+        mark("c.at")
         stream = self._stream()
         posted: list[Transfer] = []
         for r, peer in enumerate(self._peers):

@@ -73,13 +73,16 @@ class GpuFlow(Credits):
         n_me = self.geometry.rank_sums(route[None, :])[0]  # rows to each rank
         sstart = _before(n_me)
         posted: list[Transfer] = []
+        mark("d.route_host")
         self._post_route(seq, route, posted)
         mark("d.post_route")
         await self._wait_credits(ROUTE, seq, end, what, posted)
         mark("d.wait_route")
         c = self._route[p].copy()
         self._release_old(seq)
+        mark("d.release")
         plan = self._plan_gpu(c)
+        mark("d.plan")
         self._post_data(seq, n_me, sstart, (p * self.max_recv_tokens + plan.dst_row).tolist(), posted)
         mark("d.post_rows")
         pm, pv = self._pos_v[p]
