@@ -190,7 +190,7 @@ async def test_repeated_ipc_posts_reuse_their_lookups() -> None:
             at = piece * ((7 * i) % 100)
             posted.append((e.post_write(mr, dst, length=piece, src_offset=piece * i, dst_offset=at,
                                         imm=500 + i, stream=s), at, data))
-        for t, at, data in posted:
+        for t, _, _ in posted:
             await t.wait(timeout=30)
         for i, (_, at, data) in enumerate(posted):
             await peer.wait(imm=500 + i, n=1, timeout=20)
