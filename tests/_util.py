@@ -8,8 +8,8 @@ import platform
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
@@ -184,6 +184,35 @@ async def landed(engine: aiote.Engine, expected: dict[int, int], timeout: float 
     )
     got = {i: counters[i].total for i in expected}
     assert got == expected
+
+
+async def two_regions(
+    a: aiote.Engine, b: aiote.Engine, nsrc: int, ndst: int
+) -> tuple[np.ndarray, np.ndarray, Any, Any]:
+    """Zeroed ``nsrc`` bytes registered with ``a`` and ``ndst`` with ``b``: (src, dst, src's
+    region, dst's descriptor)."""
+    src, dst = zeros(nsrc), zeros(ndst)
+    ms = await a.register(src)
+    md = await b.register(dst)
+    return src, dst, ms, md.descriptor
+
+
+@contextmanager
+def counting(obj: Any, name: str) -> Iterator[list[int]]:
+    """Counts the calls of ``obj.name`` inside the block (a wrapper set on the instance,
+    removed after): yields a one-element list holding the count, read as ``calls[0]``."""
+    calls = [0]
+    inner = getattr(obj, name)
+
+    def wrapper(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    try:
+        yield calls
+    finally:
+        delattr(obj, name)
 
 
 def snapshot(engine: aiote.Engine) -> dict[str, int]:

@@ -6,7 +6,7 @@ import anyio
 import numpy as np
 import pytest
 from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
-from _util import digest, nothing_posted, pattern, zeros
+from _util import counting, digest, nothing_posted, pattern, two_regions, zeros
 
 import aiote
 from aiote.testing import engine_pair
@@ -134,11 +134,7 @@ async def test_repeated_identical_writes_send_current_bytes(aiote_engine_pair) -
     # a repeated identical call reuses its validated request: it must still move what the
     # source holds now, to the same place, and a changed argument must go where it says
     a, b = aiote_engine_pair
-    src = zeros(256)
-    dst = zeros(512)
-    ms = await a.register(src)
-    md = await b.register(dst)
-    desc = md.descriptor
+    src, dst, ms, desc = await two_regions(a, b, 256, 512)
     c = b.imm_counter(78)
     for k in range(1, 6):
         src[:] = k
@@ -174,28 +170,19 @@ async def test_interleaved_repeated_writes_each_go_to_their_slot(aiote_engine_pa
         off = slot * size
         await a.write(ms, desc, length=size, src_offset=off, dst_offset=off, imm=80)
 
-    built = 0  # requests built by full validation (the engine's _rows), counted
-    rows = a._rows
-
-    def counting_rows(*args: object, **kwargs: object) -> object:
-        nonlocal built
-        built += 1
-        return rows(*args, **kwargs)
-
-    a._rows = counting_rows  # type: ignore[method-assign]
-    for round_ in range(1, 5):
-        for slot in range(slots):
-            src[slot * size : (slot + 1) * size] = round_ * 16 + slot
-        async with anyio.create_task_group() as tg:
-            for slot in reversed(range(slots)):
-                tg.start_soon(one, slot)
-        await c.wait(slots, timeout=30)
-        for slot in range(slots):
-            assert (dst[slot * size : (slot + 1) * size] == round_ * 16 + slot).all()
-        if round_ == 1:
-            built_first = built
-    del a._rows
-    assert built_first == slots and built == slots  # rounds 2-4 reused every slot's request
+    with counting(a, "_rows") as built:  # requests built by full validation
+        for round_ in range(1, 5):
+            for slot in range(slots):
+                src[slot * size : (slot + 1) * size] = round_ * 16 + slot
+            async with anyio.create_task_group() as tg:
+                for slot in reversed(range(slots)):
+                    tg.start_soon(one, slot)
+            await c.wait(slots, timeout=30)
+            for slot in range(slots):
+                assert (dst[slot * size : (slot + 1) * size] == round_ * 16 + slot).all()
+            if round_ == 1:
+                built_first = built[0]
+    assert built_first == slots and built[0] == slots  # rounds 2-4 reused every slot's request
     assert len(ms._memos) == slots
     # 300 distinct one-byte writes (more than are kept), then the slots again
     for i in range(300):
@@ -217,35 +204,22 @@ async def test_repeated_write_with_new_immediates_reuses_its_request(aiote_engin
     # validation), awaited or posted; each immediate is credited once, the bytes land each
     # time; an immediate out of [0, 2**32) or not a plain int is still refused, nothing posted
     a, b = aiote_engine_pair
-    src = zeros(256)
-    dst = zeros(1024)
-    ms = await a.register(src)
-    md = await b.register(dst)
-    desc = md.descriptor
-    built = 0
-    rows = a._rows
-
-    def counting_rows(*args: object, **kwargs: object) -> object:
-        nonlocal built
-        built += 1
-        return rows(*args, **kwargs)
-
-    a._rows = counting_rows  # type: ignore[method-assign]
-    for i in range(40):
-        src[:] = i + 1
-        if i % 2:
-            await a.write(ms, desc, length=256, dst_offset=512, imm=1000 + i)
-        else:
-            await a.post_write(ms, desc, length=256, dst_offset=512, imm=1000 + i)
-        await b.imm_counter(1000 + i).wait(1, timeout=30)
-        assert (dst[512:768] == i + 1).all() and not dst[:512].any()
-    assert built == 1  # the first write alone was built in full
+    src, dst, ms, desc = await two_regions(a, b, 256, 1024)
+    with counting(a, "_rows") as built:
+        for i in range(40):
+            src[:] = i + 1
+            if i % 2:
+                await a.write(ms, desc, length=256, dst_offset=512, imm=1000 + i)
+            else:
+                await a.post_write(ms, desc, length=256, dst_offset=512, imm=1000 + i)
+            await b.imm_counter(1000 + i).wait(1, timeout=30)
+            assert (dst[512:768] == i + 1).all() and not dst[:512].any()
+    assert built[0] == 1  # the first write alone was built in full
     for bad in (2**32, -1, True, 5.0):
         with pytest.raises(aiote.InvalidArgument):
             await a.write(ms, desc, length=256, dst_offset=512, imm=bad)  # type: ignore[arg-type]
         with pytest.raises(aiote.InvalidArgument):
             a.post_write(ms, desc, length=256, dst_offset=512, imm=bad)  # type: ignore[arg-type]
-    del a._rows
     await anyio.sleep(0.05)
     assert [b.imm_counter(1000 + i).total for i in range(40)] == [1] * 40  # each credited once
     assert b.imm_counter(1).total == 0 and b.imm_counter(5).total == 0  # (True, 5.0: refused)
