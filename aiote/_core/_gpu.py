@@ -36,6 +36,7 @@ from ._gpuparts import PartCounts, pack_part, parse_part, part_refused
 from ._gpuwatch import SignalWords, UvmWatcher, _Line
 from ._lanes import K_LANE, Lanes
 from ._log import get_logger
+from ._records import _plain_imm
 from ._util import deadline, first_error
 from ._wire import _GPU_COUNTS
 
@@ -122,7 +123,6 @@ def _staged(rdesc: MemoryDescriptor) -> bool:
     return rdesc.on_gpu and not (rdesc.gpu is not None and rdesc.gpu.direct)
 
 
-_U32 = 1 << 32
 _Finish = Callable[[float | None, Any], Awaitable[None]]  # (timeout, retry): awaits a started write
 _K_LANE_BYTE = bytes([K_LANE])
 
@@ -520,7 +520,7 @@ class GpuSupport:
             return None
         if src_offset + length > mr.nbytes or dst_offset + length > remote.length:
             return None
-        if imm is not None and (type(imm) is not int or not 0 <= imm < _U32):
+        if not _plain_imm(imm):
             return None
         line, user = k.line, k.user
         return self._ipc_enqueue(mr, remote, k.peer, length, src_offset, dst_offset, imm, line, user, True)

@@ -19,6 +19,7 @@ from ._log import get_logger
 from ._optable import _Op
 from ._retry import RetryPolicy
 from ._util import check_timeout, now
+from ._wire import _U32
 
 _log = get_logger(component="engine")
 # where a caller collects the groups its operations left on a failed link (see collect_stranded)
@@ -191,6 +192,12 @@ def _plain(key: tuple[Any, ...] | int) -> bool:
 
 
 _PLAIN_TYPES = frozenset((int, type(None)))
+
+
+def _plain_imm(imm: Any) -> bool:
+    """True for an immediate a kept request may carry without full validation: None, or a
+    plain ``int`` (no bool, no NumPy integer) in [0, 2**32)."""
+    return imm is None or (type(imm) is int and 0 <= imm < _U32)
 
 
 def _check_retry(retry: Any) -> None:

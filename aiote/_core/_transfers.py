@@ -15,13 +15,12 @@ from ._descriptor import DEVICE_CUDA, MemoryDescriptor
 from ._errors import InvalidArgument
 from ._memory import MemoryRegion
 from ._posted import Transfer
-from ._records import _MEMO_MAX, _check_retry, _end, _plain, _staged
+from ._records import _MEMO_MAX, _check_retry, _end, _plain, _plain_imm, _staged
 from ._retry import RetryPolicy
 from ._rows import Rows
 from ._util import check_timeout
 from ._wire import _OP_DTYPE, _Credits
 
-_U32 = 1 << 32
 _U64 = struct.Struct("<Q")
 _DATA_AT = 48  # the immediate's offset in an aio_op_desc row
 assert _OP_DTYPE.fields is not None and _OP_DTYPE.fields["data"][1] == _DATA_AT
@@ -108,7 +107,7 @@ class Transfers(Rows):
         if imm is None:
             return m
         table = m[2]
-        if type(imm) is not int or not 0 <= imm < _U32 or len(table) != 1:
+        if not _plain_imm(imm) or len(table) != 1:
             return None
         if _U64.unpack_from(table, _DATA_AT)[0] == imm:
             return m
