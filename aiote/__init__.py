@@ -20,6 +20,7 @@ from ._core._engine import (
     Transfer,
     TransferBatch,
     default_streams,
+    follow_loop_default,
     open_engine,
 )
 from ._core._errors import (
@@ -100,6 +101,7 @@ __all__ = [
     "TransportOptions",
     "UvmWatcher",
     "default_streams",
+    "follow_loop_default",
     "kv",
     "moe",
     "open_engine",

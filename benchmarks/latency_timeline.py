@@ -27,6 +27,10 @@ figures are medians.
 :class:`~aiote.Transfer` before posting the next, instead of awaiting each write to its
 completion: no event-loop wake-up for the write's own completion (the C core's default
 ping-pong does not wait for it either; ``--await-write`` is the awaited form).
+
+``--poller-cpus A,B`` and ``--loop-cpus A,B`` pin each side's poller threads and event-loop
+thread (this side's to A, the other's to B), to measure one thread placement at a time;
+``--follow-loop on|off`` opens both sides with ``open_engine(follow_loop=...)``.
 """
 
 from __future__ import annotations
@@ -95,11 +99,28 @@ def poller_cpu(cpu: int | None) -> set[int] | None:
     return mine
 
 
-async def pong(route: str, iters: int, posted: bool, cpu: int | None = None) -> None:
+def place_loop(back: set[int] | None, loop: int | None) -> None:
+    """After opening: the loop thread pinned to ``loop`` (``--loop-cpus``), or its affinity
+    ``back`` from before ``--poller-cpus``."""
+    if loop is not None:
+        os.sched_setaffinity(0, {loop})
+    elif back:
+        os.sched_setaffinity(0, back)
+
+
+def engine_kw(route: str, follow: str | None) -> dict[str, Any]:
+    """``open_engine`` arguments of ``--route`` and ``--follow-loop``."""
+    kw = dict(ROUTES[route])
+    if follow is not None:
+        kw["follow_loop"] = follow == "on"
+    return kw
+
+
+async def pong(route: str, iters: int, posted: bool, cpu: int | None = None, loop: int | None = None,
+               follow: str | None = None) -> None:
     back = poller_cpu(cpu)
-    async with aiote.open_engine(**ROUTES[route]) as e:
-        if back:
-            os.sched_setaffinity(0, back)
+    async with aiote.open_engine(**engine_kw(route, follow)) as e:
+        place_loop(back, loop)
         mr = await e.register(np.zeros(64, np.uint8))
         print(bytes(mr.descriptor).hex(), flush=True)
         theirs = aiote.MemoryDescriptor.from_bytes(bytes.fromhex(sys.stdin.readline().strip()))
@@ -117,22 +138,24 @@ async def pong(route: str, iters: int, posted: bool, cpu: int | None = None) -> 
         sys.stdin.readline()
 
 
-def start_pong(route: str, iters: int, posted: bool, cpu: int | None) -> subprocess.Popen[str]:
+def start_pong(route: str, iters: int, posted: bool, cpu: int | None, loop: int | None = None,
+               follow: str | None = None) -> subprocess.Popen[str]:
     """The other side, a process of its own (this script with ``--pong``)."""
     return subprocess.Popen(
         [sys.executable, __file__, "--pong", route, "--iters", str(iters), *(["--posted"] if posted else []),
-         *(["--poller-cpus", f"{cpu},{cpu}"] if cpu is not None else [])],
+         *(["--poller-cpus", f"{cpu},{cpu}"] if cpu is not None else []),
+         *(["--loop-cpus", f"{loop},{loop}"] if loop is not None else []),
+         *(["--follow-loop", follow] if follow is not None else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
 
 
-async def ping(child: subprocess.Popen[str], route: str, iters: int, posted: bool,
-               cpu: int | None = None) -> dict[str, float]:
+async def ping(child: subprocess.Popen[str], route: str, iters: int, posted: bool, cpu: int | None = None,
+               loop: int | None = None, follow: str | None = None) -> dict[str, float]:
     assert child.stdin is not None and child.stdout is not None
     back = poller_cpu(cpu)
-    async with aiote.open_engine(**ROUTES[route]) as e:
-        if back:
-            os.sched_setaffinity(0, back)
+    async with aiote.open_engine(**engine_kw(route, follow)) as e:
+        place_loop(back, loop)
         mr = await e.register(np.zeros(64, np.uint8))
         theirs = aiote.MemoryDescriptor.from_bytes(bytes.fromhex(child.stdout.readline().strip()))
         child.stdin.write(bytes(mr.descriptor).hex() + "\n")
@@ -205,21 +228,26 @@ def main() -> None:
     ap.add_argument("--poller-cpus", default=None, metavar="A,B",
                     help="pin this side's poller threads to CPU A and the other side's to CPU B "
                          "(the loop threads stay free): how thread placement moves the figures")
+    ap.add_argument("--loop-cpus", default=None, metavar="A,B",
+                    help="pin this side's event-loop thread to CPU A and the other side's to CPU B")
+    ap.add_argument("--follow-loop", choices=("on", "off"), default=None,
+                    help="both sides' open_engine(follow_loop=...); default: aiote's")
     ap.add_argument("--pong", metavar="ROUTE", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("FI_PROVIDER", "tcp,ofi_rxm,shm")
+    cpus = [int(c) for c in args.poller_cpus.split(",")] if args.poller_cpus else [None, None]
+    loops = [int(c) for c in args.loop_cpus.split(",")] if args.loop_cpus else [None, None]
     if args.pong:
-        cpus = [int(c) for c in args.poller_cpus.split(",")] if args.poller_cpus else [None, None]
-        asyncio.run(pong(args.pong, args.iters, args.posted, cpus[1]))
+        asyncio.run(pong(args.pong, args.iters, args.posted, cpus[1], loops[1], args.follow_loop))
         return
     why = build_cbench()
     if why:
         sys.exit(f"the C bench could not be built: {why}")
     rows: list[dict[str, float]] = []
     for k in range(args.rounds):
-        cpus = [int(c) for c in args.poller_cpus.split(",")] if args.poller_cpus else [None, None]
-        child = start_pong(args.route, args.iters, args.posted, cpus[1])
-        row = asyncio.run(ping(child, args.route, args.iters, args.posted, cpus[0]))
+        child = start_pong(args.route, args.iters, args.posted, cpus[1], loops[1], args.follow_loop)
+        row = asyncio.run(ping(child, args.route, args.iters, args.posted, cpus[0], loops[0],
+                               args.follow_loop))
         python_us = row["peer woke -> task resumed"] + row["peer resumed -> pong posted"]
         row["aiote one-way p50"] = row["rtt"] / 2
         row["C core one-way p50"] = c_core(args.route, args.iters, 0, args.posted)

@@ -117,6 +117,8 @@ typedef struct aio_engine_config {
     int32_t sleep_ms;        /* timed fallback of the sleeping poller */
     int32_t watch_us;        /* longest sleep of the poller while a word is watched (0: 100 us) */
     int64_t busy_spin_ns;    /* busy-poll budget while our work is in flight (0: 200 us) */
+    int32_t follow_loop;     /* 1: poller 0 keeps to the CPU the loop last drained on (poller.c) */
+    int32_t pad0;
 } aio_engine_config;
 
 const char *aio_strerror(int code);
@@ -478,6 +480,8 @@ typedef struct aio_stats {
     uint64_t posts_handed_waited; /* ... of which their connection's queue was full at first */
     uint64_t direct_split;   /* arena copies made in two halves, poller 0 and a helper thread */
     uint64_t posts_peer_gone; /* requests not posted: their shm peer's process is gone (-FI_EHOSTDOWN) */
+    int64_t follow_cpu;      /* the CPU poller 0 keeps to (follow_loop), -1: none */
+    uint64_t follow_moves;   /* times poller 0 moved to the loop's CPU */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
 

@@ -50,6 +50,7 @@ from ._fabric import (
     auto_pollers,
     available_providers,
     default_streams,
+    follow_loop_default,
 )
 from ._observe import Observability, check_observe
 from ._options import (
@@ -76,6 +77,7 @@ __all__ = [
     "Transfer",
     "TransferBatch",
     "auto_pollers",
+    "follow_loop_default",
     "available_providers",
     "default_streams",
     "open_engine",
@@ -191,6 +193,7 @@ async def open_engine(
     tcp_send_buffer: int | None = _UNSET,
     host_arena: int = _UNSET,
     pollers: int | None = _UNSET,
+    follow_loop: bool | None = _UNSET,
     max_peers: int = _UNSET,
 ) -> AsyncIterator[Engine]:
     """Opens an engine: one rail per NIC in ``nics`` on libfabric ``provider``.
@@ -265,6 +268,7 @@ async def _open(
             sndbuf=t.tcp_send_buffer,
             arena=s.host_arena,
             pollers=p.pollers,
+            follow_loop=follow_loop_default() if p.follow_loop is None else p.follow_loop,
         )
     )
     try:

@@ -34,6 +34,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def follow_loop_default() -> bool:
+    """``open_engine``'s default ``follow_loop`` (:class:`PollerOptions`): on where this
+    process may use at most 2 CPUs."""
+    return usable_cores() <= 2
+
+
 def auto_pollers(rails: int) -> int:
     """``open_engine``'s default ``pollers`` for an engine of ``rails`` rails: one thread per
     rail, up to the cores this process may run on (at least two)."""
@@ -56,6 +62,7 @@ def _open_native(
     sndbuf: int | None = None,
     arena: int = 0,
     pollers: int | None = None,
+    follow_loop: bool = False,
 ) -> tuple[Any, list[RailInfo], Arena | None]:
     cfg = ffi.new(
         "aio_engine_config*",
@@ -67,6 +74,7 @@ def _open_native(
             "sleep_ms": sleep_ms,
             "base_port": base_port,
             "watch_us": watch_us,
+            "follow_loop": int(follow_loop),
         },
     )
     out = ffi.new("aio_engine**")

@@ -237,7 +237,9 @@ class EngineState:
         ``gpu_parts_in``: staged parts this engine copied into its GPU memory,
         ``gpu_lane_credits``: IPC writes credited through a credit lane (no message),
         ``gpu_ipc_imm``: ``write_imm`` calls sent on the CUDA-IPC rail's stream (after its copies);
-        ``pollers``: the native poller threads that drive the rails (``open_engine``'s ``pollers``).
+        ``pollers``: the native poller threads that drive the rails (``open_engine``'s ``pollers``);
+        ``poller_cpu``: the CPU poller 0 keeps to (``follow_loop``), -1 while it keeps to none;
+        ``poller_moves``: the times it moved to the loop's CPU.
         O(1) but ``stranded``: O(pending). Raises :class:`EngineClosed` once the engine closed."""
         st = ffi.new("aio_stats*")
         lib.aio_get_stats(self._handle(), st)
@@ -258,6 +260,8 @@ class EngineState:
             "posts_peer_gone": st.posts_peer_gone,
             "direct_split": st.direct_split,
             "pollers": int(lib.aio_engine_num_pollers(self._h)),
+            "poller_cpu": st.follow_cpu,
+            "poller_moves": st.follow_moves,
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._ops),

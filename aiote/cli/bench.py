@@ -113,6 +113,13 @@ class _OthersCpu:
 
 # ---------------------------------------------------------------------------- the C core's arguments
 
+def _on_off(text: str) -> bool:
+    """``on`` or ``off`` (``--follow-loop``)."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, not {text!r}")
+    return text == "on"
+
+
 def c_args(args: argparse.Namespace, case: Case) -> list[str]:
     """The C bench's arguments for the same case (and the same tcp send buffers, arenas,
     connections per NIC and poller threads)."""
@@ -212,6 +219,8 @@ async def run_config(
             tuned = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
             if args.pollers is not None:
                 tuned += ["--pollers", str(args.pollers)]
+            if args.follow_loop is not None:
+                tuned += ["--follow-loop", "on" if args.follow_loop else "off"]
             cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
                                 "--max-message", str(args.max_message), "--streams", str(args.streams),
                                 *tuned) + (["--low-latency"] if args.low_latency else [])
@@ -221,7 +230,8 @@ async def run_config(
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
-            observe=observe, **tuning(args.low_latency, args.streams, args.tcp_send_buffer, args.pollers),
+            observe=observe,
+            **tuning(args.low_latency, args.streams, args.tcp_send_buffer, args.pollers, args.follow_loop),
         ) as e:
             remote = Remote(e, address)
             hello = await remote.call(op="hello")
@@ -343,6 +353,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pollers", type=int, default=None, metavar="N",
                     help="poller threads of both sides' engines (open_engine(pollers=N)); default: "
                          "aiote's (one per rail, up to the cores, at least two); the C core's the same")
+    ap.add_argument("--follow-loop", type=_on_off, default=None, metavar="on|off",
+                    help="both sides' engines: poller 0 keeps to the event loop's CPU or not "
+                         "(open_engine(follow_loop=...)); default: aiote's (on at most 2 CPUs)")
     ap.add_argument("--tcp-send-buffer", type=parse_size, default=None, metavar="SIZE",
                     help="SO_SNDBUF of both sides' tcp connections (open_engine(tcp_send_buffer=)), "
                          "and the C core's the same; 0: the kernel's autotuning; default: aiote's "
@@ -463,7 +476,8 @@ def _main(
             anyio.run(lambda: serve(providers[0], nic_sets[0], port=args.port, once=args.once,
                                     max_message=args.max_message, low_latency=args.low_latency,
                                     streams=args.streams, tcp_send_buffer=args.tcp_send_buffer,
-                                    pollers=args.pollers, observe=observe))
+                                    pollers=args.pollers, observe=observe,
+                                    follow_loop=args.follow_loop))
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
@@ -494,6 +508,7 @@ def _main(
         "setting": "low-latency" if args.low_latency else "default",
         "streams": args.streams,
         "pollers": args.pollers,
+        "follow_loop": aiote.follow_loop_default() if args.follow_loop is None else args.follow_loop,
         "tcp_send_buffer": args.tcp_send_buffer,
         "arena": args.arena,
         "connect": args.connect,

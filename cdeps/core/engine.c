@@ -45,6 +45,8 @@ uint32_t aio_fabric_version(void) { return fi_version(); }
 int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err, size_t errlen) {
     aio_engine *e = calloc(1, sizeof(*e));
     if (!e) return -FI_ENOMEM;
+    atomic_store(&e->loop_cpu, -1);
+    atomic_store(&e->st_follow_cpu, -1);
     e->cfg = *cfg;
     e->sndbuf = AIO_TCP_SNDBUF_AUTO;
     if (e->cfg.ring_capacity < 1024) e->cfg.ring_capacity = 1024;

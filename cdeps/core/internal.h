@@ -297,6 +297,11 @@ struct aio_engine {
     _Atomic uint64_t st_lost;
     _Atomic int armed;
     int efd;
+    /* the loop thread's CPU at its last aio_drain and when (follow_loop: poller.c) */
+    _Atomic int32_t loop_cpu;
+    _Atomic int64_t loop_seen;
+    _Atomic int32_t st_follow_cpu;
+    _Atomic uint64_t st_follow_moves;
 
     /* groups */
     pthread_mutex_t groups_mu;

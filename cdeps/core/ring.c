@@ -166,6 +166,10 @@ void aio__ring_signal_due(aio_poller *q) {
 
 int aio_drain(aio_engine *e, aio_record *out, int max) {
     int n = 0;
+    if (e->cfg.follow_loop) { /* where the loop runs, for poller 0 (poller.c: follow_loop) */
+        atomic_store_explicit(&e->loop_cpu, sched_getcpu(), memory_order_relaxed);
+        atomic_store_explicit(&e->loop_seen, now_ns(), memory_order_relaxed);
+    }
     uint64_t head = atomic_load_explicit(&e->ring_head, memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(&e->ring_tail, memory_order_acquire);
     while (n < max && head != tail) {

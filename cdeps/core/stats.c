@@ -24,4 +24,6 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->posts_handed_waited = atomic_load(&e->st_handed_waited);
     o->posts_peer_gone = atomic_load(&e->st_gone);
     o->direct_split = atomic_load(&e->st_split);
+    o->follow_cpu = atomic_load(&e->st_follow_cpu);
+    o->follow_moves = atomic_load(&e->st_follow_moves);
 }
