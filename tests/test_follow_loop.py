@@ -51,10 +51,10 @@ def _loop_on(cpu: int) -> Iterator[None]:
 
 async def _traffic(e: aiote.Engine, src: aiote.MemoryRegion, desc: aiote.MemoryDescriptor,
                    rounds: int = 20) -> None:
-    """Awaited WriteImms spread over more than poller 0's check interval (2 ms): the loop
-    reads their completions, and the poller looks where it did."""
+    """Awaited 4 KiB WriteImms (the first 4 KiB of ``src``) spread over more than poller 0's
+    check interval (2 ms): the loop reads their completions, and the poller looks where it did."""
     for _ in range(rounds):
-        await e.write(src, desc, imm=7, timeout=30)
+        await e.write(src, desc, length=4096, imm=7, timeout=30)
         await anyio.sleep(0.001)
 
 
@@ -92,7 +92,7 @@ async def test_poller_0_keeps_to_the_loops_cpu_follows_it_and_the_others_stay_fr
             assert e.stats()["poller_moves"] >= moves + (1 if cpu != CPUS[0] else 0)
             assert _allowed("aiote-poll1") == [set(CPUS)]  # never pinned
         await peer.wait(imm=7, n=20 * len(CPUS[:2]))
-        assert await peer.digest("buf") == digest(pattern(1 << 16, seed=1))  # landed whole meanwhile
+        assert await peer.digest("buf", 0, 4096) == digest(pattern(1 << 16, seed=1)[:4096])  # landed
 
 
 async def test_the_pin_is_given_back_once_the_loop_stops_reading() -> None:
@@ -105,6 +105,35 @@ async def test_the_pin_is_given_back_once_the_loop_stops_reading() -> None:
         assert _allowed("aiote-poll0") == [set(CPUS)]
         await _traffic(e, ms, desc, rounds=5)  # and it works on as before
         await peer.wait(imm=7, n=25)
+
+
+async def test_poller_0_lets_go_while_it_moves_bulk_data_and_keeps_to_the_loop_after() -> None:
+    """While 16 MiB writes stream out, poller 0 (copying their bytes into its socket) keeps to
+    no CPU, though the loop reads completions all along; small traffic after them pins it
+    again."""
+    size = 16 << 20
+    async with _with_peer(size, follow_loop=True) as (e, ms, desc, peer):
+        with _loop_on(CPUS[0]):
+            await _traffic(e, ms, desc)
+            await _until(lambda: e.stats()["poller_cpu"] == CPUS[0])
+            seen: list[int] = []
+            done = anyio.Event()
+
+            async def sample() -> None:
+                while not done.is_set():
+                    seen.append(e.stats()["poller_cpu"])
+                    await anyio.sleep(0.001)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sample)
+                with anyio.move_on_after(10):
+                    while -1 not in seen or len(seen) < 50:  # at least 50 ms of it
+                        await e.write(ms, desc, imm=8, timeout=30)
+                done.set()
+            assert -1 in seen, seen[-20:]  # let go while the bulk moved
+            await _traffic(e, ms, desc, rounds=40)  # 40 ms of small writes: pinned again
+            await _until(lambda: e.stats()["poller_cpu"] == CPUS[0])
+        assert await peer.digest("buf") == digest(pattern(size, seed=1))
 
 
 async def test_follow_loop_off_never_pins_a_poller() -> None:

@@ -139,12 +139,14 @@ class PollerOptions:
     copies) keeps to the CPU the event loop last ran on: it pins itself there (looked at every
     2 ms) and gives the pin back once the loop has not read a completion for 100 ms. Each record
     it hands the loop then wakes a thread on its own CPU rather than another, possibly halted,
-    CPU: on a 2-vCPU VM two processes' WriteImm ping-pong ran at 34 µs one way in that placement
-    and at 86 to 108 µs in the others, which the scheduler otherwise keeps for seconds. The other
+    CPU: on a 2-vCPU VM two processes' WriteImm ping-pong ran at 36 µs one way in that placement
+    and at 71 to 98 µs in the others, which the scheduler otherwise keeps for seconds. While
+    poller 0 moves bulk data it keeps to no CPU (such data wants a CPU of its own). The other
     pollers are never pinned. ``None``: on where this process may use at most 2 CPUs
     (:func:`follow_loop_default`), where every thread shares a CPU anyway; off on larger hosts,
     where bulk transfers want poller 0 beside, not on, a busy loop's CPU. Costs a
-    ``sched_getcpu`` per completion read and an affinity call when the loop moves.
+    ``sched_getcpu`` and a clock read each time the loop drains the completion ring, a clock
+    read per poller pass, and an affinity call when the loop moves.
     :meth:`Engine.stats` reports ``poller_cpu`` and ``poller_moves``."""
 
 

@@ -48,9 +48,9 @@
  * Keeping to the loop's CPU (cfg.follow_loop). Every record this poller hands the loop is a
  * wake-up of the loop thread; woken on another CPU that CPU may be halted, and on a VM waking
  * it costs an interrupt and an exit to the hypervisor at each hop. Two processes ping-ponging
- * on a 2-vCPU VM ran their WriteImm round trips at 34 us one way when each one's loop and
- * poller shared a CPU (the two processes on different ones) and at 86 to 108 us in every other
- * placement, and the scheduler settles in either for seconds. With follow_loop, the loop notes
+ * on a 2-vCPU VM ran their WriteImm round trips at 36 us one way when each one's loop and
+ * poller shared a CPU (the two processes on different ones) and at 71 to 98 us in every other
+ * placement (docs/benchmarks.md), and the scheduler settles in either for seconds. With follow_loop, the loop notes
  * its CPU at each aio_drain, and poller 0 (the poller of the first rail: messages and the
  * immediates of small transfers, direct copies) pins itself to that CPU, looked at every
  * FOLLOW_CHECK_NS; it gives the pin back (its affinity at start) once the loop has not drained
@@ -252,7 +252,7 @@ static int poll_pass(poll_state *s, int64_t *t_poll) {
  * that found work took over 1/FOLLOW_BULK_SHARE of the time since it last looked); see
  * "Keeping to the loop's CPU" above. */
 static void follow_loop(poll_state *s, int64_t t) {
-    if (!s->follow || t - s->follow_checked < FOLLOW_CHECK_NS) return;
+    if (t - s->follow_checked < FOLLOW_CHECK_NS) return;
     aio_engine *e = s->e;
     int cpu = atomic_load_explicit(&e->loop_cpu, memory_order_relaxed);
     int64_t seen = atomic_load_explicit(&e->loop_seen, memory_order_relaxed);
