@@ -65,7 +65,7 @@ class Rig:
 
 
 @contextlib.contextmanager
-def _hosts(route: str) -> Iterator[Any]:
+def _hosts(route: str, subnet: int) -> Iterator[Any]:
     if route != "netns":
         yield None
         return
@@ -75,14 +75,17 @@ def _hosts(route: str) -> Iterator[Any]:
     why = netns_unavailable()
     if why:
         pytest.skip(why)
-    with two_hosts(1, subnet=217) as h:
+    with two_hosts(1, subnet=subnet) as h:
         yield h
 
 
 @asynccontextmanager
-async def rig(route: str, retry: aiote.RetryPolicy | None = None, **kw: Any) -> AsyncIterator[Rig]:
-    """An engine and a peer process on ``route`` (see the module's docstring)."""
-    with _hosts(route) as h:
+async def rig(
+    route: str, retry: aiote.RetryPolicy | None = None, subnet: int = 217, **kw: Any
+) -> AsyncIterator[Rig]:
+    """An engine and a peer process on ``route`` (see the module's docstring); ``netns``
+    addresses ``10.{subnet}/16`` (one subnet per test module: modules run side by side)."""
+    with _hosts(route, subnet) as h:
         opts: dict[str, Any] = dict(kw)
         if retry is not None:
             opts["retry"] = retry

@@ -263,3 +263,27 @@ def kernel_sndbuf(asked: int) -> int:
     with open("/proc/sys/net/core/wmem_max") as f:
         cap = int(f.read())
     return 2 * min(asked, cap)
+
+
+_SILENT = r"""
+import sys, anyio, aiote
+async def main():
+    async with aiote.open_engine(**({} if sys.argv[1] == "shm" else {"same_host": None})) as e:
+        print(e.address.hex(), flush=True)
+        await anyio.sleep(3600)  # never receives: a sender's messages fill its slots, then pend
+anyio.run(main)
+"""
+
+
+@asynccontextmanager
+async def silent_peer(same_host: str | None) -> AsyncIterator[tuple[Any, bytes]]:
+    """A peer engine in a child process that never receives (``same_host``: "shm", the
+    default same-host route, or None: tcp only): yields the process and its address."""
+    import sys
+
+    async with await anyio.open_process([sys.executable, "-c", _SILENT, str(same_host)]) as proc:
+        assert proc.stdout is not None
+        line = b""
+        while not line.endswith(b"\n"):
+            line += await proc.stdout.receive()
+        yield proc, bytes.fromhex(line.decode().strip())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
-from _util import eventually, fails_after_kill, nothing_posted, pattern
+from _util import eventually, fails_after_kill, nothing_posted, pattern, silent_peer
 
 import aiote
 
@@ -282,39 +282,21 @@ async def test_a_receiver_that_falls_behind_does_not_hold_up_sends_to_others() -
         assert all(p == bytes([p[0]]) * size for _, p in got)
 
 
-_SILENT = r"""
-import sys, anyio, aiote
-async def main():
-    async with aiote.open_engine(**({} if sys.argv[1] == "shm" else {"same_host": None})) as e:
-        print(e.address.hex(), flush=True)
-        await anyio.sleep(3600)  # never receives: a sender's messages fill its slots, then pend
-anyio.run(main)
-"""
-
-
 @pytest.mark.parametrize("same_host", ["shm", None])
 async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | None) -> None:
     """Messages to a peer killed meanwhile: PeerUnreachable within connect_timeout + 3 s on the
     same-host route (shm takes nothing from a dead peer: its death is seen by its lock file)
     and over tcp; the route each ran on is the one named."""
-    import sys
-
     policy = aiote.RetryPolicy(connect_timeout=2.0)
     kw = {} if same_host else {"same_host": None}
-    async with await anyio.open_process([sys.executable, "-c", _SILENT, str(same_host)]) as proc:
-        assert proc.stdout is not None
-        line = b""
-        while not line.endswith(b"\n"):
-            line += await proc.stdout.receive()
-        addr = bytes.fromhex(line.decode().strip())
-        async with aiote.open_engine(retry=policy, **kw) as e:
-            route = e.route(addr)
-            assert route.provider == ("shm" if same_host else "tcp;ofi_rxm"), route
-            error, after_kill = await fails_after_kill(
-                lambda: e.send(addr, b"x" * 4096), proc.kill, after=0.5
-            )
-            assert isinstance(error, aiote.PeerUnreachable), error
-            assert after_kill < policy.connect_timeout + 3.0, (after_kill, error)
+    async with silent_peer(same_host) as (proc, addr), aiote.open_engine(retry=policy, **kw) as e:
+        route = e.route(addr)
+        assert route.provider == ("shm" if same_host else "tcp;ofi_rxm"), route
+        error, after_kill = await fails_after_kill(
+            lambda: e.send(addr, b"x" * 4096), proc.kill, after=0.5
+        )
+        assert isinstance(error, aiote.PeerUnreachable), error
+        assert after_kill < policy.connect_timeout + 3.0, (after_kill, error)
 
 
 _HOLDER = r"""

@@ -173,6 +173,7 @@ async def open_engine(
     # defaults are theirs); given both ways, InvalidArgument
     max_message_size: int = _UNSET,
     message_slots: int = _UNSET,
+    combine_messages: bool = _UNSET,
     spin_us: float = _UNSET,
     loop_spin_us: float = _UNSET,
     sleep_ms: int = _UNSET,

@@ -374,7 +374,9 @@ class OpLife(Retries):
         stalled._final = True  # type: ignore[attr-defined]  # that wait was the retry
         return stalled
 
-    async def _await_group(self, op: _Op, end: float | None, timeout: float | None, what: str) -> bool:
+    async def _await_group(
+        self, op: _Op, end: float | None, timeout: float | None, what: str, since: float | None = None
+    ) -> bool:
         """The end of a group's life once every request of it was posted and it was sealed:
         waits for its completion record until ``end`` and returns :meth:`_outcome`. On
         timeout raises TransferTimeout at once (the completion releases the buffers later;
@@ -383,7 +385,7 @@ class OpLife(Retries):
         try:
             if self._loop_spin_ns:
                 self._spin_until(op.event.is_set)
-            if not op.event.is_set() and not await self._wait_moving(op, end, what):
+            if not op.event.is_set() and not await self._wait_moving(op, end, what, since):
                 assert timeout is not None
                 raise timeout_error(what, timeout)
         except TransferTimeout as timed_out:
@@ -399,14 +401,15 @@ class OpLife(Retries):
             raise
         return self._outcome(op, what)
 
-    async def _wait_moving(self, op: _Op, end: float | None, what: str) -> bool:
+    async def _wait_moving(self, op: _Op, end: float | None, what: str, since: float | None = None) -> bool:
         """Waits for ``op``'s completion until ``end``: True once it came, False at ``end``.
         Raises :class:`TransferStalled` when none of its requests completed for the policy's
         ``stall_timeout`` (a request completing is progress: a slow peer that keeps taking
         bytes never trips it; a peer that takes nothing, stopped or wedged, does), and
         :class:`PeerUnreachable` once every NIC that reaches its peer has been down for
         ``connect_timeout`` (its requests stay owned by the transport, and land if a link
-        comes back: it is not posted again)."""
+        comes back: it is not posted again). ``since``: the stall bound counts from then (a
+        combined message's sends, which waited for it on their own first), not from now."""
         p = _POLICY.get()
         policy = p if p is not None else self._retry
         stall = policy.stall_timeout
@@ -417,7 +420,7 @@ class OpLife(Retries):
             return await wait_until(op.event, end)
         h = self._h
         last = int(lib.aio_group_pending(h, op.g)) if op.g >= 0 else -1
-        moved = now()
+        moved = now() if since is None else since  # (since: when a waiter that woke early began)
         # the first wait is GroupWatch.wake_at inlined (every awaited operation under a stall
         # bound comes here: no object until it wakes without its completion)
         marks = [x for x in (end, None if stall is None else moved + stall) if x is not None]

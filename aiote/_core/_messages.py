@@ -5,28 +5,33 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
+from functools import partial
 from typing import Any
 
 import anyio
 
 from .._native import ffi, lib
+from ._coalesce import ALONE, WAITING, Member, Window, pack, spans
 from ._counter import ImmCounter
 from ._credits import GroupView, SendAfterTimeout, SendWhenLanded, after_data, all_landed
 from ._descriptor import EngineAddress
-from ._errors import EngineClosed, InvalidArgument, TransferTimeout
+from ._errors import AioteError, EngineClosed, InvalidArgument, TransferTimeout
 from ._observed import Observed
 from ._optable import _Op
-from ._records import _GROUPS, _check_retry, _end, _Group, _groups_list, _Held, _left, _RecvWaiter
+from ._records import _GROUPS, _POLICY, _check_retry, _end, _Group, _groups_list, _Held, _left, _RecvWaiter
 from ._retry import RetryPolicy
 from ._routing import addr_ends
-from ._util import as_index, check_timeout, timeout_error, wait_until
+from ._rules import LINK_POLL
+from ._util import as_index, check_timeout, now, timeout_error, wait_until
 from ._wire import (
+    _ADDR_LEN,
     _CREDIT,
     _CREDIT_MSG,
     _INTERNAL,
     _K_CREDIT,
     _K_CREDIT_BYTE,
     _MSG_HEADER,
+    _PACKED,
     _SPILL_BYTES,
     _U32,
     _Credits,
@@ -43,14 +48,17 @@ class Messages(Observed):
         than ``_hold_max`` or the queued copies already reach ``_SPILL_BYTES``, or else copied
         out and queued. Internal messages are consumed here."""
         n = _MSG_HEADER.size
-        end = internal = 0
+        end = internal = packed = 0
         raw: Any = None
         if status == 0 and length >= n:
             raw = ffi.buffer(lib.aio_recv_slot(self._h, rail, slot), length)
             (alen,) = _MSG_HEADER.unpack_from(raw)
             internal = alen & _INTERNAL
-            alen &= ~_INTERNAL
-            end = n + alen
+            packed = alen & _PACKED
+            end = n + (alen & _ADDR_LEN)
+        if packed and raw is not None and end <= length:
+            self._on_packed(rail, slot, raw, end, length)
+            return
         if raw is None or end > length:
             lib.aio_recv_repost(self._h, rail, slot)
             if status != 0:
@@ -78,6 +86,34 @@ class Messages(Observed):
             return
         self._deliver(item)
 
+    def _on_packed(self, rail: int, slot: int, raw: Any, end: int, length: int) -> None:
+        """A combined message (see :mod:`._coalesce`) arrived in ``slot``: its messages are
+        queued in order, holding their shared slot as one message would (see
+        :meth:`_on_message`), or copied out, each to a waiting receiver or the inbox."""
+        parts = spans(raw, end, length)
+        sender = raw[_MSG_HEADER.size : end]
+        if parts is None:
+            lib.aio_recv_repost(self._h, rail, slot)
+            self._log.warning("malformed combined message dropped", rail=rail, length=length)
+            return
+        self._combined[2] += 1
+        # waiting receivers get theirs now (copied out); the rest stay in the slot, taken one
+        # at a time (a burst of large copies would make the allocator return and fault in
+        # pages on every combined message), or are copied out while the slots are short
+        waiters = self._recv_waiters
+        first = min(len(waiters), len(parts))
+        items = [(sender, raw[a:b]) for a, b in parts[:first]]
+        rest = parts[first:]
+        if rest and (self._held[rail] < self._hold_max or self._spilled + length - end > _SPILL_BYTES):
+            self._held[rail] += 1
+            share = [len(rest)]
+            self._inbox.extend(_Held(rail, slot, sender, a, b, share) for a, b in rest)
+        else:
+            items += [(sender, raw[a:b]) for a, b in rest]
+            lib.aio_recv_repost(self._h, rail, slot)
+        for item in items:
+            self._deliver(item)
+
     def _deliver(self, item: tuple[bytes, bytes], first: bool = False) -> None:
         """A copied-out message to the longest-waiting receiver, or else into the inbox (at its
         end, or ``first``: at its front), counted in ``_spilled``."""
@@ -102,12 +138,21 @@ class Messages(Observed):
             raise EngineClosed("the engine closed while receiving")
         h = self._h
         payload = ffi.buffer(lib.aio_recv_slot(h, item.rail, item.slot), item.end)[item.start :]
+        share = item.share
+        if share is not None:  # one of a combined message's: the last one gives the slot back
+            share[0] -= 1
+            if share[0]:
+                return item.sender, payload
         lib.aio_recv_repost(h, item.rail, item.slot)
         self._held[item.rail] -= 1
         return item.sender, payload
 
     async def _then_credit(
-        self, data: Awaitable[None], credits: _Credits, end: float | None, what: str,
+        self,
+        data: Awaitable[None],
+        credits: _Credits,
+        end: float | None,
+        what: str,
         rows: int,
     ) -> None:
         """Awaits ``data`` (the ``rows`` requests of an operation over several routes), then
@@ -290,9 +335,18 @@ class Messages(Observed):
         cancelled before the call, to a peer already reached) is delivered, then raises the
         cancellation.
 
+        Sends that other tasks make to the same peer while this one is under way travel with
+        it as one message (``combine_messages``, on by default): each is still delivered once,
+        in order, as a message of its own. Joined, a send is not sent at all when cancelled
+        or timed out before that message went out; cancelled after, it waits (up to
+        ``cancel_grace``) for that message to complete before the cancellation propagates; a
+        timeout after raises at once, and its ``settled()`` waits for it (a message over the
+        transport's eager size, 16 KiB on tcp, can be overtaken by a later one).
+
         Costs one copy of the payload (into a registered send slot, behind the sender's
         address, made without the NIC's lock held) and one send work request, awaited to
-        completion; with no send slot free it waits (back-off) instead of failing. A message
+        completion; with no send slot free it waits (back-off) instead of failing. A joined
+        send costs a second copy (into the combined message) and no work request of its own. A message
         that the provider completes as it takes it ends in the posting call: the send returns
         after one schedule point, without waking a poller or the event loop. That is, with its
         header (the sender's address, about 120 bytes), up to 4 KiB on shm (always) and up to
@@ -311,14 +365,26 @@ class Messages(Observed):
         internal: bool = False,
     ) -> None:
         """Sends a message; ``internal`` ones (the engine's own protocol, e.g. GPU staging)
-        are consumed by the peer's engine and never reach its :meth:`recv`."""
+        are consumed by the peer's engine and never reach its :meth:`recv`. An application
+        message to a connection whose send is at the schedule point after its posting joins
+        it (see :mod:`._coalesce`), unobserved and outside a batch."""
         addr = self._engine_address(peer)
         data = self._message_bytes(payload, addr.max_message)
         end = _end(timeout)
+        join = self._combine and not internal and self._obs is None and _GROUPS.get() is None
         while True:
             # messages keep to the first live route: they are delivered in order on it
             path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
             key = (path[0][0], path[0][1])
+            w = self._windows.get(key) if join else None
+            if w is not None:
+                m = w.join(data)
+                if m is not None:
+                    _check_retry(retry)
+                    if await self._joined(key, w, m, end, timeout):
+                        return
+                    join = False  # nothing was posted for it: it goes by itself
+                    continue
             n = self._sends.get(key, 0)
             if internal or n < self._send_cap:
                 break
@@ -333,20 +399,17 @@ class Messages(Observed):
                 raise timeout_error("send", timeout)
         rail, fa = key
         head = self._msg_head[internal]
-        body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
         budget = self._budget_ns
 
         def post(h: Any, g: int, posted: int) -> int:
+            body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
             return int(lib.aio_post_sendv(h, g, rail, fa, head, len(head), body, data.nbytes, budget))
-
-        def opener(h: Any, token: int, gout: Any) -> int:  # open, post, seal: one native call
-            nbytes = data.nbytes
-            return int(lib.aio_submit_sendv(h, token, rail, fa, head, len(head), body, nbytes, budget, gout))
 
         self._sends[key] = n + 1
         names = frozenset((key,))
         begun: list[_Group] = []
         counted = True
+        mine: Window | None = None  # the window this send opened
         try:
             if self._obs is not None:
                 self._obs.unit = data.nbytes
@@ -354,7 +417,13 @@ class Messages(Observed):
                 # unobserved and in no batch: posted here, before the attempts' layers, so that a
                 # message that ends in the posting call costs one schedule point and no more
                 _check_retry(retry)
-                st = self._begin(1, None, None, None, None, names=names, opener=opener)
+                st = self._begin(
+                    1, None, None, None, None, names=names, opener=_opener(key, head, data, budget)
+                )
+                if st.first == 1 and join and key not in self._windows:
+                    # posted: at its schedule point, sends to the connection join a window
+                    mine = Window(min(self._max_message, addr.max_message), self._event())
+                    self._windows[key] = mine
                 if st.first == 1 and st.op.done and not st.op.status:
                     self._sent(key)
                     counted = False
@@ -362,17 +431,136 @@ class Messages(Observed):
                         self._maybe_sweep()
                     await self._checkpoint()
                     return
+                if mine is not None:
+                    # what joined goes before this send awaits its completion (which may wait
+                    # for the receiver to take messages: it must not hold theirs back)
+                    w, mine = mine, None
+                    await self._yield_posted(st.op, key, w)
                 begun.append(st)
 
             def attempt(t: float | None) -> Awaitable[bool]:
                 if begun:  # the first attempt finishes the group posted above
                     return self._finish(begun.pop(), post, 1, _end(t), t, "send")
+                opener = _opener(key, head, data, budget)
                 return self._run_group(post, 1, None, t, "send", names=names, opener=opener)
 
             await self._attempts(attempt, _left(end), retry, "send")
         finally:
             if counted:
                 self._sent(key)
+            if mine is not None:  # what joined goes now, cancelled or not
+                self._flush(key, mine)
+
+    async def _yield_posted(self, op: _Op, key: tuple[int, int], w: Window) -> None:
+        """The schedule point of a send that posted ``op`` and opened window ``w``, whose
+        message did not end in the posting call: what joined goes when it resumes. Cancelled
+        here, it waits for its posted message first, as a cancelled send does (up to
+        ``cancel_grace``), so that the task's next send cannot overtake it."""
+        try:
+            await self._checkpoint()
+        except BaseException:
+            self._flush(key, w)
+            if op.must_settle():
+                await self._settle_cancelled(op)
+            raise
+        self._flush(key, w)
+
+    async def _joined(
+        self, key: tuple[int, int], w: Window, m: Member, end: float | None, timeout: float | None
+    ) -> bool:
+        """The send of ``m``, joined to window ``w`` of connection ``key``: True once its
+        message went with the window's combined message and landed; False when it must go by
+        itself (nothing was posted for it, or the combined message failed or moved to another
+        NIC: sent again, as a retry would). Raises TransferTimeout and the cancellation:
+        before the window posted, the message is not sent at all; after, as for any posted
+        send."""
+        try:
+            await self._wait_joined(w, m, end, timeout)
+        except BaseException as exc:
+            if w.leave(m) or m.state == ALONE:
+                raise  # nothing posted for it
+            # posted: it is delivered (a posted message cannot be taken back)
+            try:
+                if isinstance(exc, TransferTimeout):
+                    exc._waiter, exc._landed = partial(self._settle, w.op), w.op.landed
+                elif w.op.must_settle():
+                    await self._settle_cancelled(w.op)
+            finally:
+                if w.done(m):
+                    self._sent(key)
+            raise
+        if m.state == ALONE:
+            return False
+        op = w.op
+        if op.landed():  # the common case: no await more
+            if w.done(m):
+                self._sent(key)
+            return True
+        try:
+            moved = await self._await_group(op, end, timeout, "send", since=w.posted_at)
+        except (TransferTimeout, EngineClosed):
+            raise
+        except AioteError as err:
+            self._log.info("a combined message failed; its messages go one by one", error=str(err))
+            return False
+        finally:
+            if w.done(m):
+                self._sent(key)
+        return not moved
+
+    async def _wait_joined(self, w: Window, m: Member, end: float | None, timeout: float | None) -> None:
+        """Waits until window ``w`` says what became of ``m`` and, if its combined message
+        was posted, until that completed, or until the engine's watch must look at it (a
+        stall bound, a lost link, a same-host peer's death: then :meth:`_await_group` takes
+        over). Raises TransferTimeout at ``end``."""
+        p = _POLICY.get()
+        stall = (p if p is not None else self._retry).stall_timeout
+        look = LINK_POLL if self._router.down or self._shm_rails else stall
+        while True:
+            mark = end if look is None else now() + look if end is None else min(end, now() + look)
+            if await wait_until(w.event, mark) or m.state != WAITING:
+                return
+            if end is not None and now() >= end:
+                assert timeout is not None
+                raise timeout_error("send", timeout)
+
+    def _flush(self, key: tuple[int, int], w: Window) -> None:
+        """The send that opened window ``w`` resumed after its schedule point (or was
+        cancelled there): what joined goes as one message (a single message as it is),
+        posted now when the transport takes all of it at once, else every member goes by
+        itself (see :mod:`._coalesce`)."""
+        del self._windows[key]
+        members = w.close()
+        if not members:
+            return
+        try:
+            if self._closed or self._sends.get(key, 0) >= self._send_cap:
+                w.alone()
+                return
+            if len(members) == 1:
+                head, data = self._msg_head[0], members[0].data
+            else:
+                head = self._msg_head[2]
+                data, self._pack_buf = pack([x.data for x in members], self._pack_buf)
+            opener = _opener(key, head, data, self._budget_ns)
+            st = self._begin(1, None, None, None, None, names=frozenset((key,)), opener=opener)
+        except Exception as err:  # each member meets it again, by itself
+            self._log.info("a combined message was not posted", error=str(err))
+            w.alone()
+            return
+        if st.first != 1:  # no group slot, the transport pushed back, or an error
+            if st.g >= 0:
+                self._seal(st.g)
+            w.alone()
+            return
+        self._sends[key] = self._sends.get(key, 0) + 1
+        self._combined[0] += len(members)
+        if len(members) > 1:
+            self._combined[1] += 1
+        op = st.op
+        if not op.done:  # its completion wakes the members: one wait each, not two
+            op.event = w.event
+        w.posted(op, op.done, now())
 
     def _message_bytes(self, payload: Any, theirs: int) -> memoryview:
         """``payload`` as bytes, checked against this engine's and the receiver's
@@ -462,3 +650,19 @@ class Messages(Observed):
         if w.item is None:
             raise EngineClosed("the engine closed while receiving")
         return w.item
+
+
+def _opener(
+    key: tuple[int, int], head: bytes, data: memoryview, budget: int
+) -> Callable[[Any, int, Any], int]:
+    """The ``opener`` of a message's group (see ``_run_group``): open, post, seal in one native
+    call (``aio_submit_sendv``) on connection ``key``. The buffer's cdata lives for the call
+    alone: one kept in a frame that a traceback holds in a reference cycle can be collected
+    after the memoryview it exports from, which crashes CPython 3.11's memoryview dealloc."""
+    rail, fa = key
+
+    def opener(h: Any, token: int, gout: Any) -> int:
+        body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
+        return int(lib.aio_submit_sendv(h, token, rail, fa, head, len(head), body, data.nbytes, budget, gout))
+
+    return opener

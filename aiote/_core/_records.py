@@ -126,16 +126,21 @@ class _Group:
 
 class _Held:
     """A received message still in its registered slot: its payload is copied out (and the
-    slot handed back to the transport) when :meth:`Engine.recv` takes it."""
+    slot handed back to the transport) when :meth:`Engine.recv` takes it. The messages of one
+    combined message (see :mod:`._coalesce`) share their slot: ``share[0]`` counts those not
+    taken yet, and the last one taken hands the slot back."""
 
-    __slots__ = ("end", "rail", "sender", "slot", "start")
+    __slots__ = ("end", "rail", "sender", "share", "slot", "start")
 
-    def __init__(self, rail: int, slot: int, sender: bytes, start: int, end: int) -> None:
+    def __init__(
+        self, rail: int, slot: int, sender: bytes, start: int, end: int, share: list[int] | None = None
+    ) -> None:
         self.rail = rail
         self.slot = slot
         self.sender = sender
         self.start = start
         self.end = end
+        self.share = share
 
 
 class _RecvWaiter:

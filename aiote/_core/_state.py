@@ -18,6 +18,7 @@ import numpy as np
 from .._native import ffi, lib
 from ._arena import Arena
 from ._bridge import LoopBridge
+from ._coalesce import Window
 from ._counter import ImmCounter
 from ._credits import CreditsSeen
 from ._descriptor import EngineAddress, MemoryDescriptor, RailAddress
@@ -31,7 +32,17 @@ from ._peers import PeerBook
 from ._records import _PARSED_ADDRESSES, _POLICY, RailInfo, _as_bytes, _Held, _host_id, _log, _RecvWaiter
 from ._retry import RetryPolicy
 from ._routing import DomainGroup, Router
-from ._wire import _CREDITS_SEEN_MAX, _GPU_COUNTS, _INTERNAL, _MSG_HEADER, _OP_DTYPE, _OP_STRUCT, _strerror
+from ._wire import (
+    _ADDR_LEN,
+    _CREDITS_SEEN_MAX,
+    _GPU_COUNTS,
+    _INTERNAL,
+    _MSG_HEADER,
+    _OP_DTYPE,
+    _OP_STRUCT,
+    _PACKED,
+    _strerror,
+)
 
 
 class EngineState:
@@ -86,7 +97,7 @@ class EngineState:
         self._batches: weakref.WeakSet[Any] = weakref.WeakSet()
         self._desc_paths: dict[int, tuple[MemoryDescriptor, tuple[tuple[int, int, int, int], ...]]] = {}
         self._imm_memos: dict[tuple[int, int], Any] = {}  # single-route write_imms (see _memo_post)
-        self._init_messages(len(rails), message_slots)
+        self._init_messages(len(rails), message_slots, transport.combine_messages)
         self._recs = ffi.new("aio_record[256]")
         # aio_submit's group; aio_submit_sendv's also says whether it ended in the call, and how
         # (the loop thread only)
@@ -98,8 +109,14 @@ class EngineState:
         )
         self._address_bytes = bytes(self._address)
         me = self._address_bytes
-        # every message's header (sender address, internal flag), indexed by ``internal``
-        self._msg_head = (_MSG_HEADER.pack(len(me)) + me, _MSG_HEADER.pack(len(me) | _INTERNAL) + me)
+        # every message's header (sender address, flags): an application message, an internal
+        # one, a combined one (see _coalesce.py); the first two indexed by ``internal``
+        assert len(me) <= _ADDR_LEN
+        self._msg_head = (
+            _MSG_HEADER.pack(len(me)) + me,
+            _MSG_HEADER.pack(len(me) | _INTERNAL) + me,
+            _MSG_HEADER.pack(len(me) | _PACKED) + me,
+        )
         self._router = Router(
             [r.provider for r in rails],
             [r.domain for r in rails],
@@ -136,7 +153,7 @@ class EngineState:
         self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
         self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (a cache)
 
-    def _init_messages(self, nrails: int, message_slots: int) -> None:
+    def _init_messages(self, nrails: int, message_slots: int, combine: bool) -> None:
         """The fields of two-sided messages: the inbox, held slots and sends in flight."""
         self._inbox: deque[tuple[bytes, bytes] | _Held] = deque()
         # Messages nobody waits for stay in their slots until recv() takes them (one copy,
@@ -152,6 +169,12 @@ class EngineState:
         self._sends: dict[tuple[int, int], int] = {}
         self._send_room: dict[tuple[int, int], Any] = {}
         self._send_cap = max(1, self._hold_max)
+        # connections whose send is at its schedule point: sends joining it (see _coalesce.py)
+        self._windows: dict[tuple[int, int], Window] = {}
+        self._combine = combine
+        # sends that went in another send's window, combined messages sent and received
+        self._combined = [0, 0, 0]
+        self._pack_buf = bytearray()  # where combined messages are put together (reused)
         self._recv_waiters: deque[_RecvWaiter] = deque()
 
     def _init_direct(self, handle: Any, rails: list[RailInfo], same_host_direct: bool) -> None:
@@ -239,7 +262,10 @@ class EngineState:
         ``gpu_ipc_imm``: ``write_imm`` calls sent on the CUDA-IPC rail's stream (after its copies);
         ``pollers``: the native poller threads that drive the rails (``open_engine``'s ``pollers``);
         ``poller_cpu``: the CPU poller 0 keeps to (``follow_loop``), -1 while it keeps to none;
-        ``poller_moves``: the times it moved to the loop's CPU.
+        ``poller_moves``: the times it moved to the loop's CPU;
+        ``sends_joined``: sends that went out with another task's send to the same peer
+        (``combine_messages``), ``combined_sent`` / ``combined_received``: messages of several
+        sends each, sent / received (split again by the receiver).
         O(1) but ``stranded``: O(pending). Raises :class:`EngineClosed` once the engine closed."""
         st = ffi.new("aio_stats*")
         lib.aio_get_stats(self._handle(), st)
@@ -271,6 +297,9 @@ class EngineState:
             "routes_open": len(self._routes_open),
             "routes_opening": len(self._routes_opening),
             "failovers": self._failovers,
+            "sends_joined": self._combined[0],
+            "combined_sent": self._combined[1],
+            "combined_received": self._combined[2],
             "stranded": len(self._ops.stranded()),
             **(self._gpu.counts if self._gpu is not None else dict.fromkeys(_GPU_COUNTS, 0)),
         }

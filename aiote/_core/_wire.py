@@ -21,8 +21,12 @@ _K_CREDIT_BYTE = bytes([_K_CREDIT])
 _CREDITS_SEEN_MAX = 1 << 16  # credit messages remembered for de-duplication
 # deferred credits of multi-route operations: (path, imm, owner's address) -> logical writes
 _Credits = dict[tuple[Any, int, EngineAddress], int]
-_MSG_HEADER = struct.Struct("<H")  # the sender's address length; the top bit marks internal messages
+# the sender's address length; the top bit marks internal messages, the next one a combined
+# message (several messages of one connection's senders: see _coalesce.py)
+_MSG_HEADER = struct.Struct("<H")
 _INTERNAL = 0x8000
+_PACKED = 0x4000
+_ADDR_LEN = 0x3FFF
 _GPU_COUNTS = ("gpu_ipc", "gpu_staged", "gpu_direct", "gpu_parts_in", "gpu_lane_credits", "gpu_ipc_imm")
 
 # libfabric error numbers (rdma/fi_errno.h)

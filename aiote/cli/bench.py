@@ -221,6 +221,8 @@ async def run_config(
                 tuned += ["--pollers", str(args.pollers)]
             if args.follow_loop is not None:
                 tuned += ["--follow-loop", "on" if args.follow_loop else "off"]
+            if args.combine is not None:
+                tuned += ["--combine", "on" if args.combine else "off"]
             cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
                                 "--max-message", str(args.max_message), "--streams", str(args.streams),
                                 *tuned) + (["--low-latency"] if args.low_latency else [])
@@ -231,7 +233,8 @@ async def run_config(
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
             observe=observe,
-            **tuning(args.low_latency, args.streams, args.tcp_send_buffer, args.pollers, args.follow_loop),
+            **tuning(args.low_latency, args.streams, args.tcp_send_buffer, args.pollers, args.follow_loop,
+                     args.combine),
         ) as e:
             remote = Remote(e, address)
             hello = await remote.call(op="hello")
@@ -356,6 +359,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--follow-loop", type=_on_off, default=None, metavar="on|off",
                     help="both sides' engines: poller 0 keeps to the event loop's CPU or not "
                          "(open_engine(follow_loop=...)); default: aiote's (on at most 2 CPUs)")
+    ap.add_argument("--combine", type=_on_off, default=None, metavar="on|off",
+                    help="both sides' engines: concurrent sends to one peer travel as one message or "
+                         "not (open_engine(combine_messages=...)); default: aiote's (on)")
     ap.add_argument("--tcp-send-buffer", type=parse_size, default=None, metavar="SIZE",
                     help="SO_SNDBUF of both sides' tcp connections (open_engine(tcp_send_buffer=)), "
                          "and the C core's the same; 0: the kernel's autotuning; default: aiote's "
@@ -477,7 +483,7 @@ def _main(
                                     max_message=args.max_message, low_latency=args.low_latency,
                                     streams=args.streams, tcp_send_buffer=args.tcp_send_buffer,
                                     pollers=args.pollers, observe=observe,
-                                    follow_loop=args.follow_loop))
+                                    follow_loop=args.follow_loop, combine=args.combine))
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
@@ -509,6 +515,7 @@ def _main(
         "streams": args.streams,
         "pollers": args.pollers,
         "follow_loop": aiote.follow_loop_default() if args.follow_loop is None else args.follow_loop,
+        "combine_messages": True if args.combine is None else args.combine,
         "tcp_send_buffer": args.tcp_send_buffer,
         "arena": args.arena,
         "connect": args.connect,
