@@ -291,3 +291,25 @@ async def test_concurrent_sends_to_a_killed_peer_all_fail_within_the_bound(same_
         for exc, at in errors:
             assert isinstance(exc, aiote.PeerUnreachable), exc
             assert at - killed[0] < policy.connect_timeout + 3.0, (at - killed[0], exc)
+
+
+async def test_a_refused_send_among_joined_ones_posts_nothing() -> None:
+    """Bad arguments are refused before anything is posted, also for a send that would join
+    another's window: of 8 sends made at once, the one with a bad retry policy raises
+    InvalidArgument and the peer receives the other 7, then the next message."""
+    async with aiote.open_engine(same_host=None) as b, aiote.open_engine(same_host=None) as a:
+        refused: list[BaseException] = []
+
+        async def one(k: int) -> None:
+            try:
+                await a.send(b.address, b"m%d" % k, timeout=30, retry=object() if k == 3 else None)  # type: ignore[arg-type]
+            except aiote.InvalidArgument as exc:
+                refused.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for k in range(8):
+                tg.start_soon(one, k)
+        assert len(refused) == 1
+        await a.send(b.address, b"next", timeout=30)
+        got = [(await b.recv(timeout=30))[1] for _ in range(8)]
+        assert sorted(got[:7]) == sorted(b"m%d" % k for k in range(8) if k != 3) and got[7] == b"next"

@@ -335,20 +335,21 @@ class Messages(Observed):
         cancelled before the call, to a peer already reached) is delivered, then raises the
         cancellation.
 
-        Sends that other tasks make to the same peer while this one is under way travel with
-        it as one message (``combine_messages``, on by default): each is still delivered once,
-        in order, as a message of its own. Joined, a send is not sent at all when cancelled
-        or timed out before that message went out; cancelled after, it waits (up to
-        ``cancel_grace``) for that message to complete before the cancellation propagates; a
-        timeout after raises at once, and its ``settled()`` waits for it (a message over the
-        transport's eager size, 16 KiB on tcp, can be overtaken by a later one).
+        Sends that other tasks make to the same peer while this one sits at its schedule point
+        right after posting travel together as one message (``combine_messages``, on by
+        default): each is still delivered once, in order, as a message of its own. Joined,
+        a send is not sent at all when cancelled or timed out before that message went out;
+        cancelled after, it waits (up to ``cancel_grace``) for that message to complete
+        before the cancellation propagates; a timeout after raises at once, and its
+        ``settled()`` waits for it (a message over the transport's eager size, 16 KiB on
+        tcp, can be overtaken by a later one).
 
         Costs one copy of the payload (into a registered send slot, behind the sender's
         address, made without the NIC's lock held) and one send work request, awaited to
         completion; with no send slot free it waits (back-off) instead of failing. A joined
-        send costs a second copy (into the combined message) and no work request of its own. A message
-        that the provider completes as it takes it ends in the posting call: the send returns
-        after one schedule point, without waking a poller or the event loop. That is, with its
+        send costs a second copy (into the combined message) and no work request of its own.
+        A message that the provider completes as it takes it ends in the posting call: the
+        send returns after one schedule point, without waking a poller or the event loop. That is, with its
         header (the sender's address, about 120 bytes), up to 4 KiB on shm (always) and up to
         16 KiB on tcp (when its socket takes it at once)."""
         check_timeout(timeout)
@@ -378,9 +379,9 @@ class Messages(Observed):
             key = (path[0][0], path[0][1])
             w = self._windows.get(key) if join else None
             if w is not None:
+                _check_retry(retry)  # (before joining: a refused send posts nothing)
                 m = w.join(data)
                 if m is not None:
-                    _check_retry(retry)
                     if await self._joined(key, w, m, end, timeout):
                         return
                     join = False  # nothing was posted for it: it goes by itself

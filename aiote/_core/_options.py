@@ -78,12 +78,12 @@ class TransportOptions:
     (0 to 2 GiB). Costs ``message_slots`` x (this + 4 KiB) of registered memory per NIC."""
 
     combine_messages: bool = True
-    """Sends to one peer that other tasks make while a send to it is under way travel as one
-    message, which the receiving engine splits again (each still delivered once, in order,
-    as its own message; see :meth:`Engine.send`). It moves many small concurrent messages for
-    a fraction of the per-message cost, and costs a lone send nothing. ``False``: every send
-    posts a message of its own (what a peer running an aiote without combined messages
-    needs: it drops them as malformed)."""
+    """Sends to one peer that other tasks make while a send to it sits at its schedule point
+    right after posting travel as one message, which the receiving engine splits again
+    (each still delivered once, in order, as its own message; see :meth:`Engine.send`). It
+    moves many small concurrent messages for a fraction of the per-message cost, and costs
+    a lone send nothing. ``False``: every send posts a message of its own (what a peer
+    running an aiote without combined messages needs: it drops them as malformed)."""
 
     message_slots: int = 16
     """The count of message slots per NIC, for both directions (1 to 65536): a quarter is
