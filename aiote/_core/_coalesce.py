@@ -23,8 +23,8 @@ Each joined send then learns what happened to it, from the window alone:
 
 So a message is posted once, by whichever path, and a lone send (nobody joining) costs what
 it did before: its message is posted before its schedule point, not after. Nothing here does
-I/O; :class:`aiote._core._messages.Messages` feeds the events (join, leave, close, posted,
-alone, done) and the tests feed them directly.
+I/O; the engine (``_messages.py``, ``_combined.py``) feeds the events (join, leave, close,
+posted, alone, done) and the tests feed them directly.
 """
 
 from __future__ import annotations

@@ -1,0 +1,161 @@
+"""Combined sends, the engine's side: the window a posted send opens at its schedule point,
+the sends that join it, and the combined message they go in (the window's life itself is the
+sans-I/O :mod:`._coalesce`; :meth:`Messages._send_msg` drives both)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from .._native import ffi, lib
+from ._coalesce import ALONE, WAITING, Member, Window, pack
+from ._errors import AioteError, EngineClosed, TransferTimeout
+from ._observed import Observed
+from ._optable import _Op
+from ._records import _POLICY
+from ._rules import LINK_POLL
+from ._util import now, timeout_error, wait_until
+
+
+class CombinedSends(Observed):
+    """Sends joined to another send's window, and the in-flight count of a connection's sends."""
+
+    async def _yield_posted(self, op: _Op, key: tuple[int, int], w: Window) -> None:
+        """The schedule point of a send that posted ``op`` and opened window ``w``, whose
+        message did not end in the posting call: what joined goes when it resumes. Cancelled
+        here, it waits for its posted message first, as a cancelled send does (up to
+        ``cancel_grace``), so that the task's next send cannot overtake it."""
+        try:
+            await self._checkpoint()
+        except BaseException:
+            self._flush(key, w)
+            if op.must_settle():
+                await self._settle_cancelled(op)
+            raise
+        self._flush(key, w)
+
+    async def _joined(
+        self, key: tuple[int, int], w: Window, m: Member, end: float | None, timeout: float | None
+    ) -> bool:
+        """The send of ``m``, joined to window ``w`` of connection ``key``: True once its
+        message went with the window's combined message and landed; False when it must go by
+        itself (nothing was posted for it, or the combined message failed or moved to another
+        NIC: sent again, as a retry would). Raises TransferTimeout and the cancellation:
+        before the window posted, the message is not sent at all; after, as for any posted
+        send."""
+        try:
+            await self._wait_joined(w, m, end, timeout)
+        except BaseException as exc:
+            if w.leave(m) or m.state == ALONE:
+                raise  # nothing posted for it
+            # posted: it is delivered (a posted message cannot be taken back)
+            try:
+                if isinstance(exc, TransferTimeout):
+                    exc._waiter, exc._landed = partial(self._settle, w.op), w.op.landed
+                elif w.op.must_settle():
+                    await self._settle_cancelled(w.op)
+            finally:
+                if w.done(m):
+                    self._sent(key)
+            raise
+        if m.state == ALONE:
+            return False
+        op = w.op
+        if op.landed():  # the common case: no await more
+            if w.done(m):
+                self._sent(key)
+            return True
+        try:
+            moved = await self._await_group(op, end, timeout, "send", since=w.posted_at)
+        except (TransferTimeout, EngineClosed):
+            raise
+        except AioteError as err:
+            self._log.info("a combined message failed; its messages go one by one", error=str(err))
+            return False
+        finally:
+            if w.done(m):
+                self._sent(key)
+        return not moved
+
+    async def _wait_joined(self, w: Window, m: Member, end: float | None, timeout: float | None) -> None:
+        """Waits until window ``w`` says what became of ``m`` and, if its combined message
+        was posted, until that completed, or until the engine's watch must look at it (a
+        stall bound, a lost link, a same-host peer's death: then :meth:`_await_group` takes
+        over). Raises TransferTimeout at ``end``."""
+        p = _POLICY.get()
+        stall = (p if p is not None else self._retry).stall_timeout
+        look = LINK_POLL if self._router.down or self._shm_rails else stall
+        while True:
+            mark = end if look is None else now() + look if end is None else min(end, now() + look)
+            if await wait_until(w.event, mark) or m.state != WAITING:
+                return
+            if end is not None and now() >= end:
+                assert timeout is not None
+                raise timeout_error("send", timeout)
+
+    def _flush(self, key: tuple[int, int], w: Window) -> None:
+        """The send that opened window ``w`` resumed after its schedule point (or was
+        cancelled there): what joined goes as one message (a single message as it is),
+        posted now when the transport takes all of it at once, else every member goes by
+        itself (see :mod:`._coalesce`)."""
+        del self._windows[key]
+        members = w.close()
+        if not members:
+            return
+        try:
+            if self._closed or self._sends.get(key, 0) >= self._send_cap:
+                w.alone()
+                return
+            if len(members) == 1:
+                head, data = self._msg_head[0], members[0].data
+            else:
+                head = self._msg_head[2]
+                data, self._pack_buf = pack([x.data for x in members], self._pack_buf)
+            opener = _opener(key, head, data, self._budget_ns)
+            st = self._begin(1, None, None, None, None, names=frozenset((key,)), opener=opener)
+        except Exception as err:  # each member meets it again, by itself
+            self._log.info("a combined message was not posted", error=str(err))
+            w.alone()
+            return
+        if st.first != 1:  # no group slot, the transport pushed back, or an error
+            if st.g >= 0:
+                self._seal(st.g)
+            w.alone()
+            return
+        self._sends[key] = self._sends.get(key, 0) + 1
+        self._combined[0] += len(members)
+        if len(members) > 1:
+            self._combined[1] += 1
+        op = st.op
+        if not op.done:  # its completion wakes the members: one wait each, not two
+            op.event = w.event
+        w.posted(op, op.done, now())
+
+    def _sent(self, key: tuple[int, int]) -> None:
+        """A send to ``key`` (rail, peer) is over: it no longer counts against the peer's cap,
+        and a send waiting for room there may go."""
+        left = self._sends[key] - 1
+        if left:
+            self._sends[key] = left
+        else:
+            del self._sends[key]
+        room = self._send_room.pop(key, None)
+        if room is not None:
+            room.set()
+
+
+def _opener(
+    key: tuple[int, int], head: bytes, data: memoryview, budget: int
+) -> Callable[[Any, int, Any], int]:
+    """The ``opener`` of a message's group (see ``_run_group``): open, post, seal in one native
+    call (``aio_submit_sendv``) on connection ``key``. The buffer's cdata lives for the call
+    alone: one kept in a frame that a traceback holds in a reference cycle can be collected
+    after the memoryview it exports from, which crashes CPython 3.11's memoryview dealloc."""
+    rail, fa = key
+
+    def opener(h: Any, token: int, gout: Any) -> int:
+        body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
+        return int(lib.aio_submit_sendv(h, token, rail, fa, head, len(head), body, data.nbytes, budget, gout))
+
+    return opener
