@@ -288,6 +288,7 @@ async def test_concurrent_sends_to_a_killed_peer_all_fail_within_the_bound(same_
         assert isinstance(error, aiote.PeerUnreachable), error
         assert after_kill < policy.connect_timeout + 3.0, (after_kill, error)
         assert len(errors) == 7  # (fails_after_kill waited for them)
+        assert e.stats()["sends_joined"] > 0  # they did join one another's windows
         for exc, at in errors:
             assert isinstance(exc, aiote.PeerUnreachable), exc
             assert at - killed[0] < policy.connect_timeout + 3.0, (at - killed[0], exc)
@@ -299,6 +300,8 @@ async def test_a_refused_send_among_joined_ones_posts_nothing() -> None:
     InvalidArgument and the peer receives the other 7, then the next message."""
     async with aiote.open_engine(same_host=None) as b, aiote.open_engine(same_host=None) as a:
         refused: list[BaseException] = []
+        await a.send(b.address, b"warm", timeout=30)  # connected: sends end as they post, and join
+        assert await b.recv(timeout=30) == (a.address, b"warm")
 
         async def one(k: int) -> None:
             try:
@@ -310,6 +313,7 @@ async def test_a_refused_send_among_joined_ones_posts_nothing() -> None:
             for k in range(8):
                 tg.start_soon(one, k)
         assert len(refused) == 1
+        assert a.stats()["sends_joined"] > 0  # the others joined windows
         await a.send(b.address, b"next", timeout=30)
         got = [(await b.recv(timeout=30))[1] for _ in range(8)]
         assert sorted(got[:7]) == sorted(b"m%d" % k for k in range(8) if k != 3) and got[7] == b"next"

@@ -56,27 +56,28 @@ class CombinedSends(Observed):
                 elif w.op.must_settle():
                     await self._settle_cancelled(w.op)
             finally:
-                if w.done(m):
-                    self._sent(key)
+                self._left_window(key, w, m)
             raise
         if m.state == ALONE:
             return False
         op = w.op
-        if op.landed():  # the common case: no await more
-            if w.done(m):
-                self._sent(key)
-            return True
         try:
-            moved = await self._await_group(op, end, timeout, "send", since=w.posted_at)
+            if op.landed():  # the common case: no await more
+                return True
+            return not await self._await_group(op, end, timeout, "send", since=w.posted_at)
         except (TransferTimeout, EngineClosed):
             raise
         except AioteError as err:
             self._log.info("a combined message failed; its messages go one by one", error=str(err))
             return False
         finally:
-            if w.done(m):
-                self._sent(key)
-        return not moved
+            self._left_window(key, w, m)
+
+    def _left_window(self, key: tuple[int, int], w: Window, m: Member) -> None:
+        """``m``, of the posted combined message of ``w``, is done with it: the last one gives
+        the connection's in-flight count back."""
+        if w.done(m):
+            self._sent(key)
 
     async def _wait_joined(self, w: Window, m: Member, end: float | None, timeout: float | None) -> None:
         """Waits until window ``w`` says what became of ``m`` and, if its combined message
@@ -87,8 +88,8 @@ class CombinedSends(Observed):
         stall = (p if p is not None else self._retry).stall_timeout
         look = LINK_POLL if self._router.down or self._shm_rails else stall
         while True:
-            mark = end if look is None else now() + look if end is None else min(end, now() + look)
-            if await wait_until(w.event, mark) or m.state != WAITING:
+            marks = [x for x in (end, None if look is None else now() + look) if x is not None]
+            if await wait_until(w.event, min(marks) if marks else None) or m.state != WAITING:
                 return
             if end is not None and now() >= end:
                 assert timeout is not None

@@ -64,11 +64,7 @@ class Messages(CombinedSends):
             else:
                 self._log.warning("malformed message dropped", rail=rail, length=length)
             return
-        if (
-            not internal
-            and not self._recv_waiters
-            and (self._held[rail] < self._hold_max or self._spilled + length - end > _SPILL_BYTES)
-        ):
+        if not internal and not self._recv_waiters and self._may_hold(rail, length - end):
             self._held[rail] += 1
             self._inbox.append(_Held(rail, slot, raw[n:end], end, length))
             return
@@ -83,6 +79,12 @@ class Messages(CombinedSends):
                 self._gpu.on_part(*item)
             return
         self._deliver(item)
+
+    def _may_hold(self, rail: int, nbytes: int) -> bool:
+        """May a message of ``nbytes`` (or a combined message's rest) stay in its slot of
+        ``rail``? Yes while the rail holds fewer than ``_hold_max`` slots, and once the queued
+        copies would pass ``_SPILL_BYTES`` (see :meth:`_on_message`)."""
+        return self._held[rail] < self._hold_max or self._spilled + nbytes > _SPILL_BYTES
 
     def _on_packed(self, rail: int, slot: int, raw: Any, end: int, length: int) -> None:
         """A combined message (see :mod:`._coalesce`) arrived in ``slot``: its messages are
@@ -102,7 +104,7 @@ class Messages(CombinedSends):
         first = min(len(waiters), len(parts))
         items = [(sender, raw[a:b]) for a, b in parts[:first]]
         rest = parts[first:]
-        if rest and (self._held[rail] < self._hold_max or self._spilled + length - end > _SPILL_BYTES):
+        if rest and self._may_hold(rail, length - end):
             self._held[rail] += 1
             share = [len(rest)]
             self._inbox.extend(_Held(rail, slot, sender, a, b, share) for a, b in rest)
@@ -146,11 +148,7 @@ class Messages(CombinedSends):
         return item.sender, payload
 
     async def _then_credit(
-        self,
-        data: Awaitable[None],
-        credits: _Credits,
-        end: float | None,
-        what: str,
+        self, data: Awaitable[None], credits: _Credits, end: float | None, what: str,
         rows: int,
     ) -> None:
         """Awaits ``data`` (the ``rows`` requests of an operation over several routes), then
@@ -347,9 +345,9 @@ class Messages(CombinedSends):
         completion; with no send slot free it waits (back-off) instead of failing. A joined
         send costs a second copy (into the combined message) and no work request of its own.
         A message that the provider completes as it takes it ends in the posting call: the
-        send returns after one schedule point, without waking a poller or the event loop. That is, with its
-        header (the sender's address, about 120 bytes), up to 4 KiB on shm (always) and up to
-        16 KiB on tcp (when its socket takes it at once)."""
+        send returns after one schedule point, without waking a poller or the event loop.
+        That is, with its header (the sender's address, about 120 bytes), up to 4 KiB on shm
+        (always) and up to 16 KiB on tcp (when its socket takes it at once)."""
         check_timeout(timeout)
         self._check_open()
         await self._send_msg(peer, payload, timeout, retry)

@@ -114,7 +114,7 @@ class _OthersCpu:
 # ---------------------------------------------------------------------------- the C core's arguments
 
 def _on_off(text: str) -> bool:
-    """``on`` or ``off`` (``--follow-loop``)."""
+    """``on`` or ``off`` (``--follow-loop``, ``--combine``)."""
     if text not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, not {text!r}")
     return text == "on"

@@ -50,16 +50,16 @@
  * it costs an interrupt and an exit to the hypervisor at each hop. Two processes ping-ponging
  * on a 2-vCPU VM ran their WriteImm round trips at 36 us one way when each one's loop and
  * poller shared a CPU (the two processes on different ones) and at 71 to 98 us in every other
- * placement (docs/benchmarks.md), and the scheduler settles in either for seconds. With follow_loop, the loop notes
- * its CPU at each aio_drain, and poller 0 (the poller of the first rail: messages and the
- * immediates of small transfers, direct copies) pins itself to that CPU, looked at every
- * FOLLOW_CHECK_NS; it gives the pin back (its affinity at start) once the loop has not drained
- * for FOLLOW_STALE_NS, so that a loop busy elsewhere or gone leaves it free, and while it
- * moves bulk data (its passes that found work, sending or receiving, took over a quarter of
- * the time): a stream of 1 MiB writes moved about 8% slower over tcp with its poller kept on
- * the loop's CPU (2 vCPUs). The other pollers
- * (the rails that move bulk data on many-core hosts) are never pinned. open_engine turns it on
- * where the process may use at most 2 CPUs, where every thread shares one anyway. */
+ * placement (docs/benchmarks.md), and the scheduler settles in either for seconds. With
+ * follow_loop, the loop notes its CPU at each aio_drain, and poller 0 (the poller of the first
+ * rail: messages and the immediates of small transfers, direct copies) pins itself to that CPU,
+ * looked at every FOLLOW_CHECK_NS; it gives the pin back (its affinity at start) once the loop
+ * has not drained for FOLLOW_STALE_NS, so that a loop busy elsewhere or gone leaves it free,
+ * and while it moves bulk data (its passes that found work, sending or receiving, took over a
+ * quarter of the time): a stream of 1 MiB writes moved about 8% slower over tcp with its poller
+ * kept on the loop's CPU (2 vCPUs). The other pollers (the rails that move bulk data on
+ * many-core hosts) are never pinned. open_engine turns it on where the process may use at most
+ * 2 CPUs, where every thread shares one anyway. */
 #include "internal.h"
 
 #include <poll.h>
