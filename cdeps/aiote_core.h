@@ -295,6 +295,13 @@ int aio_post_sendv(aio_engine *e, int64_t group, int rail, uint64_t peer, const 
 int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
                          uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns,
                          int64_t *out);
+/* aio_submit_sendv of a combined message: the body is the n parts (n >= 1), each behind its
+ * length (4 bytes, little-endian), copied by the core straight into the send slot (no staging
+ * copy). -FI_EINVAL for n == 0 (nothing opened: out[0] is -1), -FI_EMSGSIZE when head and
+ * framed parts pass the slot size; otherwise as aio_submit_sendv. */
+int64_t aio_submit_sendparts(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
+                             uint64_t hlen, const void *const *parts, const uint64_t *lens, uint32_t n,
+                             int64_t budget_ns, int64_t *out);
 /* Paged writes: page k (start <= k < n) copies page_size bytes from the local region at
  * src_offset + src_stride*src_pages[k] to the remote region at
  * dst_offset + dst_stride*dst_pages[k], over routes[(first_route + k) % nroutes]. Each page

@@ -296,6 +296,36 @@ def test_aiote_bench_sendrecv_latency_alone(tmp_path: Path) -> None:
     assert "bare sockets" in out.stdout and "event loop's own ping-pong" in out.stdout
 
 
+def test_aiote_bench_c_copy_out_makes_the_c_core_copy_each_message_out(tmp_path: Path) -> None:
+    """``--c-copy-out``: the C core's sendrecv receiver copies every message out of its slot
+    before reposting it, as ``Engine.recv`` does (its JSON counts the bytes copied), and
+    ``aiote bench`` records and says that its baseline did."""
+    from aiote.cli._benchnet import build_cbench, cbench
+
+    assert build_cbench() is None
+    env = {**os.environ, "FI_PROVIDER": "tcp,ofi_rxm,shm"}
+    runs = {}
+    for extra in ([], ["--copy-out"]):
+        r = subprocess.run([str(cbench()), "sendrecv", "64K", "16", "4M", "--provider", "tcp", "--nic", "lo",
+                            *extra], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[bool(extra)] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert runs[False]["receiver_copied_bytes"] == 0
+    copied = runs[True]["receiver_copied_bytes"]
+    assert copied >= runs[True]["total_bytes"] and copied % 65536 == 0  # (the warm-up's too)
+    out_file = tmp_path / "copy.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "aiote", "bench", "sendrecv", *BENCH_QUICK, "--c-copy-out",
+         "--json", str(out_file)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["c_copy_out"] is True
+    _check_rows(result["rows"])
+    assert "the C core's receiver copies each message out" in out.stdout
+
+
 def test_the_event_loop_alone_is_measured_on_each_loop_and_socket(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_benchfloor``: the plain-socket ping-pong the latency rows stand beside really plays
     round trips under the loop asked for, on loopback TCP and on a Unix socket pair; its result

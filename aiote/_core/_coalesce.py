@@ -5,8 +5,9 @@ message that ended in the posting call returns from there; a larger one goes on 
 its completion). While it sits at that schedule point, its connection (rail, peer) has an
 open :class:`Window`, and sends to the same connection from other tasks join the window
 instead of each posting a message of their own. When the first send resumes, it closes the
-window and posts what joined as one message (:func:`pack`; a single joined message goes as
-it is), before any other task can run. The receiving engine splits it again (:func:`spans`)
+window and posts what joined as one message (the core's ``aio_submit_sendparts`` lays each
+payload behind its length, 4 bytes little-endian, straight into a send slot; a single joined
+message goes as it is), before any other task can run. The receiving engine splits it again (:func:`spans`)
 and hands out the messages one by one, in order. The window never outlives that schedule
 point: a send's completion may wait for the receiver to take earlier messages, and the
 joined ones must not wait behind it (the receiver may need them first).
@@ -30,7 +31,6 @@ posted, alone, done) and the tests feed them directly.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from typing import Any
 
 WAITING, POSTED, ALONE, LEFT = "waiting", "posted", "alone", "left"
@@ -119,23 +119,6 @@ class Window:
         self.open = False
         if wake:
             self.event.set()
-
-
-def pack(parts: Sequence[memoryview], buf: bytearray) -> tuple[memoryview, bytearray]:
-    """The combined body, each payload behind its length (4 bytes, little-endian), written
-    into ``buf`` (reused while large enough: no allocation, so no page faults, per combined
-    message) or into a new, larger buffer. Returns the body and the buffer to keep."""
-    n = sum(p.nbytes for p in parts) + _LEN.size * len(parts)
-    if len(buf) < n:
-        buf = bytearray(max(n, 2 * len(buf)))
-    out = memoryview(buf)
-    off = 0
-    for p in parts:
-        _LEN.pack_into(out, off, p.nbytes)
-        off += _LEN.size
-        out[off : off + p.nbytes] = p
-        off += p.nbytes
-    return out[:n], buf
 
 
 def spans(buf: Any, start: int, stop: int) -> list[tuple[int, int]] | None:

@@ -9,7 +9,7 @@ from functools import partial
 from typing import Any
 
 from .._native import ffi, lib
-from ._coalesce import ALONE, WAITING, Member, Window, pack
+from ._coalesce import ALONE, WAITING, Member, Window
 from ._errors import AioteError, EngineClosed, TransferTimeout
 from ._observed import Observed
 from ._optable import _Op
@@ -109,11 +109,9 @@ class CombinedSends(Observed):
                 w.alone()
                 return
             if len(members) == 1:
-                head, data = self._msg_head[0], members[0].data
+                opener = _opener(key, self._msg_head[0], members[0].data, self._budget_ns)
             else:
-                head = self._msg_head[2]
-                data, self._pack_buf = pack([x.data for x in members], self._pack_buf)
-            opener = _opener(key, head, data, self._budget_ns)
+                opener = _parts_opener(key, self._msg_head[2], [x.data for x in members], self._budget_ns)
             st = self._begin(1, None, None, None, None, names=frozenset((key,)), opener=opener)
         except Exception as err:  # each member meets it again, by itself
             self._log.info("a combined message was not posted", error=str(err))
@@ -158,5 +156,24 @@ def _opener(
     def opener(h: Any, token: int, gout: Any) -> int:
         body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
         return int(lib.aio_submit_sendv(h, token, rail, fa, head, len(head), body, data.nbytes, budget, gout))
+
+    return opener
+
+
+def _parts_opener(
+    key: tuple[int, int], head: bytes, parts: list[memoryview], budget: int
+) -> Callable[[Any, int, Any], int]:
+    """The ``opener`` of a combined message: ``aio_submit_sendparts`` frames the parts (each
+    behind its length, as :func:`._coalesce.spans` reads them) and copies them straight into
+    a send slot, so a joined payload is copied once, as a lone one is. The cdata live for the
+    call alone (see :func:`_opener`)."""
+    rail, fa = key
+    n = len(parts)
+
+    def opener(h: Any, token: int, gout: Any) -> int:
+        bufs = [ffi.from_buffer(p) for p in parts]
+        ptrs = ffi.new("const void *[]", bufs)
+        lens = ffi.new("uint64_t[]", [p.nbytes for p in parts])
+        return int(lib.aio_submit_sendparts(h, token, rail, fa, head, len(head), ptrs, lens, n, budget, gout))
 
     return opener

@@ -343,7 +343,8 @@ class Messages(CombinedSends):
         Costs one copy of the payload (into a registered send slot, behind the sender's
         address, made without the NIC's lock held) and one send work request, awaited to
         completion; with no send slot free it waits (back-off) instead of failing. A joined
-        send costs a second copy (into the combined message) and no work request of its own.
+        send costs the same one copy (the core frames it into the combined message's slot) and
+        no work request of its own.
         A message that the provider completes as it takes it ends in the posting call: the
         send returns after one schedule point, without waking a poller or the event loop.
         That is, with its header (the sender's address, about 120 bytes), up to 4 KiB on shm

@@ -174,7 +174,6 @@ class EngineState:
         self._combine = combine
         # sends that went in another send's window, combined messages sent and received
         self._combined = [0, 0, 0]
-        self._pack_buf = bytearray()  # where combined messages are put together (reused)
         self._recv_waiters: deque[_RecvWaiter] = deque()
 
     def _init_direct(self, handle: Any, rails: list[RailInfo], same_host_direct: bool) -> None:

@@ -124,7 +124,8 @@ def c_args(args: argparse.Namespace, case: Case) -> list[str]:
     """The C bench's arguments for the same case (and the same tcp send buffers, arenas,
     connections per NIC and poller threads)."""
     arena = ["--arena"] if args.arena and case[0] in TRANSFERS else []
-    return _c_case_args(args, case) + _sndbuf_args(args) + arena + _rails_args(args, case[0])
+    copy = ["--copy-out"] if args.c_copy_out and case[0] in ("sendrecv", "sendrecv-latency") else []
+    return _c_case_args(args, case) + _sndbuf_args(args) + arena + copy + _rails_args(args, case[0])
 
 
 def config_streams(args: argparse.Namespace, config: Config) -> int:
@@ -362,6 +363,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--combine", type=_on_off, default=None, metavar="on|off",
                     help="both sides' engines: concurrent sends to one peer travel as one message or "
                          "not (open_engine(combine_messages=...)); default: aiote's (on)")
+    ap.add_argument("--c-copy-out", action="store_true",
+                    help="sendrecv: the C core's receiver copies each message out of its slot into a "
+                         "fresh allocation, as Engine.recv does (where the rest of the gap lies)")
     ap.add_argument("--tcp-send-buffer", type=parse_size, default=None, metavar="SIZE",
                     help="SO_SNDBUF of both sides' tcp connections (open_engine(tcp_send_buffer=)), "
                          "and the C core's the same; 0: the kernel's autotuning; default: aiote's "
@@ -516,6 +520,7 @@ def _main(
         "pollers": args.pollers,
         "follow_loop": aiote.follow_loop_default() if args.follow_loop is None else args.follow_loop,
         "combine_messages": True if args.combine is None else args.combine,
+        "c_copy_out": args.c_copy_out,
         "tcp_send_buffer": args.tcp_send_buffer,
         "arena": args.arena,
         "connect": args.connect,

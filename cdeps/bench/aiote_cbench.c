@@ -36,6 +36,8 @@
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
  *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000),
  *          --msg-slots N (message slots per side: sendrecv, msgpingpong; 16),
+ *          --copy-out (sendrecv, msgpingpong: the receiver copies each message out of its
+ *          slot into a fresh allocation before reposting it, as Engine.recv does),
  *          --listen PORT (no fork: serve as the peer of one run on this TCP port, 0 = any;
  *          prints {"listening":PORT} first), --connect HOST:PORT (no fork: run against a
  *          --listen peer, possibly on another host; the addresses and region descriptors
@@ -63,6 +65,7 @@ static void usage(void) {
             "         --batch N (write, read: N requests per group and aio_post call)\n"
             "         --small-pages (4 KiB pages; default: huge pages from 4 MiB, as NumPy)\n"
             "         --no-direct (shm: READs through the provider, not direct copies)\n"
+            "         --copy-out (sendrecv: each message copied out of its slot, as recv does)\n"
             "         --arena (shm: the region in a published arena; peers memcpy into it)\n"
             "         --sndbuf N (tcp: same-host send buffers, 0 = the kernel's autotuning)\n"
             "         --hand N (posts handed to the poller: 0 when busy (default), 1 always, -1 never)\n"
@@ -125,6 +128,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--small-pages")) o.small_pages = 1;
         else if (!strcmp(a, "--arena")) o.arena = 1;
         else if (!strcmp(a, "--no-direct")) o.no_direct = 1;
+        else if (!strcmp(a, "--copy-out")) o.copy_out = 1;
         else if (!strcmp(a, "--sndbuf") && i + 1 < argc) {
             uint64_t v = parse_size(argv[++i]);
             if (v > INT32_MAX / 2) usage(); /* the kernel doubles it into an int */

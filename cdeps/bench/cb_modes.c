@@ -34,7 +34,9 @@
  *   sendrecv SIZE WINDOW TOTAL_BYTES
  *       two-sided messages of SIZE bytes (aio_post_send into the core's registered send
  *       slots; the receiver counts AIO_REC_RECV records and reposts each slot at once),
- *       WINDOW sends in flight (at most --msg-slots, 16 like the engine's default). Reports
+ *       WINDOW sends in flight (at most --msg-slots, 16 like the engine's default); with
+ *       --copy-out the receiver copies each message into a fresh allocation first, as
+ *       Engine.recv does (receiver_copied_bytes: what it copied). Reports
  *       GB/s from the first send to the receiver's report that every message arrived (read
  *       over the pipe/socket, so it holds across hosts too). */
 #include "cbench.h"
@@ -348,6 +350,8 @@ void run_sendrecv(side_t *s, const opts_t *o, int rank) {
         write_full(s->wfd, &cpu, sizeof(cpu));
         uint64_t bytes = s->msg_bytes;
         write_full(s->wfd, &bytes, sizeof(bytes));
+        uint64_t copied[2] = {s->copied, s->copy_sum};
+        write_full(s->wfd, copied, sizeof(copied));
         char bye;
         read_full(s->rfd, &bye, 1);
         return;
@@ -374,6 +378,8 @@ void run_sendrecv(side_t *s, const opts_t *o, int rank) {
     read_full(s->rfd, &rcpu, sizeof(rcpu)); /* the receiver saw every message */
     int64_t t1 = now_ns();
     read_full(s->rfd, &rbytes, sizeof(rbytes));
+    uint64_t copied[2];
+    read_full(s->rfd, copied, sizeof(copied));
     char bye = 'x';
     write_full(s->wfd, &bye, 1);
     double secs = (double)(t1 - t0) * 1e-9, bytes = (double)n * (double)o->size;
@@ -384,10 +390,10 @@ void run_sendrecv(side_t *s, const opts_t *o, int rank) {
            "\"msg_slots\":%llu,\"messages\":%llu,\"total_bytes\":%.0f,\"gbps\":%.3f,\"seconds\":%.6f,"
            "\"send_gbps\":%.3f,\"wait\":\"%s\",\"spin_ns\":%lld,\"sender_cpu_s\":%.3f,"
            "\"receiver_cpu_s\":%.3f,\"eventfd_polls\":%llu,\"eventfd_wakeups\":%llu,"
-           "\"post_calls\":%llu}\n",
+           "\"post_calls\":%llu,\"receiver_copied_bytes\":%llu}\n",
            o->provider, o->nic ? o->nic : "", (unsigned long long)o->size, (unsigned long long)window,
            (unsigned long long)o->msg_slots, (unsigned long long)n, bytes, bytes / secs / 1e9, secs,
            bytes / ((double)(t_sent - t0) * 1e-9) / 1e9, wait_name(o), (long long)o->spin_ns, cpu,
            rcpu, (unsigned long long)s->polls, (unsigned long long)s->wakeups,
-           (unsigned long long)s->post_calls);
+           (unsigned long long)s->post_calls, (unsigned long long)copied[0]);
 }

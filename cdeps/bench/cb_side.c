@@ -81,6 +81,7 @@ void side_init(side_t *s, const opts_t *o, uint64_t region) {
     if ((ret = aio_engine_start(s->e))) die("aio_engine_start: %s", aio_strerror(ret));
     s->efd = aio_engine_eventfd(s->e);
     s->busy = o->busy;
+    s->copy_out = o->copy_out;
     s->loop_poll_ns = o->loop_poll_ns;
     /* region_alloc: huge pages as NumPy's arrays get them. The page size weighs on shm, whose
      * CMA copies pin the pages they touch one by one: with 4 KiB pages this core measured
@@ -173,6 +174,15 @@ int side_drain(side_t *s, uint32_t imm, int *hit) {
                     rec[i].prov_errno);
             s->msgs++;
             s->msg_bytes += rec[i].b;
+            if (s->copy_out && rec[i].b) {
+                const uint8_t *slot = aio_recv_slot(s->e, rec[i].rail, (uint32_t)rec[i].a);
+                uint8_t *copy = malloc(rec[i].b);
+                if (!slot || !copy) die("no message copy");
+                memcpy(copy, slot, rec[i].b);
+                s->copy_sum += copy[rec[i].b - 1];
+                s->copied += rec[i].b;
+                free(copy);
+            }
             int r = aio_recv_repost(s->e, rec[i].rail, (uint32_t)rec[i].a);
             if (r) die("aio_recv_repost: %s", aio_strerror(r));
         }

@@ -58,6 +58,7 @@ typedef struct opts {
     uint64_t page_size, npages, calls;
     int no_gather; /* paged: post page by page, in the given order */
     uint64_t msg_slots;  /* sendrecv / msgpingpong: message slots per side */
+    int copy_out;        /* --copy-out: each message copied out of its slot before the repost */
     int listen_port;     /* -1: fork the peer; else serve as the peer on this port */
     const char *connect; /* HOST:PORT of a --listen peer, or NULL */
     int await_write; /* pingpong: each side waits for its write's completion before going on */
@@ -104,6 +105,9 @@ typedef struct side {
     int64_t post_ns, post_max_ns; /* time spent inside aio_post */
     uint64_t post_calls;
     uint64_t msgs, msg_bytes; /* messages received (AIO_REC_RECV), their bytes */
+    int copy_out;             /* copy each message into a fresh allocation, as Engine.recv does */
+    uint64_t copy_sum;        /* a byte of each copy (the copies cannot be optimized away) */
+    uint64_t copied;          /* bytes copied out */
 } side_t;
 
 /* cb_util.c */

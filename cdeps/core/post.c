@@ -22,9 +22,9 @@
  * aio_want_space (an AIO_REC_SPACE record) rather than spin. A call kicks the pollers of the
  * rails it posted to (their spin restarts: completions are coming).
  *
- * Messages (aio_post_sendv) are copied into one of the rail's registered send slots, without
- * the rail's lock (the slot and the op are the caller's alone by then, and a large message is
- * a long copy), and sent; receives are the rail's slots, reposted by the loop once read. Every
+ * Messages (aio_post_sendv; aio_submit_sendparts frames several, each behind its length) are
+ * copied into one of the rail's registered send slots, without the rail's lock (the slot and
+ * the op are the caller's alone by then, and a large message is a long copy), and sent; receives are the rail's slots, reposted by the loop once read. Every
  * request to an shm rail is followed by a wake-up of the target's poller if it sleeps
  * (shm_wake.c), and the first requests to a tcp peer by the tuning of its connection
  * (tcp_tune.c). */
@@ -394,10 +394,41 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
     return k - start;
 }
 
-int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *head, uint64_t hlen,
-                   const void *body, uint64_t blen, int64_t budget_ns) {
+/* A message's body: n parts, copied back to back behind the head; `framed`: each behind its
+ * length (4 bytes, little-endian), as a combined message carries them. */
+typedef struct msg_parts {
+    const void *const *ptr;
+    const uint64_t *len;
+    uint32_t n;
+    int framed;
+} msg_parts;
+
+static uint64_t parts_bytes(const msg_parts *b) {
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < b->n; i++) n += b->len[i] + (b->framed ? 4 : 0);
+    return n;
+}
+
+static void parts_copy(char *dst, const msg_parts *b) {
+    for (uint32_t i = 0; i < b->n; i++) {
+        if (b->framed) {
+            uint32_t l = (uint32_t)b->len[i];
+            uint8_t le[4] = {(uint8_t)l, (uint8_t)(l >> 8), (uint8_t)(l >> 16), (uint8_t)(l >> 24)};
+            memcpy(dst, le, 4);
+            dst += 4;
+        }
+        if (b->len[i]) memcpy(dst, b->ptr[i], b->len[i]);
+        dst += b->len[i];
+    }
+}
+
+static int post_send_parts(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *head,
+                           uint64_t hlen, const msg_parts *body, int64_t budget_ns) {
     if (rail < 0 || rail >= e->nrails || !aio__group_postable(e, g)) return -FI_EINVAL;
     aio_rail *r = e->rails[rail];
+    for (uint32_t i = 0; i < body->n; i++)
+        if (body->len[i] > r->slot_size || (body->framed && body->len[i] > UINT32_MAX)) return -FI_EMSGSIZE;
+    uint64_t blen = parts_bytes(body);
     uint64_t len = hlen + blen;
     if (hlen > r->slot_size || blen > r->slot_size || len > r->slot_size) return -FI_EMSGSIZE;
     int64_t deadline = now_ns() + budget_ns;
@@ -423,7 +454,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
      * drives the rail meanwhile (a large message is a long copy) */
     pthread_mutex_unlock(&r->mu);
     if (hlen) memcpy(sbuf, head, hlen);
-    if (blen) memcpy(sbuf + hlen, body, blen);
+    parts_copy(sbuf + hlen, body);
     op->kind = OPK_SEND;
     op->rail = rail;
     op->group = g;
@@ -465,13 +496,22 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
     return 1;
 }
 
-int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
-                         uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns, int64_t *out) {
+int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *head, uint64_t hlen,
+                   const void *body, uint64_t blen, int64_t budget_ns) {
+    const void *ptr[1] = {body};
+    uint64_t lens[1] = {blen};
+    msg_parts b = {ptr, lens, blen ? 1 : 0, 0};
+    return post_send_parts(e, g, rail, peer, head, hlen, &b, budget_ns);
+}
+
+/* open, post, seal inline (see aio_submit_sendv) */
+static int64_t submit_parts(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
+                        uint64_t hlen, const msg_parts *body, int64_t budget_ns, int64_t *out) {
     int64_t g = aio_group_open(e, token);
     out[0] = g;
     out[1] = 0;
     if (g < 0) return g;
-    int k = aio_post_sendv(e, g, rail, peer, head, hlen, body, blen, budget_ns);
+    int k = post_send_parts(e, g, rail, peer, head, hlen, body, budget_ns);
     if (k == 1) {
         int32_t status = 0, prov_errno = 0;
         if (aio__group_seal_inline(e, g, &status, &prov_errno) == 1) {
@@ -481,6 +521,26 @@ int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer,
         }
     }
     return k;
+}
+
+int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
+                         uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns, int64_t *out) {
+    const void *ptr[1] = {body};
+    uint64_t lens[1] = {blen};
+    msg_parts b = {ptr, lens, blen ? 1 : 0, 0};
+    return submit_parts(e, token, rail, peer, head, hlen, &b, budget_ns, out);
+}
+
+int64_t aio_submit_sendparts(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
+                             uint64_t hlen, const void *const *parts, const uint64_t *lens, uint32_t n,
+                             int64_t budget_ns, int64_t *out) {
+    if (n == 0 || !parts || !lens) {
+        out[0] = -1;
+        out[1] = 0;
+        return -FI_EINVAL;
+    }
+    msg_parts b = {parts, lens, n, 1};
+    return submit_parts(e, token, rail, peer, head, hlen, &b, budget_ns, out);
 }
 
 int aio_post_send(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *buf, uint64_t len,

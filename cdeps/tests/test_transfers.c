@@ -256,6 +256,51 @@ int t_sendrecv(fix_t *f) {
     return 0;
 }
 
+/* aio_submit_sendparts: a head and three parts (one empty) arrive as one message, each part
+ * behind its 4-byte little-endian length; n == 0 and an oversized body are refused, nothing
+ * posted. */
+int t_sendparts(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    uint64_t slot = b->info.slot_size;
+    static uint8_t big[SLOT_SIZE];
+    fill(big, 3000, 0, 0x700);
+    const void *parts[3] = {"abc", "", big};
+    const uint64_t lens[3] = {3, 0, 3000};
+    int64_t out[4];
+    uint64_t tok = g_token++;
+    double t0 = now_s();
+    int64_t k;
+    while ((k = aio_submit_sendparts(a->e, tok, a->rail, a->peer, "HD", 2, parts, lens, 3, 1000000, out)) == 0) {
+        if (out[0] >= 0) CHECK_OK(aio_group_seal(a->e, out[0]));
+        CHECK(now_s() - t0 < TIMEOUT, "the framed send never posted");
+        sleep_us(50);
+        tok = g_token++;
+    }
+    CHECK(k == 1, "aio_submit_sendparts = %lld (%s)", (long long)k, aio_strerror((int)k));
+    aio_record r;
+    if (!out[1]) CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.status == 0, "framed send group");
+    else CHECK(out[2] == 0, "framed send status %lld", (long long)out[2]);
+    CHECK(wait_rec(b, AIO_REC_RECV, ANY, TIMEOUT, &r) == 0, "the framed message did not arrive");
+    CHECK(r.b == 2 + 4 + 3 + 4 + 4 + 3000, "framed message length %llu", (unsigned long long)r.b);
+    const uint8_t *p = aio_recv_slot(b->e, r.rail, (uint32_t)r.a);
+    static const uint8_t want[] = {'H', 'D', 3, 0, 0, 0, 'a', 'b', 'c', 0, 0, 0, 0, 0xb8, 0x0b, 0, 0};
+    CHECK(memcmp(p, want, sizeof(want)) == 0, "framed message head and lengths");
+    CHECK(verify(p + sizeof(want), 3000, 0, 0x700) < 0, "framed message's last part");
+    CHECK_OK(aio_recv_repost(b->e, r.rail, (uint32_t)r.a));
+    /* refused before anything is opened or posted */
+    CHECK(aio_submit_sendparts(a->e, g_token++, a->rail, a->peer, "HD", 2, parts, lens, 0, 1000000, out) ==
+              -FI_EINVAL && out[0] == -1, "n == 0 must be refused");
+    const void *over[2] = {big, big};
+    const uint64_t olens[2] = {slot / 2, slot / 2}; /* with their lengths, past the slot */
+    tok = g_token++;
+    CHECK(aio_submit_sendparts(a->e, tok, a->rail, a->peer, "", 0, over, olens, 2, 1000000, out) == -FI_EMSGSIZE,
+          "an oversized framed message must be refused");
+    CHECK(out[0] >= 0 && aio_group_pending(a->e, out[0]) == 0, "the oversized framed message was posted");
+    CHECK_OK(aio_group_seal(a->e, out[0]));
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.a == 0, "the empty group must complete");
+    return 0;
+}
+
 int t_batch10k(fix_t *f) {
     eng_t *a = &f->a, *b = &f->b;
     enum { N = 10000, SZ = 16 };
