@@ -183,14 +183,16 @@ async def bench_uvm(iters: int) -> list[dict[str, Any]]:
             s = cupy.cuda.Stream(non_blocking=True)
             kern((1,), (1,), (np.uint64(flag.device_pointer), np.uint64(w.device_pointer)), stream=s)
             lat = []
-            for i in range(1, iters + 1):
-                t0 = time.perf_counter_ns()
-                flag.host[0] = i
-                await w.wait_for(i, timeout=10)
-                lat.append((time.perf_counter_ns() - t0) / 1000)
-                await anyio.sleep(0.0005)
-            flag.host[0] = (1 << 64) - 1
-            s.synchronize()
+            try:
+                for i in range(1, iters + 1):
+                    t0 = time.perf_counter_ns()
+                    flag.host[0] = i
+                    await w.wait_for(i, timeout=10)
+                    lat.append((time.perf_counter_ns() - t0) / 1000)
+                    await anyio.sleep(0.0005)
+            finally:  # the echo kernel ends on this value, also after an error: else freeing
+                flag.host[0] = (1 << 64) - 1  # the watched memory would wait for it forever
+                s.synchronize()
             lat.sort()
             p50 = lat[len(lat) // 2]
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]

@@ -24,10 +24,10 @@
  *
  * Messages (aio_post_sendv; aio_submit_sendparts frames several, each behind its length) are
  * copied into one of the rail's registered send slots, without the rail's lock (the slot and
- * the op are the caller's alone by then, and a large message is a long copy), and sent; receives are the rail's slots, reposted by the loop once read. Every
- * request to an shm rail is followed by a wake-up of the target's poller if it sleeps
- * (shm_wake.c), and the first requests to a tcp peer by the tuning of its connection
- * (tcp_tune.c). */
+ * the op are the caller's alone by then, and a large message is a long copy), and sent;
+ * receives are the rail's slots, reposted by the loop once read. Every request to an shm rail
+ * is followed by a wake-up of the target's poller if it sleeps (shm_wake.c), and the first
+ * requests to a tcp peer by the tuning of its connection (tcp_tune.c). */
 #include "internal.h"
 
 #include <sys/uio.h>
@@ -506,7 +506,7 @@ int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void
 
 /* open, post, seal inline (see aio_submit_sendv) */
 static int64_t submit_parts(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
-                        uint64_t hlen, const msg_parts *body, int64_t budget_ns, int64_t *out) {
+                            uint64_t hlen, const msg_parts *body, int64_t budget_ns, int64_t *out) {
     int64_t g = aio_group_open(e, token);
     out[0] = g;
     out[1] = 0;
