@@ -73,6 +73,14 @@ class CombinedSends(Observed):
         finally:
             self._left_window(key, w, m)
 
+    def _in_flight_to(self, key: tuple[int, int]) -> Window | None:
+        """The window whose combined message to ``key`` is posted and not completed, if any."""
+        w = self._in_flight.get(key)
+        if w is not None and w.op.done:
+            del self._in_flight[key]
+            return None
+        return w
+
     def _left_window(self, key: tuple[int, int], w: Window, m: Member) -> None:
         """``m``, of the posted combined message of ``w``, is done with it: the last one gives
         the connection's in-flight count back."""
@@ -129,6 +137,7 @@ class CombinedSends(Observed):
         op = st.op
         if not op.done:  # its completion wakes the members: one wait each, not two
             op.event = w.event
+            self._in_flight[key] = w
         w.posted(op, op.done, now())
 
     def _sent(self, key: tuple[int, int]) -> None:

@@ -427,7 +427,12 @@ class Messages(CombinedSends):
                     counted = False
                     if self._book.due:
                         self._maybe_sweep()
+                    ahead = self._in_flight_to(key) if mine is not None else None
                     await self._checkpoint()
+                    if ahead is not None and ahead.op.done and mine is not None and mine.open:
+                        # that combined message completed meanwhile: its senders run next,
+                        # and may join this window before it goes
+                        await self._checkpoint()
                     return
                 if mine is not None:
                     # what joined goes before this send awaits its completion (which may wait

@@ -171,6 +171,7 @@ class EngineState:
         self._send_cap = max(1, self._hold_max)
         # connections whose send is at its schedule point: sends joining it (see _coalesce.py)
         self._windows: dict[tuple[int, int], Window] = {}
+        self._in_flight: dict[tuple[int, int], Window] = {}  # a combined message not completed yet
         self._combine = combine
         # sends that went in another send's window, combined messages sent and received
         self._combined = [0, 0, 0]
