@@ -251,6 +251,8 @@ async def test_cancelled_and_timed_out_sends_are_delivered_at_most_once(same_hos
         assert a.stats()["combined_sent"] > 0
         await a.send(b.address, b"after", timeout=30)
         assert await b.recv(timeout=30) == (a.address, b"after")
+        # every send is over: no window open, no combined message remembered, nothing counted
+        assert not a._windows and not a._in_flight and not a._sends
 
 
 @pytest.mark.parametrize("same_host", ["shm", None])

@@ -73,19 +73,13 @@ class CombinedSends(Observed):
         finally:
             self._left_window(key, w, m)
 
-    def _in_flight_to(self, key: tuple[int, int]) -> Window | None:
-        """The window whose combined message to ``key`` is posted and not completed, if any."""
-        w = self._in_flight.get(key)
-        if w is not None and w.op.done:
-            del self._in_flight[key]
-            return None
-        return w
-
     def _left_window(self, key: tuple[int, int], w: Window, m: Member) -> None:
         """``m``, of the posted combined message of ``w``, is done with it: the last one gives
-        the connection's in-flight count back."""
+        the connection's in-flight count back, and forgets the message as ``key``'s in flight."""
         if w.done(m):
             self._sent(key)
+            if self._in_flight.get(key) is w.op:
+                del self._in_flight[key]
 
     async def _wait_joined(self, w: Window, m: Member, end: float | None, timeout: float | None) -> None:
         """Waits until window ``w`` says what became of ``m`` and, if its combined message
@@ -137,7 +131,7 @@ class CombinedSends(Observed):
         op = st.op
         if not op.done:  # its completion wakes the members: one wait each, not two
             op.event = w.event
-            self._in_flight[key] = w
+            self._in_flight[key] = op
         w.posted(op, op.done, now())
 
     def _sent(self, key: tuple[int, int]) -> None:

@@ -427,9 +427,9 @@ class Messages(CombinedSends):
                     counted = False
                     if self._book.due:
                         self._maybe_sweep()
-                    ahead = self._in_flight_to(key) if mine is not None else None
+                    ahead = self._in_flight.get(key) if mine is not None else None
                     await self._checkpoint()
-                    if ahead is not None and ahead.op.done and mine is not None and mine.open:
+                    if ahead is not None and ahead.done and mine is not None and mine.open:
                         # that combined message completed meanwhile: its senders run next,
                         # and may join this window before it goes
                         await self._checkpoint()

@@ -26,7 +26,7 @@ from ._errors import EngineClosed, InvalidArgument
 from ._gpu import GpuSupport
 from ._memory import MemoryRegion
 from ._observe import Observability, Observer
-from ._optable import OpTable
+from ._optable import OpTable, _Op
 from ._options import GpuOptions, PollerOptions, SameHostOptions, TransportOptions
 from ._peers import PeerBook
 from ._records import _PARSED_ADDRESSES, _POLICY, RailInfo, _as_bytes, _Held, _host_id, _log, _RecvWaiter
@@ -171,7 +171,8 @@ class EngineState:
         self._send_cap = max(1, self._hold_max)
         # connections whose send is at its schedule point: sends joining it (see _coalesce.py)
         self._windows: dict[tuple[int, int], Window] = {}
-        self._in_flight: dict[tuple[int, int], Window] = {}  # a combined message not completed yet
+        # the combined message posted last on a connection, until its sends are done with it
+        self._in_flight: dict[tuple[int, int], _Op] = {}
         self._combine = combine
         # sends that went in another send's window, combined messages sent and received
         self._combined = [0, 0, 0]
