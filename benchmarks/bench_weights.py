@@ -26,7 +26,11 @@ bf16. Lines, all measured in this run:
   all their bytes over the longest one's time. Where that is below 4 x B the ranks share the
   host's cores and the bound cannot be reached (the most reachable fraction is printed). And 2
   such pairs: as many sending (and receiving) processes as the push has, each sender moving
-  its whole share to one receiver: the C core's pace with the push's processes.
+  its whole share to one receiver: the C core's pace with the push's processes;
+- aiote's own flows, from the push's workers before the push (16 MiB writes): one flow alone,
+  the push's 4 flows at once, and the same processes as 2 pairs (each trainer to one
+  receiver, as the C core's pairs): what one engine writing to two peers costs against pairs.
+``--link-mib`` sets the bytes per run of the C core's figures (B: the median of 5 runs).
 
 GPU (``--gpu``, 2 GPUs): one trainer process on GPU 0 pushes the whole model into one
 inference process on GPU 1 over the CUDA-IPC rail, beside ``cudaMemcpyPeerAsync`` of the same
@@ -264,15 +268,16 @@ def kimi_plan_report(fp8: str = "float8_e4m3", expert_shards: bool = False) -> d
 # ------------------------------------------------------------------ link figure (C core, same run)
 
 
-def c_core_link(providers: Sequence[str]) -> dict[str, float]:
+def c_core_link(providers: Sequence[str], total: int = 2 << 30, repeats: int = 5) -> dict[str, float]:
     """GB/s of 16 MiB writes between two processes, C core alone and aiote (``aiote bench
-    write``), per provider: ``<provider>`` the C core's, ``<provider>_aiote`` aiote's."""
+    write``, ``repeats`` runs of ``total`` bytes each, taking turns), per provider: ``<provider>``
+    the C core's median, ``<provider>_aiote`` aiote's."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "b.json")
         cmd = [
             *python_module("aiote"),  # the aiote this script imported, wherever it runs from
             "bench", "write", "--sizes", "16MiB", "--provider", ",".join(providers),
-            "--repeats", "3", "--total", "2GiB", "--json", out,
+            "--repeats", str(repeats), "--total", str(total), "--json", out,
         ]
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
                        timeout=600, check=True)
@@ -299,8 +304,8 @@ def c_core_together(provider: str, pairs: int = 4, total: int = 1 << 30) -> dict
     why = build_cbench()
     if why:
         raise RuntimeError(f"no C bench: {why}")
-    ns = argparse.Namespace(arena=False, streams=aiote.default_streams(provider), pollers=None,
-                            tcp_send_buffer=None, total=total)
+    ns = argparse.Namespace(arena=False, c_copy_out=False, streams=aiote.default_streams(provider),
+                            pollers=None, tcp_send_buffer=None, total=total)
     at = time.time_ns() + 3_000_000_000  # every pair connected and warmed up by then
     args = [str(cbench()), *c_args(ns, ("write", 16 << 20, 8)), *c_provider_args(provider, None),
             "--start-at", str(at)]
@@ -437,7 +442,9 @@ async def route_links(
     """This route's own figures, from the push's workers, before the push (aiote writes of
     16 MiB, 8 in flight per flow, into the receivers' regions): ``route_gbps`` one flow alone
     (trainer 0 -> the first receiver), ``route_all_gbps`` every (trainer, receiver) flow at
-    once, all bytes over the wall from their common start to the last one's end."""
+    once, all bytes over the wall from their common start to the last one's end;
+    ``route_pairs_gbps`` the same processes as pairs (trainer i -> receiver i only), as the C
+    core's pairs run."""
     alone = await senders[0].call(
         reply_timeout=300, op="rail", descs=descs[:1], nbytes=n, chunk=16 << 20, repeats=repeats
     )
@@ -446,9 +453,16 @@ async def route_links(
         await w.send(op="rail", descs=descs, nbytes=n, chunk=16 << 20, repeats=repeats, at=at)
     wall = max([(await w.reply(300))["end"] for w in senders]) - at
     flows = len(senders) * len(descs)
+    # the same processes as pairs: each trainer writes to one receiver (as the C core's pairs)
+    at = time.time() + 3.0
+    for i, w in enumerate(senders):
+        d = descs[i % len(descs)]
+        await w.send(op="rail", descs=[d], nbytes=n, chunk=16 << 20, repeats=repeats, at=at)
+    pairs_wall = max([(await w.reply(300))["end"] for w in senders]) - at
     return {
         "route_gbps": n / statistics.median_low(alone["walls"]) / GB,
         "route_all_gbps": flows * n * (repeats + 1) / wall / GB,
+        "route_pairs_gbps": len(senders) * n * (repeats + 1) / pairs_wall / GB,
         "flows": flows,
     }
 
@@ -597,6 +611,12 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, g
         f"total / that = {two:.3f} s, {bound / two:.2f} of the bound; the push runs at {two / wall:.2f} "
         "of their pace"
     )
+    pairs = r["route_pairs_gbps"]
+    print(
+        f"  aiote's {r['n_senders']} pairs (the same processes, each trainer writing to one receiver) "
+        f"move {pairs:.2f} GB/s in all, {pairs / two_gbps:.2f} of the C core's pairs; "
+        f"each trainer writing to every receiver: {r['route_all_gbps'] / pairs:.2f} of that"
+    )
     if gloo_s:
         print(f"  vs gloo all_gather + broadcast {gloo_s:.3f} s: {gloo_s / wall:.2f}x faster")
     print(
@@ -638,19 +658,21 @@ async def main(a: argparse.Namespace) -> None:
     if not a.kimi_only and not a.gpu:
         routes = a.routes.split(",")
         providers = ["tcp" if r == "tcp" else "shm" for r in routes]
-        link = c_core_link(providers)
+        link_total = a.link_mib << 20
+        link = c_core_link(providers, link_total)
         print(
             "link, 16 MiB writes between two processes (C core / aiote): "
             + ", ".join(f"{p} {link[p]:.2f} / {link[p + '_aiote']:.2f} GB/s" for p in providers)
         )
-        shared = {p: c_core_together(p) for p in providers}  # the push's 4 flows at once
+        together = min(link_total, 1 << 30)
+        shared = {p: c_core_together(p, total=together) for p in providers}  # the push's 4 flows at once
         print(
             "the C core, 4 pairs of processes started together (median pair / all 4 at once): "
             + ", ".join(f"{p} {shared[p]['pair_gbps']:.2f} / {shared[p]['gbps']:.2f} GB/s "
                         f"(latest start {shared[p]['late_ms']:.1f} ms late)" for p in providers)
         )
         # the push's processes: 2 trainers sending, 2 receivers; the C core with as many
-        senders = {p: c_core_together(p, pairs=2) for p in providers}
+        senders = {p: c_core_together(p, pairs=2, total=together) for p in providers}
         print(
             "the C core, 2 pairs started together (the push's 2 sending and 2 receiving processes; "
             "median pair / both at once): "
@@ -709,6 +731,8 @@ if __name__ == "__main__":
     ap.add_argument("--engine-opts", default="",
                     help="CPU runs: JSON of open_engine() keyword arguments for every worker")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--link-mib", type=int, default=2048,
+                    help="MiB per run of the C core's link figures (default 2048; smaller for a quick check)")
     ap.add_argument("--max-tmp-mib", type=int, default=None,
                     help="each sender's staging pool (default 256; 4096 with --trainers)")
     ap.add_argument("--chunk-mib", type=int, default=None,

@@ -488,6 +488,28 @@ def test_aiote_bench_counts_other_processes_cpu_during_the_run() -> None:
     assert "other processes used" in busy.stderr and "during the run" in busy.stderr
 
 
+def test_bench_weights_cpu_runs_with_every_same_run_baseline() -> None:
+    """``benchmarks/bench_weights.py``'s CPU run, small, on the default route: it measures the C
+    core's link, its pairs started together and aiote's own flows and pairs beside the push, and
+    prints the fraction of the bound and what each baseline moved."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_weights.py"), "--size", "0.05", "--no-gloo",
+         "--no-kimi", "--routes", "default", "--repeats", "1", "--link-mib", "64"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "FI_PROVIDER": "tcp,ofi_rxm,shm"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    text = out.stdout
+    link = re.search(r"C core / aiote\): shm ([\d.]+) / ([\d.]+) GB/s", text)
+    assert link and float(link[1]) > 0 and float(link[2]) > 0, text
+    wall = re.search(r"aiote push, route default: wall ([\d.]+) s", text)
+    assert wall and float(wall[1]) > 0, text
+    frac = re.search(r"fraction of bound ([\d.]+)", text)
+    assert frac and float(frac[1]) > 0, text
+    pairs = re.search(r"aiote's 2 pairs .* move ([\d.]+) GB/s in all, ([\d.]+) of the C core's pairs", text)
+    assert pairs and float(pairs[1]) > 0 and float(pairs[2]) > 0, text
+    assert re.search(r"trainer 1: push [\d.]+ s, .*peak staging \d+ MiB", text), text
+
+
 def test_aiote_bench_plot_without_matplotlib_says_so(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['matplotlib'] = None; from aiote.cli import main; "
             f"sys.exit(main(['bench', 'write', '--plot', {str(tmp_path / 'x.png')!r}]))")
