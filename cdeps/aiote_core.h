@@ -369,6 +369,10 @@ void aio_want_space(aio_engine *e, int64_t below);
 /* number of posted, unfinished requests in a group (for diagnostics) */
 int64_t aio_group_pending(aio_engine *e, int64_t group);
 int64_t aio_ops_in_flight(aio_engine *e);
+/* Of the n rails in `rails`, the index (0..n-1) of the one with the fewest bytes of this
+ * engine's writes and reads posted and not completed; ties go to the first from `start % n`
+ * on (round robin among idle rails). -1 for n < 1 or a rail out of range. Reads n atomics. */
+int aio_least_loaded(aio_engine *e, const int32_t *rails, int n, int64_t start);
 
 /* Receive slots */
 void *aio_recv_slot(aio_engine *e, int rail, uint32_t slot);

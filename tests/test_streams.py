@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _util import digest, pattern, streams_open, zeros
+from _util import digest, frozen, pattern, streams_open, zeros
 
 import aiote
 from aiote._core import _fabric
@@ -157,6 +157,51 @@ async def test_a_busy_engine_sends_large_writes_whole_over_its_streams() -> None
         assert a.stats()["completions"] - c0 <= 2 * 3 + (k - 2)
         assert b.imm_counter(22).available == 0 and b.imm_counter(22).total == k
         assert digest(dst) == digest(src)
+
+
+def rails_of(t: aiote.Transfer) -> set[int]:
+    """The rails of the requests a posted transfer's group holds (its table's rows)."""
+    assert t._op is not None
+    return {int(r) for r in t._op.refs[1]["rail"]}
+
+
+async def test_a_whole_transfer_takes_the_stream_with_the_fewest_bytes_in_flight() -> None:
+    """Whole transfers over one NIC's streams go to the stream whose rail has the fewest bytes
+    in flight (in turn only among equally loaded ones): with a 32 MiB write held on one stream
+    (its peer stopped, so the bytes cannot all leave the socket buffers), the writes after it
+    all take the other stream; once everything landed, they take the streams in turn again."""
+    async with (
+        aiote.open_engine(streams=2, stripe_min=64 << 20, **TCP) as e,
+        spawn_peer(engine=e, same_host=None, peer_streams=2) as peer,
+    ):
+        big, small, k = 32 << 20, 4096, 6
+        src = pattern(big + k * small, seed=9)
+        ms = await e.register(src)
+        desc = await peer.register("buf", big + k * small)
+        await e.write(ms, desc, length=64)  # the first transfer opens the streams
+        await streams_open(e)
+        rails = {r.index for r in e.rails}
+        assert len(rails) == 2
+        async with frozen(peer.pid):
+            held = e.post_write(ms, desc, length=big, imm=31)
+            (loaded,) = rails_of(held)  # whole, on one stream
+            after = [
+                e.post_write(ms, desc, length=small, src_offset=big + i * small, dst_offset=big + i * small,
+                             imm=32)
+                for i in range(k)
+            ]
+            took = [rails_of(t) for t in after]
+            assert all(r == rails - {loaded} for r in took), (loaded, took)
+        for t in (held, *after):
+            await t.wait(timeout=60)
+        await peer.wait(imm=31, timeout=30)
+        await peer.wait(imm=32, n=k, timeout=30)
+        assert await peer.digest("buf") == digest(src)
+        # nothing in flight now: equal loads, so the streams take transfers in turn
+        turn = [e.post_write(ms, desc, length=small, dst_offset=i * small, imm=33) for i in range(2)]
+        assert rails_of(turn[0]) | rails_of(turn[1]) == rails
+        for t in turn:
+            await t.wait(timeout=60)
 
 
 async def test_streams_to_a_peer_process() -> None:

@@ -49,10 +49,11 @@ class TransportOptions:
     background); until then transfers go whole over the open ones. A write or read of at least
     ``stripe_min`` bytes is split across them while fewer operations are in flight than streams
     (its immediate, if any, follows as one credit once every piece landed); otherwise, and for
-    smaller ones, the streams take whole transfers in turn, each carrying its immediate, as
-    over a single NIC. On tcp two streams move large writes faster where one TCP connection's
-    receive path is the limit (loopback); the price is a rail's memory and poller work per
-    stream. At most 16 rails (NICs x streams) per engine."""
+    smaller ones, each whole transfer takes the stream whose connection has the fewest bytes of
+    this engine's writes and reads in flight (in turn among equal ones), carrying its
+    immediate, as over a single NIC. On tcp two streams move large writes faster where one
+    TCP connection's receive path is the limit (loopback); the price is a rail's memory and
+    poller work per stream. At most 16 rails (NICs x streams) per engine."""
 
     stripe_min: int = 1 << 20
     """A single write or read of at least this many bytes is split across the NICs (and

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 
-from .._native import lib
+from .._native import ffi, lib
 from ._descriptor import DEVICE_CUDA, MemoryDescriptor
 from ._errors import InvalidArgument
 from ._memory import MemoryRegion
@@ -140,11 +140,12 @@ class Rows(Messages):
         the peer. Rows: one, or one shard per route when it is at least ``stripe_min`` bytes
         and the peer is reached over several NICs; over the streams of one NIC only while
         fewer operations are in flight, plus ``load`` (requests already in the caller's
-        batch), than streams (otherwise the streams take whole transfers in turn). Immediates:
-        as the class says (``credits``). ``note`` (batches): gets one bool for a peer of
-        several routes: True when the rows would be the same built later (every route open;
-        over one NIC's streams, below ``stripe_min``), False when they depend on what was in
-        flight or open (:meth:`TransferBatch._place`)."""
+        batch), than streams (otherwise each whole transfer takes the least loaded stream,
+        :meth:`_pick_stream`). Immediates: as the class says (``credits``). ``note``
+        (batches): gets one bool for a peer of several routes: True when the rows may be kept
+        for later submissions (every route open; over one NIC's streams, below ``stripe_min``:
+        whole, on a stream chosen by the load then), False when their shape depends on what
+        was in flight or open (:meth:`TransferBatch._place`)."""
         mr, rdesc, length, loc_off, rem_off, data, flags = self._span(
             mr, remote, length, src_offset, dst_offset, imm, op
         )
@@ -189,7 +190,7 @@ class Rows(Messages):
             # (see _open_routes), and only while fewer operations are in flight (plus those
             # ahead of it in the caller's batch) than streams: with every stream busy, a split
             # adds work requests and a credit message and moves nothing faster
-            hop = opened[start % len(opened)]
+            hop = self._pick_stream(opened, start)
             rail, fa, base, key = hop
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], (hop,)
         if len(full) > 1 and flags and length:
@@ -218,6 +219,23 @@ class Rows(Messages):
             ln = min(chunk, length - o)
             rows.append((ptr, loc_off + o, ln, fa, base + rem_off + o, key, 0, rail, op, 0, 0))
         return rows
+
+    def _pick_stream(self, opened: tuple[Any, ...], start: int) -> Any:
+        """The route of ``opened`` (streams of one NIC to one peer) whose rail has the fewest
+        bytes of this engine's writes and reads in flight (``aio_least_loaded``), the round
+        robin's ``start`` first among equals: a transfer does not queue behind a large one on
+        one connection while another is idle (transfers of different sizes, or to several
+        peers over the same rails). Costs one native call reading a counter per stream."""
+        if self._closed:  # (the native engine may be gone: the post that follows refuses)
+            return opened[start % len(opened)]
+        kept = self._stream_rails.get(id(opened))
+        if kept is None or kept[0] is not opened:
+            if len(self._stream_rails) >= 1024:
+                self._stream_rails.clear()
+            kept = (opened, ffi.new("int32_t[]", [h[0] for h in opened]))
+            self._stream_rails[id(opened)] = kept  # holds opened: its id cannot be reused meanwhile
+        i = int(lib.aio_least_loaded(self._h, kept[1], len(opened), start))
+        return opened[i if i >= 0 else start % len(opened)]
 
     def _open_routes(self, path: tuple[tuple[int, int, int, int], ...], op: int) -> tuple[Any, ...]:
         """The routes of ``path`` (several NICs or streams to one peer) whose connections are

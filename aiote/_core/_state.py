@@ -150,6 +150,8 @@ class EngineState:
         # in _routes_open may only have been taken by the first transfer, still to be posted)
         self._routes_made: set[tuple[int, int]] = set()
         self._paths_open: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
+        # per path of one NIC's streams: the path (holding its id) and its rails as cdata
+        self._stream_rails: dict[int, tuple[Any, Any]] = {}
         self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
         self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (a cache)
 

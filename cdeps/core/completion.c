@@ -66,6 +66,7 @@ int aio__post_recv_locked(aio_rail *r, uint32_t slot) {
 /* Completes our own op (write/read/send). Caller holds r->mu. */
 void aio__complete_op(aio_engine *e, aio_rail *r, aio_op *op, int status, int prov_errno) {
     if (op->mr) atomic_fetch_sub(&op->mr->inflight, 1);
+    if (op->bytes) atomic_fetch_sub_explicit(&r->bytes_inflight, op->bytes, memory_order_relaxed);
     if (op->kind == OPK_SEND) r->send_free[r->send_nfree++] = op->slot;
     else if (status) defer_set(r, op->peer, 0);
     int64_t g = op->group;

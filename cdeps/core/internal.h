@@ -90,6 +90,7 @@ typedef struct aio_op {
     int32_t dmerged; /* a copied write whose immediate a later op of its run carries (aio__direct_batch) */
     int64_t dsince; /* dpost: when the provider first refused it for room (0: not yet) */
     uint64_t peer;  /* a write's or read's peer (aio__complete_op: a failure stops deferrals to it) */
+    uint64_t bytes; /* a write's or read's bytes, counted in its rail's bytes_inflight (0: none) */
 } aio_op;
 
 /* The direct-copy table (see aiote_core.h, "Direct same-host copies", and direct_table.c).
@@ -192,6 +193,7 @@ typedef struct aio_rail {
     int ifindex;
     _Atomic int link_up;
     int poller; /* the poller thread that drives it (aio_engine_add_rail: rail index % pollers) */
+    _Atomic uint64_t bytes_inflight; /* bytes of our writes and reads posted on it, not completed */
 } aio_rail;
 
 /* How to wake one peer of an shm rail (shm_wake.c). */

@@ -174,8 +174,10 @@ void aio__posted_to(aio_engine *e, aio_rail *r, uint64_t peer) {
     defer_set(r, peer, 1);
 }
 
-/* Takes an op for `it` and counts it in flight (group, region, engine). */
-static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const aio_op_desc *it) {
+/* Takes an op for `it` (`bytes` in all: its gathered pieces) and counts it in flight (group,
+ * region, engine, the rail's bytes). */
+static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const aio_op_desc *it,
+                        uint64_t bytes) {
     aio_op *op = aio__op_get(r);
     if (!op) return NULL;
     op->kind = it->op == AIO_OP_READ ? OPK_READ : OPK_WRITE;
@@ -183,10 +185,12 @@ static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const 
     op->group = g;
     op->mr = m;
     op->peer = it->peer;
+    op->bytes = bytes;
     aio_group *gr = &e->groups[g];
     atomic_fetch_add(&m->inflight, 1);
     atomic_fetch_add(&gr->posted, 1);
     atomic_fetch_add(&gr->outstanding, 1);
+    atomic_fetch_add_explicit(&r->bytes_inflight, bytes, memory_order_relaxed);
     inflight_add(e, r, 1);
     return op;
 }
@@ -215,6 +219,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     }
     aio_group *gr = &e->groups[g];
     aio_rail *r = e->rails[it->rail];
+    uint64_t bytes = it->length * (uint64_t)(ngather > 1 ? ngather : 1);
     aio_op *op;
     /* by default on tcp, whose poller pushes bytes into sockets under the rail's lock; on shm
      * only requests under HAND_MIN_BYTES whose rail the poller holds (a spinning poller holds it
@@ -224,7 +229,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
      * HAND_MIN_BYTES or more is always handed: copied in the posting thread, a batch of 16 writes
      * of 1 MiB held the posting call for 75 us on average and up to 430 us (a Python event
      * loop), and that thread became the bottleneck at 64 KiB and 16 MiB (aiote bench, 2 vCPUs) */
-    if (direct && (op = op_start(e, r, g, m, it))) {
+    if (direct && (op = op_start(e, r, g, m, it, bytes))) {
         /* a direct copy takes no rail lock: its op comes from the pool (a lock of its own) and
          * poller 0 copies it. Waiting for the lock cost the posting thread a futex sleep
          * whenever a spinning poller held the rail (a 1 KiB copy's post: 80-100 us in an
@@ -245,7 +250,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     }
     if (!hold_rail(h, r, how)) {
         /* the poller holds the rail (it is moving data): it posts this request when it is done */
-        if ((op = op_start(e, r, g, m, it))) {
+        if ((op = op_start(e, r, g, m, it, bytes))) {
             aio__direct_enqueue(e, op, it, 1);
             return 1;
         }
@@ -254,7 +259,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     /* (a request with a direct code: its peer's pidfd was looked at, aio__direct_check) */
     if (!it->direct && !hold_peer_lives(h, it->peer)) return aio__peer_gone_refusal(e);
     int64_t idle = 0; /* when the self-driven progress found nothing for POST_IDLE_NS: give up */
-    while (!(op = op_start(e, r, g, m, it))) {
+    while (!(op = op_start(e, r, g, m, it, bytes))) {
         if (!post_progress(e, r, deadline, &idle)) break;
     }
     if (!op) return 0;
@@ -274,6 +279,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
         atomic_fetch_sub(&m->inflight, 1);
         atomic_fetch_sub(&gr->posted, 1);
         atomic_fetch_sub(&gr->outstanding, 1);
+        atomic_fetch_sub_explicit(&r->bytes_inflight, bytes, memory_order_relaxed);
         inflight_add(e, r, -1);
         aio__op_put(r, op);
     }
@@ -456,6 +462,7 @@ static int post_send_parts(aio_engine *e, int64_t g, int rail, uint64_t peer, co
     if (hlen) memcpy(sbuf, head, hlen);
     parts_copy(sbuf + hlen, body);
     op->kind = OPK_SEND;
+    op->bytes = 0;
     op->rail = rail;
     op->group = g;
     op->mr = NULL;

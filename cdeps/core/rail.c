@@ -15,7 +15,9 @@
  * our requests), and per peer address what the other parts keep: how to wake it (shm_wake.c),
  * how often its tcp connection was looked for (tcp_tune.c), whether requests to it may be
  * handed over (handoff.c). That state is reset when an address is removed from the address
- * vector, or when libfabric hands out a removed address again.
+ * vector, or when libfabric hands out a removed address again. It also counts the bytes of our
+ * writes and reads posted on it and not completed (op_start adds, aio__complete_op takes
+ * away): aio_least_loaded picks the stream of a NIC that has the fewest.
  *
  * A tcp rail on a named interface is pinned to it by its address (ofi_rxm ignores the domain
  * name in the hints), listens on base_port + its index among such rails when a base port is
@@ -396,4 +398,20 @@ int aio_av_remove(aio_engine *e, int rail, uint64_t fi_addr) {
     addr_forget(r, fa);
     pthread_mutex_unlock(&r->mu);
     return ret;
+}
+
+int aio_least_loaded(aio_engine *e, const int32_t *rails, int n, int64_t start) {
+    if (n < 1 || !rails) return -1;
+    int first = (int)(((start % n) + n) % n), best = -1;
+    uint64_t least = UINT64_MAX;
+    for (int k = 0; k < n; k++) {
+        int i = (first + k) % n;
+        if (rails[i] < 0 || rails[i] >= e->nrails) return -1;
+        uint64_t b = atomic_load_explicit(&e->rails[rails[i]]->bytes_inflight, memory_order_relaxed);
+        if (b < least) {
+            least = b;
+            best = i;
+        }
+    }
+    return best;
 }

@@ -258,6 +258,18 @@ int t_handed_stall(fix_t *f) {
         }
         double t_full = now_s();
         if (aio_group_seal(x.e, g)) break;
+        /* rail 0 holds the stopped peer's writes in flight: it is the loaded one of the two,
+         * whichever the round robin would start at; rails out of range are refused */
+        const int32_t both[2] = {0, 1}, bad[2] = {0, 7};
+        if (aio_least_loaded(x.e, both, 2, 0) != 1 || aio_least_loaded(x.e, both, 2, 3) != 1 ||
+            aio_least_loaded(x.e, both, 1, 0) != 0 || aio_least_loaded(x.e, bad, 2, 0) != -1 ||
+            aio_least_loaded(x.e, both, 0, 0) != -1) {
+            fail_msg(__FILE__, __LINE__, "aio_least_loaded with rail 0's writes stalled: %d %d %d %d %d",
+                     aio_least_loaded(x.e, both, 2, 0), aio_least_loaded(x.e, both, 2, 3),
+                     aio_least_loaded(x.e, both, 1, 0), aio_least_loaded(x.e, bad, 2, 0),
+                     aio_least_loaded(x.e, both, 0, 0));
+            break;
+        }
         if (stats_of(x.e).posts_handed_waited == w0) {
             fail_msg(__FILE__, __LINE__, "none of %d handed writes to the stopped peer met a full queue", posted);
             break;
@@ -296,6 +308,14 @@ int t_handed_stall(fix_t *f) {
             break;
         }
         tok = 0;
+        /* every write is over (landed or failed): no rail counts bytes in flight, so the round
+         * robin's start decides */
+        const int32_t rails2[2] = {0, 1};
+        if (aio_least_loaded(x.e, rails2, 2, 0) != 0 || aio_least_loaded(x.e, rails2, 2, 1) != 1) {
+            fail_msg(__FILE__, __LINE__, "bytes still counted in flight after every write ended: %d %d",
+                     aio_least_loaded(x.e, rails2, 2, 0), aio_least_loaded(x.e, rails2, 2, 1));
+            break;
+        }
         /* handed requests that waited over 1 s for room fail as timed out (the caller retries) */
         double held = now_s() - t_full;
         if (!(r.status == 0 || (r.status == -FI_ETIMEDOUT && held > 0.9))) {
