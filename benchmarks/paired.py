@@ -5,8 +5,8 @@
 
 Each round runs ``python -m aiote bench MODES --provider P --repeats 1`` once with this
 tree's aiote and once with the base tree's (the order alternates from round to round, so a
-drift of the machine's load falls on both), each tree's C core built in place beforehand
-(``setup.py build_ext --inplace``). Each run also measures the C core alone, as
+drift of the machine's load falls on both), each tree built and installed into a temporary
+folder beforehand (``pip install --target``, pip's isolated build). Each run also measures the C core alone, as
 ``aiote bench`` always does. Prints, per case, the median of each tree's figure over the
 rounds, the ratio new/base (throughput: >1 is faster; latency: <1 is faster) as the median of
 the per-round ratios with its range, and aiote's ratio to the C core in each tree: a drift of
@@ -28,17 +28,23 @@ from typing import Any
 HERE = Path(__file__).resolve().parent.parent
 
 
-def build(tree: Path) -> None:
+def build(tree: Path, into: Path) -> Path:
+    """``tree``'s aiote built and installed into ``into`` (pip's isolated build, so the
+    build requirements of the tree's pyproject.toml apply, not this virtualenv's setuptools);
+    returns ``into``, the tree's PYTHONPATH entry. Its C bench is built from its cdeps/ when
+    ``aiote bench`` first needs it."""
     subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
-        cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(into),
+         str(tree)],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+    return into
 
 
-def bench(tree: Path, args: argparse.Namespace, provider: str) -> list[dict[str, Any]]:
-    """One `aiote bench` run of ``tree``'s aiote; its result rows."""
+def bench(tree: Path, site: Path, args: argparse.Namespace, provider: str) -> list[dict[str, Any]]:
+    """One `aiote bench` run of ``tree``'s aiote (installed in ``site``); its result rows."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.setdefault("FI_PROVIDER", "tcp,ofi_rxm,shm")
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "bench.json"
@@ -87,8 +93,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     trees = {"new": HERE, "base": args.base.resolve()}
-    for tree in trees.values():
-        build(tree)
+    built = tempfile.TemporaryDirectory(prefix="aiote-paired-")
+    sites = {name: build(tree, Path(built.name) / name) for name, tree in trees.items()}
     # figures[case][tree] = [per-round aiote figure], c[case][tree] = [per-round C core figure]
     figures: dict[str, dict[str, list[float]]] = {}
     core: dict[str, dict[str, list[float]]] = {}
@@ -96,7 +102,7 @@ def main() -> None:
         order = ["new", "base"] if r % 2 == 0 else ["base", "new"]
         for provider in args.providers.split(","):
             for name in order:
-                for row in bench(trees[name], args, provider):
+                for row in bench(trees[name], sites[name], args, provider):
                     k = key(row)
                     figures.setdefault(k, {}).setdefault(name, []).append(value(row, "py"))
                     core.setdefault(k, {}).setdefault(name, []).append(value(row, "c"))

@@ -190,7 +190,11 @@ class Rows(Messages):
             # (see _open_routes), and only while fewer operations are in flight (plus those
             # ahead of it in the caller's batch) than streams: with every stream busy, a split
             # adds work requests and a credit message and moves nothing faster
-            hop = self._pick_stream(opened, start)
+            # a transfer posted by itself takes the least loaded stream; the requests of one
+            # call (a batch's, a scatter's) take the streams in turn, since none of them is in
+            # flight yet when the next is placed
+            alone = load == 0 and note is None
+            hop = self._pick_stream(opened, start) if alone else opened[start % len(opened)]
             rail, fa, base, key = hop
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], (hop,)
         if len(full) > 1 and flags and length:
