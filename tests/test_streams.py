@@ -169,7 +169,8 @@ async def test_a_whole_transfer_takes_the_stream_with_the_fewest_bytes_in_flight
     """Whole transfers over one NIC's streams go to the stream whose rail has the fewest bytes
     in flight (in turn only among equally loaded ones): with a 32 MiB write held on one stream
     (its peer stopped, so the bytes cannot all leave the socket buffers), the writes after it
-    all take the other stream; once everything landed, they take the streams in turn again."""
+    all take the other stream, while the requests of one batch, placed together, take the
+    streams in turn; once everything landed, they take the streams in turn again."""
     async with (
         aiote.open_engine(streams=2, stripe_min=64 << 20, **TCP) as e,
         spawn_peer(engine=e, same_host=None, peer_streams=2) as peer,
@@ -192,8 +193,18 @@ async def test_a_whole_transfer_takes_the_stream_with_the_fewest_bytes_in_flight
             ]
             took = [rails_of(t) for t in after]
             assert all(r == rails - {loaded} for r in took), (loaded, took)
-        for t in (held, *after):
+            # the requests of one batch are placed together, none in flight yet: in turn
+            batch = e.batch()
+            for i in range(4):
+                batch.write(ms, desc, length=small, src_offset=big + i * small, dst_offset=big + i * small,
+                            imm=34)
+            together = batch.post()
+            assert together._op is not None
+            dealt = [int(r) for r in together._op.refs[1]["rail"]]
+            assert sorted(dealt) == sorted(list(rails) * 2), dealt
+        for t in (held, *after, together):
             await t.wait(timeout=60)
+        await peer.wait(imm=34, n=4, timeout=30)
         await peer.wait(imm=31, timeout=30)
         await peer.wait(imm=32, n=k, timeout=30)
         assert await peer.digest("buf") == digest(src)
