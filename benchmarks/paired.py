@@ -6,8 +6,8 @@
 Each round runs ``python -m aiote bench MODES --provider P --repeats 1`` once with this
 tree's aiote and once with the base tree's (the order alternates from round to round, so a
 drift of the machine's load falls on both), each tree built and installed into a temporary
-folder beforehand (``pip install --target``, pip's isolated build). Each run also measures the C core alone, as
-``aiote bench`` always does. Prints, per case, the median of each tree's figure over the
+folder beforehand (``pip install --target``, pip's isolated build). Each run also measures
+the C core alone, as ``aiote bench`` always does. Prints, per case, the median of each tree's figure over the
 rounds, the ratio new/base (throughput: >1 is faster; latency: <1 is faster) as the median of
 the per-round ratios with its range, and aiote's ratio to the C core in each tree: a drift of
 the machine shows in the C core's figures too.
