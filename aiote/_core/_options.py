@@ -49,10 +49,11 @@ class TransportOptions:
     background); until then transfers go whole over the open ones. A write or read of at least
     ``stripe_min`` bytes is split across them while fewer operations are in flight than streams
     (its immediate, if any, follows as one credit once every piece landed); otherwise, and for
-    smaller ones, each whole transfer posted by itself takes the stream whose connection has
-    the fewest bytes of this engine's writes and reads in flight (in turn among equal ones;
-    the transfers of one batch or scatter take the streams in turn), carrying its immediate,
-    as over a single NIC. On tcp two streams move large writes faster where one
+    smaller ones, each whole transfer posted by itself takes the stream whose rail has the
+    fewest bytes of this engine's writes and reads in flight, to any peer (in turn among equal
+    ones; the transfers of one batch, scatter or barrier take the streams in turn, and a write
+    repeated with the same arguments reuses its first placement), carrying its immediate, as
+    over a single NIC. On tcp two streams move large writes faster where one
     TCP connection's receive path is the limit (loopback); the price is a rail's memory and
     poller work per stream. At most 16 rails (NICs x streams) per engine."""
 

@@ -351,7 +351,8 @@ class Collective(Transfers):
                 raise InvalidArgument(f"targets[{i}] must be an aiote.ScatterTarget, not {type(t).__name__}")
             n = len(rows)  # requests ahead of this one in the call
             rows += self._rows(
-                mr, t.desc, t.length, t.src_offset, t.dst_offset, imm, lib.AIO_OP_WRITE, credits, load=n
+                mr, t.desc, t.length, t.src_offset, t.dst_offset, imm, lib.AIO_OP_WRITE, credits, load=n,
+                alone=False,
             )[0]
         if not rows:
             await anyio.lowlevel.checkpoint()
@@ -381,7 +382,7 @@ class Collective(Transfers):
         as_index(imm, "imm", hi=_U32)  # checked even when there is no peer
         rows: list[tuple[int, ...]] = []
         for d in peers:
-            rows += self._rows(self._scratch, d, 0, 0, 0, imm, lib.AIO_OP_WRITE)[0]
+            rows += self._rows(self._scratch, d, 0, 0, 0, imm, lib.AIO_OP_WRITE, alone=False)[0]
         if not rows:
             await anyio.lowlevel.checkpoint()
             return

@@ -135,17 +135,19 @@ class Rows(Messages):
         gpu_ok: bool = False,
         load: int = 0,
         note: list[bool] | None = None,
+        alone: bool = True,
     ) -> tuple[list[tuple[int, ...]], Any]:
         """Validates one transfer and returns its aio_op_desc rows and the full route set to
         the peer. Rows: one, or one shard per route when it is at least ``stripe_min`` bytes
         and the peer is reached over several NICs; over the streams of one NIC only while
         fewer operations are in flight, plus ``load`` (requests already in the caller's
-        batch), than streams (otherwise each whole transfer takes the least loaded stream,
-        :meth:`_pick_stream`). Immediates: as the class says (``credits``). ``note``
-        (batches): gets one bool for a peer of several routes: True when the rows may be kept
-        for later submissions (every route open; over one NIC's streams, below ``stripe_min``:
-        whole, on a stream chosen by the load then), False when their shape depends on what
-        was in flight or open (:meth:`TransferBatch._place`)."""
+        batch), than streams (otherwise a whole transfer posted ``alone`` takes the least
+        loaded stream, :meth:`_pick_stream`, and one of several placed together in one call,
+        a batch's (``note``), a scatter's or a barrier's, the next in turn). Immediates: as
+        the class says (``credits``). ``note`` (batches): gets one bool for a peer of several
+        routes: True when the rows may be kept for later submissions (every route open; over
+        one NIC's streams, below ``stripe_min``: whole), False when their shape depends on
+        what was in flight or open (:meth:`TransferBatch._place`)."""
         mr, rdesc, length, loc_off, rem_off, data, flags = self._span(
             mr, remote, length, src_offset, dst_offset, imm, op
         )
@@ -191,10 +193,10 @@ class Rows(Messages):
             # ahead of it in the caller's batch) than streams: with every stream busy, a split
             # adds work requests and a credit message and moves nothing faster
             # a transfer posted by itself takes the least loaded stream; the requests of one
-            # call (a batch's, a scatter's) take the streams in turn, since none of them is in
-            # flight yet when the next is placed
-            alone = load == 0 and note is None
-            hop = self._pick_stream(opened, start) if alone else opened[start % len(opened)]
+            # call (a batch's, a scatter's, a barrier's) take the streams in turn, since none of
+            # them is in flight yet when the next is placed
+            by_load = alone and load == 0 and note is None
+            hop = self._pick_stream(opened, start) if by_load else opened[start % len(opened)]
             rail, fa, base, key = hop
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], (hop,)
         if len(full) > 1 and flags and length:
@@ -230,14 +232,15 @@ class Rows(Messages):
         robin's ``start`` first among equals: a transfer does not queue behind a large one on
         one connection while another is idle (transfers of different sizes, or to several
         peers over the same rails). Costs one native call reading a counter per stream."""
-        if self._closed:  # (the native engine may be gone: the post that follows refuses)
+        if self._closed or len(opened) == 1:  # (closed: the native engine may be gone)
             return opened[start % len(opened)]
         kept = self._stream_rails.get(id(opened))
         if kept is None or kept[0] is not opened:
-            if len(self._stream_rails) >= 1024:
-                self._stream_rails.clear()
             kept = (opened, ffi.new("int32_t[]", [h[0] for h in opened]))
-            self._stream_rails[id(opened)] = kept  # holds opened: its id cannot be reused meanwhile
+            if self._paths_open.get(id(opened)) is opened:  # every stream open: a lasting path
+                if len(self._stream_rails) >= 1024:
+                    self._stream_rails.clear()
+                self._stream_rails[id(opened)] = kept  # holds opened: its id is not reused meanwhile
         i = int(lib.aio_least_loaded(self._h, kept[1], len(opened), start))
         return opened[i if i >= 0 else start % len(opened)]
 
