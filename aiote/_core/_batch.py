@@ -82,7 +82,7 @@ class TransferBatch:
         mr, remote, length, src_offset, dst_offset, imm, op = spec
         note: list[bool] = []
         rows = self._engine._rows(
-            mr, remote, length, src_offset, dst_offset, imm, op, credits, load=load, note=note
+            mr, remote, length, src_offset, dst_offset, imm, op, credits, load=load, note=note, alone=False
         )[0]
         return rows, not note or note[0]
 

@@ -53,9 +53,9 @@ class TransportOptions:
     fewest bytes of this engine's writes and reads in flight, to any peer (in turn among equal
     ones; the transfers of one batch, scatter or barrier take the streams in turn, and a write
     repeated with the same arguments reuses its first placement), carrying its immediate, as
-    over a single NIC. On tcp two streams move large writes faster where one
-    TCP connection's receive path is the limit (loopback); the price is a rail's memory and
-    poller work per stream. At most 16 rails (NICs x streams) per engine."""
+    over a single NIC. On tcp two streams move large writes faster where one TCP connection's
+    receive path is the limit (loopback); the price is a rail's memory and poller work per
+    stream. At most 16 rails (NICs x streams) per engine."""
 
     stripe_min: int = 1 << 20
     """A single write or read of at least this many bytes is split across the NICs (and

@@ -118,7 +118,7 @@ class Rails(Registration):
             # rebuilt on next use, from the addresses kept or resolved anew
             self._router.forget()
             for cache in (self._desc_paths, self._direct_codes, self._one_nic, self._paths_open,
-                          self._stream_rails, self._owners, self._imm_memos):
+                          self._owners, self._imm_memos):
                 cache.clear()
             for mr in self._regions:
                 mr._memos.clear()

@@ -143,7 +143,7 @@ class Rows(Messages):
         fewer operations are in flight, plus ``load`` (requests already in the caller's
         batch), than streams (otherwise a whole transfer posted ``alone`` takes the least
         loaded stream, :meth:`_pick_stream`, and one of several placed together in one call,
-        a batch's (``note``), a scatter's or a barrier's, the next in turn). Immediates: as
+        a batch's, a scatter's or a barrier's, ``alone=False``, the next in turn). Immediates: as
         the class says (``credits``). ``note`` (batches): gets one bool for a peer of several
         routes: True when the rows may be kept for later submissions (every route open; over
         one NIC's streams, below ``stripe_min``: whole), False when their shape depends on
@@ -195,8 +195,7 @@ class Rows(Messages):
             # a transfer posted by itself takes the least loaded stream; the requests of one
             # call (a batch's, a scatter's, a barrier's) take the streams in turn, since none of
             # them is in flight yet when the next is placed
-            by_load = alone and load == 0 and note is None
-            hop = self._pick_stream(opened, start) if by_load else opened[start % len(opened)]
+            hop = self._pick_stream(opened, start) if alone else opened[start % len(opened)]
             rail, fa, base, key = hop
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], (hop,)
         if len(full) > 1 and flags and length:
@@ -234,14 +233,14 @@ class Rows(Messages):
         peers over the same rails). Costs one native call reading a counter per stream."""
         if self._closed or len(opened) == 1:  # (closed: the native engine may be gone)
             return opened[start % len(opened)]
-        kept = self._stream_rails.get(id(opened))
-        if kept is None or kept[0] is not opened:
-            kept = (opened, ffi.new("int32_t[]", [h[0] for h in opened]))
-            if self._paths_open.get(id(opened)) is opened:  # every stream open: a lasting path
-                if len(self._stream_rails) >= 1024:
-                    self._stream_rails.clear()
-                self._stream_rails[id(opened)] = kept  # holds opened: its id is not reused meanwhile
-        i = int(lib.aio_least_loaded(self._h, kept[1], len(opened), start))
+        known = self._paths_open.get(id(opened))  # every stream open: its rails are kept there
+        if known is not None and known[0] is opened:
+            rails = known[1]
+            if rails is None:
+                rails = known[1] = ffi.new("int32_t[]", [h[0] for h in opened])
+        else:  # (some streams still opening: a passing tuple)
+            rails = ffi.new("int32_t[]", [h[0] for h in opened])
+        i = int(lib.aio_least_loaded(self._h, rails, len(opened), start))
         return opened[i if i >= 0 else start % len(opened)]
 
     def _open_routes(self, path: tuple[tuple[int, int, int, int], ...], op: int) -> tuple[Any, ...]:
@@ -256,7 +255,9 @@ class Rows(Messages):
         one piece failing with PeerUnreachable after ``connect_timeout`` (or, timed out, never
         posted). A failed opening is logged and tried again at the next transfer. Costs one
         dict lookup once every route is open."""
-        if self._paths_open.get(id(path)) is path:
+        known = self._paths_open.get(id(path))
+        all_open = known is not None and known[0] is path
+        if all_open:
             return path
         opened = self._routes_open
         if not any((h[0], h[1]) in opened for h in path):
@@ -265,7 +266,7 @@ class Rows(Messages):
         if len(live) == len(path):
             if len(self._paths_open) >= 1024:
                 self._paths_open.clear()
-            self._paths_open[id(path)] = path  # holds path: its id cannot be reused meanwhile
+            self._paths_open[id(path)] = [path, None]  # holds path: its id cannot be reused meanwhile
             return path
         for hop in path:
             if (hop[0], hop[1]) not in opened and (hop[0], hop[1]) not in self._routes_opening:

@@ -149,9 +149,9 @@ class EngineState:
         # connections a zero-byte request of _open_route or connect() completed on (a route
         # in _routes_open may only have been taken by the first transfer, still to be posted)
         self._routes_made: set[tuple[int, int]] = set()
-        self._paths_open: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
-        # per path of one NIC's streams: the path (holding its id) and its rails as cdata
-        self._stream_rails: dict[int, tuple[Any, Any]] = {}
+        # paths whose routes are all open, by id: [the path (holding its id), its rails as
+        # cdata once a transfer picked one of its streams by load (see Rows._pick_stream)]
+        self._paths_open: dict[int, list[Any]] = {}
         self._down_since: dict[int, float] = {}  # rails out of rotation: since when (now())
         self._owners: dict[Any, EngineAddress] = {}  # multi-route paths -> their owner (a cache)
 
