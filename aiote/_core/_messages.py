@@ -370,31 +370,10 @@ class Messages(CombinedSends):
         data = self._message_bytes(payload, addr.max_message)
         end = _end(timeout)
         join = self._combine and not internal and self._obs is None and _GROUPS.get() is None
-        while True:
-            # messages keep to the first live route: they are delivered in order on it
-            path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
-            key = (path[0][0], path[0][1])
-            w = self._windows.get(key) if join else None
-            if w is not None:
-                _check_retry(retry)  # (before joining: a refused send posts nothing)
-                m = w.join(data)
-                if m is not None:
-                    if await self._joined(key, w, m, end, timeout):
-                        return
-                    join = False  # nothing was posted for it: it goes by itself
-                    continue
-            n = self._sends.get(key, 0)
-            if internal or n < self._send_cap:
-                break
-            # A receiver holds back its senders (see recv): a send stays in flight, in one of
-            # the rail's send slots, until it takes the message. So one peer gets at most
-            # _send_cap of them; the rest stay free for other peers and the engine's notices.
-            room = self._send_room.get(key)
-            if room is None:
-                room = self._send_room[key] = self._event()
-            if not await wait_until(room, end):
-                assert timeout is not None
-                raise timeout_error("send", timeout)
+        placed = await self._send_slot(addr, data, end, timeout, retry, internal, join)
+        if placed is None:
+            return  # it went in a combined message
+        key, n, join = placed
         rail, fa = key
         head = self._msg_head[internal]
         budget = self._budget_ns
@@ -453,6 +432,46 @@ class Messages(CombinedSends):
                 self._sent(key)
             if mine is not None:  # what joined goes now, cancelled or not
                 self._flush(key, mine)
+
+    async def _send_slot(
+        self,
+        addr: EngineAddress,
+        data: memoryview,
+        end: float | None,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        internal: bool,
+        join: bool,
+    ) -> tuple[tuple[int, int], int, bool] | None:
+        """Where a send goes: ``(connection, its sends in flight, whether it may still open a
+        window for others to join)`` once the connection has room for it, or None once it
+        went joined to another send's combined message (it landed). Raises TransferTimeout at
+        ``end`` waiting for room or for that message."""
+        while True:
+            # messages keep to the first live route: they are delivered in order on it
+            path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
+            key = (path[0][0], path[0][1])
+            w = self._windows.get(key) if join else None
+            if w is not None:
+                _check_retry(retry)  # (before joining: a refused send posts nothing)
+                m = w.join(data)
+                if m is not None:
+                    if await self._joined(key, w, m, end, timeout):
+                        return None
+                    join = False  # nothing was posted for it: it goes by itself
+                    continue
+            n = self._sends.get(key, 0)
+            if internal or n < self._send_cap:
+                return key, n, join
+            # A receiver holds back its senders (see recv): a send stays in flight, in one of
+            # the rail's send slots, until it takes the message. So one peer gets at most
+            # _send_cap of them; the rest stay free for other peers and the engine's notices.
+            room = self._send_room.get(key)
+            if room is None:
+                room = self._send_room[key] = self._event()
+            if not await wait_until(room, end):
+                assert timeout is not None
+                raise timeout_error("send", timeout)
 
     def _message_bytes(self, payload: Any, theirs: int) -> memoryview:
         """``payload`` as bytes, checked against this engine's and the receiver's

@@ -176,22 +176,7 @@ class Rows(Messages):
             # never come here: _host_of routes such a peer over the main provider)
             rail, fa, base, _ = dhop
             return [(ptr, loc_off, length, fa, base + rem_off, dkey, data, rail, op, flags, dcode)], (dhop,)
-        if (
-            n > 1
-            and self._streams > 1
-            and (
-                opened is not path
-                or length < self._stripe_min
-                or max(len(self._ops), self._opening) + load >= n
-            )
-            and self._on_one_nic(path)
-        ):
-            # streams of one NIC, not striped: as over a single NIC (the immediate travels with
-            # the data; the streams take turns over the open ones). A link failure takes every
-            # stream of the NIC. A large transfer is split only once every stream is connected
-            # (see _open_routes), and only while fewer operations are in flight (plus those
-            # ahead of it in the caller's batch) than streams: with every stream busy, a split
-            # adds work requests and a credit message and moves nothing faster
+        if self._whole_on_a_stream(path, opened, length, load):
             # a transfer posted by itself takes the least loaded stream; the requests of one
             # call (a batch's, a scatter's, a barrier's) take the streams in turn, since none of
             # them is in flight yet when the next is placed
@@ -208,6 +193,28 @@ class Rows(Messages):
             rail, fa, base, key = opened[start % len(opened)]
             return [(ptr, loc_off, length, fa, base + rem_off, key, data, rail, op, flags, 0)], full
         return self._stripes(opened, start, ptr, loc_off, length, rem_off, op), full
+
+    def _whole_on_a_stream(
+        self, path: tuple[Any, ...], opened: tuple[Any, ...], length: int, load: int
+    ) -> bool:
+        """Whether a transfer over ``path`` (its live routes; ``opened``: those connected)
+        goes whole on one of the streams of one NIC, as over a single NIC (the immediate
+        travels with the data). A link failure takes every stream of the NIC. A large transfer
+        is split only once every stream is connected (see _open_routes), and only while fewer
+        operations are in flight (plus ``load``, those ahead of it in the caller's batch) than
+        streams: with every stream busy, a split adds work requests and a credit message and
+        moves nothing faster."""
+        n = len(path)
+        return (
+            n > 1
+            and self._streams > 1
+            and (
+                opened is not path
+                or length < self._stripe_min
+                or max(len(self._ops), self._opening) + load >= n
+            )
+            and self._on_one_nic(path)
+        )
 
     def _stripes(
         self, path: tuple[Any, ...], start: int, ptr: int, loc_off: int, length: int, rem_off: int, op: int

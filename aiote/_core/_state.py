@@ -104,6 +104,19 @@ class EngineState:
         self._gout = ffi.new("int64_t[4]")
         self._checkpoint_if_cancelled: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint_if_cancelled
         self._checkpoint: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
+        self._init_address(rails, same_host, max_message_size)
+        self._bridge: LoopBridge | None = None
+        self._event: Any = anyio.Event  # replaced by the loop's own Event class in _start
+        self._space: Any = None  # set when a request completes after aio_want_space
+        self._scratch: MemoryRegion | None = None
+        self._log = _log.bind(engine=self._address_bytes[-4:].hex())
+        self._init_direct(handle, rails, same_host_direct)
+        # metrics and spans (see _observe.py); None: off, one `is None` test per operation
+        self._obs: Observer | None = Observer(observe, rails, handle) if observe is not None else None
+        self._observers: list[Observer] = [self._obs] if self._obs is not None else []  # (see _observe_as)
+
+    def _init_address(self, rails: list[RailInfo], same_host: str | None, max_message_size: int) -> None:
+        """This engine's address, its messages' headers, and its router to peers."""
         self._address = EngineAddress(
             tuple(RailAddress(r.provider, r.address) for r in rails), _host_id(), max_message_size
         )
@@ -124,15 +137,6 @@ class EngineState:
             same_host,
             self._peer,
         )
-        self._bridge: LoopBridge | None = None
-        self._event: Any = anyio.Event  # replaced by the loop's own Event class in _start
-        self._space: Any = None  # set when a request completes after aio_want_space
-        self._scratch: MemoryRegion | None = None
-        self._log = _log.bind(engine=self._address_bytes[-4:].hex())
-        self._init_direct(handle, rails, same_host_direct)
-        # metrics and spans (see _observe.py); None: off, one `is None` test per operation
-        self._obs: Observer | None = Observer(observe, rails, handle) if observe is not None else None
-        self._observers: list[Observer] = [self._obs] if self._obs is not None else []  # (see _observe_as)
 
     def _init_routes(self, transport: TransportOptions) -> None:
         """The fields of routing over several rails to one peer (see :mod:`._rows`)."""

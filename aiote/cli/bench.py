@@ -217,19 +217,8 @@ async def run_config(
         if args.connect:
             address = bytes.fromhex(args.connect)
         else:
-            tuned = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
-            if args.pollers is not None:
-                tuned += ["--pollers", str(args.pollers)]
-            if args.follow_loop is not None:
-                tuned += ["--follow-loop", "on" if args.follow_loop else "off"]
-            if args.combine is not None:
-                tuned += ["--combine", "on" if args.combine else "off"]
-            cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
-                                "--max-message", str(args.max_message), "--streams", str(args.streams),
-                                *tuned) + (["--low-latency"] if args.low_latency else [])
-            if nics:
-                cmd += ["--nics", ",".join(nics)]
-            proc = await anyio.open_process(cmd, stdin=None, stderr=None, env=child_env())
+            proc = await anyio.open_process(_server_cmd(args, provider, nics), stdin=None, stderr=None,
+                                            env=child_env())
             address = bytes.fromhex((await ready_line(proc, READY, 60)).split()[1])
         async with aiote.open_engine(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
@@ -281,6 +270,23 @@ async def run_config(
         if proc is not None:
             await stop_process(proc)
     return py, cc, sk
+
+
+def _server_cmd(args: argparse.Namespace, provider: str, nics: tuple[str, ...] | None) -> list[str]:
+    """The command of the benchmark's server process: the same engine options as this side."""
+    tuned = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
+    if args.pollers is not None:
+        tuned += ["--pollers", str(args.pollers)]
+    if args.follow_loop is not None:
+        tuned += ["--follow-loop", "on" if args.follow_loop else "off"]
+    if args.combine is not None:
+        tuned += ["--combine", "on" if args.combine else "off"]
+    cmd = python_module("aiote", "bench", "--listen", "--once", "--provider", provider,
+                        "--max-message", str(args.max_message), "--streams", str(args.streams),
+                        *tuned) + (["--low-latency"] if args.low_latency else [])
+    if nics:
+        cmd += ["--nics", ",".join(nics)]
+    return cmd
 
 
 def _floor_family(args: argparse.Namespace, provider: str, mode: str) -> str | None:
