@@ -271,41 +271,44 @@ def kimi_plan_report(fp8: str = "float8_e4m3", expert_shards: bool = False) -> d
 def c_core_link(providers: Sequence[str], total: int = 2 << 30, repeats: int = 5) -> dict[str, float]:
     """GB/s of 16 MiB writes between two processes, C core alone and aiote (``aiote bench
     write``, ``repeats`` runs of ``total`` bytes each, taking turns), per provider: ``<provider>``
-    the C core's median, ``<provider>_aiote`` aiote's."""
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "b.json")
-        cmd = [
-            *python_module("aiote"),  # the aiote this script imported, wherever it runs from
-            "bench", "write", "--sizes", "16MiB", "--provider", ",".join(providers),
-            "--repeats", str(repeats), "--total", str(total), "--json", out,
-        ]
-        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
-                       timeout=600, check=True)
-        with open(out) as f:
-            rows = json.load(f)["rows"]
+    the C core's median, ``<provider>_aiote`` aiote's. On shm into the receiver's host arena
+    (``--arena``), the memory the push's receivers hold on the default route, copied by as
+    many threads as aiote's engines use (``copy_threads``)."""
     res: dict[str, float] = {}
     for prov in providers:
-        mine = [r for r in rows if r["provider"] == prov]
-        res[prov] = statistics.median_low([float(r["c_gbps"]) for r in mine])
-        res[prov + "_aiote"] = statistics.median_low([float(r["py_gbps"]) for r in mine])
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "b.json")
+            cmd = [
+                *python_module("aiote"),  # the aiote this script imported, wherever it runs from
+                "bench", "write", "--sizes", "16MiB", "--provider", prov,
+                "--repeats", str(repeats), "--total", str(total), "--json", out,
+                *(["--arena"] if prov == "shm" else []),
+            ]
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
+                           timeout=600, check=True)
+            with open(out) as f:
+                rows = json.load(f)["rows"]
+        res[prov] = statistics.median_low([float(r["c_gbps"]) for r in rows])
+        res[prov + "_aiote"] = statistics.median_low([float(r["py_gbps"]) for r in rows])
     return res
 
 
 def c_core_together(provider: str, pairs: int = 4, total: int = 1 << 30) -> dict[str, float]:
     """What ``pairs`` pairs of C-core processes move at once on ``provider``: each pair the C
     bench's 16 MiB writes, 8 in flight, with aiote's default connections and pollers (as
-    ``aiote bench write`` runs it), every pair's timed part started at one instant after its
-    warm-up (``aiote_cbench --start-at``). ``gbps``: all pairs' bytes over the longest
-    receive time (from that instant to its last byte landed); ``late_ms``: the latest start
-    past the instant (a pair still warming up then starts late, and the figure is low)."""
+    ``aiote bench write`` runs it; on shm into a host arena, as :func:`c_core_link`), every
+    pair's timed part started at one instant after its warm-up (``aiote_cbench --start-at``).
+    ``gbps``: all pairs' bytes over the longest receive time (from that instant to its last
+    byte landed); ``late_ms``: the latest start past the instant (a pair still warming up
+    then starts late, and the figure is low)."""
     from aiote.cli._benchnet import build_cbench, c_provider_args, cbench
     from aiote.cli.bench import c_args
 
     why = build_cbench()
     if why:
         raise RuntimeError(f"no C bench: {why}")
-    ns = argparse.Namespace(arena=False, c_copy_out=False, streams=aiote.default_streams(provider),
-                            pollers=None, tcp_send_buffer=None, total=total)
+    ns = argparse.Namespace(arena=provider == "shm", c_copy_out=False, total=total,
+                            streams=aiote.default_streams(provider), pollers=None, tcp_send_buffer=None)
     at = time.time_ns() + 3_000_000_000  # every pair connected and warmed up by then
     args = [str(cbench()), *c_args(ns, ("write", 16 << 20, 8)), *c_provider_args(provider, None),
             "--start-at", str(at)]
@@ -661,7 +664,7 @@ async def main(a: argparse.Namespace) -> None:
         link_total = a.link_mib << 20
         link = c_core_link(providers, link_total)
         print(
-            "link, 16 MiB writes between two processes (C core / aiote): "
+            "link, 16 MiB writes between two processes (C core / aiote; shm: into a host arena): "
             + ", ".join(f"{p} {link[p]:.2f} / {link[p + '_aiote']:.2f} GB/s" for p in providers)
         )
         together = min(link_total, 1 << 30)

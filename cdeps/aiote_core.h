@@ -163,6 +163,11 @@ int aio_engine_set_tcp_sndbuf(aio_engine *e, int32_t bytes, int all);
  * then sleeps. n: 1 (default) to AIO_MAX_RAILS; the engine runs min(n, rails) threads. Before
  * the first aio_engine_add_rail; 0 or -FI_EINVAL. */
 int aio_engine_set_pollers(aio_engine *e, int n);
+/* Threads that make one large same-host copy into or out of a peer's arena (8 MiB or more,
+ * cut in parts of at least 4 MiB): poller 0 and n - 1 helper threads, started at the first
+ * such copy, asleep between copies. 1..AIO_COPY_THREADS_MAX, default 2; before the start. */
+#define AIO_COPY_THREADS_MAX 8
+int aio_engine_set_copy_threads(aio_engine *e, int n);
 /* The poller threads the engine runs (after aio_engine_start), or will run. */
 int aio_engine_num_pollers(aio_engine *e);
 /* Adds a rail (one libfabric domain + RDM endpoint). provider: "tcp", "shm",
@@ -489,7 +494,7 @@ typedef struct aio_stats {
     uint64_t tcp_tuned;      /* tcp sockets whose send buffer the core set (aio_engine_set_tcp_sndbuf) */
     uint64_t posts_handed;   /* requests aio_post handed to the poller to post (below) */
     uint64_t posts_handed_waited; /* ... of which their connection's queue was full at first */
-    uint64_t direct_split;   /* arena copies made in two halves, poller 0 and a helper thread */
+    uint64_t direct_split;   /* arena copies made in parts, by poller 0 and helper threads */
     uint64_t posts_peer_gone; /* requests not posted: their shm peer's process is gone (-FI_EHOSTDOWN) */
     int64_t follow_cpu;      /* the CPU poller 0 keeps to (follow_loop), -1: none */
     uint64_t follow_moves;   /* times poller 0 moved to the loop's CPU */

@@ -6,6 +6,7 @@ bounds and rights checks as every access. Real processes over the shm provider."
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -63,20 +64,22 @@ async def test_without_an_arena_alloc_host_is_ordinary_memory() -> None:
         del small
 
 
-async def test_large_arena_copies_are_made_in_two_halves() -> None:
-    """From 8 MiB on, a copy into or out of a peer's arena is made by the poller and a helper
-    thread at once (cdeps/core/copier.c): every byte in place, the immediate after both
-    halves; below that, and outside an arena (the kernel's copy), one copy."""
-    async with spawn_peer("tcp") as peer:
+@pytest.mark.parametrize("threads", [None, 1, 4])
+async def test_large_arena_copies_are_made_in_parts_by_the_copy_threads(threads: int | None) -> None:
+    """From 8 MiB on, a copy into or out of a peer's arena is cut in parts of at least 4 MiB,
+    one per copying thread (``copy_threads``: poller 0 and its helpers, cdeps/core/copier.c;
+    2 by default here): every byte in place, the immediate after every part; below that, with
+    one thread, and outside an arena (the kernel's copy), one copy."""
+    async with spawn_peer("tcp", copy_threads=threads) as peer:
         e = peer.engine
-        size = (9 << 20) + 13  # halves not page-aligned, an odd tail
+        size = (17 << 20) + 13  # parts not page-aligned, an odd tail
         d = await peer.register("dst", size + 100, device="arena")
         src = e.alloc_host(size + 3)
         src[:] = pattern(size + 3, seed=81)
         ms = await e.register(src)
         before = e.stats()
         await e.write(ms, d, length=size, src_offset=3, dst_offset=100, imm=82, timeout=30)
-        await peer.wait(imm=82)  # credited only once both halves are in
+        await peer.wait(imm=82)  # credited only once every part is in
         assert await peer.digest("dst", 100, size) == digest(src[3:])
         local = zeros(size)
         ml = await e.register(local)
@@ -87,7 +90,10 @@ async def test_large_arena_copies_are_made_in_two_halves() -> None:
         assert await peer.digest("dst", 0, 7 << 20) == digest(src[: 7 << 20])
         st = e.stats()
         assert st["direct_mapped"] - before["direct_mapped"] == 3  # the route: the arena's memcpy
-        assert st["direct_split"] - before["direct_split"] == 2  # the 9 MiB write and read
+        split = 0 if threads == 1 else 2  # the 17 MiB write and read
+        assert st["direct_split"] - before["direct_split"] == split
+        helpers = [t for t in os.listdir("/proc/self/task") if _thread_name(t) == "aiote-copy"]
+        assert len(helpers) == {None: aiote.default_copy_threads(), 1: 1, 4: 4}[threads] - 1
         # outside an arena the kernel copies (process_vm_writev), in one piece
         d2 = await peer.register("plain", size, device=None)
         await e.write(ms, d2, length=size, src_offset=3, imm=84, timeout=30)
@@ -96,6 +102,14 @@ async def test_large_arena_copies_are_made_in_two_halves() -> None:
         st2 = e.stats()
         assert st2["direct_copies"] - st["direct_copies"] == 1 and st2["direct_mapped"] == st["direct_mapped"]
         assert st2["direct_split"] == st["direct_split"]
+
+
+def _thread_name(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # (the thread ended)
+        return ""
 
 
 async def test_writes_and_reads_into_a_peers_arena_are_memcpys() -> None:

@@ -49,6 +49,7 @@ from ._fabric import (
     _open_native,
     auto_pollers,
     available_providers,
+    default_copy_threads,
     default_streams,
     follow_loop_default,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "auto_pollers",
     "follow_loop_default",
     "available_providers",
+    "default_copy_threads",
     "default_streams",
     "open_engine",
 ]
@@ -193,6 +195,7 @@ async def open_engine(
     same_host_direct: bool = _UNSET,
     tcp_send_buffer: int | None = _UNSET,
     host_arena: int = _UNSET,
+    copy_threads: int | None = _UNSET,
     pollers: int | None = _UNSET,
     follow_loop: bool | None = _UNSET,
     max_peers: int = _UNSET,
@@ -270,6 +273,7 @@ async def _open(
             arena=s.host_arena,
             pollers=p.pollers,
             follow_loop=follow_loop_default() if p.follow_loop is None else p.follow_loop,
+            copy_threads=s.copy_threads,
         )
     )
     try:

@@ -193,6 +193,15 @@ class SameHostOptions:
     ``same_host_direct`` and an shm rail; without them, or where the file cannot be created,
     ``alloc_host`` returns ordinary memory (logged)."""
 
+    copy_threads: int | None = None
+    """Threads that make one large copy into or out of a same-host peer's host arena (a
+    ``memcpy`` of 8 MiB or more, cut in parts of at least 4 MiB): poller 0 and
+    ``copy_threads - 1`` helper threads (named ``aiote-copy``), started at the first such
+    copy and asleep between copies (1: poller 0 alone). One core's ``memcpy`` leaves memory
+    bandwidth unused past the caches, so a host with cores to spare copies faster with more.
+    ``None``: :func:`aiote.default_copy_threads` (2; 4 where this process may use 16 cores or
+    more). 1 to 8."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class GpuOptions:
@@ -305,6 +314,8 @@ def check_options(
             t, tcp_send_buffer=as_index(t.tcp_send_buffer, "tcp_send_buffer", lo=0, hi=1 << 30)
         )
     s = dataclasses.replace(s, host_arena=as_index(s.host_arena, "host_arena", lo=0, hi=1 << 46))
+    if s.copy_threads is not None:
+        s = dataclasses.replace(s, copy_threads=as_index(s.copy_threads, "copy_threads", lo=1, hi=9))
     if p.pollers is not None:
         p = dataclasses.replace(p, pollers=as_index(p.pollers, "pollers", lo=1, hi=17))
     if p.follow_loop is not None and not isinstance(p.follow_loop, bool):

@@ -121,9 +121,12 @@ def _on_off(text: str) -> bool:
 
 
 def c_args(args: argparse.Namespace, case: Case) -> list[str]:
-    """The C bench's arguments for the same case (and the same tcp send buffers, arenas,
-    connections per NIC and poller threads)."""
-    arena = ["--arena"] if args.arena and case[0] in TRANSFERS else []
+    """The C bench's arguments for the same case (and the same tcp send buffers, arenas and
+    their copy threads, connections per NIC and poller threads)."""
+    # arena copies of 8 MiB or more are made by as many threads as aiote's engines use
+    arena = []
+    if args.arena and case[0] in TRANSFERS:
+        arena = ["--arena", "--copy-threads", str(aiote.default_copy_threads())]
     copy = ["--copy-out"] if args.c_copy_out and case[0] in ("sendrecv", "sendrecv-latency") else []
     return _c_case_args(args, case) + _sndbuf_args(args) + arena + copy + _rails_args(args, case[0])
 

@@ -32,7 +32,8 @@
  *          --hand N (aio_engine_set_hand_posts: 0 the core's default, 1 always, -1 never),
  *          --streams N (write, read: N rails on the NIC, request k on rail k % N; the peer
  *          opens as many), --pollers N (aio_engine_set_pollers: rail i on poller thread
- *          i % N; default one thread),
+ *          i % N; default one thread), --copy-threads N (aio_engine_set_copy_threads:
+ *          threads that make one large arena copy; default the core's, 2),
  *          --slots N (buffer slots the writes cycle through; WINDOW by default,
  *          1 = one cache-hot slot), --warmup N (pingpong warm-up round trips, 1000),
  *          --msg-slots N (message slots per side: sendrecv, msgpingpong; 16),
@@ -71,6 +72,7 @@ static void usage(void) {
             "         --hand N (posts handed to the poller: 0 when busy (default), 1 always, -1 never)\n"
             "         --streams N (write, read: N rails on the NIC, request k on rail k %% N)\n"
             "         --pollers N (poller threads, rail i on thread i %% N; default 1)\n"
+            "         --copy-threads N (threads that make one large arena copy; default 2)\n"
             "         --listen PORT | --connect HOST:PORT (two hosts: no fork)\n"
             "         --await-write --loop-poll-ns N --think-ns N (pingpong)\n"
             "         --start-at NS (write: the timed part at this CLOCK_REALTIME time)\n"
@@ -135,6 +137,7 @@ int main(int argc, char **argv) {
             o.sndbuf = (int64_t)v;
         }
         else if (!strcmp(a, "--hand") && i + 1 < argc) o.hand = atoi(argv[++i]);
+        else if (!strcmp(a, "--copy-threads") && i + 1 < argc) o.copy_threads = atoi(argv[++i]);
         else if (!strcmp(a, "--streams") && i + 1 < argc) o.streams = atoi(argv[++i]);
         else if (!strcmp(a, "--pollers") && i + 1 < argc) o.pollers = atoi(argv[++i]);
         else if (!strcmp(a, "--warmup") && i + 1 < argc) o.warmup = parse_size(argv[++i]);

@@ -62,6 +62,8 @@ void side_init(side_t *s, const opts_t *o, uint64_t region) {
         die("aio_engine_set_tcp_sndbuf: %s", aio_strerror(ret));
     if (o->pollers && (ret = aio_engine_set_pollers(s->e, o->pollers)))
         die("--pollers %d: %s", o->pollers, aio_strerror(ret));
+    if (o->copy_threads && (ret = aio_engine_set_copy_threads(s->e, o->copy_threads)))
+        die("--copy-threads %d: %s", o->copy_threads, aio_strerror(ret));
     uint64_t slot_size = 4096;
     uint32_t nslots = 16;
     if (!strcmp(o->mode, "sendrecv") || !strcmp(o->mode, "msgpingpong")) {

@@ -53,6 +53,7 @@ typedef struct opts {
     int hand;        /* --hand N: aio_engine_set_hand_posts (0: the core's default) */
     int streams;     /* --streams N: rails on the NIC (write, read: request k on rail k % N) */
     int pollers;     /* --pollers N: aio_engine_set_pollers (0: the core's default, one) */
+    int copy_threads; /* --copy-threads N: aio_engine_set_copy_threads (0: the core's default) */
     int64_t sndbuf;  /* --sndbuf N: tcp send buffers (aio_engine_set_tcp_sndbuf; -1: the core's default) */
     uint64_t iters, warmup;
     uint64_t page_size, npages, calls;

@@ -88,6 +88,7 @@ int aio_engine_create(const aio_engine_config *cfg, aio_engine **out, char *err,
     e->nl_fd = -1;
     atomic_store(&e->want_below, -1);
     e->npollers_want = 1;
+    e->copy_threads = 2;
     if (e->efd < 0 || aio__poller_open(e) != 0) {
         aio__set_err(err, errlen, "eventfd/epoll: %s", strerror(errno));
         goto fail;

@@ -18,7 +18,7 @@
  *   handoff.c       the poller's queue: requests handed over by posters, queued direct copies
  *   direct_table.c  same-host direct copies: region tables, attach and detach, arenas
  *   direct_copy.c   same-host direct copies: the copies themselves (poller 0)
- *   copier.c        large copies in two halves: poller 0 and a helper thread
+ *   copier.c        large copies in parts: poller 0 and the engine's helper threads
  *   counters.c      immediate counters: credits, takes, watches
  *   watch.c         watched 64-bit words (GPU completion flags, UVM watcher slots)
  *   link.c          the link state of tcp rails' interfaces (netlink)
@@ -361,9 +361,10 @@ struct aio_engine {
     _Atomic int32_t ndpeers;
     _Atomic uint64_t st_direct;
     _Atomic uint64_t st_mapped;
-    _Atomic uint64_t st_split; /* arena copies made in two halves (copier.c) */
-    struct aio_copier *copier; /* the helper of large copies, started by poller 0 (copier.c) */
+    _Atomic uint64_t st_split; /* arena copies made in parts (copier.c) */
+    struct aio_copier *copier; /* the helpers of large copies, started by poller 0 (copier.c) */
     int copier_failed;
+    int copy_threads; /* threads that make one large copy: poller 0 and copy_threads - 1 helpers */
     int afd; /* the arena's memfd (aio_engine_set_arena), -1: none */
 
     /* tcp send buffers (aio_engine_set_tcp_sndbuf) */

@@ -396,10 +396,17 @@ int t_pollers(fix_t *f) {
         int bad0 = aio_engine_set_pollers(late, 0), bad17 = aio_engine_set_pollers(late, AIO_MAX_RAILS + 1);
         int rail = aio_engine_add_rail(late, f->prov, f->nic, 4, 4096, err, sizeof(err));
         int after = aio_engine_set_pollers(late, 2);
+        /* the copy threads (copier.c): 1..AIO_COPY_THREADS_MAX, until the start */
+        int c0 = aio_engine_set_copy_threads(late, 0), c9 = aio_engine_set_copy_threads(late, AIO_COPY_THREADS_MAX + 1);
+        int c1 = aio_engine_set_copy_threads(late, 1), c8 = aio_engine_set_copy_threads(late, AIO_COPY_THREADS_MAX);
         aio_engine_destroy(late);
         if (bad0 != -FI_EINVAL || bad17 != -FI_EINVAL || rail < 0 || after != -FI_EINVAL) {
             fail_msg(__FILE__, __LINE__, "set_pollers: 0 -> %d, 17 -> %d, add_rail %d, after a rail %d",
                      bad0, bad17, rail, after);
+            break;
+        }
+        if (c0 != -FI_EINVAL || c9 != -FI_EINVAL || c1 != 0 || c8 != 0) {
+            fail_msg(__FILE__, __LINE__, "set_copy_threads: 0 -> %d, 9 -> %d, 1 -> %d, 8 -> %d", c0, c9, c1, c8);
             break;
         }
         uint64_t peer[NR];
