@@ -498,6 +498,7 @@ typedef struct aio_stats {
     uint64_t posts_peer_gone; /* requests not posted: their shm peer's process is gone (-FI_EHOSTDOWN) */
     int64_t follow_cpu;      /* the CPU poller 0 keeps to (follow_loop), -1: none */
     uint64_t follow_moves;   /* times poller 0 moved to the loop's CPU */
+    uint64_t bytes_inflight; /* bytes of our writes and reads posted and not completed, all rails */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
 

@@ -499,7 +499,7 @@ def test_bench_weights_cpu_runs_with_every_same_run_baseline() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
     text = out.stdout
-    link = re.search(r"C core / aiote\): shm ([\d.]+) / ([\d.]+) GB/s", text)
+    link = re.search(r"\(C core / aiote; shm: into a host arena\): shm ([\d.]+) / ([\d.]+) GB/s", text)
     assert link and float(link[1]) > 0 and float(link[2]) > 0, text
     wall = re.search(r"aiote push, route default: wall ([\d.]+) s", text)
     assert wall and float(wall[1]) > 0, text

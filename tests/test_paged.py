@@ -88,6 +88,7 @@ async def test_paged_pages_land_where_the_indices_say(pair, case) -> None:
     await c.wait(n, timeout=30)
     assert c.available == 0  # exactly one credit per page, whatever the NIC count
     assert np.array_equal(dst, expected_after(zeros(len(dst)), src, ps, sp, dp, ss, ds, so, do))
+    assert a.stats()["bytes_in_flight"] == 0  # gathered, striped or copied: every byte given back
 
 
 async def test_paged_repeated_destination_and_lists(pair) -> None:
@@ -118,6 +119,7 @@ async def test_paged_10000_pages_in_one_call(pair) -> None:
     await b.imm_counter(77).wait(n, timeout=60)
     assert digest(dst) == digest(src)
     assert b.imm_counter(77).available == 0
+    assert a.stats()["bytes_in_flight"] == 0
 
 
 BAD = [

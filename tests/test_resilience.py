@@ -69,6 +69,7 @@ async def test_killed_peer_fails_pending_work_in_bounded_time_and_others_go_on()
         await other.wait(imm=3, n=16)
         assert await other.digest("buf") == digest(src[: 256 << 20])
         await eventually(lambda: e.stats()["ops_in_flight"] == 0, "nothing left in flight")
+        assert e.stats()["bytes_in_flight"] == 0  # the failed writes' bytes were given back too
         # new work towards the dead peer: refused within connect_timeout, the engine is fine
         t0 = time.monotonic()
         with pytest.raises(aiote.PeerUnreachable):

@@ -193,6 +193,7 @@ async def test_a_whole_transfer_takes_the_stream_with_the_fewest_bytes_in_flight
             ]
             took = [rails_of(t) for t in after]
             assert all(r == rails - {loaded} for r in took), (loaded, took)
+            assert e.stats()["bytes_in_flight"] >= big  # (the counter that placed them)
             # the requests of one batch are placed together, none in flight yet: in turn
             batch = e.batch()
             for i in range(4):
@@ -208,6 +209,7 @@ async def test_a_whole_transfer_takes_the_stream_with_the_fewest_bytes_in_flight
         await peer.wait(imm=31, timeout=30)
         await peer.wait(imm=32, n=k, timeout=30)
         assert await peer.digest("buf") == digest(src)
+        assert e.stats()["bytes_in_flight"] == 0  # every ended write gave its bytes back
         # nothing in flight now: equal loads, so the streams take transfers in turn
         turn = [e.post_write(ms, desc, length=small, dst_offset=i * small, imm=33) for i in range(2)]
         assert rails_of(turn[0]) | rails_of(turn[1]) == rails

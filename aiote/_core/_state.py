@@ -246,7 +246,7 @@ class EngineState:
         base ``spin_us``; ``direct_copies``: same-host copies this engine made directly (reads,
         and writes into peers' arenas), ``direct_mapped``: those of them into or out of a
         peer's arena (``memcpy``), ``direct_split``: those of them of 8 MiB or more, made in
-        two halves by the poller and a helper thread at once; ``arena_bytes``: bytes of this
+        parts by the copy threads at once (``copy_threads``); ``arena_bytes``: bytes of this
         engine's arena handed out by :meth:`alloc_host` (page-rounded);
         ``tcp_buffers_set``: tcp sockets whose send buffer the engine set, see ``open_engine``'s
         ``tcp_send_buffer``; ``posts_handed``: tcp writes and reads the loop thread handed to
@@ -269,7 +269,9 @@ class EngineState:
         ``gpu_ipc_imm``: ``write_imm`` calls sent on the CUDA-IPC rail's stream (after its copies);
         ``pollers``: the native poller threads that drive the rails (``open_engine``'s ``pollers``);
         ``poller_cpu``: the CPU poller 0 keeps to (``follow_loop``), -1 while it keeps to none;
-        ``poller_moves``: the times it moved to the loop's CPU;
+        ``poller_moves``: the times it moved to the loop's CPU; ``bytes_in_flight``: bytes of
+        this engine's writes and reads posted and not completed (what places a whole transfer
+        on the least loaded of several streams), 0 once every one ended;
         ``sends_joined``: sends that went out with another task's send to the same peer
         (``combine_messages``), ``combined_sent`` / ``combined_received``: messages of several
         sends each, sent / received (split again by the receiver).
@@ -295,6 +297,7 @@ class EngineState:
             "pollers": int(lib.aio_engine_num_pollers(self._h)),
             "poller_cpu": st.follow_cpu,
             "poller_moves": st.follow_moves,
+            "bytes_in_flight": st.bytes_inflight,
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._ops),
