@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
+
+import aiote
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -107,6 +110,17 @@ def test_aiote_info_reports_providers_and_the_default_choice() -> None:
         assert n["link_speed_bps"] is None or n["link_speed_bps"] > 0
     d = info["default"]
     assert d["provider"] == "tcp" and d["nics"] == ["lo"] and d["usable"] is True and d["why"]
+    # the host's defaults, as open_engine() takes them here (an engine opened with none says so)
+    assert d["cores"] == len(os.sched_getaffinity(0))
+    assert d["streams"] == aiote.default_streams() and d["copy_threads"] == aiote.default_copy_threads()
+    assert d["follow_loop"] is aiote.follow_loop_default()
+
+    async def opened() -> tuple[int, int]:
+        async with aiote.open_engine() as e:
+            return e.stats()["pollers"], sum(r.provider.startswith("tcp") for r in e.rails)
+
+    pollers, tcp_rails = anyio.run(opened)
+    assert (d["pollers"], d["streams"]) == (pollers, tcp_rails)
     text = subprocess.run([sys.executable, "-m", "aiote", "info"], capture_output=True, text=True, timeout=60)
     assert text.returncode == 0 and "open_engine() picks" in text.stdout and "lo" in text.stdout
 

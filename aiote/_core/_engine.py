@@ -52,6 +52,7 @@ from ._fabric import (
     default_copy_threads,
     default_streams,
     follow_loop_default,
+    usable_cores,
 )
 from ._observe import Observability, check_observe
 from ._options import (
@@ -83,6 +84,7 @@ __all__ = [
     "default_copy_threads",
     "default_streams",
     "open_engine",
+    "usable_cores",
 ]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiote
-from aiote._core._engine import KNOWN_PROVIDERS
+from aiote._core._engine import KNOWN_PROVIDERS, auto_pollers, usable_cores
 from aiote._native import ffi, lib
 
 PROVIDERS = KNOWN_PROVIDERS
@@ -77,11 +77,19 @@ def probe() -> dict[str, Any]:
         )
     by = {p["name"]: p for p in providers}
     tcp_lo = any(x["domain"] == "lo" for x in by["tcp"]["nics"])
+    same_host = "shm" if by["shm"]["available"] else None
+    streams = aiote.default_streams("tcp", ["lo"])
     default = {
         "provider": "tcp",
         "nics": ["lo"],
-        "same_host": "shm" if by["shm"]["available"] else None,
+        "same_host": same_host,
         "usable": tcp_lo,
+        # what depends on this host: the cores this process may use decide these
+        "cores": usable_cores(),
+        "streams": streams,
+        "pollers": auto_pollers(streams + (same_host is not None)),
+        "copy_threads": aiote.default_copy_threads(),
+        "follow_loop": aiote.follow_loop_default(),
         "why": (
             "open_engine() defaults to libfabric's tcp provider (tcp;ofi_rxm) on the loopback "
             "interface, which every Linux machine has; pass nics=[...] for real interfaces, "
@@ -140,6 +148,10 @@ def main(args: argparse.Namespace) -> int:
     d = info["default"]
     out.write(
         f"\nopen_engine() picks: provider={d['provider']!r}, nics={d['nics']}, same_host={d['same_host']!r}\n"
+    )
+    out.write(
+        f"on this host ({d['cores']} usable cores): streams={d['streams']}, pollers={d['pollers']}, "
+        f"copy_threads={d['copy_threads']}, follow_loop={d['follow_loop']}\n"
     )
     out.write(f"why: {d['why']}\n")
     return 0 if d["usable"] else 1
