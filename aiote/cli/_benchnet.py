@@ -12,6 +12,7 @@ core's baseline runs between the same two hosts.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import ipaddress
 import json
@@ -238,10 +239,16 @@ class _Server:
                             provider=e.rails[0].provider, nics=[r.domain for r in e.rails])
             elif op == "register":
                 name = cmd["name"]
-                if name in self.regions:
-                    await e.unregister(self.regions.pop(name))
-                # "arena": from the engine's host arena (Engine.alloc_host), as `aiote bench --arena`
+                # "arena": from the engine's host arena (Engine.alloc_host), as `aiote bench --arena`;
+                # each case registers its own region, so earlier ones give their room back (an
+                # arena too full for the next would hand out ordinary memory: another route)
+                for old in [name] + ([k for k in self.regions if k != name] if cmd.get("arena") else []):
+                    if old in self.regions:
+                        await e.unregister(self.regions.pop(old))
+                gc.collect()  # (an array freed now gives its arena range back now)
+                before = e.stats()["arena_bytes"]
                 arr = e.alloc_host(cmd["size"]) if cmd.get("arena") else bench_buffer(cmd["size"])
+                body["arena"] = e.stats()["arena_bytes"] > before  # the arena had room
                 arr.fill(0x5A)  # touched: reads of untouched pages would read the kernel's zero page
                 self.regions[name] = await e.register(arr, remote_write=True, remote_read=True)
                 body["desc"] = bytes(self.regions[name].descriptor).hex()
@@ -401,8 +408,11 @@ class Remote:
 
     async def register(self, name: str, nbytes: int, arena: bool = False) -> MemoryDescriptor:
         """Registers a filled buffer there (remote write and read allowed; ``arena``: from its
-        engine's :meth:`~aiote.Engine.alloc_host`); its descriptor."""
+        engine's :meth:`~aiote.Engine.alloc_host`, in place of its earlier regions; RuntimeError
+        when its arena has no room, rather than a figure of another route); its descriptor."""
         r = await self.call(op="register", name=name, size=nbytes, arena=arena)
+        if arena and not r.get("arena"):
+            raise RuntimeError(f"the serving side's host arena has no room for {nbytes} B (host_arena)")
         return MemoryDescriptor.from_bytes(bytes.fromhex(r["desc"]))
 
     async def wait(self, imm: int, n: int, timeout: float = 120.0) -> None:
