@@ -256,12 +256,12 @@ def test_aiote_bench_arena_buffers_on_both_sides_and_the_c_core(tmp_path: Path) 
     out_file = tmp_path / "arena.json"
     out = subprocess.run(
         [sys.executable, "-m", "aiote", "bench", "write,read", "--arena", "--provider", "shm", *BENCH_QUICK,
-         "--json", str(out_file)],
+         "--copy-threads", "3", "--json", str(out_file)],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out_file.read_text())
-    assert result["arena"] is True and result["provider"] == "shm"
+    assert result["arena"] is True and result["provider"] == "shm" and result["copy_threads"] == 3
     assert [(r["mode"], r["size"], r["memory"]) for r in result["rows"]] == [
         ("write", 65536, "arena"), ("read", 65536, "arena")
     ]
@@ -270,6 +270,9 @@ def test_aiote_bench_arena_buffers_on_both_sides_and_the_c_core(tmp_path: Path) 
     bad = subprocess.run([sys.executable, "-m", "aiote", "bench", "write,bogus"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "unknown mode 'bogus'" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "aiote", "bench", "write", "--copy-threads", "9"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--copy-threads must be between 1 and 8" in bad.stderr
 
 
 def test_aiote_bench_streams_and_pollers_on_both_sides_and_the_c_core(tmp_path: Path) -> None:

@@ -320,12 +320,14 @@ class _Server:
 
 def tuning(low_latency: bool, streams: int | None = None, tcp_send_buffer: int | None = None,
            pollers: int | None = None, follow_loop: bool | None = None,
-           combine: bool | None = None) -> dict[str, Any]:
+           combine: bool | None = None, copy_threads: int | None = None) -> dict[str, Any]:
     """``open_engine`` arguments of ``--low-latency`` (aiote's documented low-latency setting:
     the poller spins 1 ms after activity and the loop thread polls up to 500 us while it
     waits), ``--streams`` (connections per NIC), ``--tcp-send-buffer``, ``--pollers``,
-    ``--follow-loop`` and ``--combine``, or none (the defaults)."""
+    ``--follow-loop``, ``--combine`` and ``--copy-threads``, or none (the defaults)."""
     out: dict[str, Any] = {"spin_us": 1000.0, "loop_spin_us": 500.0} if low_latency else {}
+    if copy_threads is not None:
+        out["copy_threads"] = copy_threads
     if follow_loop is not None:
         out["follow_loop"] = follow_loop
     if combine is not None:
@@ -350,13 +352,14 @@ async def serve(provider: str, nics: Sequence[str] | None, *, port: int | None, 
                 max_message: int, low_latency: bool = False, streams: int | None = None,
                 tcp_send_buffer: int | None = None, pollers: int | None = None,
                 observe: aiote.Observability | None = None, follow_loop: bool | None = None,
-                combine: bool | None = None) -> None:
+                combine: bool | None = None, copy_threads: int | None = None) -> None:
     """The ``--listen`` side: opens an engine, prints ``AIOTE_BENCH_LISTEN <address hex>`` and
     serves measuring sides one after the other (with ``once``: until the first one leaves)."""
     same_host = bench_same_host(provider)
     async with aiote.open_engine(
         provider, list(nics) if nics else None, same_host=same_host, port=port, max_message_size=max_message,
-        observe=observe, **tuning(low_latency, streams, tcp_send_buffer, pollers, follow_loop, combine),
+        observe=observe,
+        **tuning(low_latency, streams, tcp_send_buffer, pollers, follow_loop, combine, copy_threads),
     ) as e:
         sys.stdout.write(f"{READY} {e.address.hex()}\n")
         sys.stdout.flush()

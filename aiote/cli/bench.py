@@ -126,7 +126,8 @@ def c_args(args: argparse.Namespace, case: Case) -> list[str]:
     # arena copies of 8 MiB or more are made by as many threads as aiote's engines use
     arena = []
     if args.arena and case[0] in TRANSFERS:
-        arena = ["--arena", "--copy-threads", str(aiote.default_copy_threads())]
+        threads = args.copy_threads if args.copy_threads is not None else aiote.default_copy_threads()
+        arena = ["--arena", "--copy-threads", str(threads)]
     copy = ["--copy-out"] if args.c_copy_out and case[0] in ("sendrecv", "sendrecv-latency") else []
     return _c_case_args(args, case) + _sndbuf_args(args) + arena + copy + _rails_args(args, case[0])
 
@@ -227,7 +228,7 @@ async def run_config(
             provider, list(nics) if nics else None, same_host=same_host, max_message_size=args.max_message,
             observe=observe,
             **tuning(args.low_latency, args.streams, args.tcp_send_buffer, args.pollers, args.follow_loop,
-                     args.combine),
+                     args.combine, args.copy_threads),
         ) as e:
             remote = Remote(e, address)
             hello = await remote.call(op="hello")
@@ -280,6 +281,8 @@ def _server_cmd(args: argparse.Namespace, provider: str, nics: tuple[str, ...] |
     tuned = [] if args.tcp_send_buffer is None else ["--tcp-send-buffer", str(args.tcp_send_buffer)]
     if args.pollers is not None:
         tuned += ["--pollers", str(args.pollers)]
+    if args.copy_threads is not None:
+        tuned += ["--copy-threads", str(args.copy_threads)]
     if args.follow_loop is not None:
         tuned += ["--follow-loop", "on" if args.follow_loop else "off"]
     if args.combine is not None:
@@ -366,6 +369,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pollers", type=int, default=None, metavar="N",
                     help="poller threads of both sides' engines (open_engine(pollers=N)); default: "
                          "aiote's (one per rail, up to the cores, at least two); the C core's the same")
+    ap.add_argument("--copy-threads", type=int, default=None, metavar="N",
+                    help="threads that make one large copy into or out of a same-host peer's host "
+                         "arena, both sides' engines (open_engine(copy_threads=N)) and the C core's; "
+                         "default: aiote.default_copy_threads (2, or 4 on 16 cores or more)")
     ap.add_argument("--follow-loop", type=_on_off, default=None, metavar="on|off",
                     help="both sides' engines: poller 0 keeps to the event loop's CPU or not "
                          "(open_engine(follow_loop=...)); default: aiote's (on at most 2 CPUs)")
@@ -455,6 +462,8 @@ def _check(args: argparse.Namespace, providers: list[str], loops: list[str]) -> 
         return f"--streams must be between 1 and 8, not {args.streams}"
     if args.pollers is not None and not 1 <= args.pollers <= 16:
         return f"--pollers must be between 1 and 16, not {args.pollers}"
+    if args.copy_threads is not None and not 1 <= args.copy_threads <= 8:
+        return f"--copy-threads must be between 1 and 8, not {args.copy_threads}"
     if args.connect and (len(providers) > 1 or len(args.nics or []) > 1):
         return "--connect measures one provider and one set of NICs (the serving side's)"
     if args.connect:
@@ -496,7 +505,8 @@ def _main(
                                     max_message=args.max_message, low_latency=args.low_latency,
                                     streams=args.streams, tcp_send_buffer=args.tcp_send_buffer,
                                     pollers=args.pollers, observe=observe,
-                                    follow_loop=args.follow_loop, combine=args.combine))
+                                    follow_loop=args.follow_loop, combine=args.combine,
+                                    copy_threads=args.copy_threads))
         return 0
     windows = [int(w) for w in _split(args.window)]
     cases = _cases(args, windows)
@@ -527,6 +537,7 @@ def _main(
         "setting": "low-latency" if args.low_latency else "default",
         "streams": args.streams,
         "pollers": args.pollers,
+        "copy_threads": aiote.default_copy_threads() if args.copy_threads is None else args.copy_threads,
         "follow_loop": aiote.follow_loop_default() if args.follow_loop is None else args.follow_loop,
         "combine_messages": True if args.combine is None else args.combine,
         "c_copy_out": args.c_copy_out,
