@@ -307,7 +307,7 @@ def c_core_together(provider: str, pairs: int = 4, total: int = 1 << 30) -> dict
     why = build_cbench()
     if why:
         raise RuntimeError(f"no C bench: {why}")
-    ns = argparse.Namespace(arena=provider == "shm", c_copy_out=False, total=total,
+    ns = argparse.Namespace(arena=provider == "shm", c_copy_out=False, total=total, copy_threads=None,
                             streams=aiote.default_streams(provider), pollers=None, tcp_send_buffer=None)
     at = time.time_ns() + 3_000_000_000  # every pair connected and warmed up by then
     args = [str(cbench()), *c_args(ns, ("write", 16 << 20, 8)), *c_provider_args(provider, None),
