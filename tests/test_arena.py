@@ -244,3 +244,16 @@ async def test_a_finalizer_freeing_while_the_allocator_holds_its_lock_neither_ha
         # zeroed where the churn's ranges were (first fit: its first MiBs; reading all 4 GiB
         # would fault in every page of the arena, seconds of a test's time)
         assert b is not None and b.size == arena.size and not b[: 64 << 20].any()
+
+
+async def test_the_arena_benchmark_refuses_ordinary_memory_when_its_arena_is_full() -> None:
+    """``aiote bench --arena`` measures the arena's route only: a region the arena has no room
+    for raises, rather than ``alloc_host``'s ordinary memory (another route) being measured."""
+    from aiote.cli._benchnet import bench_array
+
+    async with aiote.open_engine(host_arena=1 << 20) as e:
+        kept = bench_array(e, 512 << 10, True, "this side")
+        assert e.stats()["arena_bytes"] >= 512 << 10 and kept.nbytes == 512 << 10
+        with pytest.raises(RuntimeError, match="this side's host arena has no room"):
+            bench_array(e, 1 << 20, True, "this side")
+        assert bench_array(e, 1 << 20, False, "this side").nbytes == 1 << 20  # not asked: any memory

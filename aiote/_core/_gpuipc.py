@@ -210,7 +210,7 @@ class IpcWrites:
 
 
 class _KeptIpc:
-    """What :meth:`GpuSupport.post_kept` repeats a CUDA-IPC write with: the region, the
+    """What :meth:`IpcWrites.post_kept` repeats a CUDA-IPC write with: the region, the
     descriptor object and the caller's stream it was made for (held: their ``id`` is the key),
     the caller's stream as the backend's, the peer's mapped address, the line."""
 

@@ -62,6 +62,20 @@ def bench_buffer(nbytes: int) -> np.ndarray:
     return raw[off : off + nbytes]
 
 
+def bench_array(e: aiote.Engine, nbytes: int, arena: bool, side: str) -> np.ndarray:
+    """A benchmark region's array: from ``e``'s host arena (``arena``: what ``aiote bench
+    --arena`` measures), else :func:`bench_buffer`. RuntimeError naming ``side`` when the arena
+    has no room: ``alloc_host`` would hand out ordinary memory, another route than the one
+    measured."""
+    if not arena:
+        return bench_buffer(nbytes)
+    before = e.stats()["arena_bytes"]
+    arr = e.alloc_host(nbytes)
+    if e.stats()["arena_bytes"] <= before:
+        raise RuntimeError(f"{side}'s host arena has no room for {nbytes} B (host_arena)")
+    return arr
+
+
 def cbench() -> Path:
     """The C bench's executable: the one :func:`build_cbench` built (a source checkout's
     ``cdeps/build/aiote_cbench`` until then)."""
@@ -242,13 +256,13 @@ class _Server:
                 # "arena": from the engine's host arena (Engine.alloc_host), as `aiote bench --arena`;
                 # each case registers its own region, so earlier ones give their room back (an
                 # arena too full for the next would hand out ordinary memory: another route)
-                for old in [name] + ([k for k in self.regions if k != name] if cmd.get("arena") else []):
+                arena = bool(cmd.get("arena"))
+                for old in [name] + ([k for k in self.regions if k != name] if arena else []):
                     if old in self.regions:
                         await e.unregister(self.regions.pop(old))
-                gc.collect()  # (an array freed now gives its arena range back now)
-                before = e.stats()["arena_bytes"]
-                arr = e.alloc_host(cmd["size"]) if cmd.get("arena") else bench_buffer(cmd["size"])
-                body["arena"] = e.stats()["arena_bytes"] > before  # the arena had room
+                if arena:
+                    gc.collect()  # (an array freed now gives its arena range back now)
+                arr = bench_array(e, cmd["size"], arena, "the serving side")
                 arr.fill(0x5A)  # touched: reads of untouched pages would read the kernel's zero page
                 self.regions[name] = await e.register(arr, remote_write=True, remote_read=True)
                 body["desc"] = bytes(self.regions[name].descriptor).hex()
@@ -414,8 +428,6 @@ class Remote:
         engine's :meth:`~aiote.Engine.alloc_host`, in place of its earlier regions; RuntimeError
         when its arena has no room, rather than a figure of another route); its descriptor."""
         r = await self.call(op="register", name=name, size=nbytes, arena=arena)
-        if arena and not r.get("arena"):
-            raise RuntimeError(f"the serving side's host arena has no room for {nbytes} B (host_arena)")
         return MemoryDescriptor.from_bytes(bytes.fromhex(r["desc"]))
 
     async def wait(self, imm: int, n: int, timeout: float = 120.0) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 import aiote
 
-from ._benchnet import BULK, ECHO, Remote, bench_buffer
+from ._benchnet import BULK, ECHO, Remote, bench_array, bench_buffer
 
 __all__ = [
     "CPU_WRITER",
@@ -86,10 +86,7 @@ async def py_transfer(
     e = remote.engine
     lanes, per = lanes_of(window)
     region = size * lanes * per
-    before = e.stats()["arena_bytes"]
-    local = e.alloc_host(region) if arena else bench_buffer(region)
-    if arena and e.stats()["arena_bytes"] <= before:
-        raise RuntimeError(f"this side's host arena has no room for {region} B (host_arena)")
+    local = bench_array(e, region, arena, "this side")
     local.fill(7)
     mr = await e.register(local, remote_write=op == "read")
     try:

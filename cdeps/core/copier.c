@@ -32,6 +32,11 @@ typedef struct {
     int rc;
 } copy_part;
 
+typedef struct {
+    aio_copier *c;
+    int idx; /* the helper's index: it takes part idx + 1 of a job */
+} helper_arg;
+
 struct aio_copier {
     pthread_mutex_t mu;
     pthread_cond_t job_cv;  /* the helpers wait for a job or stop */
@@ -45,16 +50,11 @@ struct aio_copier {
     aio_part_fn fn;
     void *ctx;
     copy_part part[AIO_COPY_THREADS_MAX - 1];
+    helper_arg arg[AIO_COPY_THREADS_MAX - 1];
 };
-
-typedef struct {
-    aio_copier *c;
-    int idx;
-} helper_arg;
 
 static void *copier_main(void *arg) {
     helper_arg a = *(helper_arg *)arg;
-    free(arg);
     aio_copier *c = a.c;
     uint64_t seen = 0;
     pthread_mutex_lock(&c->mu);
@@ -87,13 +87,8 @@ static aio_copier *copier_get(aio_engine *e) {
     pthread_cond_init(&c->job_cv, NULL);
     pthread_cond_init(&c->done_cv, NULL);
     for (int i = 0; i < e->copy_threads - 1; i++) {
-        helper_arg *a = malloc(sizeof(*a));
-        if (!a) break;
-        *a = (helper_arg){c, i};
-        if (pthread_create(&c->th[i], NULL, copier_main, a) != 0) {
-            free(a);
-            break;
-        }
+        c->arg[i] = (helper_arg){c, i};
+        if (pthread_create(&c->th[i], NULL, copier_main, &c->arg[i]) != 0) break;
         pthread_setname_np(c->th[i], "aiote-copy");
         c->nth++;
     }
