@@ -15,7 +15,7 @@ from ._observed import Observed
 from ._optable import _Op
 from ._records import _POLICY
 from ._rules import LINK_POLL
-from ._util import now, timeout_error, wait_until
+from ._util import now, timeout_error
 
 
 class CombinedSends(Observed):
@@ -86,12 +86,24 @@ class CombinedSends(Observed):
         was posted, until that completed, or until the engine's watch must look at it (a
         stall bound, a lost link, a same-host peer's death: then :meth:`_await_group` takes
         over). Raises TransferTimeout at ``end``."""
-        p = _POLICY.get()
-        stall = (p if p is not None else self._retry).stall_timeout
-        look = LINK_POLL if self._router.down or self._shm_rails else stall
+        if self._router.down or self._shm_rails:
+            look: float | None = LINK_POLL
+        else:
+            p = _POLICY.get()
+            look = (p if p is not None else self._retry).stall_timeout
+        ev = w.event
         while True:
-            marks = [x for x in (end, None if look is None else now() + look) if x is not None]
-            if await wait_until(w.event, min(marks) if marks else None) or m.state != WAITING:
+            when = end
+            if look is not None:
+                t = now() + look
+                if when is None or t < when:
+                    when = t
+            if when is None:
+                await ev.wait()
+                return
+            # (the event's own timed wait: no coroutine of wait_until's between, on every
+            # joined send's path)
+            if await ev.wait_until(when) or m.state != WAITING:
                 return
             if end is not None and now() >= end:
                 assert timeout is not None

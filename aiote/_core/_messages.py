@@ -19,8 +19,7 @@ from ._errors import EngineClosed, InvalidArgument, TransferTimeout
 from ._optable import _Op
 from ._records import _GROUPS, _check_retry, _end, _Group, _groups_list, _Held, _left, _RecvWaiter
 from ._retry import RetryPolicy
-from ._routing import addr_ends
-from ._util import as_index, check_timeout, timeout_error, wait_until
+from ._util import as_index, check_timeout, now, timeout_error, wait_until
 from ._wire import (
     _ADDR_LEN,
     _CREDIT,
@@ -368,11 +367,24 @@ class Messages(CombinedSends):
         it (see :mod:`._coalesce`), unobserved and outside a batch."""
         addr = self._engine_address(peer)
         data = self._message_bytes(payload, addr.max_message)
-        end = _end(timeout)
+        # (send() checked its timeout; the engine's own messages are checked here)
+        end = _end(timeout) if internal or timeout is None else now() + timeout
         join = self._combine and not internal and self._obs is None and _GROUPS.get() is None
         placed = await self._send_slot(addr, data, end, timeout, retry, internal, join)
-        if placed is None:
-            return  # it went in a combined message
+        if placed is not None:  # (None: it went in a combined message)
+            await self._post_msg(placed, addr, data, end, retry, internal)
+
+    async def _post_msg(
+        self,
+        placed: tuple[tuple[int, int], int, bool],
+        addr: EngineAddress,
+        data: memoryview,
+        end: float | None,
+        retry: RetryPolicy | None,
+        internal: bool,
+    ) -> None:
+        """Posts a message by itself on the connection :meth:`_send_slot` placed it on (apart
+        from :meth:`_send_msg`: its closures' cells would cost every joined send too)."""
         key, n, join = placed
         rail, fa = key
         head = self._msg_head[internal]
@@ -449,7 +461,7 @@ class Messages(CombinedSends):
         ``end`` waiting for room or for that message."""
         while True:
             # messages keep to the first live route: they are delivered in order on it
-            path = self._router.live(self._router.path(addr_ends(addr), addr.host_id))
+            path = self._router.live(self._router.addr_path(addr))
             key = (path[0][0], path[0][1])
             w = self._windows.get(key) if join else None
             if w is not None:
@@ -512,10 +524,10 @@ class Messages(CombinedSends):
         otherwise the task sleeps until the next message wakes it."""
         check_timeout(timeout)
         self._handle()
-        await self._checkpoint_if_cancelled()
         if self._inbox:
             # taken before yielding: no other receiver can race for it; cancelled at the
-            # schedule point, the receive gives it back (first in line): it takes nothing
+            # schedule point (or before the call), the receive gives it back (first in
+            # line): it takes nothing
             item = self._take(self._inbox.popleft())
             try:
                 await self._checkpoint()  # (a shielded one costs a cancel scope)
@@ -524,6 +536,9 @@ class Messages(CombinedSends):
                     self._deliver(item, first=True)
                 raise
             return item
+        await self._checkpoint_if_cancelled()
+        if self._inbox:  # one arrived meanwhile (a poller's completions may run there)
+            return await self.recv(timeout=timeout)
         w = _RecvWaiter(self._event())
         self._recv_waiters.append(w)
         # the poller of the rail the last message came in on is kicked (its spin restarts: a

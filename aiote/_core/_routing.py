@@ -97,6 +97,7 @@ class Router:
             if p not in self._order:
                 self._order.append(p)
         self._paths: dict[tuple[Any, ...], tuple[_Hop, ...]] = {}
+        self._by_addr: dict[EngineAddress, tuple[_Hop, ...]] = {}
         self._pairs: dict[tuple[Any, ...], tuple[tuple[int, int], ...]] = {}
         self._rot: dict[int, int] = {}
         self.down: set[int] = set()
@@ -141,10 +142,21 @@ class Router:
         self._pairs[ck] = tuple(pairs)
         return p
 
+    def addr_path(self, addr: EngineAddress) -> tuple[_Hop, ...]:
+        """:meth:`path` to the engine at ``addr``, looked up by the address alone (its hash
+        is cached): a message's path is read on every send."""
+        p = self._by_addr.get(addr)
+        if p is None:
+            if len(self._by_addr) >= _MAX_PATHS:
+                self._by_addr.clear()
+            p = self._by_addr[addr] = self.path(addr_ends(addr), addr.host_id)
+        return p
+
     def forget(self) -> None:
         """Drops every cached path (the engine forgot peer addresses they name); paths are
         resolved again on next use. Also bounds the caches: they are cleared past _MAX_PATHS."""
         self._paths.clear()
+        self._by_addr.clear()
         self._pairs.clear()
         self._rot.clear()
 
