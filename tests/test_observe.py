@@ -674,6 +674,18 @@ def query(port: int, promql: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+KILLED_REQUESTS = 1024  # the second demo's: too many to have ended when its workers die
+
+
+def prefill_requests(metrics: bytes) -> float:
+    """The prefill side's ended requests (any outcome) in a demo's /metrics text."""
+    total = 0.0
+    for line in metrics.decode().splitlines():
+        if line.startswith("aiote_kv_requests_total{") and 'side="prefill"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def scrape(port: int) -> bytes:
     """The demo's /metrics (empty until it serves)."""
     try:
@@ -726,7 +738,8 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
     quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     with (
         started(cmd, **quiet),
-        started(demo_cmd(killed, "--requests", "256", "--layer-ms", "25"), env=env, **quiet) as demo2,
+        started(demo_cmd(killed, "--requests", str(KILLED_REQUESTS), "--layer-ms", "25"), env=env,
+                **quiet) as demo2,
         started(demo_cmd(clean, "--requests", "6"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 env=env) as demo,
     ):
@@ -739,6 +752,11 @@ def test_prometheus_scrapes_the_demo(tmp_path: Path) -> None:
         assert children, "the second demo has no decode worker"
         for pid in children:
             os.kill(int(pid), signal.SIGKILL)
+        # what the assertion on failed requests below rests on: the second demo still had
+        # requests to run when its workers died (a request whose writes all landed is ok on
+        # the prefill side, whatever becomes of its decoder afterwards)
+        ended = prefill_requests(scrape(killed))
+        assert ended < KILLED_REQUESTS, f"the second demo ended all {ended:.0f} requests before the kill"
         # the first: what it reports, what Prometheus scraped
         assert demo.stdout is not None
         line = wait_for("the demo's summary", demo.stdout.readline, 120)
