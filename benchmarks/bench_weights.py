@@ -302,13 +302,12 @@ def c_core_together(provider: str, pairs: int = 4, total: int = 1 << 30) -> dict
     byte landed); ``late_ms``: the latest start past the instant (a pair still warming up
     then starts late, and the figure is low)."""
     from aiote.cli._benchnet import build_cbench, c_provider_args, cbench
-    from aiote.cli.bench import c_args
+    from aiote.cli.bench import c_args, settings
 
     why = build_cbench()
     if why:
         raise RuntimeError(f"no C bench: {why}")
-    ns = argparse.Namespace(arena=provider == "shm", c_copy_out=False, total=total, copy_threads=None,
-                            streams=aiote.default_streams(provider), pollers=None, tcp_send_buffer=None)
+    ns = settings(arena=provider == "shm", total=total, streams=aiote.default_streams(provider))
     at = time.time_ns() + 3_000_000_000  # every pair connected and warmed up by then
     args = [str(cbench()), *c_args(ns, ("write", 16 << 20, 8)), *c_provider_args(provider, None),
             "--start-at", str(at)]

@@ -169,6 +169,25 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
             assert r.get("sockets_gbps") is None and r.get("sockets_spread") is None
 
 
+def test_bench_settings_carry_every_option_for_the_c_core_arguments() -> None:
+    """``aiote.cli.bench.settings``: what a benchmark builds the C core's arguments from
+    (``bench_weights`` does), with every ``aiote bench`` option at its default, so a new option
+    cannot break it; an unknown name is refused."""
+    import aiote
+    from aiote.cli.bench import c_args, settings
+
+    ns = settings(arena=True, total=1 << 30, streams=4)
+    got = c_args(ns, ("write", 16 << 20, 8))
+    threads = got[got.index("--copy-threads") + 1]
+    assert got[:4] == ["write", str(16 << 20), "8", str(1 << 30)]
+    assert threads == str(aiote.default_copy_threads()) and got[got.index("--streams") + 1] == "4"
+    plain = c_args(settings(), ("sendrecv", 4096, 16))
+    assert "--arena" not in plain and "--copy-out" not in plain
+    assert "--copy-out" in c_args(settings(c_copy_out=True), ("sendrecv", 4096, 16))
+    with pytest.raises(ValueError, match="not aiote bench settings: bogus"):
+        settings(bogus=1)
+
+
 def test_median_confidence_interval_is_distribution_free_and_covers_the_median() -> None:
     from aiote.cli._benchout import median_ci
 

@@ -329,6 +329,21 @@ async def _c_remote(
 # ---------------------------------------------------------------------------- command line
 
 
+def settings(**overrides: Any) -> argparse.Namespace:
+    """``aiote bench``'s settings as its command line gives them with no argument, with
+    ``overrides``: what a benchmark passes to :func:`c_args` (every option present, so a new
+    one never breaks it). ValueError for a name that is not an option."""
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    ns = ap.parse_args([])
+    unknown = sorted(set(overrides) - set(vars(ns)))
+    if unknown:
+        raise ValueError(f"not aiote bench settings: {', '.join(unknown)}")
+    for k, v in overrides.items():
+        setattr(ns, k, v)
+    return ns
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The ``aiote bench`` options."""
     ap.add_argument("mode", nargs="?", default="all",
