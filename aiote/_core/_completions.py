@@ -18,7 +18,7 @@ class Completions(Rails):
     # ------------------------------------------------------------------ completion dispatch
 
     def _on_message(self, rail: int, slot: int, length: int, status: int) -> None:
-        """A message arrived in a slot: the messages layer (_messages.py) takes it."""
+        """A message arrived in a slot: the messages layer (_inbox.py) takes it."""
         raise NotImplementedError
 
     def _on_ready(self) -> None:

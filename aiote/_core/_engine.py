@@ -8,7 +8,8 @@ The core, top down; a module imports only modules below it:
     _batch         TransferBatch
     _transfers     write, read, write_imm, post_write(_imm)            class Transfers
     _rows          the rows of a transfer; opening routes, connect()   class Rows
-    _messages      send/recv, internal messages, deferred credits      class Messages
+    _messages      send, internal messages, deferred credits           class Messages
+    _inbox         recv: receive slots, the inbox, waiting receivers   class Inbox
     _observed      each operation observed (open_engine(observe=))     class Observed
     _posted        Transfer (a posted write)
     _life          an operation's life: groups, posting, completion,   class OpLife
