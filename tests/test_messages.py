@@ -146,6 +146,26 @@ async def test_recv_cancelled_while_a_message_arrives_loses_and_duplicates_nothi
     assert b._spilled == 0 and not any(b._held)  # white-box: the accounting came back to zero
 
 
+async def test_recv_in_a_cancelled_scope_takes_no_queued_message(aiote_engine_pair) -> None:
+    # recv in a scope cancelled before the call, with messages queued: it raises the
+    # cancellation at its one schedule point and takes nothing (a queued message it took out
+    # of its slot goes back, first in line)
+    a, b = aiote_engine_pair
+    for k in range(2):
+        await a.send(b.address, f"c{k}".encode(), timeout=30)
+    await eventually(lambda: len(b._inbox) == 2, "the messages to be queued")  # white-box
+    for _ in range(3):
+        with anyio.CancelScope() as cs:
+            cs.cancel()
+            await b.recv()
+            pytest.fail("recv returned in a cancelled scope")
+        assert cs.cancelled_caught
+    assert [(await b.recv(timeout=30))[1] for _ in range(2)] == [b"c0", b"c1"]
+    with pytest.raises(aiote.TransferTimeout):
+        await b.recv(timeout=0.05)
+    assert b._spilled == 0 and not any(b._held)
+
+
 async def test_recv_cancelled_after_taking_a_queued_message_gives_it_back(aiote_engine_pair) -> None:
     # a queued message is taken before recv's schedule point: cancelled there, the receive
     # must give it back, first in line, so that the next receive gets it and nothing is doubled
