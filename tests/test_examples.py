@@ -173,7 +173,6 @@ def test_bench_settings_carry_every_option_for_the_c_core_arguments() -> None:
     """``aiote.cli.bench.settings``: what a benchmark builds the C core's arguments from
     (``bench_weights`` does), with every ``aiote bench`` option at its default, so a new option
     cannot break it; an unknown name is refused."""
-    import aiote
     from aiote.cli.bench import c_args, settings
 
     ns = settings(arena=True, total=1 << 30, streams=4)

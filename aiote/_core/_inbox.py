@@ -170,6 +170,8 @@ class Inbox(CombinedSends):
         otherwise the task sleeps until the next message wakes it."""
         check_timeout(timeout)
         self._handle()
+        if not self._inbox:  # (a queued message: its own schedule point checks, below)
+            await self._checkpoint_if_cancelled()
         if self._inbox:
             # taken before yielding: no other receiver can race for it; cancelled at the
             # schedule point (or before the call), the receive gives it back (first in
@@ -182,9 +184,6 @@ class Inbox(CombinedSends):
                     self._deliver(item, first=True)
                 raise
             return item
-        await self._checkpoint_if_cancelled()
-        if self._inbox:  # one arrived meanwhile (a poller's completions may run there)
-            return await self.recv(timeout=timeout)
         w = _RecvWaiter(self._event())
         self._recv_waiters.append(w)
         # the poller of the rail the last message came in on is kicked (its spin restarts: a

@@ -257,7 +257,7 @@ class _Server:
                 # each case registers its own region, so earlier ones give their room back (an
                 # arena too full for the next would hand out ordinary memory: another route)
                 arena = bool(cmd.get("arena"))
-                for old in [name] + ([k for k in self.regions if k != name] if arena else []):
+                for old in list(self.regions) if arena else [name]:
                     if old in self.regions:
                         await e.unregister(self.regions.pop(old))
                 if arena:
