@@ -307,3 +307,57 @@ async def test_a_message_larger_than_the_receiver_takes_is_refused_at_the_sender
             await e.send(d.address, b"x" * (limit + 1), timeout=10)
         assert e.stats()["completions"] == before["completions"]  # nothing was posted
         assert (await p.call(op="echo", payload="still here"))["payload"] == "still here"
+
+
+@route_param
+async def test_held_back_sends_go_in_line_and_a_cancelled_one_never_goes(route: str) -> None:
+    """A peer that takes no message (stopped) holds its sender back: past the connection's
+    cap, sends wait in line for a send slot, each freed slot going to the longest waiting.
+    Resumed, the peer gets each of them once; sends cancelled while waiting are never
+    delivered and hold up nobody behind them; the sender's slot accounting comes back to
+    zero."""
+    size, n = 512 << 10, 40
+    cancelled = {n - 8, n - 6, n - 3}
+    async with rig(route) as r:
+        e, p = r.engine, r.peer
+        want = "shm" if route in SAME_HOST else "tcp"
+        assert e.route(p.address).provider.split(";")[0] == want
+        outcome: dict[int, str] = {}
+        scopes = [anyio.CancelScope() for _ in range(n)]
+
+        async def send(i: int) -> None:
+            with scopes[i]:
+                await e.send(p.address, pattern(size, seed=i).tobytes(), timeout=120)
+                outcome[i] = "sent"
+                return
+            outcome[i] = "cancelled"
+
+        reply: dict[str, object] = {}
+
+        async def receive() -> None:
+            reply.update(await p.call(op="recv_raw", count=n - len(cancelled), timeout=120))
+
+        # the route open first: the command's send then ends before the first message goes
+        # (a send still opening the route is in flight with them, and could come after them)
+        assert (await p.call(op="echo", payload="open"))["payload"] == "open"
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            await anyio.wait_all_tasks_blocked()
+            async with frozen(p.pid):
+                for i in range(n):  # one at a time: each is in flight or in line before the next
+                    tg.start_soon(send, i)
+                    await anyio.wait_all_tasks_blocked()
+                line = [len(q) for q in e._send_room.values()]  # white-box: the sends in line
+                assert len(line) == 1 and line[0] >= n - min(cancelled), (route, line, outcome)
+                for i in cancelled:
+                    scopes[i].cancel()
+                await anyio.wait_all_tasks_blocked()
+                assert {i: outcome.get(i) for i in cancelled} == dict.fromkeys(cancelled, "cancelled")
+                assert sum(len(q) for q in e._send_room.values()) == line[0] - len(cancelled)
+        assert outcome == {i: "cancelled" if i in cancelled else "sent" for i in range(n)}
+        seeds = {digest(pattern(size, seed=i)): i for i in range(n)}
+        got = [seeds.get(h, -1) for _, h in reply["got"]]  # type: ignore[attr-defined]
+        # each delivered once (sends in flight together keep no order: docs/messages.md)
+        assert sorted(got) == [i for i in range(n) if i not in cancelled], route
+        assert not e._sends and not e._send_room  # white-box: no send slot lost or held
+        assert (await p.call(op="echo", payload="still here"))["payload"] == "still here"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import anyio
 import pytest
 from _util import anyio_backend_with_uvloop as anyio_backend  # noqa: F401 (the fixture: asyncio, trio, uvloop)
@@ -300,6 +302,52 @@ async def test_a_receiver_that_falls_behind_does_not_hold_up_sends_to_others() -
         assert done == n
         assert sorted(p[0] for _, p in got) == list(range(n))
         assert all(p == bytes([p[0]]) * size for _, p in got)
+
+
+async def test_sends_cancelled_in_line_lose_no_slot() -> None:
+    """Many sends to one receiver that takes its messages slowly, so that most wait in line
+    for a send slot, a third of them cancelled at random moments (in line, as a slot is handed
+    to them, joined, or posted): each send that returned is delivered once, a cancelled one at
+    most once, none twice, and the sender's slot accounting comes back to zero (a slot lost
+    by a cancelled send would leave the last sends waiting to their timeout)."""
+    size, n = 64 << 10, 160
+    rng = random.Random(7)
+    sent: set[int] = set()
+    cancelled: set[int] = set()
+    got: list[int] = []
+    async with aiote.testing.engine_pair() as (a, b):
+
+        async def send(i: int, cancel_after: float | None) -> None:
+            with anyio.CancelScope() as cs:
+                if cancel_after is not None:
+                    cs.deadline = anyio.current_time() + cancel_after
+                await a.send(b.address, i.to_bytes(4, "little") + bytes(size - 4), timeout=60)
+                sent.add(i)
+                return
+            cancelled.add(i)
+
+        async def receive() -> None:
+            while True:
+                _, m = await b.recv()
+                got.append(int.from_bytes(m[:4], "little"))
+                await anyio.sleep(0.002)
+
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(receive)
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(send, i, rng.uniform(0, 0.4) if i % 3 == 0 else None)
+            while True:  # what was posted is delivered; then nothing more comes
+                try:
+                    _, m = await b.recv(timeout=1.0)
+                except aiote.TransferTimeout:
+                    break
+                got.append(int.from_bytes(m[:4], "little"))
+            outer.cancel_scope.cancel()
+        assert len(sent) + len(cancelled) == n and cancelled, (len(sent), len(cancelled))
+        assert len(got) == len(set(got)), "a message was delivered twice"
+        assert sent <= set(got) <= sent | cancelled
+        assert not a._sends and not a._send_room  # white-box: no send slot lost or held
 
 
 @pytest.mark.parametrize("same_host", ["shm", None])

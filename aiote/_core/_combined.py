@@ -5,6 +5,7 @@ sans-I/O :mod:`._coalesce`; :meth:`Messages._send_msg` drives both)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
@@ -147,16 +148,29 @@ class CombinedSends(Observed):
         w.posted(op, op.done, now())
 
     def _sent(self, key: tuple[int, int]) -> None:
-        """A send to ``key`` (rail, peer) is over: it no longer counts against the peer's cap,
-        and a send waiting for room there may go."""
-        left = self._sends[key] - 1
-        if left:
-            self._sends[key] = left
+        """A send to ``key`` (rail, peer) is over: its send slot goes to the send that waited
+        longest for room there (woken alone; the count stays), or else no longer counts
+        against the peer's cap."""
+        n = self._sends[key]
+        waiting = self._send_room.get(key)
+        if waiting and n <= self._send_cap:
+            waiting.popleft().set()
+            if not waiting:
+                del self._send_room[key]
+        elif n > 1:
+            self._sends[key] = n - 1
         else:
             del self._sends[key]
-        room = self._send_room.pop(key, None)
-        if room is not None:
-            room.set()
+
+    def _leave_room(self, key: tuple[int, int], room: Any) -> None:
+        """A send stops waiting for room on ``key`` before it got a slot (cancelled, timed
+        out): its place in line goes."""
+        waiting = self._send_room.get(key)
+        if waiting is not None:
+            with suppress(ValueError):
+                waiting.remove(room)
+            if not waiting:
+                del self._send_room[key]
 
 
 def _opener(

@@ -3,6 +3,7 @@ internal messages (credits of deferred immediates). The receiving side is :mod:`
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -194,8 +195,9 @@ class Messages(Inbox):
         A receiver that does not keep up holds its senders back: its messages wait in its
         receive slots, so once they are all taken, a send waits (up to ``timeout``) until the
         receiver takes one with :meth:`recv` (see there). Sends to one peer take at most three
-        quarters of this engine's send slots per NIC; further ones wait here, so messages to
-        other engines still go.
+        quarters of this engine's send slots per NIC; further ones wait here, in line (each
+        slot that frees goes to the longest-waiting send), so messages to other engines
+        still go.
 
         Raises :class:`InvalidArgument` (bad address, payload too large),
         :class:`TransferTimeout`, :class:`PeerUnreachable`, :class:`EngineClosed`. A posted
@@ -332,31 +334,51 @@ class Messages(Inbox):
         window for others to join)`` once the connection has room for it, or None once it
         went joined to another send's combined message (it landed). Raises TransferTimeout at
         ``end`` waiting for room or for that message."""
-        while True:
-            # messages keep to the first live route: they are delivered in order on it
-            path = self._router.live(self._router.addr_path(addr))
-            key = (path[0][0], path[0][1])
-            w = self._windows.get(key) if join else None
-            if w is not None:
-                _check_retry(retry)  # (before joining: a refused send posts nothing)
-                m = w.join(data)
-                if m is not None:
-                    if await self._joined(key, w, m, end, timeout):
-                        return None
-                    join = False  # nothing was posted for it: it goes by itself
-                    continue
-            n = self._sends.get(key, 0)
-            if internal or n < self._send_cap:
-                return key, n, join
-            # A receiver holds back its senders (see recv): a send stays in flight, in one of
-            # the rail's send slots, until it takes the message. So one peer gets at most
-            # _send_cap of them; the rest stay free for other peers and the engine's notices.
-            room = self._send_room.get(key)
-            if room is None:
-                room = self._send_room[key] = self._event()
-            if not await wait_until(room, end):
-                assert timeout is not None
-                raise timeout_error("send", timeout)
+        owned: tuple[int, int] | None = None  # a send slot handed to this send (see _sent)
+        try:
+            while True:
+                # messages keep to the first live route: they are delivered in order on it
+                path = self._router.live(self._router.addr_path(addr))
+                key = (path[0][0], path[0][1])
+                if owned is not None:
+                    mine, owned = owned, None
+                    if mine == key:  # its slot, counted again as it posts (_post_msg)
+                        n = self._sends[key] - 1
+                        self._sends[key] = n
+                        return key, n, join
+                    self._sent(mine)  # the route moved on: that slot goes to the next in line
+                w = self._windows.get(key) if join else None
+                if w is not None:
+                    _check_retry(retry)  # (before joining: a refused send posts nothing)
+                    m = w.join(data)
+                    if m is not None:
+                        if await self._joined(key, w, m, end, timeout):
+                            return None
+                        join = False  # nothing was posted for it: it goes by itself
+                        continue
+                n = self._sends.get(key, 0)
+                if internal or n < self._send_cap:
+                    return key, n, join
+                # A receiver holds back its senders (see recv): a send stays in flight, in one
+                # of the rail's send slots, until it takes the message. So one peer gets at most
+                # _send_cap of them; the rest stay free for other peers and the engine's
+                # notices. They wait in line: a slot that frees goes to the longest-waiting
+                # send (see _sent), which wakes alone, and no later send takes it first.
+                room = self._event()
+                self._send_room.setdefault(key, deque()).append(room)
+                try:
+                    ok = await wait_until(room, end)
+                finally:
+                    if room.is_set():
+                        owned = key  # (cancelled as it got it: the finally below gives it on)
+                    else:
+                        self._leave_room(key, room)
+                if not ok:
+                    assert timeout is not None
+                    raise timeout_error("send", timeout)
+        finally:
+            if owned is not None:  # it leaves without posting: the slot goes on
+                self._sent(owned)
 
     def _message_bytes(self, payload: Any, theirs: int) -> memoryview:
         """``payload`` as bytes, checked against this engine's and the receiver's
