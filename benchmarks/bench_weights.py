@@ -26,7 +26,9 @@ bf16. Lines, all measured in this run:
   all their bytes over the longest one's time. Where that is below 4 x B the ranks share the
   host's cores and the bound cannot be reached (the most reachable fraction is printed). And 2
   such pairs: as many sending (and receiving) processes as the push has, each sender moving
-  its whole share to one receiver: the C core's pace with the push's processes;
+  its whole share to one receiver: the C core's pace with the push's processes; and those 4
+  processes in the push's own pattern, each sender writing to both receivers at once, dealt
+  in turn (``aiote_cbench fan``);
 - aiote's own flows, from the push's workers before the push (16 MiB writes): one flow alone,
   the push's 4 flows at once, and the same processes as 2 pairs (each trainer to one
   receiver, as the C core's pairs): what one engine writing to two peers costs against pairs.
@@ -293,14 +295,18 @@ def c_core_link(providers: Sequence[str], total: int = 2 << 30, repeats: int = 5
     return res
 
 
-def c_core_together(provider: str, pairs: int = 4, total: int = 1 << 30) -> dict[str, float]:
+def c_core_together(
+    provider: str, pairs: int = 4, total: int = 1 << 30, fan: bool = False
+) -> dict[str, float]:
     """What ``pairs`` pairs of C-core processes move at once on ``provider``: each pair the C
     bench's 16 MiB writes, 8 in flight, with aiote's default connections and pollers (as
     ``aiote bench write`` runs it; on shm into a host arena, as :func:`c_core_link`), every
     pair's timed part started at one instant after its warm-up (``aiote_cbench --start-at``).
     ``gbps``: all pairs' bytes over the longest receive time (from that instant to its last
     byte landed); ``late_ms``: the latest start past the instant (a pair still warming up
-    then starts late, and the figure is low)."""
+    then starts late, and the figure is low). ``fan``: the push's pattern instead, ``pairs``
+    senders each writing ``total`` bytes to ``pairs`` receivers at once, dealt in turn
+    (``aiote_cbench fan``)."""
     from aiote.cli._benchnet import build_cbench, c_provider_args, cbench
     from aiote.cli.bench import c_args, settings
 
@@ -308,11 +314,16 @@ def c_core_together(provider: str, pairs: int = 4, total: int = 1 << 30) -> dict
     if why:
         raise RuntimeError(f"no C bench: {why}")
     ns = settings(arena=provider == "shm", total=total, streams=aiote.default_streams(provider))
+    args = [str(cbench()), *c_args(ns, ("write", 16 << 20, 8)), *c_provider_args(provider, None)]
+    if fan:
+        args[1] = "fan"
+        out = subprocess.run([*args, "--senders", str(pairs), "--receivers", str(pairs)],
+                             capture_output=True, text=True, env=child_env(), timeout=600, check=True).stdout
+        run = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+        return {"gbps": float(run["gbps"]), "late_ms": 0.0, "pair_gbps": float(run["gbps"]) / pairs}
     at = time.time_ns() + 3_000_000_000  # every pair connected and warmed up by then
-    args = [str(cbench()), *c_args(ns, ("write", 16 << 20, 8)), *c_provider_args(provider, None),
-            "--start-at", str(at)]
-    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              env=child_env()) for _ in range(pairs)]
+    procs = [subprocess.Popen([*args, "--start-at", str(at)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=child_env()) for _ in range(pairs)]
     runs = []
     for p in procs:
         out, _ = p.communicate(timeout=600)
@@ -581,7 +592,7 @@ async def gpu_run(size_gb: float, repeats: int, ipc_streams: list[int], memories
 
 
 def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, gloo_s: float | None,
-                 two_gbps: float) -> None:
+                 two_gbps: float, fan_gbps: float) -> None:
     rep = r["report"]
     bound = max(max(rep.out_bytes.values()), max(rep.in_bytes.values())) / (link * GB)
     wall = r["wall_s"]
@@ -612,6 +623,11 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, g
         f"  the C core's 2 pairs (as many sending processes as the push) move {two_gbps:.2f} GB/s in all: "
         f"total / that = {two:.3f} s, {bound / two:.2f} of the bound; the push runs at {two / wall:.2f} "
         "of their pace"
+    )
+    fan = rep.total_bytes / (fan_gbps * GB)  # the C core in the push's own pattern
+    print(
+        f"  the C core in the push's pattern moves {fan_gbps:.2f} GB/s in all: total / that = {fan:.3f} s, "
+        f"{bound / fan:.2f} of the bound; the push runs at {fan / wall:.2f} of its pace"
     )
     pairs = r["route_pairs_gbps"]
     print(
@@ -681,6 +697,12 @@ async def main(a: argparse.Namespace) -> None:
             + ", ".join(f"{p} {senders[p]['pair_gbps']:.2f} / {senders[p]['gbps']:.2f} GB/s"
                         for p in providers)
         )
+        fan = {p: c_core_together(p, pairs=2, total=together, fan=True)["gbps"] for p in providers}
+        print(
+            "the C core in the push's pattern (2 senders each writing to both receivers at once): "
+            + ", ".join(f"{p} {fan[p]:.2f} GB/s ({fan[p] / senders[p]['gbps']:.2f} of its 2 pairs)"
+                        for p in providers)
+        )
         sources, specs = llama_model(a.size, 2, 2)
         total = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
         print(
@@ -700,7 +722,7 @@ async def main(a: argparse.Namespace) -> None:
                 json.loads(a.engine_opts) if a.engine_opts else None,
             )
             _print_aiote(route, r, link[prov], shared[prov]["gbps"], gloo["wall_s"] if gloo else None,
-                         senders[prov]["gbps"])
+                         senders[prov]["gbps"], fan[prov])
     if a.gpu:
         await gpu_run(a.size, a.repeats, [int(x) for x in a.ipc_streams.split(",")],
                       tuple(a.rx_memory.split(",")))

@@ -331,6 +331,26 @@ def test_aiote_bench_sendrecv_latency_alone(tmp_path: Path) -> None:
     assert "bare sockets" in out.stdout and "event loop's own ping-pong" in out.stdout
 
 
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_c_bench_fan_writes_from_every_sender_to_every_receiver(provider: str) -> None:
+    """``aiote_cbench fan``: 2 sender processes each write their bytes to 2 receiver processes
+    at once (the weight push's pattern); every receiver waited for every sender's credits
+    before it reported, and the figure counts every sender's bytes."""
+    from aiote.cli._benchnet import build_cbench, cbench
+
+    assert build_cbench() is None
+    extra = ["--nic", "lo"] if provider == "tcp" else ["--arena"]
+    r = subprocess.run([str(cbench()), "fan", "1M", "4", "16M", "--senders", "2", "--receivers", "2",
+                        "--provider", provider, *extra], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "FI_PROVIDER": "tcp,ofi_rxm,shm"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = json.loads(r.stdout.strip().splitlines()[-1])
+    assert run["mode"] == "fan" and run["senders"] == 2 and run["receivers"] == 2
+    assert run["writes_per_sender"] == 16 and run["total_bytes"] == 2 * (16 << 20)
+    assert len(run["receiver_seconds"]) == 2 and min(run["receiver_seconds"]) > 0
+    assert run["seconds"] == max(run["receiver_seconds"]) and run["gbps"] > 0
+
+
 def test_aiote_bench_c_copy_out_makes_the_c_core_copy_each_message_out(tmp_path: Path) -> None:
     """``--c-copy-out``: the C core's sendrecv receiver copies every message out of its slot
     before reposting it, as ``Engine.recv`` does (its JSON counts the bytes copied), and
@@ -540,6 +560,8 @@ def test_bench_weights_cpu_runs_with_every_same_run_baseline() -> None:
     assert wall and float(wall[1]) > 0, text
     frac = re.search(r"fraction of bound ([\d.]+)", text)
     assert frac and float(frac[1]) > 0, text
+    fan = re.search(r"in the push.s pattern moves ([\d.]+) GB/s in all: .* runs at ([\d.]+) of its", text)
+    assert fan and float(fan[1]) > 0 and float(fan[2]) > 0, text
     pairs = re.search(r"aiote's 2 pairs .* move ([\d.]+) GB/s in all, ([\d.]+) of the C core's pairs", text)
     assert pairs and float(pairs[1]) > 0 and float(pairs[2]) > 0, text
     assert re.search(r"trainer 1: push [\d.]+ s, .*peak staging \d+ MiB", text), text

@@ -16,6 +16,8 @@
  *   pingpong ITERS                    8-byte write-with-imm ping-pong       (cb_pingpong.c)
  *   msgpingpong ITERS                 8-byte send/recv ping-pong            (cb_pingpong.c)
  *   sockets SIZE WINDOW TOTAL_BYTES   bare TCP, no libfabric                (cb_sockets.c)
+ *   fan SIZE WINDOW TOTAL_BYTES       --senders S processes each writing TOTAL_BYTES to
+ *                                     --receivers R processes at once       (cb_fan.c)
  *
  * Options: --provider tcp|shm (tcp), --nic NAME (lo for tcp, none for shm),
  *          --spin-ns N (poller spin after activity, 50000), --busy-spin-ns N (poller
@@ -61,6 +63,7 @@ static void usage(void) {
             "       aiote_cbench sendrecv SIZE WINDOW TOTAL_BYTES [options]\n"
             "       aiote_cbench msgpingpong ITERS [options]\n"
             "       aiote_cbench sockets SIZE WINDOW TOTAL_BYTES [options] (bare TCP, no libfabric)\n"
+            "       aiote_cbench fan SIZE WINDOW TOTAL_BYTES --senders S --receivers R [options]\n"
             "options: --provider tcp|shm  --nic NAME  --spin-ns N  --busy-spin-ns N  --busy\n"
             "         --slots N  --warmup N  --no-gather (paged)  --msg-slots N\n"
             "         --batch N (write, read: N requests per group and aio_post call)\n"
@@ -144,6 +147,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--msg-slots") && i + 1 < argc) o.msg_slots = parse_size(argv[++i]);
         else if (!strcmp(a, "--listen") && i + 1 < argc) o.listen_port = (int)parse_size(argv[++i]);
         else if (!strcmp(a, "--connect") && i + 1 < argc) o.connect = argv[++i];
+        else if (!strcmp(a, "--senders") && i + 1 < argc) o.senders = atoi(argv[++i]);
+        else if (!strcmp(a, "--receivers") && i + 1 < argc) o.receivers = atoi(argv[++i]);
         else if (a[0] == '-' && a[1] == '-') usage();
         else if (npos < 5) pos[npos++] = a;
         else usage();
@@ -156,8 +161,9 @@ int main(int argc, char **argv) {
     if (o.msg_slots == 0 || o.msg_slots > 65536 || o.listen_port > 65535) usage();
     if (o.streams < 1 || o.streams > MAX_STREAMS || o.pollers < 0 || o.pollers > 16) usage();
     if (o.listen_port >= 0 && o.connect) usage();
-    int sockets = !strcmp(o.mode, "sockets");
-    if (!strcmp(o.mode, "write") || !strcmp(o.mode, "read") || !strcmp(o.mode, "sendrecv") || sockets) {
+    int sockets = !strcmp(o.mode, "sockets"), fan = !strcmp(o.mode, "fan");
+    if (!strcmp(o.mode, "write") || !strcmp(o.mode, "read") || !strcmp(o.mode, "sendrecv") || sockets ||
+        fan) {
         if (npos != 4) usage();
         o.size = parse_size(pos[1]);
         o.window = parse_size(pos[2]);
@@ -186,6 +192,10 @@ int main(int argc, char **argv) {
     }
 
     if (sockets && strcmp(o.provider, "tcp")) usage();
+    if (fan) {
+        if (o.listen_port >= 0 || o.connect) usage();
+        return run_fan(&o);
+    }
     if (sockets && o.listen_port < 0 && !o.connect) return sockets_forked(&o);
     side_t s;
     memset(&s, 0, sizeof(s));

@@ -9,6 +9,7 @@
  *                   requests, posting, messages
  *   cb_modes.c      the throughput runs: write, read, paged, sendrecv
  *   cb_pingpong.c   the latency runs: pingpong, msgpingpong
+ *   cb_fan.c        the fan run: several senders each writing to several receivers at once
  *   cb_sockets.c    the bare-sockets baseline; --listen and --connect's control socket */
 #ifndef AIOTE_CBENCH_H
 #define AIOTE_CBENCH_H
@@ -66,6 +67,7 @@ typedef struct opts {
     int64_t loop_poll_ns; /* --loop-poll-ns N: wait as aiote's low-latency setting does */
     int64_t think_ns;     /* --think-ns N: pingpong: busy work after each wait (an application's) */
     int64_t start_at_ns;  /* --start-at NS: write: the timed part starts at this CLOCK_REALTIME time */
+    int senders, receivers; /* fan: --senders S --receivers R processes */
 } opts_t;
 
 typedef struct peer_rail {
@@ -159,6 +161,9 @@ void run_sendrecv(side_t *s, const opts_t *o, int rank);
 /* cb_pingpong.c */
 void run_pingpong(side_t *s, const opts_t *o, int rank);
 void run_msgpingpong(side_t *s, const opts_t *o, int rank);
+
+/* cb_fan.c */
+int run_fan(const opts_t *o);
 
 /* cb_sockets.c */
 void run_sockets(const opts_t *o, int rank, int fd);
