@@ -455,15 +455,19 @@ async def route_links(
     """This route's own figures, from the push's workers, before the push (aiote writes of
     16 MiB, 8 in flight per flow, into the receivers' regions): ``route_gbps`` one flow alone
     (trainer 0 -> the first receiver), ``route_all_gbps`` every (trainer, receiver) flow at
-    once, all bytes over the wall from their common start to the last one's end;
+    once, each trainer writing its own part of every region (as the push, and the C core's
+    ``fan``: trainers writing the same bytes of a same-host arena at once would fight over
+    its cache lines), all bytes over the wall from their common start to the last one's end;
     ``route_pairs_gbps`` the same processes as pairs (trainer i -> receiver i only), as the C
     core's pairs run."""
     alone = await senders[0].call(
         reply_timeout=300, op="rail", descs=descs[:1], nbytes=n, chunk=16 << 20, repeats=repeats
     )
     at = time.time() + 3.0  # every sender starts then, its buffer registered
-    for w in senders:
-        await w.send(op="rail", descs=descs, nbytes=n, chunk=16 << 20, repeats=repeats, at=at)
+    part = n // len(senders)  # each trainer writes n bytes in all: its part of every region
+    for i, w in enumerate(senders):
+        await w.send(op="rail", descs=descs, nbytes=part, dst=i * part, chunk=16 << 20, repeats=repeats,
+                     at=at)
     wall = max([(await w.reply(300))["end"] for w in senders]) - at
     flows = len(senders) * len(descs)
     # the same processes as pairs: each trainer writes to one receiver (as the C core's pairs)
@@ -474,7 +478,7 @@ async def route_links(
     pairs_wall = max([(await w.reply(300))["end"] for w in senders]) - at
     return {
         "route_gbps": n / statistics.median_low(alone["walls"]) / GB,
-        "route_all_gbps": flows * n * (repeats + 1) / wall / GB,
+        "route_all_gbps": flows * part * (repeats + 1) / wall / GB,
         "route_pairs_gbps": len(senders) * n * (repeats + 1) / pairs_wall / GB,
         "flows": flows,
     }

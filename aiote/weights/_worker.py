@@ -295,8 +295,9 @@ def _flat_shards(st: _State) -> None:
 
 async def _rail(st: _State, cmd: dict[str, Any]) -> tuple[list[float], float]:
     """Seconds of each of ``repeats`` rounds (after one warm-up) of writing ``nbytes`` into
-    each region of ``descs`` (or the one ``desc``) at once: one ``engine.write`` each, or with
-    ``chunk``, writes of ``chunk`` bytes with ``window`` in flight per region, the first round
+    each region of ``descs`` (or the one ``desc``), from its byte ``dst`` on, at once: one
+    ``engine.write`` each, or with ``chunk``, writes of ``chunk`` bytes with ``window`` in
+    flight per region, the first round
     starting at epoch time ``at`` if given (so that several workers start together); and the
     epoch time the last round ended. What moving the bytes costs on this route, alone or
     beside other flows."""
@@ -313,11 +314,12 @@ async def _rail(st: _State, cmd: dict[str, Any]) -> tuple[list[float], float]:
     mr = await st.engine.register(buf, remote_write=False, remote_read=False)
     descs = [MemoryDescriptor.from_bytes(bytes.fromhex(d)) for d in cmd.get("descs") or [cmd["desc"]]]
     window = anyio.Semaphore(cmd.get("window", 8) * len(descs))
+    base = cmd.get("dst", 0)
 
     async def one(desc: MemoryDescriptor, at: int) -> None:
         async with window:
             k = min(chunk, n - at)
-            await st.engine.write(mr, desc, length=k, src_offset=at, dst_offset=at, timeout=60)
+            await st.engine.write(mr, desc, length=k, src_offset=at, dst_offset=base + at, timeout=60)
 
     walls = []
     try:
