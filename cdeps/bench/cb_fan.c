@@ -37,24 +37,6 @@ static int64_t realtime_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static peer_info my_info(side_t *s) {
-    peer_info mine;
-    memset(&mine, 0, sizeof(mine));
-    mine.nrails = s->nrails;
-    for (int i = 0; i < s->nrails; i++) {
-        aio_rail_info ri;
-        aio_rail_get_info(s->e, i, &ri);
-        mine.rail[i].addr_len = ri.addr_len;
-        memcpy(mine.rail[i].addr, ri.addr, ri.addr_len);
-        mine.rail[i].base = aio_mr_remote_base(s->mr, i);
-        mine.rail[i].key = aio_mr_key(s->mr, i);
-    }
-    mine.len = s->len;
-    mine.direct_slot = -1;
-    if (aio_direct_info_get(s->e, &mine.direct) == 0) mine.direct_slot = aio_mr_direct_slot(s->mr);
-    return mine;
-}
-
 static void attach(side_t *s, fan_peer *p, int direct_here) {
     if (p->info.nrails != s->nrails) die("--streams: %d here, %d at a receiver", s->nrails, p->info.nrails);
     for (int i = 0; i < s->nrails; i++) {
@@ -97,7 +79,7 @@ static void fan_receiver(const opts_t *o, int rfd, int wfd, uint64_t n) {
     s.rfd = rfd;
     s.wfd = wfd;
     side_init(&s, o, o->size * o->slots * (uint64_t)o->senders);
-    peer_info mine = my_info(&s);
+    peer_info mine = side_info(&s);
     write_full(wfd, &mine, sizeof(mine));
     side_wait_credit(&s, IMM_MAIN, n * (uint64_t)o->senders * U);
     int64_t t = realtime_ns();

@@ -111,8 +111,9 @@ void side_init(side_t *s, const opts_t *o, uint64_t region) {
     if (ret) die("aio_mr_register: %s %s", aio_strerror(ret), err);
 }
 
-/* both sides write first, then read: a pipe holds far more than one peer_info */
-void side_exchange(side_t *s) {
+/* What a peer needs of this side: its rails' addresses, its region's base and key on each,
+ * and its direct-copy table where it has one. */
+peer_info side_info(side_t *s) {
     peer_info mine;
     memset(&mine, 0, sizeof(mine));
     mine.nrails = s->nrails;
@@ -127,6 +128,12 @@ void side_exchange(side_t *s) {
     mine.len = s->len;
     mine.direct_slot = -1;
     if (aio_direct_info_get(s->e, &mine.direct) == 0) mine.direct_slot = aio_mr_direct_slot(s->mr);
+    return mine;
+}
+
+/* both sides write first, then read: a pipe holds far more than one peer_info */
+void side_exchange(side_t *s) {
+    peer_info mine = side_info(s);
     write_full(s->wfd, &mine, sizeof(mine));
     read_full(s->rfd, &s->remote, sizeof(s->remote));
     if (s->remote.nrails != s->nrails) die("--streams: %d here, %d at the peer", s->nrails, s->remote.nrails);

@@ -135,6 +135,7 @@ static inline const char *wait_name(const opts_t *o) { return o->busy ? "busy" :
 uint8_t *region_alloc(uint64_t region, int small_pages);
 void region_touch(uint8_t *b, uint64_t region);
 void side_init(side_t *s, const opts_t *o, uint64_t region);
+peer_info side_info(side_t *s);
 void side_exchange(side_t *s);
 void side_free(side_t *s);
 int side_drain(side_t *s, uint32_t imm, int *hit);
