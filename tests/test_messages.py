@@ -350,6 +350,68 @@ async def test_sends_cancelled_in_line_lose_no_slot() -> None:
         assert not a._sends and not a._send_room  # white-box: no send slot lost or held
 
 
+class _HandedThenCancelled:
+    """Stands for a waiting send's event in the line: handing it a slot also cancels it."""
+
+    def __init__(self, event: object, cancel: object) -> None:
+        self.event, self.cancel = event, cancel
+
+    def set(self) -> None:
+        self.event.set()  # type: ignore[attr-defined]
+        self.cancel()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("order", ["cancelled, then handed a slot", "handed a slot, then cancelled"])
+async def test_a_send_cancelled_as_it_gets_a_slot_hands_it_on(order: str) -> None:
+    """White-box, both orders of one step: the first send in line is cancelled and handed the
+    slot a completed send frees. Cancelled first, it is never sent; handed first, it posts
+    (a posted send is not taken back) and then raises the cancellation. Either way the slot
+    goes on to the next in line, every other send is delivered once, and the accounting
+    comes back to zero."""
+    size = 1 << 20
+    done: dict[int, str] = {}
+    scopes: dict[int, anyio.CancelScope] = {}
+    got: list[int] = []
+    async with aiote.testing.engine_pair() as (a, b):
+
+        async def send(i: int) -> None:
+            with anyio.CancelScope() as cs:
+                scopes[i] = cs
+                await a.send(b.address, bytes([i]) * size, timeout=60)
+                done[i] = "sent"
+                return
+            done[i] = "cancelled"
+
+        async with anyio.create_task_group() as tg:
+            n = 0
+            while sum(len(q) for q in a._send_room.values()) < 3:  # b takes nothing yet
+                tg.start_soon(send, n)
+                n += 1
+                await anyio.wait_all_tasks_blocked()
+                assert n < 80, (a._sends, done)
+            victim = n - 3
+            ((key, line),) = a._send_room.items()
+            if order.startswith("cancelled"):
+                scopes[victim].cancel()
+                a._sent(key)  # a completion hands the victim a slot in the same step
+                a._sends[key] += 1  # (the send that completed there is still in flight)
+            else:
+                line[0] = _HandedThenCancelled(line[0], scopes[victim].cancel)
+            while len(done) < n:  # (a send that fails ends the group, and this loop with it)
+                with anyio.move_on_after(0.2):
+                    got.append((await b.recv())[1][0])
+        while True:
+            try:
+                got.append((await b.recv(timeout=0.5))[1][0])
+            except aiote.TransferTimeout:
+                break
+        assert done == {i: "cancelled" if i == victim else "sent" for i in range(n)}
+        assert len(got) == len(set(got)), "a message was delivered twice"
+        others = set(range(n)) - {victim}
+        assert set(got) == others if order.startswith("cancelled") else set(got) >= others
+        assert not a._sends and not a._send_room  # white-box: no send slot lost or held
+
+
 @pytest.mark.parametrize("same_host", ["shm", None])
 async def test_sends_to_a_killed_peer_fail_within_the_bound(same_host: str | None) -> None:
     """Messages to a peer killed meanwhile: PeerUnreachable within connect_timeout + 3 s on the
