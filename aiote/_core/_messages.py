@@ -365,7 +365,10 @@ class Messages(Inbox):
                 # notices. They wait in line: a slot that frees goes to the longest-waiting
                 # send (see _sent), which wakes alone, and no later send takes it first.
                 room = self._event()
-                self._send_room.setdefault(key, deque()).append(room)
+                line = self._send_room.get(key)
+                if line is None:
+                    line = self._send_room[key] = deque()
+                line.append(room)
                 try:
                     ok = await wait_until(room, end)
                 finally:
