@@ -395,6 +395,7 @@ async def test_a_send_cancelled_as_it_gets_a_slot_hands_it_on(order: str) -> Non
                 scopes[victim].cancel()
                 a._sent(key)  # a completion hands the victim a slot in the same step
                 a._sends[key] += 1  # (the send that completed there is still in flight)
+                assert len(line) == 2  # it woke the first in line alone
             else:
                 line[0] = _HandedThenCancelled(line[0], scopes[victim].cancel)
             while len(done) < n:  # (a send that fails ends the group, and this loop with it)

@@ -342,10 +342,8 @@ class Messages(Inbox):
                 key = (path[0][0], path[0][1])
                 if owned is not None:
                     mine, owned = owned, None
-                    if mine == key:  # its slot, counted again as it posts (_post_msg)
-                        n = self._sends[key] - 1
-                        self._sends[key] = n
-                        return key, n, join
+                    if mine == key:  # its slot, in the count already: _post_msg sets it again
+                        return key, self._sends[key] - 1, join
                     self._sent(mine)  # the route moved on: that slot goes to the next in line
                 w = self._windows.get(key) if join else None
                 if w is not None:

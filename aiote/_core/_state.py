@@ -173,7 +173,7 @@ class EngineState:
         # sends in flight per (rail, peer), at most _send_cap each: the same three quarters
         # of the slots, on the sending side (see _send_msg)
         self._sends: dict[tuple[int, int], int] = {}
-        self._send_room: dict[tuple[int, int], Any] = {}  # connection: deque of waiting sends' events
+        self._send_room: dict[tuple[int, int], deque[Any]] = {}  # each connection's waiting sends' events
         self._send_cap = max(1, self._hold_max)
         # connections whose send is at its schedule point: sends joining it (see _coalesce.py)
         self._windows: dict[tuple[int, int], Window] = {}

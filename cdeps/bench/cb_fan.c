@@ -31,45 +31,21 @@ typedef struct fan_peer {
     int32_t direct;           /* aio_op_desc.direct for writes to it (0: through the provider) */
 } fan_peer;
 
-static int64_t realtime_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
+/* What a sender's requests need: its receivers, its part of each one's region, its index. */
+typedef struct fan_ctx {
+    const opts_t *o;
+    fan_peer *peers;
+    uint64_t mine;
+    int me;
+} fan_ctx;
 
-static void attach(side_t *s, fan_peer *p, int direct_here) {
-    if (p->info.nrails != s->nrails) die("--streams: %d here, %d at a receiver", s->nrails, p->info.nrails);
-    for (int i = 0; i < s->nrails; i++) {
-        peer_rail *pr = &p->info.rail[i];
-        int ret = aio_av_insert(s->e, i, pr->addr, pr->addr_len, &p->fa[i]);
-        if (ret) die("aio_av_insert: %s", aio_strerror(ret));
-    }
-    p->direct = 0;
-    if (direct_here && p->info.direct_slot >= 0) {
-        char err[512] = "";
-        int at = aio_direct_attach(s->e, &p->info.direct, err, sizeof(err));
-        if (at >= 0) p->direct = AIO_DIRECT(at, p->info.direct_slot);
-        else fprintf(stderr, "direct copies unavailable (%s %s)\n", aio_strerror(at), err);
-    }
-}
-
-static aio_op_desc fan_write(side_t *s, const fan_peer *p, uint64_t k, uint64_t loff, uint64_t roff,
-                             uint64_t len, uint32_t imm, int nrecv) {
-    aio_op_desc d;
-    memset(&d, 0, sizeof(d));
-    int rail = (int)((k / (uint64_t)nrecv) % (uint64_t)s->nrails);
-    d.mr = s->mr;
-    d.offset = loff;
-    d.length = len;
-    d.rail = rail;
-    d.peer = p->fa[rail];
-    d.raddr = p->info.rail[rail].base + roff;
-    d.rkey = p->info.rail[rail].key;
-    d.direct = p->direct;
-    d.data = imm;
-    d.op = AIO_OP_WRITE;
-    d.flags = AIO_F_DATA;
-    return d;
+/* Request k to receiver (k + me) % R, on rail (k / R) % --streams, into this sender's part. */
+static aio_op_desc fan_req(side_t *s, const void *ctx, uint64_t k, uint64_t off) {
+    const fan_ctx *c = ctx;
+    uint64_t nr = (uint64_t)c->o->receivers;
+    const fan_peer *p = &c->peers[(k + (uint64_t)c->me) % nr];
+    int rail = (int)((k / nr) % (uint64_t)s->nrails);
+    return as_write(side_req_to(s, &p->info, p->fa, p->direct, rail, off, c->mine + off, c->o->size), IMM_MAIN);
 }
 
 /* A receiver: room for every sender's slots; reports its info, then when every credit came. */
@@ -98,16 +74,17 @@ static void fan_sender(const opts_t *o, int rfd, int wfd, int me, uint64_t n) {
     side_init(&s, o, o->size * o->slots);
     int nr = o->receivers;
     fan_peer peers[MAX_FAN];
-    int direct_here = aio_direct_info_get(s.e, &(aio_direct_info){0}) == 0;
+    int direct_here = side_info(&s).direct_slot >= 0;
     for (int j = 0; j < nr; j++) {
         read_full(rfd, &peers[j].info, sizeof(peers[j].info));
-        attach(&s, &peers[j], direct_here);
+        peers[j].direct = side_attach(&s, &peers[j].info, peers[j].fa, direct_here);
     }
-    uint64_t mine = o->size * o->slots * (uint64_t)me; /* this sender's part of each region */
+    fan_ctx ctx = {o, peers, o->size * o->slots * (uint64_t)me, me}; /* mine: its part of each region */
     uint64_t warm = 0;
     for (int j = 0; j < nr; j++)
         for (int r = 0; r < s.nrails; r++, warm++) {
-            aio_op_desc d = fan_write(&s, &peers[j], (uint64_t)(r * nr), 0, mine, o->size, IMM_WARM, nr);
+            aio_op_desc d = as_write(side_req_to(&s, &peers[j].info, peers[j].fa, peers[j].direct, r, 0,
+                                                 ctx.mine, o->size), IMM_WARM);
             side_post_blocking(&s, 1ULL << 40 | warm, &d);
         }
     side_wait_groups(&s, warm);
@@ -116,30 +93,9 @@ static void fan_sender(const opts_t *o, int rfd, int wfd, int me, uint64_t n) {
     write_full(wfd, &ready, 1);
     int64_t at;
     read_full(rfd, &at, sizeof(at));
-    while (realtime_ns() < at) {
-        struct timespec until = {.tv_sec = at / 1000000000LL, .tv_nsec = at % 1000000000LL};
-        clock_nanosleep(CLOCK_REALTIME, TIMER_ABSTIME, &until, NULL);
-    }
+    start_at(at);
     double c0 = cpu_s();
-    uint64_t b = o->batch, ngroups = n / b, gmax = o->window / b, posted = 0, in_group = 0;
-    aio_op_desc d[MAX_BATCH];
-    int64_t g = -1;
-    while (s.groups_done < ngroups) { /* as run_window: groups of --batch, one aio_post each */
-        int progressed = 0;
-        while (posted < ngroups && posted - s.groups_done < gmax) {
-            for (uint64_t k = in_group; k < b; k++) {
-                uint64_t req = posted * b + k, off = (req % o->slots) * o->size;
-                const fan_peer *p = &peers[(req + (uint64_t)me) % (uint64_t)nr];
-                d[k] = fan_write(&s, p, req, off, mine + off, o->size, IMM_MAIN, nr);
-            }
-            uint64_t before = in_group;
-            int sealed = side_post_n(&s, &g, &in_group, b, posted, d + in_group, 0);
-            if (sealed || in_group != before) progressed = 1;
-            if (!sealed) break;
-            posted++;
-        }
-        if (side_drain(&s, 0, NULL) == 0 && !progressed) side_idle(&s);
-    }
+    run_requests(&s, o, n, fan_req, &ctx); /* as the write run posts: groups of --batch */
     int64_t t = realtime_ns();
     double cpu = cpu_s() - c0;
     write_full(wfd, &t, sizeof(t));

@@ -73,11 +73,12 @@ uint64_t transfer_count(const opts_t *o) {
     return n ? n : o->batch;
 }
 
-/* The timed part of write and read: `n` requests (whole groups of --batch), at most WINDOW in
- * flight, in groups of --batch requests, each group posted with one aio_post call (as
+/* The timed part of write, read and fan: `n` requests (whole groups of --batch), at most WINDOW
+ * in flight, in groups of --batch requests, each group posted with one aio_post call (as
  * aiote's TransferBatch.submit posts a batch); a group goes out again as soon as one completes.
- * --batch 1: a request per group, re-posted as each completes. */
-static void run_window(side_t *s, const opts_t *o, uint64_t n, int is_write) {
+ * --batch 1: a request per group, re-posted as each completes. make(s, ctx, req, off) builds
+ * request `req`, whose slot is at `off`. */
+void run_requests(side_t *s, const opts_t *o, uint64_t n, req_fn make, const void *ctx) {
     uint64_t b = o->batch, ngroups = n / b, gmax = o->window / b;
     aio_op_desc d[MAX_BATCH];
     uint64_t posted = 0, in_group = 0; /* groups sealed; requests in of the open one */
@@ -86,10 +87,8 @@ static void run_window(side_t *s, const opts_t *o, uint64_t n, int is_write) {
         int progressed = 0;
         while (posted < ngroups && posted - s->groups_done < gmax) {
             for (uint64_t k = in_group; k < b; k++) {
-                uint64_t off = ((posted * b + k) % o->slots) * o->size;
                 uint64_t req = posted * b + k;
-                d[k] = is_write ? side_write(s, req, off, off, o->size, IMM_MAIN)
-                                : side_read(s, req, off, off, o->size);
+                d[k] = make(s, ctx, req, (req % o->slots) * o->size);
             }
             uint64_t before = in_group;
             int sealed = side_post_n(s, &g, &in_group, b, posted, d + in_group, 0);
@@ -101,18 +100,23 @@ static void run_window(side_t *s, const opts_t *o, uint64_t n, int is_write) {
     }
 }
 
+static aio_op_desc write_req(side_t *s, const void *ctx, uint64_t req, uint64_t off) {
+    return side_write(s, req, off, off, ((const opts_t *)ctx)->size, IMM_MAIN);
+}
+
+static aio_op_desc read_req(side_t *s, const void *ctx, uint64_t req, uint64_t off) {
+    return side_read(s, req, off, off, ((const opts_t *)ctx)->size);
+}
+
 /* Sleeps until CLOCK_REALTIME `at_ns` (0: returns at once); how late past it this returned
  * (a warm-up that ended after `at_ns` starts at once, late by that much). */
-static int64_t start_at(int64_t at_ns) {
+int64_t start_at(int64_t at_ns) {
     if (at_ns <= 0) return 0;
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    int64_t now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    int64_t now = realtime_ns();
     if (now < at_ns) {
         struct timespec until = {.tv_sec = at_ns / 1000000000LL, .tv_nsec = at_ns % 1000000000LL};
         while (clock_nanosleep(CLOCK_REALTIME, TIMER_ABSTIME, &until, NULL) == EINTR) {}
-        clock_gettime(CLOCK_REALTIME, &ts);
-        now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+        now = realtime_ns();
     }
     return now - at_ns;
 }
@@ -139,7 +143,7 @@ void run_write(side_t *s, const opts_t *o, int rank) {
     int64_t late_ns = start_at(o->start_at_ns);
     double c0 = cpu_s(), m0 = thread_cpu_s();
     int64_t t0 = now_ns();
-    run_window(s, o, n, 1);
+    run_requests(s, o, n, write_req, o);
     int64_t t1 = now_ns();
     double cpu = cpu_s() - c0, main_cpu = thread_cpu_s() - m0;
     aio_get_stats(s->e, &st1);
@@ -318,7 +322,7 @@ void run_read(side_t *s, const opts_t *o, int rank) {
     side_reset_counts(s);
     double c0 = cpu_s();
     int64_t t0 = now_ns();
-    run_window(s, o, n, 0);
+    run_requests(s, o, n, read_req, o);
     int64_t t1 = now_ns();
     double cpu = cpu_s() - c0;
     write_full(s->wfd, &bye, 1);

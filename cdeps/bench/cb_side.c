@@ -131,25 +131,32 @@ peer_info side_info(side_t *s) {
     return mine;
 }
 
+/* Inserts the peer `p`'s rails into this side's address vectors (fa[i]: its rail i) and, where
+ * this side takes direct copies too (direct_here), attaches its direct-copy table. Returns the
+ * aio_op_desc.direct of requests to it (0: through the provider). */
+int32_t side_attach(side_t *s, const peer_info *p, uint64_t *fa, int direct_here) {
+    if (p->nrails != s->nrails) die("--streams: %d here, %d at the peer", s->nrails, p->nrails);
+    for (int i = 0; i < s->nrails; i++) {
+        const peer_rail *pr = &p->rail[i];
+        int ret = aio_av_insert(s->e, i, pr->addr, pr->addr_len, &fa[i]);
+        if (ret) die("aio_av_insert: %s", aio_strerror(ret));
+    }
+    if (!direct_here || p->direct_slot < 0) return 0; /* both sides take direct copies, or neither */
+    char err[512] = "";
+    int at = aio_direct_attach(s->e, &p->direct, err, sizeof(err));
+    if (at >= 0) return AIO_DIRECT(at, p->direct_slot);
+    fprintf(stderr, "direct copies unavailable (%s %s): requests go through the provider\n",
+            aio_strerror(at), err);
+    return 0;
+}
+
 /* both sides write first, then read: a pipe holds far more than one peer_info */
 void side_exchange(side_t *s) {
     peer_info mine = side_info(s);
     write_full(s->wfd, &mine, sizeof(mine));
     read_full(s->rfd, &s->remote, sizeof(s->remote));
-    if (s->remote.nrails != s->nrails) die("--streams: %d here, %d at the peer", s->nrails, s->remote.nrails);
-    for (int i = 0; i < s->nrails; i++) {
-        peer_rail *pr = &s->remote.rail[i];
-        int ret = aio_av_insert(s->e, i, pr->addr, pr->addr_len, &s->peers[i]);
-        if (ret) die("aio_av_insert: %s", aio_strerror(ret));
-    }
+    s->direct = side_attach(s, &s->remote, s->peers, mine.direct_slot >= 0);
     s->peer = s->peers[0];
-    if (mine.direct_slot >= 0 && s->remote.direct_slot >= 0) { /* both sides take direct copies */
-        char err[512] = "";
-        int at = aio_direct_attach(s->e, &s->remote.direct, err, sizeof(err));
-        if (at >= 0) s->direct = AIO_DIRECT(at, s->remote.direct_slot);
-        else fprintf(stderr, "direct copies unavailable (%s %s): READs go through the provider\n",
-                     aio_strerror(at), err);
-    }
 }
 
 void side_free(side_t *s) {
@@ -234,25 +241,28 @@ void side_wait_credit(side_t *s, uint32_t imm, uint64_t units) {
     if (!aio_counter_take(s->e, imm, units)) die("counter watch fired but take failed");
 }
 
-/* Request k's rail (--streams: k % N) into d: its peer, and the target's base and key there. */
-static void side_route(side_t *s, uint64_t k, aio_op_desc *d, uint64_t roff) {
-    int i = (int)(k % (uint64_t)s->nrails);
-    d->rail = i;
-    d->peer = s->peers[i];
-    d->raddr = s->remote.rail[i].base + roff;
-    d->rkey = s->remote.rail[i].key;
-}
-
-/* Request k's common part: len bytes at loff here, at roff there, on request k's rail. */
-static aio_op_desc side_req(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len) {
+/* A request of len bytes at loff here, at roff of the peer `p` (its rails in fa, its direct
+ * code `direct`: see side_attach), on rail `rail`. */
+aio_op_desc side_req_to(side_t *s, const peer_info *p, const uint64_t *fa, int32_t direct, int rail,
+                        uint64_t loff, uint64_t roff, uint64_t len) {
     aio_op_desc d;
     memset(&d, 0, sizeof(d));
     d.mr = s->mr;
     d.offset = loff;
     d.length = len;
-    side_route(s, k, &d, roff);
-    d.direct = s->direct;
+    d.rail = rail;
+    d.peer = fa[rail];
+    d.raddr = p->rail[rail].base + roff;
+    d.rkey = p->rail[rail].key;
+    d.direct = direct;
     return d;
+}
+
+/* Request k's common part: len bytes at loff here, at roff there, on request k's rail (--streams:
+ * k % N). */
+static aio_op_desc side_req(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len) {
+    int rail = (int)(k % (uint64_t)s->nrails);
+    return side_req_to(s, &s->remote, s->peers, s->direct, rail, loff, roff, len);
 }
 
 /* Request k, a READ of len bytes at roff into loff, on request k's rail. */
@@ -262,13 +272,17 @@ aio_op_desc side_read(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint6
     return d;
 }
 
-/* Request k, a write of len bytes from loff to roff carrying imm, on request k's rail. */
-aio_op_desc side_write(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm) {
-    aio_op_desc d = side_req(s, k, loff, roff, len);
+/* `d` as a write carrying imm. */
+aio_op_desc as_write(aio_op_desc d, uint32_t imm) {
     d.data = imm;
     d.op = AIO_OP_WRITE;
     d.flags = AIO_F_DATA;
     return d;
+}
+
+/* Request k, a write of len bytes from loff to roff carrying imm, on request k's rail. */
+aio_op_desc side_write(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm) {
+    return as_write(side_req(s, k, loff, roff, len), imm);
 }
 
 /* Forgets the warm-up's counts (groups done, polls, wake-ups, posting time) before a timed part. */

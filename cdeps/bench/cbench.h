@@ -129,6 +129,12 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+static inline int64_t realtime_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
 static inline const char *wait_name(const opts_t *o) { return o->busy ? "busy" : "eventfd"; }
 
 /* cb_side.c */
@@ -136,6 +142,7 @@ uint8_t *region_alloc(uint64_t region, int small_pages);
 void region_touch(uint8_t *b, uint64_t region);
 void side_init(side_t *s, const opts_t *o, uint64_t region);
 peer_info side_info(side_t *s);
+int32_t side_attach(side_t *s, const peer_info *p, uint64_t *fa, int direct_here);
 void side_exchange(side_t *s);
 void side_free(side_t *s);
 int side_drain(side_t *s, uint32_t imm, int *hit);
@@ -144,6 +151,9 @@ void side_wait_groups(side_t *s, uint64_t n);
 void side_wait_credit(side_t *s, uint32_t imm, uint64_t units);
 aio_op_desc side_read(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len);
 aio_op_desc side_write(side_t *s, uint64_t k, uint64_t loff, uint64_t roff, uint64_t len, uint32_t imm);
+aio_op_desc side_req_to(side_t *s, const peer_info *p, const uint64_t *fa, int32_t direct, int rail,
+                        uint64_t loff, uint64_t roff, uint64_t len);
+aio_op_desc as_write(aio_op_desc d, uint32_t imm);
 void side_reset_counts(side_t *s);
 int side_post_n(side_t *s, int64_t *g, uint64_t *in_group, uint64_t total, uint64_t token,
                 const aio_op_desc *d, int64_t budget_ns);
@@ -153,7 +163,10 @@ void side_send_blocking(side_t *s, uint64_t token, uint64_t len);
 void side_wait_msgs(side_t *s, uint64_t n);
 
 /* cb_modes.c */
+typedef aio_op_desc (*req_fn)(side_t *s, const void *ctx, uint64_t req, uint64_t off);
 uint64_t transfer_count(const opts_t *o);
+void run_requests(side_t *s, const opts_t *o, uint64_t n, req_fn make, const void *ctx);
+int64_t start_at(int64_t at_ns);
 void run_write(side_t *s, const opts_t *o, int rank);
 void run_read(side_t *s, const opts_t *o, int rank);
 void run_paged(side_t *s, const opts_t *o, int rank);
