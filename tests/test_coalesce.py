@@ -20,7 +20,7 @@ from _routes import rig
 from _util import fails_after_kill, silent_peer
 
 import aiote
-from aiote._core._coalesce import ALONE, LEFT, POSTED, WAITING, Window, spans
+from aiote._core._coalesce import ALONE, LEFT, POSTED, WAITING, Window, opens_window, spans
 
 pytestmark = pytest.mark.anyio
 
@@ -50,6 +50,17 @@ def test_window_joins_until_closed_full_or_over_the_limit() -> None:
     assert w.join(_mv(b"z" * 8)) is not None  # exactly 100
     assert w.close() == w.members and len(w.members) == 3
     assert w.join(_mv(b"")) is None  # closed: nobody joins any more
+
+
+def test_a_send_opens_a_window_only_when_two_of_its_size_could_join() -> None:
+    assert opens_window(8, 1000)
+    assert opens_window(496, 1000)  # 2 x (4 + 496): two messages of its size fit exactly
+    w = Window(1000, _Ev())
+    assert w.join(_mv(b"x" * 496)) is not None and w.join(_mv(b"y" * 496)) is not None
+    assert w.nbytes == 1000
+    assert not opens_window(497, 1000)
+    assert not opens_window(1 << 19, 1 << 20)  # half the largest message
+    assert not opens_window(1 << 20, 1 << 20)
 
 
 def test_a_member_that_leaves_before_the_flush_is_not_in_the_message() -> None:
@@ -314,3 +325,46 @@ async def test_a_refused_send_among_joined_ones_posts_nothing() -> None:
         await a.send(b.address, b"next", timeout=30)
         got = [(await b.recv(timeout=30))[1] for _ in range(8)]
         assert sorted(got[:7]) == sorted(b"m%d" % k for k in range(8) if k != 3) and got[7] == b"next"
+
+
+@pytest.mark.parametrize("same_host", ["shm", None])
+@pytest.mark.parametrize("size", ["half", "eighth"])
+async def test_sends_too_large_for_two_of_their_size_to_join_open_no_window(
+    same_host: str | None, size: str
+) -> None:
+    """16 tasks send 4 messages each at once. Of half the largest message
+    (``max_message_size``, of both engines), no send opens a window, so none joins another:
+    each goes by itself. Of an eighth of it, sends open windows and others join them. Every
+    message arrives once, intact, either way; on the route named (the default same-host
+    route, or tcp)."""
+    limit = 256 << 10
+    n = limit // 2 if size == "half" else limit // 8
+    tasks, per = 16, 4
+    async with (
+        aiote.open_engine(same_host=same_host, max_message_size=limit) as b,
+        aiote.open_engine(same_host=same_host, max_message_size=limit) as a,
+    ):
+        assert a.route(b.address).provider.split(";")[0] == ("shm" if same_host else "tcp")
+        await a.send(b.address, b"warm", timeout=30)  # connected: the next sends post at once
+        assert await b.recv(timeout=30) == (a.address, b"warm")
+        msgs = {_key(m): m for m in (_payload(t, s, n) for t in range(tasks) for s in range(per))}
+        joined = a.stats()["sends_joined"]
+        got: list[bytes] = []
+
+        async def one(t: int) -> None:
+            for s in range(per):
+                await a.send(b.address, _payload(t, s, n), timeout=30)
+
+        async def take() -> None:
+            for _ in range(tasks * per):
+                got.append((await b.recv(timeout=30))[1])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(take)
+            for t in range(tasks):
+                tg.start_soon(one, t)
+        assert sorted(_key(m) for m in got) == sorted(msgs)
+        if size == "half":
+            assert a.stats()["sends_joined"] == joined
+        else:
+            assert a.stats()["sends_joined"] > joined

@@ -48,6 +48,15 @@ class Member:
         self.state = WAITING
 
 
+def opens_window(nbytes: int, limit: int) -> bool:
+    """Whether a send of ``nbytes`` that just went alone opens a window for the sends behind
+    it (``limit``: the largest combined message): only when two messages of its own size
+    could join. The window costs the send a schedule point; the sends behind a large one are
+    likely as large, and one of them alone in the combined message would cost what it costs
+    going by itself."""
+    return 2 * (_LEN.size + nbytes) <= limit
+
+
 class Window:
     """The sends joined to one connection while a send to it is at its schedule point.
     ``limit``: the largest combined message (both engines' ``max_message_size``); ``event``:

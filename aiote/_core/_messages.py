@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 
 from .._native import ffi, lib
-from ._coalesce import Window
+from ._coalesce import Window, opens_window
 from ._combined import _opener
 from ._counter import ImmCounter
 from ._credits import GroupView, SendAfterTimeout, SendWhenLanded, after_data, all_landed
@@ -207,7 +207,9 @@ class Messages(Inbox):
 
         Sends that other tasks make to the same peer while this one sits at its schedule point
         right after posting travel together as one message (``combine_messages``, on by
-        default): each is still delivered once, in order, as a message of its own. Joined,
+        default): each is still delivered once, in order, as a message of its own. A send
+        of about half the smaller ``max_message_size`` or more has no such point (no two
+        sends of its size could join). Joined,
         a send is not sent at all when cancelled or timed out before that message went out;
         cancelled after, it waits (up to ``cancel_grace``) for that message to complete
         before the cancellation propagates; a timeout after raises at once, and its
@@ -284,9 +286,10 @@ class Messages(Inbox):
                 st = self._begin(
                     1, None, None, None, None, names=names, opener=_opener(key, head, data, budget)
                 )
-                if st.first == 1 and join and key not in self._windows:
+                limit = min(self._max_message, addr.max_message)
+                if st.first == 1 and join and key not in self._windows and opens_window(data.nbytes, limit):
                     # posted: at its schedule point, sends to the connection join a window
-                    mine = Window(min(self._max_message, addr.max_message), self._event())
+                    mine = Window(limit, self._event())
                     self._windows[key] = mine
                 if st.first == 1 and st.op.done and not st.op.status:
                     self._sent(key)
