@@ -98,8 +98,13 @@ def llama_layer_params(layer: int) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def llama_model(size_gb: float, trainers: int, receivers: int) -> tuple[list[W.SourceShard], list[list[Any]]]:
-    """Sources (FSDP dim-0 over ``trainers``) and per inference rank its target specs (TP)."""
+def llama_model(
+    size_gb: float, trainers: int, receivers: int, row_blocks: bool = False
+) -> tuple[list[W.SourceShard], list[list[Any]]]:
+    """Sources (FSDP dim-0 over ``trainers``) and per inference rank its target specs (TP).
+    ``row_blocks``: the row-parallel layers (o_proj, down_proj) cut by rows, as the others,
+    instead of by columns: the same bytes per rank, none of them staged (what the staging of
+    the column slices costs)."""
     per_layer = sum(int(np.prod(s)) for _, s in llama_layer_params(0)) * 2
     layers = max(1, round(size_gb * GB / per_layer))
     sources: list[W.SourceShard] = []
@@ -118,12 +123,14 @@ def llama_model(size_gb: float, trainers: int, receivers: int) -> tuple[list[W.S
                 (
                     p + "o_proj",
                     "bfloat16",
+                    [W.Piece(p + "o_proj", W.split_rows(HIDDEN, receivers, r))] if row_blocks else
                     [W.Piece(p + "o_proj", (0, HIDDEN), W.split_rows(HIDDEN, receivers, r))],
                 ),
                 (p + "gate_up_proj", "bfloat16", W.fused_tp(gu, r, receivers)),
                 (
                     p + "down_proj",
                     "bfloat16",
+                    [W.Piece(p + "down_proj", W.split_rows(HIDDEN, receivers, r))] if row_blocks else
                     [W.Piece(p + "down_proj", (0, HIDDEN), W.split_rows(MLP, receivers, r))],
                 ),
                 (p + "input_layernorm", "bfloat16", [W.Piece(p + "input_layernorm", (0, HIDDEN))]),
@@ -708,7 +715,7 @@ async def main(a: argparse.Namespace) -> None:
             + ", ".join(f"{p} {fan[p]:.2f} GB/s ({fan[p] / senders[p]['gbps']:.2f} of its 2 pairs)"
                         for p in providers)
         )
-        sources, specs = llama_model(a.size, 2, 2)
+        sources, specs = llama_model(a.size, 2, 2, row_blocks=a.row_blocks)
         total = sum(int(np.prod(s.local_shape)) * 2 for s in sources)
         print(
             f"model: Llama-3-8B layer shapes, {len({s.name for s in sources})} parameters, "
@@ -766,6 +773,8 @@ if __name__ == "__main__":
                     help="each sender's staging pool (default 256; 4096 with --trainers)")
     ap.add_argument("--chunk-mib", type=int, default=None,
                     help="the plan's chunk_bytes (default 16; 256 with --trainers)")
+    ap.add_argument("--row-blocks", action="store_true",
+                    help="CPU runs: o_proj and down_proj cut by rows, not columns (nothing staged)")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--no-kimi", action="store_true")
     ap.add_argument("--kimi-only", action="store_true")
