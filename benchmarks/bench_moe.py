@@ -168,9 +168,24 @@ def print_summary(s: dict[str, Any], machine: str) -> None:
                   + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()))
 
 
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver, no device
+        return 0
+
+
 def parent(args: argparse.Namespace) -> None:
     machine = args.machine or f"{os.cpu_count()} cores, {'GPU' if args.gpu else 'CPU'}"
     out = []
+    if args.gpu:  # one GPU per rank: a world larger than this machine's is skipped, said so
+        have = _gpu_count()
+        for w in args.world:
+            if w > have:
+                print(f"--gpu --world {w} skipped: {have} GPU(s) here")
+        args.world = [w for w in args.world if w <= have]
     for w in args.world:
         prefill = args.prefill_tokens
         if prefill is None:
