@@ -286,11 +286,12 @@ class Messages(Inbox):
                 st = self._begin(
                     1, None, None, None, None, names=names, opener=_opener(key, head, data, budget)
                 )
-                limit = min(self._max_message, addr.max_message)
-                if st.first == 1 and join and key not in self._windows and opens_window(data.nbytes, limit):
-                    # posted: at its schedule point, sends to the connection join a window
-                    mine = Window(limit, self._event())
-                    self._windows[key] = mine
+                if st.first == 1 and join and key not in self._windows:
+                    limit = min(self._max_message, addr.max_message)
+                    if opens_window(data.nbytes, limit):
+                        # posted: at its schedule point, sends to the connection join a window
+                        mine = Window(limit, self._event())
+                        self._windows[key] = mine
                 if st.first == 1 and st.op.done and not st.op.status:
                     self._sent(key)
                     counted = False
