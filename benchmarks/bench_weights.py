@@ -667,7 +667,8 @@ def _print_aiote(route: str, r: dict[str, Any], link: float, host_gbps: float, g
         print(
             f"  trainer {i}: push {s['wall_s']:.3f} s, staging wait {s['staging_wait_s']:.3f} s, "
             f"transform {s['transform_s']:.3f} s, writes {s['write_s']:.3f} s summed ({s['writes']}), "
-            f"notify {s['notify_s'] * 1e3:.1f} ms, direct {s['direct_bytes'] / GB:.2f} GB, "
+            f"notify {s['notify_s'] * 1e3:.1f} ms, direct {s['direct_bytes'] / GB:.2f} GB "
+            f"(strided {s['strided_bytes'] / GB:.2f} GB), "
             f"peak staging {s['peak_staging_bytes'] / 2**20:.0f} MiB"
         )
 

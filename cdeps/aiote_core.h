@@ -32,6 +32,7 @@ extern "C" {
 #define AIO_MAX_RAILS 16
 #define AIO_MAX_ADDR 128
 #define AIO_MAX_GATHER 16 /* local pieces one paged request may gather */
+#define AIO_MAX_STRIDED 4096 /* pages one strided copy of a paged write to a direct route may take */
 
 /* Credit unit of an immediate counter. A work request whose remote CQ data has a
  * zero weight field counts as one whole unit; a shard of a striped transfer carries
@@ -314,7 +315,11 @@ int64_t aio_submit_sendparts(aio_engine *e, uint64_t token, int rail, uint64_t p
  * pages whose destinations follow each other (dst_stride == page_size, adjacent indices) go
  * as one request gathering their sources, up to the rail's iov limit; it carries their
  * credits as one weight (k pages: k * AIO_CREDIT_UNIT), so gathering with AIO_F_DATA needs
- * 64-bit CQ data and is skipped otherwise. The route advances per request. Pages are checked against
+ * 64-bit CQ data and is skipped otherwise. To a direct route (a same-host copy), such pages
+ * whose sources are evenly spaced and ascending (src_pages[k+1] - src_pages[k] constant, >= 0)
+ * go as one strided copy of up to AIO_MAX_STRIDED pages, with no staging and one system call
+ * per 512 pages (a memcpy per page into an arena); sources a page apart make it one plain
+ * copy. The route advances per request. Pages are checked against
  * both regions (remote_len) as they are posted: -FI_EINVAL for page `start + returned`.
  * Returns the number of pages posted from `start` (fewer when the queue stays full for
  * budget_ns), or a negative error when none was. */

@@ -56,6 +56,18 @@ async def test_bytes_exact(route: str) -> None:
             want[k * 8192 : k * 8192 + 4096] = src[sp * 4096 : sp * 4096 + 4096]
         await p.wait(imm=20, n=256)
         assert await p.digest("buf") == digest(want)
+        # a column slice of a row-major matrix: adjacent destinations, sources one pitch apart;
+        # on the same-host routes one strided copy per 4096 rows (core.AIO_MAX_STRIDED)
+        rows, piece, pitch, at = 5000, 3000, 7001, (8 << 20) + 1
+        copies = e.stats()["direct_copies"]
+        await e.write_paged(ms, d, page_size=piece, src_pages=np.arange(rows), dst_pages=np.arange(rows),
+                            src_stride=pitch, src_offset=11, dst_offset=at, imm=22, timeout=60)
+        assert e.stats()["direct_copies"] - copies == (2 if route in SAME_HOST else 0)
+        want[at : at + rows * piece] = np.lib.stride_tricks.as_strided(
+            src[11:], shape=(rows, piece), strides=(pitch, 1)
+        ).reshape(-1)
+        await p.wait(imm=22, n=rows)
+        assert await p.digest("buf") == digest(want)
         targets = [aiote.ScatterTarget(d, length=1000 + k, src_offset=k * 7, dst_offset=(5 << 20) + k * 4096)
                    for k in range(8)]
         await e.scatter(ms, targets, imm=21, timeout=60)
@@ -64,7 +76,7 @@ async def test_bytes_exact(route: str) -> None:
             want[o : o + 1000 + k] = src[k * 7 : k * 7 + 1000 + k]
         await p.wait(imm=21, n=8)
         assert await p.digest("buf") == digest(want)
-        assert await p.counter(20) == 0 and await p.counter(21) == 0
+        assert await p.counter(20) == 0 and await p.counter(21) == 0 and await p.counter(22) == 0
         r.ran_here()
 
 

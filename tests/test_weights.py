@@ -77,10 +77,11 @@ class World:
         self.targets[r] = W.with_desc(tg, desc)
 
     async def install(
-        self, previous: W.WeightPlan | None = None, ranks: Sequence[int] | None = None, **sender: Any
+        self, previous: W.WeightPlan | None = None, ranks: Sequence[int] | None = None,
+        chunk_bytes: int = 512, **sender: Any
     ) -> W.WeightPlan:
         all_targets = [t for r in sorted(self.targets) for t in self.targets[r]]
-        p = W.plan(self.sources, all_targets, chunk_bytes=512, previous=previous)
+        p = W.plan(self.sources, all_targets, chunk_bytes=chunk_bytes, previous=previous)
         report = p.validate(link_bytes_per_s=1e9)
         assert report.total_bytes == sum(report.in_bytes.values())
         async with anyio.create_task_group() as tg:
@@ -220,6 +221,71 @@ async def spawn_rx(
         w.extra.append(proc)
     await w.add_receiver(r, proc, specs, arena=arena)
     return proc
+
+
+# ------------------------------------------------------------------ row-parallel slices
+
+
+@pytest.mark.parametrize("route", ["tcp", "default", "arena"])
+async def test_row_parallel_slices_from_registered_sources(
+    anyio_backend: str, route: str, tmp_path: Path
+) -> None:
+    """Row-parallel layers (each inference rank a column slice of the trainers' FSDP row
+    shards) with ``register_sources``, 2 -> 2 across processes, two versions, byte-equal to the
+    reference. On the same-host route, into ordinary buffers and into the receivers' host
+    arena, every uncast slice went as a strided copy from the registered source, not staged
+    (``strided_bytes``); a slice that needs a cast is staged on every route, and over tcp all
+    of them are."""
+    sources = [
+        *fsdp("o", (40, 96), "float32", [0, 23, 40]),
+        *fsdp("d", (16, 300), "float16", [0, 9, 16]),
+        *fsdp("c", (8, 64), "float32", [0, 4, 8]),
+    ]
+
+    def specs(r: int) -> list[Spec]:
+        return [
+            ("o", "float32", [W.Piece("o", (0, 40), W.split_rows(96, 2, r))]),
+            ("d", "float16", [W.Piece("d", (0, 16), W.split_rows(300, 2, r))]),
+            ("c16", "float16", [W.Piece("c", (0, 8), W.split_rows(64, 2, r))]),  # a cast: staged
+        ]
+
+    where = "tcp" if route == "tcp" else "default"
+    async with world(anyio_backend, where, sources, 2, 2, tmp_path) as w:
+        for r in range(2):
+            await spawn_rx(w, anyio_backend, where, r, specs(r), arena=route == "arena")
+        for s in w.senders.values():
+            for r in w.receivers.values():
+                got = (await s.call(op="route", peer=r.address.hex()))["provider"].split(";")[0]
+                assert got == ("tcp" if route == "tcp" else "shm")
+        p = await w.install(chunk_bytes=4096, register_sources=True)
+        before = {s: (await x.call(op="stats"))["stats"] for s, x in w.senders.items()}
+        for v in (1, 2):
+            replies: dict[int, dict[str, Any]] = {}
+
+            async def push(s: int, v: int = v, replies: dict[int, dict[str, Any]] = replies) -> None:
+                replies[s] = await w.senders[s].call(op="push", version=v, timeout=30)
+
+            async with anyio.create_task_group() as tg:
+                for s in w.senders:
+                    tg.start_soon(push, s)
+            await w.check(v)
+            for s, reply in replies.items():
+                sliced = sum(x.nbytes for x in p.sender(s).writes if x.src_dtype == x.dst_dtype)
+                cast = sum(x.nbytes for x in p.sender(s).writes if x.src_dtype != x.dst_dtype)
+                assert sliced > 0 and cast > 0
+                stats = reply["stats"]
+                assert stats["strided_bytes"] == (0 if route == "tcp" else sliced), (route, s, stats)
+                assert stats["direct_bytes"] == stats["strided_bytes"]
+        for s, x in w.senders.items():
+            st = (await x.call(op="stats"))["stats"]
+            copies = st["direct_copies"] - before[s]["direct_copies"]
+            mapped = st["direct_mapped"] - before[s]["direct_mapped"]
+            if route == "tcp":
+                assert copies == 0
+            elif route == "arena":
+                assert mapped > 0 and copies >= mapped
+            else:
+                assert copies > 0 and mapped == 0
 
 
 # ------------------------------------------------------------------ 4 -> 3, uneven rows

@@ -137,8 +137,11 @@ class Collective(Transfers):
         of pages (numpy checks the index arrays). Pages are spread over the NICs that reach
         the peer, round robin; pages whose destinations are adjacent (``dst_stride ==
         page_size``) go as one request gathering up to the NIC's iov limit of sources (4 on
-        tcp and shm), after sorting the pages of the call by destination. With ``imm``, the
-        peer's ``imm_counter(imm)`` gains one credit per page, however many NICs carried them.
+        tcp and shm), after sorting the pages of the call by destination; to a region reached
+        by same-host direct copies (:attr:`Route.direct`), such pages whose sources are evenly
+        spaced and ascending (the rows of a column slice) go as one strided copy of up to 4096
+        pages, with no staging. With ``imm``, the peer's ``imm_counter(imm)`` gains one credit
+        per page, however many NICs carried them.
 
         Returns when every page's source bytes may be reused. Raises :class:`InvalidArgument`
         (lists of different lengths, negative or non-integer indices, a page past either

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -164,13 +165,17 @@ class Rails(Registration):
     def route(self, peer: bytes | EngineAddress | MemoryDescriptor) -> Route:
         """How this engine reaches ``peer`` (an engine address, or a descriptor of one of its
         regions): the provider (``shm`` for a same-host peer when both engines carry it, else
-        the main provider), and the (local NIC, remote NIC) pairs transfers are striped over.
+        the main provider), the (local NIC, remote NIC) pairs transfers are striped over, and,
+        for a descriptor, whether host-memory transfers to its region are direct copies.
         Force a provider by opening the engine with ``same_host=None`` (never shm) or with
         ``provider="shm"``. Raises :class:`InvalidArgument` when no provider is common,
         :class:`DescriptorError` for corrupt address bytes. Costs O(NICs): the first call for a
         peer resolves its NIC addresses (one native call each, cached), later ones hit the cache."""
         if isinstance(peer, MemoryDescriptor):
-            return self._router.describe(peer.keys, self._host_of(peer))
+            route = self._router.describe(peer.keys, self._host_of(peer))
+            if peer.direct is not None and peer.device_kind == DEVICE_HOST and self._direct(peer)[0]:
+                return dataclasses.replace(route, direct=True)
+            return route
         addr = self._engine_address(peer)
         return self._router.describe(addr_ends(addr), addr.host_id)
 

@@ -46,13 +46,17 @@ class Route:
 
     ``provider``: the libfabric provider used; ``same_host``: whether the peer runs on this
     host; ``pairs``: ``(local NIC, remote NIC index)`` for each route transfers are striped
-    over; ``down``: local NICs currently out of rotation (link down or failed). A frozen
+    over; ``down``: local NICs currently out of rotation (link down or failed); ``direct``
+    (the route of a region's descriptor only): whether this engine's writes and reads of host
+    memory to that region are same-host direct copies (see docs/same-host.md), where a
+    paged write whose sources are evenly spaced goes as one copy with no staging. A frozen
     snapshot: reading it costs nothing and raises nothing."""
 
     provider: str
     same_host: bool
     pairs: tuple[tuple[str, int], ...]
     down: tuple[str, ...] = ()
+    direct: bool = False
 
 
 @dataclass(frozen=True, slots=True)

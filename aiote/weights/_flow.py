@@ -62,7 +62,9 @@ class PushStats:
     writes); ``imms_behind_writes`` the receivers whose immediate was posted right behind
     their writes (over the CUDA-IPC rail) rather than after them. ``bytes_by_receiver`` the
     bytes written to each inference rank; ``direct_bytes`` those written straight from
-    registered source tensors; ``peak_staging_bytes`` the most staging memory in use at once."""
+    registered source tensors, of which ``strided_bytes`` as column slices (one strided copy
+    per slice, to a receiver reached by same-host direct copies); ``peak_staging_bytes`` the
+    most staging memory in use at once."""
 
     version: int
     wall_s: float = 0.0
@@ -74,6 +76,7 @@ class PushStats:
     writes: int = 0
     bytes_by_receiver: dict[int, int] = field(default_factory=dict)
     direct_bytes: int = 0
+    strided_bytes: int = 0
     peak_staging_bytes: int = 0
 
     @property
@@ -212,7 +215,10 @@ class WeightSender:
     land on adjacent bytes of one region go as one write of up to ``coalesce_bytes`` and a
     quarter of a receiver's share of ``max_tmp_bytes`` (0: no merging): parameters laid out
     one after another in one flat buffer then cost a few large writes, not one per tensor.
-    Merging takes a receiver's direct writes in the order of what they read.
+    Merging takes a receiver's direct writes in the order of what they read. A column slice
+    that needs no cast (a row-parallel layer's shard) to a receiver this engine reaches by
+    same-host direct copies (:attr:`~aiote.Route.direct`) is not staged either: it goes as one
+    paged write whose pages are its rows, which the core makes as one strided copy.
 
     Raises :class:`~aiote.InvalidArgument` (``PlanError``) for a plan without descriptors, a
     write larger than ``max_tmp_bytes``, bad arguments; :class:`~aiote.DescriptorError` for a
@@ -262,6 +268,9 @@ class WeightSender:
         self._run_cache: dict[int, tuple[int, dict[str, Any], list[list[Write]]]] = {}
         self._sources = {s.name: s for s in plan.sources}
         self._plain_names = sorted({w.source for w in plan.writes if self._plain(w)})
+        # with NumPy tensors, sources of uncast column slices are registered too (_strided)
+        self._uncast_names = sorted({w.source for w in plan.writes if w.src_dtype == w.dst_dtype})
+        self._desc_direct: dict[int, bool] = {}
         # name -> (the array last passed, (shape, dtype, address), its xp, its 2-D view)
         self._seen: dict[str, tuple[Any, tuple[Any, ...], Any, Any]] = {}
         # name -> (the 2-D view last registered from, its allocation's key, byte offset)
@@ -420,7 +429,7 @@ class WeightSender:
                 self._direct_seen = {}
             return
         keep: dict[tuple[int, int], tuple[Any, MemoryRegion]] = {}
-        for name in self._plain_names:
+        for name in self._uncast_names if xp is np else self._plain_names:
             v = views[name]
             known = self._roots.get(name)
             if known is not None and known[0] is v and (known[1] in keep or known[1] in self._registered):
@@ -498,6 +507,24 @@ class WeightSender:
         s = self._sources[w.source]
         return d[0], d[1] + w.row0 * s.width * self._itemsize(w.src_dtype)
 
+    def _strided(self, w: Write, ctx: _Push) -> tuple[tuple[int, int], int, int] | None:
+        """Where an uncast column slice of a NumPy source reads, when its receiver's region is
+        reached by same-host direct copies: (its allocation's key, byte offset of its first
+        row piece, row pitch in bytes); else None (staged, or a plain write: see _src)."""
+        if self._xp is not np or w.src_dtype != w.dst_dtype or self._plain(w):
+            return None
+        d = ctx.direct.get(w.source)
+        if d is None:
+            return None
+        direct = self._desc_direct.get(w.desc)
+        if direct is None:
+            direct = self._desc_direct[w.desc] = self.engine.route(self._descs[w.desc]).direct
+        if not direct:
+            return None
+        s = self._sources[w.source]
+        size = self._itemsize(w.src_dtype)
+        return d[0], d[1] + (w.row0 * s.width + w.col0) * size, s.width * size
+
     def _runs(self, r: int, ctx: _Push, pool: _Pool) -> list[list[Write]]:
         """Receiver ``r``'s writes, direct ones merged: taken in the order of what they read
         (allocation, offset), consecutive ones go as one write where they read adjacent bytes
@@ -547,9 +574,23 @@ class WeightSender:
         w = run[0]
         n = sum(x.nbytes for x in run)
         src = self._src(w, ctx)
+        strided = self._strided(w, ctx) if src is None else None
         t = time.monotonic()
-        off = await pool.take(r, n, src is None, ctx.end)
+        off = await pool.take(r, n, src is None and strided is None, ctx.end)
         st.staging_wait_s += time.monotonic() - t
+        desc = self._descs[w.desc]
+        job: Transfer | Callable[..., Awaitable[None]]
+        if strided is not None:  # the rows' pieces, one strided copy (see _strided)
+            st.direct_bytes += n
+            st.strided_bytes += n
+            rows = np.arange(w.row1 - w.row0)
+            job = partial(
+                self.engine.write_paged, self._registered[strided[0]][1], desc,
+                page_size=n // len(rows), src_pages=rows, dst_pages=rows, src_stride=strided[2],
+                src_offset=strided[1], dst_offset=w.offset, retry=self._retry,
+            )
+            tg.start_soon(self._write, r, job, n, off, time.monotonic(), ctx, pool)
+            return
         if src is not None:
             mr, src_off = self._registered[src[0]][1], src[1]
             st.direct_bytes += n
@@ -563,9 +604,7 @@ class WeightSender:
             st.transform_s += time.monotonic() - t
             assert self._staging_mr is not None
             mr, src_off = self._staging_mr, off
-        desc = self._descs[w.desc]
         t = time.monotonic()
-        job: Transfer | Callable[..., Awaitable[None]]
         if self._xp is np:  # awaited as one engine.write: its stall and gone-peer checks
             job = partial(
                 self.engine.write, mr, desc, length=n, src_offset=src_off, dst_offset=w.offset,

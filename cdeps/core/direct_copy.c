@@ -14,7 +14,10 @@
  * setting the engine's busy bit and clearing it (see direct_table.c for why that order makes
  * retiring a region safe). Into or out of the peer's arena, mapped here, a copy is a memcpy
  * and a fence; elsewhere the kernel copies (process_vm_writev / readv). A peer whose process
- * exited fails its copies with -FI_ECONNRESET (its pidfd, polled once per pass). A bare
+ * exited fails its copies with -FI_ECONNRESET (its pidfd, polled once per pass). A strided
+ * write (a paged write's run of pages with adjacent destinations and evenly spaced sources)
+ * is one op: its pieces go into the peer's contiguous range by a 2-D memcpy (arena) or by
+ * process_vm_writev calls of up to DIRECT_IOV local pieces each, with no staging copy. A bare
  * immediate with a direct code copies nothing: aio__direct_check makes the same checks in
  * place, in the posting thread, before it goes to shm. */
 #include "internal.h"
@@ -43,19 +46,44 @@ static int slot_refuses(direct_slot *s, const aio_op_desc *d) {
            d->length > len - (d->raddr - base) || !(atomic_load_explicit(&s->access, memory_order_relaxed) & need);
 }
 
-/* One direct copy's parts (copier.c calls these, for the whole copy or for each half). */
+/* One direct copy's parts (copier.c calls these, for the whole copy or for each half). A
+ * strided write (piece > 0: aio_post_paged's pages to a direct route) reads its local bytes
+ * as pieces of `piece` bytes, `stride` apart; the peer's side is one contiguous range. */
 typedef struct {
     direct_peer *p;
     const aio_op_desc *d;
     char *there; /* the peer's bytes, mapped here (its arena), or NULL */
     char *here;  /* ours */
+    uint64_t piece;
+    uint64_t stride;
 } part_ctx;
+
+/* Copies the peer's bytes [off, off + len) of a strided write from their local pieces. */
+static void strided_part(const part_ctx *c, uint64_t off, uint64_t len) {
+    uint64_t i = off / c->piece, at = off % c->piece;
+    char *dst = c->there + off;
+    while (len) {
+        uint64_t n = c->piece - at < len ? c->piece - at : len;
+        memcpy(dst, c->here + i * c->stride + at, n);
+        dst += n;
+        len -= n;
+        i++;
+        at = 0;
+    }
+}
 
 static int mapped_part(void *arg, uint64_t off, uint64_t len) {
     part_ctx *c = arg;
-    if (c->d->op == AIO_OP_READ) memcpy(c->here + off, c->there + off, len);
+    if (c->piece) strided_part(c, off, len);
+    else if (c->d->op == AIO_OP_READ) memcpy(c->here + off, c->there + off, len);
     else memcpy(c->there + off, c->here + off, len);
     return 0;
+}
+
+#define DIRECT_IOV 512 /* local pieces per process_vm_writev (IOV_MAX is 1024) */
+
+static int vm_error(ssize_t k) {
+    return k == 0 ? -FI_EFAULT : errno == ESRCH ? -FI_ECONNRESET : -errno;
 }
 
 static int vm_part(void *arg, uint64_t off, uint64_t len) {
@@ -68,15 +96,40 @@ static int vm_part(void *arg, uint64_t off, uint64_t len) {
         ssize_t k = rd ? process_vm_readv(c->p->pid, &lio, 1, &rio, 1, 0)
                        : process_vm_writev(c->p->pid, &lio, 1, &rio, 1, 0);
         if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return k == 0 ? -FI_EFAULT : errno == ESRCH ? -FI_ECONNRESET : -errno;
+        if (k <= 0) return vm_error(k);
         done += (uint64_t)k;
+    }
+    return 0;
+}
+
+/* A strided write outside an arena: up to DIRECT_IOV local pieces per system call into the
+ * peer's contiguous range (a short copy resumes where it stopped, mid-piece if need be). */
+static int vm_strided(const part_ctx *c) {
+    struct iovec lio[DIRECT_IOV];
+    uint64_t len = c->d->length, done = 0;
+    while (done < len) {
+        uint64_t i = done / c->piece, at = done % c->piece, want = 0;
+        int k = 0;
+        for (; k < DIRECT_IOV && done + want < len; k++, i++, at = 0) {
+            uint64_t n = c->piece - at;
+            if (n > len - done - want) n = len - done - want;
+            lio[k].iov_base = c->here + i * c->stride + at;
+            lio[k].iov_len = n;
+            want += n;
+        }
+        struct iovec rio = {.iov_base = (void *)(uintptr_t)(c->d->raddr + done), .iov_len = want};
+        ssize_t got = process_vm_writev(c->p->pid, lio, (unsigned long)k, &rio, 1, 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) return vm_error(got);
+        done += (uint64_t)got;
     }
     return 0;
 }
 
 /* Makes one direct copy (poller 0's thread, the only one that copies: a peer's slot has one busy
  * bit per engine, set and cleared around each copy): 0, or a negative error for its op. */
-int aio__direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
+int aio__direct_copy(aio_engine *e, const aio_op *op, uint64_t run) {
+    const aio_op_desc *d = &op->d;
     direct_peer *p = &e->dpeers[(d->direct >> 16) - 1];
     uint32_t idx = (uint32_t)d->direct & 0xffff;
     if (atomic_load(&p->dead)) return -FI_ECONNRESET;
@@ -86,6 +139,11 @@ int aio__direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     }
     direct_slot *s = &p->t->slots[idx];
     uint64_t bit = 1ULL << p->index;
+    part_ctx c = {p, d, NULL, (char *)((aio_mr *)d->mr)->buf + d->offset, 0, 0};
+    if (op->dpieces > 1) {
+        c.piece = d->length / op->dpieces;
+        c.stride = op->dstride;
+    }
     /* mark, then read the key (seq_cst both): the owner clears the key, then reads the marks,
      * so either it sees our mark and waits, or we see its cleared key and do not copy */
     atomic_fetch_or(&s->busy, bit);
@@ -95,12 +153,13 @@ int aio__direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run) {
     } else if (in_arena(p, d->raddr, d->length)) {
         /* in the peer's arena, mapped here: a plain copy, then a release fence so that whoever
          * learns of the completion (the immediate, a message) finds the bytes */
-        part_ctx c = {p, d, p->amap + (d->raddr - p->abase), (char *)((aio_mr *)d->mr)->buf + d->offset};
+        c.there = p->amap + (d->raddr - p->abase);
         rc = aio__split(e, d->length, mapped_part, &c);
         atomic_thread_fence(memory_order_seq_cst);
         atomic_fetch_add_explicit(&e->st_mapped, 1, memory_order_relaxed);
-    } else { /* outside the arena: the kernel copies between the two address spaces */
-        part_ctx c = {p, d, NULL, (char *)((aio_mr *)d->mr)->buf + d->offset};
+    } else if (c.piece) { /* outside the arena: the kernel copies between the two address spaces */
+        rc = vm_strided(&c);
+    } else {
         rc = vm_part(&c, 0, d->length); /* not split: the kernel's copy gained nothing in halves */
     }
     atomic_fetch_and(&s->busy, ~bit);
@@ -119,7 +178,8 @@ int aio__direct_check(aio_engine *e, const aio_op_desc *d) {
 }
 
 /* Direct copies in runs (poller 0, before aio__direct_run posts anything). A paged write to a
- * same-host peer queues one op per page; copied one by one, each page costs a system call
+ * same-host peer queues one op per page unless its pages form strided runs (aio_post_paged:
+ * then one strided op per run, copied alone); copied one by one, each page costs a system call
  * and, with an immediate, a zero-byte shm message. So consecutive queued copies into one
  * region of one peer (same attachment and slot, same direction, outside an arena) are made
  * by one process_vm_writev / readv of up to DIRECT_IOV pieces, after the same slot checks
@@ -130,10 +190,9 @@ int aio__direct_check(aio_engine *e, const aio_op_desc *d) {
  * at once, whatever their connection's queue (they post nothing). An op merged once is
  * never counted into another run, though it waits a pass; a carrier kept for room keeps its
  * weight. The immediate still follows every byte of its run. */
-#define DIRECT_IOV 512
-
 static int direct_same_run(const aio_op *a, const aio_op *b) {
-    return b && !b->dcopied && !b->dpost && b->d.direct == a->d.direct && b->d.op == a->d.op;
+    return b && !b->dcopied && !b->dpost && b->dpieces <= 1 && a->dpieces <= 1 && b->d.direct == a->d.direct &&
+           b->d.op == a->d.op;
 }
 
 /* The copies: runs of two or more made at once, each op's status set. */
@@ -190,7 +249,7 @@ static void direct_batch_copy(aio_engine *e, aio_op *list, uint64_t run) {
                 o->dcopied = 1;
                 atomic_fetch_add_explicit(&e->st_direct, 1, memory_order_relaxed);
             } else { /* one by one, each with its own status */
-                o->dstatus = aio__direct_copy(e, &o->d, run);
+                o->dstatus = aio__direct_copy(e, o, run);
                 o->dcopied = 1;
                 if (!o->dstatus) atomic_fetch_add_explicit(&e->st_direct, 1, memory_order_relaxed);
             }

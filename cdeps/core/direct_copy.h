@@ -6,7 +6,7 @@
 
 /* Makes one direct copy (poller 0's thread only): 0, or a negative error for its op. `run`
  * is the poller's pass (a peer's liveness is checked once per pass). */
-AIO_INTERNAL int aio__direct_copy(aio_engine *e, const aio_op_desc *d, uint64_t run);
+AIO_INTERNAL int aio__direct_copy(aio_engine *e, const aio_op *op, uint64_t run);
 /* The checks of a direct copy, in place, for a request that moves no bytes itself (a bare
  * immediate to a same-host peer): 0, -FI_ECONNRESET or -FI_EACCES. Any thread. */
 AIO_INTERNAL int aio__direct_check(aio_engine *e, const aio_op_desc *d);

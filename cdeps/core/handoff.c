@@ -162,7 +162,7 @@ int aio__direct_run(aio_poller *q) {
             continue;
         }
         if (!op->dcopied) {
-            op->dstatus = aio__direct_copy(e, &op->d, run);
+            op->dstatus = aio__direct_copy(e, op, run);
             op->dcopied = 1;
             if (!op->dstatus) atomic_fetch_add_explicit(&e->st_direct, 1, memory_order_relaxed);
         }

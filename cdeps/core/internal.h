@@ -89,6 +89,11 @@ typedef struct aio_op {
     int32_t dpost; /* not a copy: a request the poller posts to the rail's provider (see post.c) */
     int32_t dmerged; /* a copied write whose immediate a later op of its run carries (aio__direct_batch) */
     int64_t dsince; /* dpost: when the provider first refused it for room (0: not yet) */
+    /* a strided copy (aio_post_paged's pages to a direct route): dpieces > 1 pieces of
+     * d.length / dpieces bytes, the i-th at d.offset + i * dstride of the local region, into
+     * d.length contiguous remote bytes. 0 or 1: one contiguous piece */
+    uint32_t dpieces;
+    uint64_t dstride;
     uint64_t peer;  /* a write's or read's peer (aio__complete_op: a failure stops deferrals to it) */
     uint64_t bytes; /* a write's or read's bytes, counted in its rail's bytes_inflight (0: none) */
 } aio_op;

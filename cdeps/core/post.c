@@ -186,6 +186,8 @@ static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const 
     op->mr = m;
     op->peer = it->peer;
     op->bytes = bytes;
+    op->dpieces = 0;
+    op->dstride = 0;
     aio_group *gr = &e->groups[g];
     atomic_fetch_add(&m->inflight, 1);
     atomic_fetch_add(&gr->posted, 1);
@@ -195,18 +197,46 @@ static aio_op *op_start(aio_engine *e, aio_rail *r, int64_t g, aio_mr *m, const 
     return op;
 }
 
+/* a*b+c <= limit without overflow */
+static int fits(uint64_t a, uint64_t b, uint64_t c, uint64_t limit) {
+    if (b && a > (UINT64_MAX - c) / b) return 0;
+    return a * b + c <= limit;
+}
+
+/* Queues a direct copy for poller 0: `it`, or with ngather > 1 the strided write of ngather
+ * pieces of it->length bytes, `stride` apart from it->offset, into one remote range. */
+static void direct_copy_enqueue(aio_engine *e, aio_op *op, const aio_op_desc *it, int ngather,
+                                uint64_t stride) {
+    if (ngather <= 1) {
+        aio__direct_enqueue(e, op, it, 0);
+        return;
+    }
+    aio_op_desc whole = *it;
+    whole.length = it->length * (uint64_t)ngather;
+    op->dpieces = (uint32_t)ngather;
+    op->dstride = stride;
+    aio__direct_enqueue(e, op, &whole, 0);
+}
+
 /* Posts one request into group g: 1 posted, 0 no room before the deadline (nothing
- * posted), negative: an error for this request (nothing posted). Takes the rail's lock into
- * `h` (kept for the caller's next request; the caller releases it). */
+ * posted), negative: an error for this request (nothing posted). `gather`: the local offsets
+ * of ngather > 1 pieces of it->length bytes gathered into one remote range; NULL with
+ * ngather > 1: a strided direct copy (pieces `stride` apart from it->offset). Takes the
+ * rail's lock into `h` (kept for the caller's next request; the caller releases it). */
 static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const uint64_t *gather,
-                       int ngather, int64_t deadline, rail_hold *h) {
+                       int ngather, uint64_t stride, int64_t deadline, rail_hold *h) {
     if (it->rail < 0 || it->rail >= e->nrails || !it->mr ||
         (it->op != AIO_OP_WRITE && it->op != AIO_OP_READ))
         return -FI_EINVAL;
     aio_mr *m = it->mr;
     if (it->offset > m->len || it->length > m->len - it->offset) return -FI_EINVAL;
-    /* a direct copy: one local piece, at least one byte (a bare immediate goes the provider's way) */
-    int direct = it->direct != 0 && ngather <= 1 && it->length > 0;
+    int strided = ngather > 1 && !gather;
+    if (strided && (it->direct == 0 || it->length == 0 || it->op != AIO_OP_WRITE ||
+                    !fits((uint64_t)(ngather - 1), stride, it->offset + it->length, m->len)))
+        return -FI_EINVAL;
+    /* a direct copy: one local piece, or strided pieces, of at least one byte (a bare immediate
+     * goes the provider's way) */
+    int direct = it->direct != 0 && (ngather <= 1 || strided) && it->length > 0;
     if (it->direct != 0 && ((it->direct >> 16) < 1 || (it->direct >> 16) > atomic_load(&e->ndpeers) ||
                             (it->direct & 0xffff) >= AIO_DIRECT_SLOTS ||
                             !e->dpeers[(it->direct >> 16) - 1].t))
@@ -234,7 +264,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
          * poller 0 copies it. Waiting for the lock cost the posting thread a futex sleep
          * whenever a spinning poller held the rail (a 1 KiB copy's post: 80-100 us in an
          * MoE step on the 2 x H200 host, 14 us with the poller asleep) */
-        aio__direct_enqueue(e, op, it, 0);
+        direct_copy_enqueue(e, op, it, ngather, stride);
         return 1;
     }
     int hand = atomic_load_explicit(&e->hand_posts, memory_order_relaxed);
@@ -266,7 +296,7 @@ static int post_item_g(aio_engine *e, int64_t g, const aio_op_desc *it, const ui
     h->posts++;
     ssize_t ret = 0;
     if (direct) {
-        aio__direct_enqueue(e, op, it, 0); /* the poller copies (aio_post kicks it) */
+        direct_copy_enqueue(e, op, it, ngather, stride); /* the poller copies (aio_post kicks it) */
     } else {
         for (;;) {
             ret = ngather > 1 ? post_gather(r, it, gather, ngather, op) : aio__post_one(r, it, op);
@@ -295,7 +325,7 @@ int64_t aio_post(aio_engine *e, int64_t g, const aio_op_desc *items, int64_t n, 
     rail_hold h = {0};
     uint32_t mask = 0; /* the rails posted to: their pollers are kicked */
     for (; i < n; i++) {
-        rc = post_item_g(e, g, &items[i], NULL, 1, deadline, &h);
+        rc = post_item_g(e, g, &items[i], NULL, 1, 0, deadline, &h);
         if (rc <= 0) break;
         mask |= 1u << items[i].rail;
         if (items[i].direct) mask |= 1u; /* a direct copy may be queued for poller 0 (rail 0's) */
@@ -327,12 +357,6 @@ int64_t aio_submit_quiet(aio_engine *e, uint64_t token, const aio_op_desc *items
     return submit(e, token, items, n, budget_ns, group, 1);
 }
 
-/* a*b+c <= limit without overflow */
-static int fits(uint64_t a, uint64_t b, uint64_t c, uint64_t limit) {
-    if (b && a > (UINT64_MAX - c) / b) return 0;
-    return a * b + c <= limit;
-}
-
 int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_t start, int64_t n,
                        int64_t budget_ns) {
     if (!aio__group_postable(e, g) || !d || !d->mr || d->nroutes < 1 || d->nroutes > AIO_MAX_RAILS ||
@@ -349,7 +373,9 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
     it.flags = d->flags & AIO_F_DATA;
     /* pages whose destinations follow each other go as one request gathering their
      * sources (up to the rail's iov limit); such a request carries the credit of all its
-     * pages as one weight, so it is only formed when the weight can travel */
+     * pages as one weight, so it is only formed when the weight can travel. To a direct route
+     * such pages whose sources are evenly spaced go as one strided copy (up to
+     * AIO_MAX_STRIDED pages; sources a page apart: one contiguous copy) */
     int64_t k = start;
     int rc = 0;
     uint64_t gather[AIO_MAX_GATHER];
@@ -360,12 +386,12 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
         const aio_route *rt = &d->routes[(uint64_t)(d->first_route + start + req) % (uint64_t)d->nroutes];
         aio_rail *r = (rt->rail >= 0 && rt->rail < e->nrails) ? e->rails[rt->rail] : NULL;
         int limit = 1;
-        if (r && d->gather && !rt->direct) {
-            limit = (int)r->iov_limit;
+        if (r && d->gather) {
+            limit = rt->direct ? AIO_MAX_STRIDED : (int)r->iov_limit;
             if ((d->flags & AIO_F_DATA) && r->cq_data_size < 8) limit = 1;
         }
         int cnt = 0;
-        uint64_t dst0 = 0;
+        uint64_t dst0 = 0, src0 = 0, stride = 0;
         for (; cnt < limit && k + cnt < n; cnt++) {
             int64_t si = d->src_pages[k + cnt], di = d->dst_pages[k + cnt];
             if (si < 0 || di < 0 ||
@@ -375,12 +401,21 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
                 break;
             }
             uint64_t dst = d->dst_offset + (uint64_t)di * d->dst_stride;
-            if (cnt == 0) dst0 = dst;
-            else if (dst != dst0 + (uint64_t)cnt * d->page_size) break;
-            gather[cnt] = d->src_offset + (uint64_t)si * d->src_stride;
+            uint64_t src = d->src_offset + (uint64_t)si * d->src_stride;
+            if (cnt == 0) {
+                dst0 = dst;
+                src0 = src;
+            } else if (dst != dst0 + (uint64_t)cnt * d->page_size) {
+                break;
+            } else if (rt->direct) { /* evenly spaced sources, ascending */
+                if (cnt == 1 && src >= src0) stride = src - src0;
+                else if (cnt == 1 || src < src0 || src - src0 != (uint64_t)cnt * stride) break;
+            }
+            if (!rt->direct) gather[cnt] = src;
         }
         if (cnt == 0) break;
-        it.offset = gather[0];
+        it.offset = src0;
+        it.length = d->page_size;
         it.rail = rt->rail;
         it.peer = rt->peer;
         it.rkey = rt->rkey;
@@ -388,7 +423,12 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
         it.raddr = rt->rbase + dst0;
         it.data = d->data;
         if ((d->flags & AIO_F_DATA) && cnt > 1) it.data = (d->data & 0xffffffffULL) | (((uint64_t)cnt * AIO_CREDIT_UNIT) << 32);
-        rc = post_item_g(e, g, &it, gather, cnt, deadline, &h);
+        if (rt->direct && cnt > 1 && stride == d->page_size) { /* one contiguous copy */
+            it.length = d->page_size * (uint64_t)cnt;
+            rc = post_item_g(e, g, &it, NULL, 1, 0, deadline, &h);
+        } else {
+            rc = post_item_g(e, g, &it, rt->direct ? NULL : gather, cnt, stride, deadline, &h);
+        }
         if (rc <= 0) break;
         mask |= 1u << it.rail;
         k += cnt;

@@ -241,3 +241,22 @@ aio_stats stats_of(aio_engine *e) {
     aio_get_stats(e, &st);
     return st;
 }
+
+/* Posts a paged write into one group and returns its record (rec->a: the requests formed). */
+int paged_group(eng_t *a, const aio_paged_desc *d, int64_t n, aio_record *rec) {
+    uint64_t tok = g_token++;
+    int64_t g = aio_group_open(a->e, tok);
+    CHECK(g >= 0, "aio_group_open");
+    int64_t done = 0;
+    double t0 = now_s();
+    while (done < n) {
+        int64_t r = aio_post_paged(a->e, g, d, done, n, 1000000);
+        CHECK(r >= 0, "aio_post_paged: %s", aio_strerror((int)r));
+        done += r;
+        CHECK(now_s() - t0 < TIMEOUT, "paged post timed out");
+        if (r == 0) sleep_us(50);
+    }
+    CHECK_OK(aio_group_seal(a->e, g));
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, rec) == 0, "no group record");
+    return 0;
+}

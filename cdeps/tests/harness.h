@@ -126,6 +126,9 @@ aio_op_desc op_at(eng_t *src, int op, uint64_t loff, uint64_t raddr, uint64_t rk
 aio_op_desc op_to(eng_t *src, eng_t *dst, int op, uint64_t loff, uint64_t roff, uint64_t len, int flags, uint64_t data);
 int group_record(eng_t *x, const aio_op_desc *it, int64_t n, aio_record *r);
 int run_group(eng_t *x, const aio_op_desc *it, int64_t n, aio_record *rec);
+/* Posts a paged write into one group (retrying while the queue is full) and waits for its
+ * record (rec->a: the requests formed). */
+int paged_group(eng_t *a, const aio_paged_desc *d, int64_t n, aio_record *rec);
 int connect_pair(eng_t *a, eng_t *b);
 aio_stats stats_of(aio_engine *e);
 
@@ -171,6 +174,7 @@ int t_two_process(fix_t *f);
 int remote_error_direct(fix_t *f);
 int t_direct(fix_t *f);
 int t_direct_retire(fix_t *f);
+int t_direct_strided(fix_t *f);
 
 /* test_tuning.c */
 int t_tcp_sndbuf(fix_t *f);

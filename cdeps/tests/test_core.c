@@ -27,7 +27,7 @@ static const test_t TESTS[] = {
     {"register_dev", t_register_dev},
     {"poll_ring", t_poll_ring},       {"submit", t_submit},
     {"submit_quiet", t_submit_quiet}, {"spin_window", t_spin_window},
-    {"direct", t_direct},             {"direct_retire", t_direct_retire},
+    {"direct", t_direct},             {"direct_retire", t_direct_retire}, {"direct_strided", t_direct_strided},
     {"tcp_sndbuf", t_tcp_sndbuf},     {"handed", t_handed},
     {"handed_stall", t_handed_stall}, {"pollers", t_pollers},
     {"ring_nomem", t_ring_nomem},     {"recv_kick", t_recv_kick},

@@ -452,6 +452,94 @@ int t_direct(fix_t *f) {
     return 0;
 }
 
+/* Paged writes to a direct route, into the arena (memcpy) and outside it (process_vm_writev):
+ * pages with adjacent destinations and evenly spaced sources go as one strided copy (more
+ * than the 512 pieces of one system call), sources a page apart as one plain copy, a break in
+ * the spacing starts a new copy; every page where it belongs, nothing beside the range
+ * touched, one credit unit per page. A strided run is never formed over gather = 0. */
+int t_direct_strided(fix_t *f) {
+    if (strcmp(f->prov, "shm")) {
+        printf("    (shm only)\n");
+        return 0;
+    }
+    eng_t *a = &f->a, *b = &f->b;
+    direct_fix x;
+    int rc = direct_setup(f, &x, 4 * MiB);
+    if (rc) return rc;
+    enum { NP = 700, PS = 1000, DOFF = 5 };
+    static int64_t sp[NP], dp[NP];
+    void *q = NULL;
+    CHECK(posix_memalign(&q, 4096, MiB) == 0, "oom");
+    aio_mr *plain = NULL;
+    char err[512];
+    CHECK_OK(aio_mr_register(b->e, q, MiB, AIO_ACCESS_REMOTE_WRITE, &plain, err, sizeof(err)));
+    struct { aio_mr *mr; uint8_t *buf; int mapped; } tg[2] = {{x.mr, x.buf, 1}, {plain, q, 0}};
+    /* source spacing (in pages) per case; case 2 breaks it at page 400; case 3 is case 0 with
+     * gather off: one request per page */
+    const int64_t spacing[4] = {3, 1, 3, 3};
+    const uint64_t want_ops[4] = {1, 1, 3, NP};
+    uint32_t imm = 0x6500;
+    for (int t = 0; t < 2; t++) {
+        for (int c = 0; c < 4; c++, imm++) {
+            for (int k = 0; k < NP; k++) {
+                sp[k] = spacing[c] * k;
+                dp[k] = k;
+            }
+            if (c == 2) sp[400] = 0;
+            fill(a->buf, 3 * NP * PS + 64, 0, 0xa00 + (uint32_t)(t * 4 + c));
+            memset(tg[t].buf, 0xEE, NP * PS + 2 * DOFF);
+            aio_paged_desc d;
+            memset(&d, 0, sizeof(d));
+            d.mr = a->mr;
+            d.src_pages = sp;
+            d.dst_pages = dp;
+            d.page_size = PS;
+            d.src_stride = PS;
+            d.dst_stride = PS;
+            d.src_offset = 64;
+            d.dst_offset = DOFF;
+            d.remote_len = tg[t].mr == plain ? MiB : x.len;
+            d.data = imm;
+            d.flags = AIO_F_DATA;
+            d.gather = c != 3;
+            d.nroutes = 1;
+            d.routes[0].rail = a->rail;
+            d.routes[0].peer = a->peer;
+            d.routes[0].rbase = aio_mr_remote_base(tg[t].mr, b->rail);
+            d.routes[0].rkey = aio_mr_key(tg[t].mr, b->rail);
+            d.routes[0].direct = AIO_DIRECT(x.attach, aio_mr_direct_slot(tg[t].mr));
+            aio_stats s0, s1;
+            aio_get_stats(a->e, &s0);
+            aio_record rec;
+            rc = paged_group(a, &d, NP, &rec);
+            if (rc) return rc;
+            CHECK(rec.status == 0, "case %d/%d: status %d", t, c, rec.status);
+            CHECK(rec.a == want_ops[c], "case %d/%d: %llu requests, want %llu", t, c, (unsigned long long)rec.a,
+                  (unsigned long long)want_ops[c]);
+            CHECK(wait_take(b, imm, (uint64_t)NP * U, TIMEOUT) == 0, "case %d/%d: credits", t, c);
+            aio_get_stats(a->e, &s1);
+            CHECK(s1.direct_ops - s0.direct_ops == want_ops[c], "case %d/%d: %llu direct copies", t, c,
+                  (unsigned long long)(s1.direct_ops - s0.direct_ops));
+            uint64_t mapped = s1.direct_mapped - s0.direct_mapped;
+            CHECK(tg[t].mapped ? mapped == want_ops[c] : mapped == 0, "case %d/%d: %llu mapped", t, c,
+                  (unsigned long long)mapped);
+            for (int k = 0; k < NP; k++)
+                CHECK(memcmp(a->buf + 64 + (uint64_t)sp[k] * PS, tg[t].buf + DOFF + (uint64_t)k * PS, PS) == 0,
+                      "case %d/%d: page %d differs", t, c, k);
+            for (int i = 0; i < DOFF; i++)
+                CHECK(tg[t].buf[i] == 0xEE && tg[t].buf[DOFF + NP * PS + i] == 0xEE,
+                      "case %d/%d: a byte beside the pages changed", t, c);
+        }
+    }
+    sleep_us(20000);
+    for (uint32_t i = 0x6500; i < imm; i++) CHECK(aio_counter_available(b->e, i) == 0, "extra credits");
+    CHECK_OK(aio_mr_close(b->e, plain));
+    free(q);
+    CHECK(aio_mr_inflight(a->mr) == 0, "inflight");
+    CHECK_OK(aio_mr_close(b->e, x.mr));
+    return 0;
+}
+
 /* Closing a region waits for copies under way: a live engine's mark keeps the region open
  * (and new copies out), a mark of a process that died is cleared. */
 int t_direct_retire(fix_t *f) {

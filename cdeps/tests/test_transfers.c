@@ -432,21 +432,8 @@ int t_paged(fix_t *f) {
     d.routes[0].peer = a->peer;
     d.routes[0].rbase = aio_mr_remote_base(b->mr, b->rail);
     d.routes[0].rkey = aio_mr_key(b->mr, b->rail);
-    uint64_t tok = g_token++;
-    int64_t g = aio_group_open(a->e, tok);
-    CHECK(g >= 0, "aio_group_open");
-    int64_t done = 0;
-    double t0 = now_s();
-    while (done < NP) {
-        int64_t r = aio_post_paged(a->e, g, &d, done, NP, 1000000);
-        CHECK(r >= 0, "aio_post_paged: %s", aio_strerror((int)r));
-        done += r;
-        CHECK(now_s() - t0 < TIMEOUT, "paged post timed out");
-        if (r == 0) sleep_us(50);
-    }
-    CHECK_OK(aio_group_seal(a->e, g));
     aio_record rec;
-    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &rec) == 0, "no group record");
+    CHECK_OK(paged_group(a, &d, NP, &rec));
     CHECK(rec.status == 0 && rec.a == NP, "group status %d, %llu ops", rec.status,
           (unsigned long long)rec.a);
     CHECK(wait_take(b, 0x5150, (uint64_t)NP * AIO_CREDIT_UNIT, TIMEOUT) == 0, "imm credits");
@@ -465,18 +452,7 @@ int t_paged(fix_t *f) {
     d.gather = 1;
     d.dst_stride = PS;
     d.data = 0x5151;
-    tok = g_token++;
-    g = aio_group_open(a->e, tok);
-    CHECK(g >= 0, "aio_group_open");
-    done = 0;
-    while (done < NP) {
-        int64_t r = aio_post_paged(a->e, g, &d, done, NP, 1000000);
-        CHECK(r >= 0, "aio_post_paged (gather): %s", aio_strerror((int)r));
-        done += r;
-        if (r == 0) sleep_us(50);
-    }
-    CHECK_OK(aio_group_seal(a->e, g));
-    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &rec) == 0, "no group record (gather)");
+    CHECK_OK(paged_group(a, &d, NP, &rec));
     CHECK(rec.status == 0, "gather group status %d", rec.status);
     CHECK(rec.a < NP, "gathering formed no multi-page request (%llu requests)", (unsigned long long)rec.a);
     CHECK(wait_take(b, 0x5151, (uint64_t)NP * AIO_CREDIT_UNIT, TIMEOUT) == 0, "gather credits");
@@ -492,7 +468,7 @@ int t_paged(fix_t *f) {
     for (int k = 0; k < NP; k++) dp[k] = NP - 1 - k;
     /* a destination page past the remote region: refused, nothing posted */
     dp[0] = (int64_t)(b->len / DS);
-    g = aio_group_open(a->e, g_token++);
+    int64_t g = aio_group_open(a->e, g_token++);
     CHECK(g >= 0, "aio_group_open");
     CHECK(aio_post_paged(a->e, g, &d, 0, NP, 1000000) == -FI_EINVAL, "bad page accepted");
     dp[0] = -1;
