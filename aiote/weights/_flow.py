@@ -537,35 +537,7 @@ class WeightSender:
         kept = self._run_cache.get(r)
         if kept is not None and kept[0] == cap and kept[1] is self._direct_seen:
             return kept[2]
-        direct: list[tuple[tuple[int, int], int, int, Write]] = []
-        runs: list[tuple[int, list[Write]]] = []
-        for i, w in enumerate(self._lanes[r]):
-            src = self._src(w, ctx)
-            if src is None:
-                runs.append((i, [w]))
-            else:
-                direct.append((src[0], src[1], i, w))
-        direct.sort(key=lambda d: (d[0], d[1]))
-        end: tuple[tuple[int, int], int] | None = None
-        size = 0
-        for key, at, i, w in direct:
-            last = runs[-1][1][-1] if end is not None else None
-            if (
-                last is not None
-                and end == (key, at)
-                and last.desc == w.desc
-                and last.offset + last.nbytes == w.offset
-                and size + w.nbytes <= cap
-            ):
-                runs[-1][1].append(w)
-                runs[-1] = (min(runs[-1][0], i), runs[-1][1])
-                size += w.nbytes
-            else:
-                runs.append((i, [w]))
-                size = w.nbytes
-            end = (key, at + w.nbytes)
-        runs.sort(key=lambda x: x[0])
-        out = [run for _, run in runs]
+        out = _merge_runs([(i, w, self._src(w, ctx)) for i, w in enumerate(self._lanes[r])], cap)
         self._run_cache[r] = (cap, self._direct_seen, out)
         return out
 
@@ -698,6 +670,43 @@ class WeightSender:
             if not posted.done or isinstance(exc, TransferTimeout):
                 self._unsettled.append(partial(_settled, posted))
             raise
+
+
+def _merge_runs(
+    lane: list[tuple[int, Write, tuple[tuple[int, int], int] | None]], cap: int
+) -> list[list[Write]]:
+    """A lane's writes ``(plan index, write, where it reads or None)`` as runs: direct ones
+    taken in the order of what they read, consecutive ones merged where they read adjacent
+    bytes of one allocation and land on adjacent bytes of one region (at most ``cap`` bytes a
+    run); the others one each. Runs in plan order of their first write."""
+    direct: list[tuple[tuple[int, int], int, int, Write]] = []
+    runs: list[tuple[int, list[Write]]] = []
+    for i, w, src in lane:
+        if src is None:
+            runs.append((i, [w]))
+        else:
+            direct.append((src[0], src[1], i, w))
+    direct.sort(key=lambda d: (d[0], d[1]))
+    end: tuple[tuple[int, int], int] | None = None
+    size = 0
+    for key, at, i, w in direct:
+        last = runs[-1][1][-1] if end is not None else None
+        if (
+            last is not None
+            and end == (key, at)
+            and last.desc == w.desc
+            and last.offset + last.nbytes == w.offset
+            and size + w.nbytes <= cap
+        ):
+            runs[-1][1].append(w)
+            runs[-1] = (min(runs[-1][0], i), runs[-1][1])
+            size += w.nbytes
+        else:
+            runs.append((i, [w]))
+            size = w.nbytes
+        end = (key, at + w.nbytes)
+    runs.sort(key=lambda x: x[0])
+    return [run for _, run in runs]
 
 
 async def _settled(posted: Transfer) -> None:
