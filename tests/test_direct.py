@@ -24,7 +24,8 @@ async def test_reads_from_a_peer_process_are_direct_copies() -> None:
         rd = pdesc
         assert rd.direct is not None and rd.direct.pid == peer.pid
         assert MemoryDescriptor.from_bytes(bytes(rd)) == rd
-        assert e.route(pdesc).provider == "shm"
+        assert e.route(pdesc).provider == "shm" and e.route(pdesc).direct
+        assert not e.route(peer.address).direct  # an address names no region
         want = pattern(size, seed=61)
         local = zeros(size + 64)
         ml = await e.register(local)
@@ -73,7 +74,7 @@ async def test_without_direct_copies_a_same_host_peer_is_reached_over_tcp() -> N
         e = peer.engine
         pdesc = await peer.register("pat", 1 << 20, fill="pattern", seed=65)
         assert pdesc.direct is None
-        assert e.route(pdesc).provider.startswith("tcp")
+        assert e.route(pdesc).provider.startswith("tcp") and not e.route(pdesc).direct
         local = zeros(1 << 20)
         ml = await e.register(local)
         await e.read(ml, pdesc, timeout=30)
@@ -84,7 +85,7 @@ async def test_without_direct_copies_a_same_host_peer_is_reached_over_tcp() -> N
         e = peer.engine
         pdesc = await peer.register("pat", 1 << 20, fill="pattern", seed=66)
         assert pdesc.direct is not None
-        assert e.route(pdesc).provider.startswith("tcp")
+        assert e.route(pdesc).provider.startswith("tcp") and not e.route(pdesc).direct
         local = zeros(1 << 20)
         ml = await e.register(local)
         await e.read(ml, pdesc, timeout=30)

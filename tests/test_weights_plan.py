@@ -142,6 +142,24 @@ def test_sender_writes_interleave_receivers() -> None:
     assert part.receivers == (0, 1, 2) and part.nbytes == 64 * 16 * 4
 
 
+def test_empty_pieces_plan_no_write_and_no_wait() -> None:
+    """A piece with no columns or no rows moves nothing: no write of 0 bytes (the engine takes
+    none without an immediate), and a receiver whose only piece from a trainer is empty does
+    not wait for that trainer's immediate."""
+    sources = fsdp("w", (8, 32), "float32", [0, 4, 8])
+    targets = [
+        W.TargetShard(
+            "a", 0, "float32", (W.Piece("w", (0, 8), (4, 4)), W.Piece("w", (0, 8), (8, 20))), b"\x01"
+        ),
+        W.TargetShard("b", 1, "float32", (W.Piece("w", (2, 2)), W.Piece("w", (4, 8))), b"\x02"),
+    ]
+    p = W.plan(sources, targets, chunk_bytes=4096)
+    assert all(t.nbytes > 0 for t in p.tasks)
+    assert p.validate().in_bytes == {0: 8 * 12 * 4, 1: 4 * 32 * 4}
+    assert p.receiver(1).senders == (1,)  # rows 4..8 only: trainer 0's empty piece is no wait
+    assert all(w.nbytes > 0 for s in (0, 1) for w in p.sender(s).writes)
+
+
 def test_replan_for_a_joining_rank_touches_only_its_bytes() -> None:
     sources = [
         *fsdp("q", (64, 32), "float32", [0, 10, 40, 64]),

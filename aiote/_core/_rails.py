@@ -14,7 +14,7 @@ from .._native import ffi, lib
 from ._descriptor import DEVICE_HOST, EngineAddress, MemoryDescriptor
 from ._errors import InvalidArgument
 from ._optable import _Op, reroute
-from ._records import _STRANDED, _pairs_of, _rails_of
+from ._records import _STRANDED, _direct_hop, _pairs_of, _rails_of
 from ._registration import Registration
 from ._routing import Route, addr_ends
 from ._util import now, shm_peer_gone
@@ -173,8 +173,10 @@ class Rails(Registration):
         peer resolves its NIC addresses (one native call each, cached), later ones hit the cache."""
         if isinstance(peer, MemoryDescriptor):
             route = self._router.describe(peer.keys, self._host_of(peer))
-            if peer.direct is not None and peer.device_kind == DEVICE_HOST and self._direct(peer)[0]:
-                return dataclasses.replace(route, direct=True)
+            if peer.direct is not None and peer.device_kind == DEVICE_HOST:
+                code, key = self._direct(peer)  # as a write of host memory decides (_paged, _rows)
+                if code and _direct_hop(self._path(peer), key, self._shm_rails) is not None:
+                    return dataclasses.replace(route, direct=True)
             return route
         addr = self._engine_address(peer)
         return self._router.describe(addr_ends(addr), addr.host_id)

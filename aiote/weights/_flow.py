@@ -268,9 +268,8 @@ class WeightSender:
         self._run_cache: dict[int, tuple[int, dict[str, Any], list[list[Write]]]] = {}
         self._sources = {s.name: s for s in plan.sources}
         self._plain_names = sorted({w.source for w in plan.writes if self._plain(w)})
-        # with NumPy tensors, sources of uncast column slices are registered too (_strided)
-        self._uncast_names = sorted({w.source for w in plan.writes if w.src_dtype == w.dst_dtype})
-        self._desc_direct: dict[int, bool] = {}
+        self._desc_direct: dict[int, bool] = {}  # desc index -> Route.direct
+        self._slice_names: list[str] | None = None  # with NumPy: _plain_names and _strided's sources
         # name -> (the array last passed, (shape, dtype, address), its xp, its 2-D view)
         self._seen: dict[str, tuple[Any, tuple[Any, ...], Any, Any]] = {}
         # name -> (the 2-D view last registered from, its allocation's key, byte offset)
@@ -429,7 +428,7 @@ class WeightSender:
                 self._direct_seen = {}
             return
         keep: dict[tuple[int, int], tuple[Any, MemoryRegion]] = {}
-        for name in self._uncast_names if xp is np else self._plain_names:
+        for name in self._direct_names() if xp is np else self._plain_names:
             v = views[name]
             known = self._roots.get(name)
             if known is not None and known[0] is v and (known[1] in keep or known[1] in self._registered):
@@ -507,19 +506,32 @@ class WeightSender:
         s = self._sources[w.source]
         return d[0], d[1] + w.row0 * s.width * self._itemsize(w.src_dtype)
 
-    def _strided(self, w: Write, ctx: _Push) -> tuple[tuple[int, int], int, int] | None:
-        """Where an uncast column slice of a NumPy source reads, when its receiver's region is
-        reached by same-host direct copies: (its allocation's key, byte offset of its first
-        row piece, row pitch in bytes); else None (staged, or a plain write: see _src)."""
-        if self._xp is not np or w.src_dtype != w.dst_dtype or self._plain(w):
-            return None
-        d = ctx.direct.get(w.source)
-        if d is None:
-            return None
+    def _sliceable(self, w: Write) -> bool:
+        """Whether ``w`` is an uncast column slice of one byte or more to a region this engine
+        reaches by same-host direct copies (then, from a registered NumPy source, one strided
+        copy). The route is asked once per region."""
+        if w.src_dtype != w.dst_dtype or w.nbytes == 0 or self._plain(w):
+            return False
         direct = self._desc_direct.get(w.desc)
         if direct is None:
             direct = self._desc_direct[w.desc] = self.engine.route(self._descs[w.desc]).direct
-        if not direct:
+        return direct
+
+    def _direct_names(self) -> list[str]:
+        """The NumPy sources to register: those of plain writes and of sliceable ones."""
+        if self._slice_names is None:
+            sliced = {w.source for w in self.plan.writes if self._sliceable(w)}
+            self._slice_names = sorted(set(self._plain_names) | sliced)
+        return self._slice_names
+
+    def _strided(self, w: Write, ctx: _Push) -> tuple[tuple[int, int], int, int] | None:
+        """Where a sliceable write (:meth:`_sliceable`) of a NumPy source reads: (its
+        allocation's key, byte offset of its first row piece, row pitch in bytes); else None
+        (staged, or a plain write: see _src)."""
+        if self._xp is not np or not self._sliceable(w):
+            return None
+        d = ctx.direct.get(w.source)
+        if d is None:
             return None
         s = self._sources[w.source]
         size = self._itemsize(w.src_dtype)
@@ -558,8 +570,8 @@ class WeightSender:
             rows = np.arange(w.row1 - w.row0)
             job = partial(
                 self.engine.write_paged, self._registered[strided[0]][1], desc,
-                page_size=n // len(rows), src_pages=rows, dst_pages=rows, src_stride=strided[2],
-                src_offset=strided[1], dst_offset=w.offset, retry=self._retry,
+                page_size=(w.col1 - w.col0) * self._itemsize(w.src_dtype), src_pages=rows, dst_pages=rows,
+                src_stride=strided[2], src_offset=strided[1], dst_offset=w.offset, retry=self._retry,
             )
             tg.start_soon(self._write, r, job, n, off, time.monotonic(), ctx, pool)
             return

@@ -441,7 +441,7 @@ class WeightPlan:
                     if t.offset != base + (t.row0 - p.rows[0]) * rb or t.nbytes != (t.row1 - t.row0) * rb:
                         raise PlanError(f"task {t}: wrong offset or length for its rows")
                     pos = t.row1
-                if pos != p.rows[1]:
+                if pos != p.rows[1] and rb > 0:  # (an empty piece has no bytes to write)
                     raise PlanError(
                         f"target {tgt.name!r} of rank {tgt.rank}, piece {j}: rows {pos}: not written"
                     )
@@ -609,7 +609,9 @@ def _chunks(
         for j, p in enumerate(tgt.pieces):
             a, b = p.rows
             rb = (p.cols[1] - p.cols[0] if p.cols is not None else widths[p.source]) * isz
-            step = max(1, chunk_bytes // rb) if rb else max(1, b - a)
+            if rb == 0 or b <= a:  # an empty piece (no columns or no rows): nothing to write
+                continue
+            step = max(1, chunk_bytes // rb)
             h = holders[p.source]
             if len(h.bounds) == 2 and h.bounds[0] <= a and b <= h.bounds[1] and a < b:
                 segs = [(a, b, h.cands[0])]  # one set of holders for every row: the common case

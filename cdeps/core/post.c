@@ -431,6 +431,7 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
         }
         if (rc <= 0) break;
         mask |= 1u << it.rail;
+        if (rt->direct) mask |= 1u; /* a direct copy is queued for poller 0 (rail 0's) */
         k += cnt;
         req++;
     }
