@@ -243,6 +243,17 @@ static int direct_setup(fix_t *f, direct_fix *x, uint64_t len) {
     return 0;
 }
 
+/* Opens a direct-copy test on shm (elsewhere it is skipped: *skip = 1, returns 0): what
+ * direct_setup returns. */
+static int direct_open(fix_t *f, direct_fix *x, uint64_t len, int *skip) {
+    *skip = strcmp(f->prov, "shm") != 0;
+    if (*skip) {
+        printf("    (shm only)\n");
+        return 0;
+    }
+    return direct_setup(f, x, len);
+}
+
 static aio_op_desc direct_op(fix_t *f, direct_fix *x, int op, uint64_t loff, uint64_t roff, uint64_t len,
                              int flags, uint64_t data) {
     aio_op_desc d = op_to(&f->a, &f->b, op, loff, roff, len, flags, data);
@@ -323,14 +334,11 @@ int remote_error_direct(fix_t *f) {
 }
 
 int t_direct(fix_t *f) {
-    if (strcmp(f->prov, "shm")) {
-        printf("    (shm only)\n");
-        return 0;
-    }
     eng_t *a = &f->a, *b = &f->b;
     direct_fix x;
-    int rc = direct_setup(f, &x, 4 * MiB);
-    if (rc) return rc;
+    int skip = 0;
+    int rc = direct_open(f, &x, 4 * MiB, &skip);
+    if (skip || rc) return rc;
     char err[512];
     CHECK(aio_direct_attach(a->e, &x.info, err, sizeof(err)) == x.attach, "the same table, another index");
     /* a wrong nonce, fd or table address is refused (a fresh engine, without rails) */
@@ -458,14 +466,11 @@ int t_direct(fix_t *f) {
  * the spacing starts a new copy; every page where it belongs, nothing beside the range
  * touched, one credit unit per page. A strided run is never formed over gather = 0. */
 int t_direct_strided(fix_t *f) {
-    if (strcmp(f->prov, "shm")) {
-        printf("    (shm only)\n");
-        return 0;
-    }
     eng_t *a = &f->a, *b = &f->b;
     direct_fix x;
-    int rc = direct_setup(f, &x, 4 * MiB);
-    if (rc) return rc;
+    int skip = 0;
+    int rc = direct_open(f, &x, 4 * MiB, &skip);
+    if (skip || rc) return rc;
     enum { NP = 700, PS = 1000, DOFF = 5 };
     static int64_t sp[NP], dp[NP];
     void *q = NULL;
@@ -488,21 +493,10 @@ int t_direct_strided(fix_t *f) {
             if (c == 2) sp[400] = 0;
             fill(a->buf, 3 * NP * PS + 64, 0, 0xa00 + (uint32_t)(t * 4 + c));
             memset(tg[t].buf, 0xEE, NP * PS + 2 * DOFF);
-            aio_paged_desc d;
-            memset(&d, 0, sizeof(d));
-            d.mr = a->mr;
-            d.src_pages = sp;
-            d.dst_pages = dp;
-            d.page_size = PS;
-            d.src_stride = PS;
-            d.dst_stride = PS;
-            d.src_offset = 64;
-            d.dst_offset = DOFF;
-            d.remote_len = tg[t].mr == plain ? MiB : x.len;
-            d.data = imm;
-            d.flags = AIO_F_DATA;
-            d.gather = c != 3;
-            d.nroutes = 1;
+            aio_paged_desc d = {.mr = a->mr, .src_pages = sp, .dst_pages = dp, .page_size = PS,
+                                .src_stride = PS, .dst_stride = PS, .src_offset = 64, .dst_offset = DOFF,
+                                .remote_len = tg[t].mr == plain ? MiB : x.len, .data = imm,
+                                .flags = AIO_F_DATA, .gather = c != 3, .nroutes = 1};
             d.routes[0].rail = a->rail;
             d.routes[0].peer = a->peer;
             d.routes[0].rbase = aio_mr_remote_base(tg[t].mr, b->rail);
@@ -543,14 +537,11 @@ int t_direct_strided(fix_t *f) {
 /* Closing a region waits for copies under way: a live engine's mark keeps the region open
  * (and new copies out), a mark of a process that died is cleared. */
 int t_direct_retire(fix_t *f) {
-    if (strcmp(f->prov, "shm")) {
-        printf("    (shm only)\n");
-        return 0;
-    }
     eng_t *a = &f->a;
     direct_fix x;
-    int rc = direct_setup(f, &x, MiB);
-    if (rc) return rc;
+    int skip = 0;
+    int rc = direct_open(f, &x, MiB, &skip);
+    if (skip || rc) return rc;
     aio_op_desc d = direct_op(f, &x, AIO_OP_WRITE, 0, 0, 4096, 0, 0);
     int st = 0;
     CHECK_OK(one_status(a, &d, &st));
