@@ -567,6 +567,25 @@ def test_bench_weights_cpu_runs_with_every_same_run_baseline() -> None:
     assert re.search(r"trainer 1: push [\d.]+ s, .*peak staging \d+ MiB", text), text
 
 
+def test_bench_strided_runs_its_three_cases_on_the_same_host_route() -> None:
+    """``benchmarks/bench_strided.py``, small: every shape into NumPy memory and into an arena,
+    each as one strided copy per call (its bytes checked by the benchmark), beside staged and
+    contiguous writes of the same bytes; the route is shm."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_strided.py"), "--repeats", "1", "--rows", "64"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "FI_PROVIDER": "tcp,ofi_rxm,shm"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    assert "route shm" in out.stdout, out.stdout
+    rows = re.findall(
+        r"strided ([\d.]+) GB/s \((\d+) copies per call\), staged ([\d.]+), contiguous ([\d.]+); "
+        r"strided / staged ([\d.]+)", out.stdout
+    )
+    assert len(rows) == 4, out.stdout
+    for strided, copies, staged, contiguous, ratio in rows:
+        assert copies == "1" and min(float(strided), float(staged), float(contiguous), float(ratio)) > 0
+
+
 def test_aiote_bench_plot_without_matplotlib_says_so(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['matplotlib'] = None; from aiote.cli import main; "
             f"sys.exit(main(['bench', 'write', '--plot', {str(tmp_path / 'x.png')!r}]))")
