@@ -103,8 +103,8 @@ def llama_model(
 ) -> tuple[list[W.SourceShard], list[list[Any]]]:
     """Sources (FSDP dim-0 over ``trainers``) and per inference rank its target specs (TP).
     ``row_blocks``: the row-parallel layers (o_proj, down_proj) cut by rows, as the others,
-    instead of by columns: the same bytes per rank, none of them staged (what the staging of
-    the column slices costs)."""
+    instead of by columns: the same bytes per rank, none of them sliced (each trainer's rows of
+    those layers then go to one receiver: another pattern, not only no staging)."""
     per_layer = sum(int(np.prod(s)) for _, s in llama_layer_params(0)) * 2
     layers = max(1, round(size_gb * GB / per_layer))
     sources: list[W.SourceShard] = []
@@ -775,7 +775,7 @@ if __name__ == "__main__":
     ap.add_argument("--chunk-mib", type=int, default=None,
                     help="the plan's chunk_bytes (default 16; 256 with --trainers)")
     ap.add_argument("--row-blocks", action="store_true",
-                    help="CPU runs: o_proj and down_proj cut by rows, not columns (nothing staged)")
+                    help="CPU runs: o_proj and down_proj cut by rows, not columns (another pattern)")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--no-kimi", action="store_true")
     ap.add_argument("--kimi-only", action="store_true")
