@@ -226,16 +226,9 @@ async def spawn_rx(
 # ------------------------------------------------------------------ row-parallel slices
 
 
-@pytest.mark.parametrize("route", ["tcp", "default", "arena"])
-async def test_row_parallel_slices_from_registered_sources(
-    anyio_backend: str, route: str, tmp_path: Path
-) -> None:
-    """Row-parallel layers (each inference rank a column slice of the trainers' FSDP row
-    shards) with ``register_sources``, 2 -> 2 across processes, two versions, byte-equal to the
-    reference. On the same-host route, into ordinary buffers and into the receivers' host
-    arena, every uncast slice went as a strided copy from the registered source, not staged
-    (``strided_bytes``); a slice that needs a cast is staged on every route, and over tcp all
-    of them are."""
+def model_row_parallel() -> tuple[list[W.SourceShard], Callable[[int], list[Spec]]]:
+    """Row-parallel layers on 2 trainers -> 2 inference ranks: each rank a column slice of the
+    trainers' FSDP row shards (two uncast, one cast)."""
     sources = [
         *fsdp("o", (40, 96), "float32", [0, 23, 40]),
         *fsdp("d", (16, 300), "float16", [0, 9, 16]),
@@ -249,6 +242,20 @@ async def test_row_parallel_slices_from_registered_sources(
             ("c16", "float16", [W.Piece("c", (0, 8), W.split_rows(64, 2, r))]),  # a cast: staged
         ]
 
+    return sources, specs
+
+
+@pytest.mark.parametrize("route", ["tcp", "default", "arena"])
+async def test_row_parallel_slices_from_registered_sources(
+    anyio_backend: str, route: str, tmp_path: Path
+) -> None:
+    """Row-parallel layers (each inference rank a column slice of the trainers' FSDP row
+    shards) with ``register_sources``, 2 -> 2 across processes, two versions, byte-equal to the
+    reference. On the same-host route, into ordinary buffers and into the receivers' host
+    arena, every uncast slice went as a strided copy from the registered source, not staged
+    (``strided_bytes``); a slice that needs a cast is staged on every route, and over tcp all
+    of them are."""
+    sources, specs = model_row_parallel()
     where = "tcp" if route == "tcp" else "default"
     async with world(anyio_backend, where, sources, 2, 2, tmp_path) as w:
         for r in range(2):
@@ -286,6 +293,40 @@ async def test_row_parallel_slices_from_registered_sources(
                 assert mapped > 0 and copies >= mapped
             else:
                 assert copies > 0 and mapped == 0
+
+
+@pytest.mark.parametrize("route", ["default", "arena"])
+async def test_a_dead_receiver_fails_its_strided_slices_only(
+    anyio_backend: str, route: str, tmp_path: Path
+) -> None:
+    """Row-parallel slices as strided copies on the same-host route: version 1 reaches both
+    receivers; then receiver 1's process is killed, and each push of version 2 raises
+    PushFailed naming rank 1 only (its copies fail on the dead process), within the core's
+    peer-failure bound, while rank 0 gets every byte of version 2."""
+    sources, specs = model_row_parallel()
+    async with world(anyio_backend, "default", sources, 2, 2, tmp_path) as w:
+        for r in range(2):
+            await spawn_rx(w, anyio_backend, "default", r, specs(r), arena=route == "arena")
+        await w.install(chunk_bytes=4096, register_sources=True, retry_attempts=0, connect_timeout=2.0)
+        replies = [await x.call(op="push", version=1, timeout=30) for x in w.senders.values()]
+        assert all(rep["stats"]["strided_bytes"] > 0 for rep in replies)
+        await w.check(1)
+        victim = w.receivers[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        await victim.proc.wait()
+        t = time.monotonic()
+        for s in w.senders.values():
+            await s.send(op="push", version=2, timeout=60)
+        for s in w.senders.values():
+            with pytest.raises(WorkerError) as e:
+                await s.reply(timeout=40)
+            assert e.value.kind == "PushFailed"
+            assert e.value.reply["completed"] == [0]
+            assert set(e.value.reply["failed"]) == {"1"}
+            assert e.value.reply["failed"]["1"] in ("PeerUnreachable", "TransferError")
+        assert time.monotonic() - t < 10
+        await w.receivers[0].call(op="wait", version=2, timeout=30)
+        await w.check(2, ranks=[0])
 
 
 # ------------------------------------------------------------------ 4 -> 3, uneven rows
