@@ -613,7 +613,7 @@ def _chunks(
                 continue
             step = max(1, chunk_bytes // rb)
             h = holders[p.source]
-            if len(h.bounds) == 2 and h.bounds[0] <= a and b <= h.bounds[1] and a < b:
+            if len(h.bounds) == 2 and h.bounds[0] <= a and b <= h.bounds[1]:
                 segs = [(a, b, h.cands[0])]  # one set of holders for every row: the common case
             else:
                 segs = _segments(h, p.rows, tgt, j)

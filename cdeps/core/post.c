@@ -408,8 +408,8 @@ int64_t aio_post_paged(aio_engine *e, int64_t g, const aio_paged_desc *d, int64_
             } else if (dst != dst0 + (uint64_t)cnt * d->page_size) {
                 break;
             } else if (rt->direct) { /* evenly spaced sources, ascending */
-                if (cnt == 1 && src >= src0) stride = src - src0;
-                else if (cnt == 1 || src < src0 || src - src0 != (uint64_t)cnt * stride) break;
+                if (cnt == 1) stride = src - src0;
+                if (src < src0 || src - src0 != (uint64_t)cnt * stride) break;
             }
             if (!rt->direct) gather[cnt] = src;
         }
