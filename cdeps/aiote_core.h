@@ -301,6 +301,15 @@ int aio_post_sendv(aio_engine *e, int64_t group, int rail, uint64_t peer, const 
 int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
                          uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns,
                          int64_t *out);
+/* aio_submit_sendv / aio_post_sendv with the body sent from where it lies, not copied into
+ * the send slot (only the head is): the caller keeps the body's bytes alive and unchanged
+ * until the group's completion. Where the rail's provider needs a descriptor for local
+ * memory (FI_MR_LOCAL: verbs, efa) the body is copied as by aio_submit_sendv. */
+int64_t aio_submit_sendv_ref(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
+                             uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns,
+                             int64_t *out);
+int aio_post_sendv_ref(aio_engine *e, int64_t group, int rail, uint64_t peer, const void *head,
+                       uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns);
 /* aio_submit_sendv of a combined message: the body is the n parts (n >= 1), each behind its
  * length (4 bytes, little-endian), copied by the core straight into the send slot (no staging
  * copy). -FI_EINVAL for n == 0 (nothing opened: out[0] is -1), -FI_EMSGSIZE when head and
@@ -504,6 +513,7 @@ typedef struct aio_stats {
     int64_t follow_cpu;      /* the CPU poller 0 keeps to (follow_loop), -1: none */
     uint64_t follow_moves;   /* times poller 0 moved to the loop's CPU */
     uint64_t bytes_inflight; /* bytes of our writes and reads posted and not completed, all rails */
+    uint64_t sends_in_place; /* messages posted with their body sent from where it lies (aio_submit_sendv_ref) */
 } aio_stats;
 void aio_get_stats(aio_engine *e, aio_stats *out);
 

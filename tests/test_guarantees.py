@@ -9,9 +9,11 @@ Bounds are asserted with margins: this machine has 2 cores."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 import anyio
 import numpy as np
@@ -373,3 +375,72 @@ async def test_held_back_sends_go_in_line_and_a_cancelled_one_never_goes(route: 
         assert sorted(got) == [i for i in range(n) if i not in cancelled], route
         assert not e._sends and not e._send_room  # white-box: no send slot lost or held
         assert (await p.call(op="echo", payload="still here"))["payload"] == "still here"
+
+
+@route_param
+async def test_a_bytes_message_goes_in_place_and_outlives_its_sender(route: str) -> None:
+    """A ``bytes`` payload over 16 KiB is sent from where it lies (no copy into a send slot);
+    any other payload is copied. Each arrives byte for byte. One that times out in flight
+    (the peer stopped) stays owned by the engine: the caller drops it and the allocator reuses
+    its memory, and the peer, resumed, still receives the bytes it was sent."""
+    size = (512 << 10) + 3
+    async with rig(route) as r:
+        e, p = r.engine, r.peer
+        want = "shm" if route in SAME_HOST else "tcp"
+        assert e.route(p.address).provider.split(";")[0] == want
+        assert (await p.call(op="echo", payload="open"))["payload"] == "open"
+        src = pattern(size, seed=41)
+        sent = [
+            (src.tobytes(), 1),                 # bytes over 16 KiB: in place
+            (bytearray(src.tobytes()), 0),      # mutable: copied
+            (memoryview(src), 0),               # a view of a NumPy array: copied
+            (src[: 16 << 10].tobytes(), 0),     # 16 KiB: copied (the threshold)
+            (src[: (16 << 10) + 1].tobytes(), 1),
+        ]
+        reply: dict[str, object] = {}
+
+        async def take() -> None:
+            reply.update(await p.call(op="recv_raw", count=1, timeout=60))
+
+        for payload, in_place in sent:
+            before = e.stats()["sends_in_place"]
+            reply.clear()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(take)
+                await anyio.wait_all_tasks_blocked()  # the command went first
+                await e.send(p.address, payload, timeout=60)
+            n = len(bytes(payload))
+            assert reply["got"] == [[n, digest(src[:n])]], (route, n)
+            assert e.stats()["sends_in_place"] - before == in_place, (route, type(payload), n)
+
+        timed_out: list[Callable[[], Awaitable[None]]] = []
+
+        async def send_and_forget(seed: int) -> None:
+            try:  # the payload is referenced by this call's frames only, and by the engine
+                await e.send(p.address, pattern(size, seed=seed).tobytes(), timeout=1.0)
+            except aiote.TransferTimeout as exc:
+                # white-box: its waiter alone, not the exception (its traceback holds the
+                # frames that hold the payload; exc.settled is bound to it)
+                timed_out.append(exc._waiter)
+
+        got: dict[str, object] = {}
+
+        async def receive() -> None:
+            got.update(await p.call(op="recv_raw", count=4, timeout=120))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)  # the peer waits in recv before it stops
+            await anyio.wait_all_tasks_blocked()
+            async with frozen(p.pid):
+                for k in range(4):  # more than the stopped peer takes in without its poller
+                    await send_and_forget(50 + k)
+                gc.collect()
+                churn = [pattern(size, seed=99).tobytes() for _ in range(16)]  # reuses freed memory
+                del churn
+            if route not in SAME_HOST:  # over tcp a message waits for the peer's poller
+                assert len(timed_out) == 4, (route, timed_out)
+            with anyio.fail_after(30):
+                for settled in timed_out:
+                    await settled()
+        assert got["got"] == [[size, digest(pattern(size, seed=50 + k))] for k in range(4)], route
+        assert not e._sends and not e._send_room  # white-box: no send slot lost or held

@@ -174,17 +174,20 @@ class CombinedSends(Observed):
 
 
 def _opener(
-    key: tuple[int, int], head: bytes, data: memoryview, budget: int
+    key: tuple[int, int], head: bytes, data: memoryview, budget: int, in_place: bool = False
 ) -> Callable[[Any, int, Any], int]:
     """The ``opener`` of a message's group (see ``_run_group``): open, post, seal in one native
-    call (``aio_submit_sendv``) on connection ``key``. The buffer's cdata lives for the call
-    alone: one kept in a frame that a traceback holds in a reference cycle can be collected
-    after the memoryview it exports from, which crashes CPython 3.11's memoryview dealloc."""
+    call (``aio_submit_sendv``) on connection ``key``; ``in_place``: the body is sent from
+    where it lies (``aio_submit_sendv_ref``: the group's refs keep it until the completion).
+    The buffer's cdata lives for the call alone: one kept in a frame that a traceback holds in
+    a reference cycle can be collected after the memoryview it exports from, which crashes
+    CPython 3.11's memoryview dealloc."""
     rail, fa = key
+    submit = lib.aio_submit_sendv_ref if in_place else lib.aio_submit_sendv
 
     def opener(h: Any, token: int, gout: Any) -> int:
         body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
-        return int(lib.aio_submit_sendv(h, token, rail, fa, head, len(head), body, data.nbytes, budget, gout))
+        return int(submit(h, token, rail, fa, head, len(head), body, data.nbytes, budget, gout))
 
     return opener
 

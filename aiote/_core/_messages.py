@@ -29,6 +29,8 @@ from ._wire import (
     _Credits,
 )
 
+_IN_PLACE_MIN = 16 << 10  # a bytes payload over this is sent in place (tcp's eager size)
+
 
 class Messages(Inbox):
     """Messages: send (the receiving side is :class:`._inbox.Inbox`), and the engine's internal
@@ -185,8 +187,8 @@ class Messages(Inbox):
     ) -> None:
         """Sends ``payload`` (bytes-like, up to ``max_message_size``) to the engine at
         ``peer`` (its ``address``). Returns once the payload has been handed to the transport
-        (it is copied; the caller may reuse its buffer at once). Messages between two engines
-        are delivered in order on tcp and shm.
+        (the caller may reuse its buffer at once). Messages between two engines are delivered
+        in order on tcp and shm.
 
         A peer that does not answer yet is tried until ``timeout`` or the retry policy's
         ``connect_timeout``; after a broken connection the message is sent again as the policy
@@ -218,7 +220,11 @@ class Messages(Inbox):
 
         Costs one copy of the payload (into a registered send slot, behind the sender's
         address, made without the NIC's lock held) and one send work request, awaited to
-        completion; with no send slot free it waits (back-off) instead of failing. A joined
+        completion; with no send slot free it waits (back-off) instead of failing. A payload
+        of type ``bytes`` over 16 KiB is not copied: immutable, it is sent from where it lies
+        (on tcp and shm; a NIC whose provider needs registered local memory, verbs or efa,
+        copies it), and the engine holds a reference to it until the transport let go of it,
+        also after a timeout or a cancellation (``stats()["sends_in_place"]`` counts them). A joined
         send costs the same one copy (the core frames it into the combined message's slot) and
         no work request of its own.
         A message that the provider completes as it takes it ends in the posting call: the
@@ -244,12 +250,15 @@ class Messages(Inbox):
         it (see :mod:`._coalesce`), unobserved and outside a batch."""
         addr = self._engine_address(peer)
         data = self._message_bytes(payload, addr.max_message)
+        # a bytes object cannot change: a large one is sent from where it lies, kept alive by
+        # its group until the transport lets go of it (see send)
+        keep = payload if type(payload) is bytes and data.nbytes > _IN_PLACE_MIN else None
         # (send() checked its timeout; the engine's own messages are checked here)
         end = _end(timeout) if internal or timeout is None else now() + timeout
         join = self._combine and not internal and self._obs is None and _GROUPS.get() is None
         placed = await self._send_slot(addr, data, end, timeout, retry, internal, join)
         if placed is not None:  # (None: it went in a combined message)
-            await self._post_msg(placed, addr, data, end, retry, internal)
+            await self._post_msg(placed, addr, data, end, retry, internal, keep)
 
     async def _post_msg(
         self,
@@ -259,17 +268,22 @@ class Messages(Inbox):
         end: float | None,
         retry: RetryPolicy | None,
         internal: bool,
+        keep: bytes | None = None,
     ) -> None:
         """Posts a message by itself on the connection :meth:`_send_slot` placed it on (apart
-        from :meth:`_send_msg`: its closures' cells would cost every joined send too)."""
+        from :meth:`_send_msg`: its closures' cells would cost every joined send too).
+        ``keep``: the payload, sent from where it lies and owned by each group that posts it
+        until that group's completion; None: copied into the send slot."""
         key, n, join = placed
         rail, fa = key
         head = self._msg_head[internal]
         budget = self._budget_ns
+        in_place = keep is not None
+        send = lib.aio_post_sendv_ref if in_place else lib.aio_post_sendv
 
         def post(h: Any, g: int, posted: int) -> int:
             body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
-            return int(lib.aio_post_sendv(h, g, rail, fa, head, len(head), body, data.nbytes, budget))
+            return int(send(h, g, rail, fa, head, len(head), body, data.nbytes, budget))
 
         self._sends[key] = n + 1
         names = frozenset((key,))
@@ -284,7 +298,7 @@ class Messages(Inbox):
                 # message that ends in the posting call costs one schedule point and no more
                 _check_retry(retry)
                 st = self._begin(
-                    1, None, None, None, None, names=names, opener=_opener(key, head, data, budget)
+                    1, keep, None, None, None, names=names, opener=_opener(key, head, data, budget, in_place)
                 )
                 if st.first == 1 and join and key not in self._windows:
                     limit = min(self._max_message, addr.max_message)
@@ -314,8 +328,8 @@ class Messages(Inbox):
             def attempt(t: float | None) -> Awaitable[bool]:
                 if begun:  # the first attempt finishes the group posted above
                     return self._finish(begun.pop(), post, 1, _end(t), t, "send")
-                opener = _opener(key, head, data, budget)
-                return self._run_group(post, 1, None, t, "send", names=names, opener=opener)
+                opener = _opener(key, head, data, budget, in_place)
+                return self._run_group(post, 1, keep, t, "send", names=names, opener=opener)
 
             await self._attempts(attempt, _left(end), retry, "send")
         finally:

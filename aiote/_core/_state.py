@@ -272,6 +272,8 @@ class EngineState:
         ``poller_moves``: the times it moved to the loop's CPU; ``bytes_in_flight``: bytes of
         this engine's writes and reads posted and not completed (what places a whole transfer
         on the least loaded of several streams), 0 once every one ended;
+        ``sends_in_place``: messages whose payload the transport read where it lay, not
+        copied into a send slot (a ``bytes`` payload of more than 16 KiB, see :meth:`send`);
         ``sends_joined``: sends that went out with another task's send to the same peer
         (``combine_messages``), ``combined_sent`` / ``combined_received``: messages of several
         sends each, sent / received (split again by the receiver).
@@ -298,6 +300,7 @@ class EngineState:
             "poller_cpu": st.follow_cpu,
             "poller_moves": st.follow_moves,
             "bytes_in_flight": st.bytes_inflight,
+            "sends_in_place": st.sends_in_place,
             "loop_polls": int(lib.aio_loop_polls(self._h)),
             "ops_in_flight": int(lib.aio_ops_in_flight(self._h)),
             "pending": len(self._ops),

@@ -151,6 +151,9 @@ def table_lines(result: dict[str, Any]) -> list[str]:
         head += "; low-latency setting (spin_us=1000, loop_spin_us=500)"
     if result.get("c_copy_out"):
         head += "; the C core's receiver copies each message out, as recv does"
+    if result.get("c_in_place"):
+        head += ("; the C core sends each message from its buffer (no copy into a send slot), as send "
+                 "does with bytes")
     if sockets:
         head += ("; bare sockets: writes, one plain TCP connection, no libfabric (the most one connection "
                  "moves); latency, the same event loop's own ping-pong over a plain socket (loopback TCP "

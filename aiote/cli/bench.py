@@ -129,6 +129,8 @@ def c_args(args: argparse.Namespace, case: Case) -> list[str]:
         threads = args.copy_threads if args.copy_threads is not None else aiote.default_copy_threads()
         arena = ["--arena", "--copy-threads", str(threads)]
     copy = ["--copy-out"] if args.c_copy_out and case[0] in ("sendrecv", "sendrecv-latency") else []
+    if args.c_in_place and case[0] == "sendrecv":
+        copy.append("--in-place")
     return _c_case_args(args, case) + _sndbuf_args(args) + arena + copy + _rails_args(args, case[0])
 
 
@@ -397,6 +399,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--c-copy-out", action="store_true",
                     help="sendrecv: the C core's receiver copies each message out of its slot into a "
                          "fresh allocation, as Engine.recv does (where the rest of the gap lies)")
+    ap.add_argument("--c-in-place", action="store_true",
+                    help="sendrecv: the C core sends each message from its buffer, not copied into a "
+                         "send slot, as Engine.send does with a bytes payload over 16 KiB")
     ap.add_argument("--tcp-send-buffer", type=parse_size, default=None, metavar="SIZE",
                     help="SO_SNDBUF of both sides' tcp connections (open_engine(tcp_send_buffer=)), "
                          "and the C core's the same; 0: the kernel's autotuning; default: aiote's "
@@ -556,6 +561,7 @@ def _main(
         "follow_loop": aiote.follow_loop_default() if args.follow_loop is None else args.follow_loop,
         "combine_messages": True if args.combine is None else args.combine,
         "c_copy_out": args.c_copy_out,
+        "c_in_place": args.c_in_place,
         "tcp_send_buffer": args.tcp_send_buffer,
         "arena": args.arena,
         "connect": args.connect,

@@ -70,6 +70,7 @@ static void usage(void) {
             "         --small-pages (4 KiB pages; default: huge pages from 4 MiB, as NumPy)\n"
             "         --no-direct (shm: READs through the provider, not direct copies)\n"
             "         --copy-out (sendrecv: each message copied out of its slot, as recv does)\n"
+            "         --in-place (sendrecv: each message over 16 KiB sent from its buffer, not copied into a send slot)\n"
             "         --arena (shm: the region in a published arena; peers memcpy into it)\n"
             "         --sndbuf N (tcp: same-host send buffers, 0 = the kernel's autotuning)\n"
             "         --hand N (posts handed to the poller: 0 when busy (default), 1 always, -1 never)\n"
@@ -134,6 +135,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--arena")) o.arena = 1;
         else if (!strcmp(a, "--no-direct")) o.no_direct = 1;
         else if (!strcmp(a, "--copy-out")) o.copy_out = 1;
+        else if (!strcmp(a, "--in-place")) o.in_place = 1;
         else if (!strcmp(a, "--sndbuf") && i + 1 < argc) {
             uint64_t v = parse_size(argv[++i]);
             if (v > INT32_MAX / 2) usage(); /* the kernel doubles it into an int */

@@ -84,6 +84,7 @@ void side_init(side_t *s, const opts_t *o, uint64_t region) {
     s->efd = aio_engine_eventfd(s->e);
     s->busy = o->busy;
     s->copy_out = o->copy_out;
+    s->in_place = o->in_place;
     s->loop_poll_ns = o->loop_poll_ns;
     /* region_alloc: huge pages as NumPy's arrays get them. The page size weighs on shm, whose
      * CMA copies pin the pages they touch one by one: with 4 KiB pages this core measured
@@ -344,7 +345,9 @@ int side_send_one(side_t *s, int64_t *g, uint64_t token, uint64_t len, int64_t b
         *g = aio_group_open(s->e, token);
         if (*g < 0) return 0;
     }
-    int r = aio_post_send(s->e, *g, s->rail, s->peer, s->buf, len, budget_ns);
+    /* --in-place: as Engine.send sends a bytes payload over 16 KiB */
+    int r = s->in_place && len > (16u << 10) ? aio_post_sendv_ref(s->e, *g, s->rail, s->peer, NULL, 0, s->buf, len, budget_ns)
+                        : aio_post_send(s->e, *g, s->rail, s->peer, s->buf, len, budget_ns);
     s->post_calls++;
     if (r < 0) die("aio_post_send: %s", aio_strerror(r));
     if (r == 0) return 0;

@@ -61,6 +61,7 @@ typedef struct opts {
     int no_gather; /* paged: post page by page, in the given order */
     uint64_t msg_slots;  /* sendrecv / msgpingpong: message slots per side */
     int copy_out;        /* --copy-out: each message copied out of its slot before the repost */
+    int in_place;        /* --in-place: each message over 16 KiB sent from its buffer (aio_post_sendv_ref) */
     int listen_port;     /* -1: fork the peer; else serve as the peer on this port */
     const char *connect; /* HOST:PORT of a --listen peer, or NULL */
     int await_write; /* pingpong: each side waits for its write's completion before going on */
@@ -109,6 +110,7 @@ typedef struct side {
     uint64_t post_calls;
     uint64_t msgs, msg_bytes; /* messages received (AIO_REC_RECV), their bytes */
     int copy_out;             /* copy each message into a fresh allocation, as Engine.recv does */
+    int in_place;             /* send each message from s->buf, not copied into a send slot */
     uint64_t copy_sum;        /* a byte of each copy (the copies cannot be optimized away) */
     uint64_t copied;          /* bytes copied out */
 } side_t;

@@ -367,6 +367,7 @@ struct aio_engine {
     _Atomic uint64_t st_direct;
     _Atomic uint64_t st_mapped;
     _Atomic uint64_t st_split; /* arena copies made in parts (copier.c) */
+    _Atomic uint64_t st_in_place; /* messages sent from the caller's buffer (post.c) */
     struct aio_copier *copier; /* the helpers of large copies, started by poller 0 (copier.c) */
     int copier_failed;
     int copy_threads; /* threads that make one large copy: poller 0 and copy_threads - 1 helpers */

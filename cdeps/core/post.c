@@ -25,7 +25,10 @@
  * Messages (aio_post_sendv; aio_submit_sendparts frames several, each behind its length) are
  * copied into one of the rail's registered send slots, without the rail's lock (the slot and
  * the op are the caller's alone by then, and a large message is a long copy), and sent;
- * receives are the rail's slots, reposted by the loop once read. Every request to an shm rail
+ * with aio_post_sendv_ref the body is not copied: the slot holds the head, and the body goes
+ * from the caller's memory as the send's second piece (where the provider needs no
+ * descriptor for local memory), the caller keeping it until the completion. Receives are the
+ * rail's slots, reposted by the loop once read. Every request to an shm rail
  * is followed by a wake-up of the target's poller if it sleeps (shm_wake.c), and the first
  * requests to a tcp peer by the tuning of its connection (tcp_tune.c). */
 #include "internal.h"
@@ -448,6 +451,7 @@ typedef struct msg_parts {
     const uint64_t *len;
     uint32_t n;
     int framed;
+    int in_place; /* one part, sent from where it lies (see aio_submit_sendv_ref) */
 } msg_parts;
 
 static uint64_t parts_bytes(const msg_parts *b) {
@@ -498,10 +502,13 @@ static int post_send_parts(aio_engine *e, int64_t g, int rail, uint64_t peer, co
     uint32_t slot = r->send_free[--r->send_nfree];
     char *sbuf = r->send_buf + (uint64_t)slot * r->slot_size;
     /* the slot and the op are ours alone now: copy without the rail's lock, so the poller
-     * drives the rail meanwhile (a large message is a long copy) */
+     * drives the rail meanwhile (a large message is a long copy). A body sent in place goes
+     * as the second of two pieces, the head in the slot: only where the provider reads local
+     * memory without a descriptor (no FI_MR_LOCAL: tcp;ofi_rxm and shm) */
+    int in_place = body->in_place && body->n == 1 && blen && !(r->mr_mode & FI_MR_LOCAL);
     pthread_mutex_unlock(&r->mu);
     if (hlen) memcpy(sbuf, head, hlen);
-    parts_copy(sbuf + hlen, body);
+    if (!in_place) parts_copy(sbuf + hlen, body);
     op->kind = OPK_SEND;
     op->bytes = 0;
     op->rail = rail;
@@ -514,13 +521,21 @@ static int post_send_parts(aio_engine *e, int64_t g, int rail, uint64_t peer, co
     pthread_mutex_lock(&r->mu);
     ssize_t ret;
     for (;;) {
-        ret = fi_send(r->ep, sbuf, len, r->send_desc, peer, &op->ctx);
+        if (in_place) {
+            struct iovec iov[2] = {{sbuf, hlen}, {(void *)(uintptr_t)body->ptr[0], blen}};
+            void *desc[2] = {r->send_desc, NULL};
+            int first = hlen ? 0 : 1; /* no head: the body alone */
+            ret = fi_sendv(r->ep, iov + first, desc + first, (size_t)(2 - first), peer, &op->ctx);
+        } else {
+            ret = fi_send(r->ep, sbuf, len, r->send_desc, peer, &op->ctx);
+        }
         if (r->is_shm) aio__shm_wake(r, peer);
         if (ret != -FI_EAGAIN) break;
         aio__progress_locked(e, r);
         if (now_ns() >= deadline) break;
     }
     if (!ret) aio__posted_to(e, r, peer);
+    if (!ret && in_place) atomic_fetch_add_explicit(&e->st_in_place, 1, memory_order_relaxed);
     /* shm completes a small message as it takes it, and tcp often has written one into its
      * socket by now: read the completion on this thread, so that no poller is woken for it
      * and the caller may find its group ended (aio_submit_sendv) */
@@ -544,12 +559,30 @@ static int post_send_parts(aio_engine *e, int64_t g, int rail, uint64_t peer, co
     return 1;
 }
 
+/* A message whose body is one part: copied behind the head, or sent in place. */
+typedef struct one_part {
+    const void *ptr[1];
+    uint64_t len[1];
+    msg_parts m;
+} one_part;
+
+static const msg_parts *one(one_part *o, const void *body, uint64_t blen, int in_place) {
+    o->ptr[0] = body;
+    o->len[0] = blen;
+    o->m = (msg_parts){o->ptr, o->len, blen ? 1 : 0, 0, in_place};
+    return &o->m;
+}
+
 int aio_post_sendv(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *head, uint64_t hlen,
                    const void *body, uint64_t blen, int64_t budget_ns) {
-    const void *ptr[1] = {body};
-    uint64_t lens[1] = {blen};
-    msg_parts b = {ptr, lens, blen ? 1 : 0, 0};
-    return post_send_parts(e, g, rail, peer, head, hlen, &b, budget_ns);
+    one_part o;
+    return post_send_parts(e, g, rail, peer, head, hlen, one(&o, body, blen, 0), budget_ns);
+}
+
+int aio_post_sendv_ref(aio_engine *e, int64_t g, int rail, uint64_t peer, const void *head, uint64_t hlen,
+                       const void *body, uint64_t blen, int64_t budget_ns) {
+    one_part o;
+    return post_send_parts(e, g, rail, peer, head, hlen, one(&o, body, blen, 1), budget_ns);
 }
 
 /* open, post, seal inline (see aio_submit_sendv) */
@@ -573,10 +606,14 @@ static int64_t submit_parts(aio_engine *e, uint64_t token, int rail, uint64_t pe
 
 int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
                          uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns, int64_t *out) {
-    const void *ptr[1] = {body};
-    uint64_t lens[1] = {blen};
-    msg_parts b = {ptr, lens, blen ? 1 : 0, 0};
-    return submit_parts(e, token, rail, peer, head, hlen, &b, budget_ns, out);
+    one_part o;
+    return submit_parts(e, token, rail, peer, head, hlen, one(&o, body, blen, 0), budget_ns, out);
+}
+
+int64_t aio_submit_sendv_ref(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
+                             uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns, int64_t *out) {
+    one_part o;
+    return submit_parts(e, token, rail, peer, head, hlen, one(&o, body, blen, 1), budget_ns, out);
 }
 
 int64_t aio_submit_sendparts(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
@@ -587,7 +624,7 @@ int64_t aio_submit_sendparts(aio_engine *e, uint64_t token, int rail, uint64_t p
         out[1] = 0;
         return -FI_EINVAL;
     }
-    msg_parts b = {parts, lens, n, 1};
+    msg_parts b = {parts, lens, n, 1, 0};
     return submit_parts(e, token, rail, peer, head, hlen, &b, budget_ns, out);
 }
 

@@ -26,6 +26,7 @@ void aio_get_stats(aio_engine *e, aio_stats *o) {
     o->direct_split = atomic_load(&e->st_split);
     o->follow_cpu = atomic_load(&e->st_follow_cpu);
     o->follow_moves = atomic_load(&e->st_follow_moves);
+    o->sends_in_place = atomic_load(&e->st_in_place);
     o->bytes_inflight = 0; /* the rails' counters, which place whole transfers (rail.c) */
     for (int i = 0; i < e->nrails; i++)
         if (e->rails[i]) o->bytes_inflight += atomic_load_explicit(&e->rails[i]->bytes_inflight, memory_order_relaxed);

@@ -140,6 +140,7 @@ int t_counters(fix_t *f);
 int t_counter_release(fix_t *f);
 int t_read(fix_t *f);
 int t_sendrecv(fix_t *f);
+int t_sendref(fix_t *f);
 int t_sendparts(fix_t *f);
 int t_batch10k(fix_t *f);
 int t_group_race(fix_t *f);

@@ -16,7 +16,7 @@ static const test_t TESTS[] = {
     {"weight", t_weight},             {"counters", t_counters},
     {"counter_release", t_counter_release},
     {"read", t_read},                 {"sendrecv", t_sendrecv},
-    {"sendparts", t_sendparts},
+    {"sendparts", t_sendparts},       {"sendref", t_sendref},
     {"batch10k", t_batch10k},         {"group_race", t_group_race},
     {"post_invalid", t_post_invalid}, {"paged", t_paged},
     {"mr_close_busy", t_mr_close_busy}, {"eventfd", t_eventfd},

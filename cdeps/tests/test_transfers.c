@@ -301,6 +301,75 @@ int t_sendparts(fix_t *f) {
     return 0;
 }
 
+/* aio_submit_sendv_ref / aio_post_sendv_ref: the body sent from where it lies (tcp and shm
+ * read local memory without a descriptor), behind a head copied into the slot or alone; it
+ * arrives byte for byte, each counted in sends_in_place, and an oversized one is refused
+ * with nothing posted. */
+int t_sendref(fix_t *f) {
+    eng_t *a = &f->a, *b = &f->b;
+    uint64_t slot = b->info.slot_size;
+    uint8_t *body = malloc(slot + 1);
+    CHECK(body, "oom");
+    fill(body, slot + 1, 0, 0x720);
+    aio_stats st0, st1;
+    aio_get_stats(a->e, &st0);
+    int64_t out[4];
+    uint64_t tok = g_token++;
+    double t0 = now_s();
+    int64_t k;
+    while ((k = aio_submit_sendv_ref(a->e, tok, a->rail, a->peer, "HEAD", 4, body, slot - 4, 1000000, out)) == 0) {
+        if (out[0] >= 0) CHECK_OK(aio_group_seal(a->e, out[0]));
+        if (now_s() - t0 > TIMEOUT) free(body);
+        CHECK(now_s() - t0 < TIMEOUT, "the in-place send never posted");
+        sleep_us(50);
+        tok = g_token++;
+    }
+    if (k != 1) free(body);
+    CHECK(k == 1, "aio_submit_sendv_ref = %lld (%s)", (long long)k, aio_strerror((int)k));
+    aio_record r;
+    if (!out[1]) CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.status == 0, "in-place send group");
+    /* no head: the body alone, in a group of its own */
+    tok = g_token++;
+    int64_t g = aio_group_open(a->e, tok);
+    CHECK(g >= 0, "group");
+    int ps;
+    t0 = now_s();
+    while ((ps = aio_post_sendv_ref(a->e, g, a->rail, a->peer, NULL, 0, body + 1, slot, 1000000)) == 0) {
+        CHECK(now_s() - t0 < TIMEOUT, "the headless in-place send never posted");
+        sleep_us(50);
+    }
+    CHECK(ps == 1, "aio_post_sendv_ref = %d (%s)", ps, aio_strerror(ps));
+    CHECK_OK(aio_group_seal(a->e, g));
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.status == 0, "headless send group");
+    int seen[2] = {0, 0};
+    for (int m = 0; m < 2; m++) {
+        CHECK(wait_rec(b, AIO_REC_RECV, ANY, TIMEOUT, &r) == 0, "only %d of 2 in-place messages arrived", m);
+        CHECK(r.status == 0 && r.b == slot, "in-place message status %d length %llu", r.status,
+              (unsigned long long)r.b);
+        const uint8_t *p = aio_recv_slot(b->e, r.rail, (uint32_t)r.a);
+        int headed = memcmp(p, "HEAD", 4) == 0;
+        CHECK(!seen[headed], "the %s message came twice", headed ? "headed" : "headless");
+        seen[headed] = 1;
+        CHECK(verify(p + (headed ? 4 : 0), slot - (headed ? 4 : 0), headed ? 0 : 1, 0x720) < 0,
+              "in-place message content (%s)", headed ? "headed" : "headless");
+        CHECK_OK(aio_recv_repost(b->e, r.rail, (uint32_t)r.a));
+    }
+    aio_get_stats(a->e, &st1);
+    CHECK(st1.sends_in_place - st0.sends_in_place == 2, "sends_in_place counted %llu, want 2",
+          (unsigned long long)(st1.sends_in_place - st0.sends_in_place));
+    /* past the slot: refused, nothing posted */
+    tok = g_token++;
+    int64_t rk = aio_submit_sendv_ref(a->e, tok, a->rail, a->peer, "H", 1, body, slot, 1000000, out);
+    free(body);
+    CHECK(rk == -FI_EMSGSIZE, "an oversized in-place send returned %lld", (long long)rk);
+    CHECK(out[0] >= 0 && aio_group_pending(a->e, out[0]) == 0, "the oversized in-place send was posted");
+    CHECK_OK(aio_group_seal(a->e, out[0]));
+    CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.a == 0, "the empty group must complete");
+    aio_get_stats(a->e, &st0);
+    CHECK(st0.sends_in_place == st1.sends_in_place, "a refused send was counted");
+    return 0;
+}
+
 int t_batch10k(fix_t *f) {
     eng_t *a = &f->a, *b = &f->b;
     enum { N = 10000, SZ = 16 };
