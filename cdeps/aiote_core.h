@@ -304,7 +304,8 @@ int64_t aio_submit_sendv(aio_engine *e, uint64_t token, int rail, uint64_t peer,
 /* aio_submit_sendv / aio_post_sendv with the body sent from where it lies, not copied into
  * the send slot (only the head is): the caller keeps the body's bytes alive and unchanged
  * until the group's completion. Where the rail's provider needs a descriptor for local
- * memory (FI_MR_LOCAL: verbs, efa) the body is copied as by aio_submit_sendv. */
+ * memory (FI_MR_LOCAL: verbs, efa), or takes one piece per send, the body is copied as by
+ * aio_submit_sendv. */
 int64_t aio_submit_sendv_ref(aio_engine *e, uint64_t token, int rail, uint64_t peer, const void *head,
                              uint64_t hlen, const void *body, uint64_t blen, int64_t budget_ns,
                              int64_t *out);

@@ -186,7 +186,7 @@ def _opener(
     submit = lib.aio_submit_sendv_ref if in_place else lib.aio_submit_sendv
 
     def opener(h: Any, token: int, gout: Any) -> int:
-        body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
+        body = ffi.from_buffer(data)  # copied by the core straight into a send slot, or sent in place
         return int(submit(h, token, rail, fa, head, len(head), body, data.nbytes, budget, gout))
 
     return opener

@@ -223,8 +223,8 @@ class Messages(Inbox):
         completion; with no send slot free it waits (back-off) instead of failing. A payload
         of type ``bytes`` over 16 KiB is not copied: immutable, it is sent from where it lies
         (on tcp and shm; a NIC whose provider needs registered local memory, verbs or efa,
-        copies it), and the engine holds a reference to it until the transport let go of it,
-        also after a timeout or a cancellation (``stats()["sends_in_place"]`` counts them). A joined
+        copies it), and the engine holds a reference to it until the transport lets go of it,
+        also after a timeout or a cancellation (``stats()["sends_in_place"]`` counts such posts). A joined
         send costs the same one copy (the core frames it into the combined message's slot) and
         no work request of its own.
         A message that the provider completes as it takes it ends in the posting call: the
@@ -282,7 +282,7 @@ class Messages(Inbox):
         send = lib.aio_post_sendv_ref if in_place else lib.aio_post_sendv
 
         def post(h: Any, g: int, posted: int) -> int:
-            body = ffi.from_buffer(data)  # copied once, by the core, straight into a send slot
+            body = ffi.from_buffer(data)  # copied by the core straight into a send slot, or in place
             return int(send(h, g, rail, fa, head, len(head), body, data.nbytes, budget))
 
         self._sends[key] = n + 1

@@ -272,8 +272,9 @@ class EngineState:
         ``poller_moves``: the times it moved to the loop's CPU; ``bytes_in_flight``: bytes of
         this engine's writes and reads posted and not completed (what places a whole transfer
         on the least loaded of several streams), 0 once every one ended;
-        ``sends_in_place``: messages whose payload the transport read where it lay, not
-        copied into a send slot (a ``bytes`` payload of more than 16 KiB, see :meth:`send`);
+        ``sends_in_place``: message posts whose payload the transport read where it lay, not
+        copied into a send slot (a ``bytes`` payload of more than 16 KiB, see :meth:`send`; a
+        message posted again after a broken connection counts again);
         ``sends_joined``: sends that went out with another task's send to the same peer
         (``combine_messages``), ``combined_sent`` / ``combined_received``: messages of several
         sends each, sent / received (split again by the receiver).

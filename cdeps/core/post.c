@@ -504,8 +504,9 @@ static int post_send_parts(aio_engine *e, int64_t g, int rail, uint64_t peer, co
     /* the slot and the op are ours alone now: copy without the rail's lock, so the poller
      * drives the rail meanwhile (a large message is a long copy). A body sent in place goes
      * as the second of two pieces, the head in the slot: only where the provider reads local
-     * memory without a descriptor (no FI_MR_LOCAL: tcp;ofi_rxm and shm) */
-    int in_place = body->in_place && body->n == 1 && blen && !(r->mr_mode & FI_MR_LOCAL);
+     * memory without a descriptor (no FI_MR_LOCAL: tcp;ofi_rxm and shm) and takes two pieces */
+    int in_place = body->in_place && body->n == 1 && blen && !(r->mr_mode & FI_MR_LOCAL) &&
+                   (hlen == 0 || r->iov_limit >= 2);
     pthread_mutex_unlock(&r->mu);
     if (hlen) memcpy(sbuf, head, hlen);
     if (!in_place) parts_copy(sbuf + hlen, body);

@@ -328,6 +328,7 @@ int t_sendref(fix_t *f) {
     CHECK(k == 1, "aio_submit_sendv_ref = %lld (%s)", (long long)k, aio_strerror((int)k));
     aio_record r;
     if (!out[1]) CHECK(wait_rec(a, AIO_REC_GROUP, tok, TIMEOUT, &r) == 0 && r.status == 0, "in-place send group");
+    else CHECK(out[2] == 0, "in-place send status %lld", (long long)out[2]);
     /* no head: the body alone, in a group of its own */
     tok = g_token++;
     int64_t g = aio_group_open(a->e, tok);
