@@ -33,6 +33,7 @@ extern "C" {
 #define AIO_MAX_ADDR 128
 #define AIO_MAX_GATHER 16 /* local pieces one paged request may gather */
 #define AIO_MAX_STRIDED 4096 /* pages one strided copy of a paged write to a direct route may take */
+#define AIO_IN_PLACE_MIN 16384 /* Engine.send sends a bytes payload over this in place (aio_submit_sendv_ref) */
 
 /* Credit unit of an immediate counter. A work request whose remote CQ data has a
  * zero weight field counts as one whole unit; a shard of a striped transfer carries

@@ -29,7 +29,7 @@ from ._wire import (
     _Credits,
 )
 
-_IN_PLACE_MIN = 16 << 10  # a bytes payload over this is sent in place (tcp's eager size)
+_IN_PLACE_MIN = int(lib.AIO_IN_PLACE_MIN)  # a bytes payload over this is sent in place (tcp's eager size)
 
 
 class Messages(Inbox):
@@ -224,9 +224,9 @@ class Messages(Inbox):
         of type ``bytes`` over 16 KiB is not copied: immutable, it is sent from where it lies
         (on tcp and shm; a NIC whose provider needs registered local memory, verbs or efa,
         copies it), and the engine holds a reference to it until the transport lets go of it,
-        also after a timeout or a cancellation (``stats()["sends_in_place"]`` counts such posts). A joined
-        send costs the same one copy (the core frames it into the combined message's slot) and
-        no work request of its own.
+        also after a timeout or a cancellation (``stats()["sends_in_place"]`` counts such
+        posts). A joined send costs the same one copy (the core frames it into the combined
+        message's slot) and no work request of its own.
         A message that the provider completes as it takes it ends in the posting call: the
         send returns after one schedule point, without waking a poller or the event loop.
         That is, with its header (the sender's address, about 120 bytes), up to 4 KiB on shm

@@ -346,8 +346,9 @@ int side_send_one(side_t *s, int64_t *g, uint64_t token, uint64_t len, int64_t b
         if (*g < 0) return 0;
     }
     /* --in-place: as Engine.send sends a bytes payload over 16 KiB */
-    int r = s->in_place && len > (16u << 10) ? aio_post_sendv_ref(s->e, *g, s->rail, s->peer, NULL, 0, s->buf, len, budget_ns)
-                        : aio_post_send(s->e, *g, s->rail, s->peer, s->buf, len, budget_ns);
+    int r = s->in_place && len > AIO_IN_PLACE_MIN
+                ? aio_post_sendv_ref(s->e, *g, s->rail, s->peer, NULL, 0, s->buf, len, budget_ns)
+                : aio_post_send(s->e, *g, s->rail, s->peer, s->buf, len, budget_ns);
     s->post_calls++;
     if (r < 0) die("aio_post_send: %s", aio_strerror(r));
     if (r == 0) return 0;
